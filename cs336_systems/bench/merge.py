@@ -1,0 +1,17 @@
+"""python -m cs336_systems.bench.merge A.csv B.csv ... --out ALL.csv — concatenate sweep pieces."""
+
+import argparse
+
+from cs336_systems.bench.results import read_rows, write_rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("inputs", nargs="+")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    write_rows(read_rows(*args.inputs).to_dict("records"), args.out)
+
+
+if __name__ == "__main__":
+    main()

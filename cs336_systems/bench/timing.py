@@ -1,0 +1,105 @@
+"""Timing and device helpers shared by every benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import timeit
+from collections.abc import Callable, Iterator
+
+import torch
+
+# Dense peak rates in FLOP/s from NVIDIA's datasheets (SXM parts), by precision. "fp32" is the
+# plain (non-tensor-core) rate, which is what float32 matmuls use at torch's default precision.
+PEAK_FLOPS = {
+    "H100": {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
+    "H200": {"fp32": 67e12, "bf16": 989e12, "fp16": 989e12},
+    "A100": {"fp32": 19.5e12, "bf16": 312e12, "fp16": 312e12},
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def peak_flops(device_name: str, precision: str) -> float:
+    """The datasheet peak for a device and precision; NaN when unknown (e.g. a CPU)."""
+    for key, table in PEAK_FLOPS.items():
+        if key in device_name:
+            return table[precision]
+    return float("nan")
+
+
+def resolve_device(device: str) -> torch.device:
+    """A torch.device, with a clear error for a GPU asked for where there is none."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} was requested but CUDA is not available on this machine")
+    return dev
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    if precision not in DTYPES:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(DTYPES)}")
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"precision 'bf16' is not supported by {torch.cuda.get_device_name(device)}")
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """Mixed precision for bf16/fp16; a no-op for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def annotate(name: str) -> Iterator[None]:
+    """A named range seen by both Nsight Systems (NVTX) and the PyTorch profiler."""
+    use_nvtx = torch.cuda.is_available()
+    if use_nvtx:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        with torch.profiler.record_function(name):
+            yield
+    finally:
+        if use_nvtx:
+            torch.cuda.nvtx.range_pop()
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Run fn once and return its wall time in milliseconds, synchronizing before and after."""
+    synchronize(device)
+    start = timeit.default_timer()
+    fn()
+    synchronize(device)
+    return (timeit.default_timer() - start) * 1e3
+
+
+def summarize(samples_ms: list[float]) -> dict[str, float]:
+    if not samples_ms:
+        return {"mean_ms": float("nan"), "std_ms": float("nan"), "median_ms": float("nan"), "n": 0}
+    return {
+        "mean_ms": statistics.fmean(samples_ms),
+        "std_ms": statistics.stdev(samples_ms) if len(samples_ms) > 1 else 0.0,
+        "median_ms": statistics.median(samples_ms),
+        "n": len(samples_ms),
+    }
+
+
+def is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return float("nan")

@@ -1,0 +1,1 @@
+"""FlashAttention-2 kernels; importing this package registers them as attention backends."""

@@ -1,0 +1,23 @@
+"""Our Transformer LM, its configurations, attention backends, AdamW and accounting."""
+
+from cs336_systems.model.attention import ATTENTION_BACKENDS, get_attention, naive_attention, register_attention
+from cs336_systems.model.config import MODEL_SIZES, ModelConfig, get_config
+from cs336_systems.model.functional import cross_entropy, forward_flops, parameter_count, train_step_flops
+from cs336_systems.model.optimizer import AdamW
+from cs336_systems.model.transformer import TransformerLM
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "MODEL_SIZES",
+    "AdamW",
+    "ModelConfig",
+    "TransformerLM",
+    "cross_entropy",
+    "forward_flops",
+    "get_attention",
+    "get_config",
+    "naive_attention",
+    "parameter_count",
+    "register_attention",
+    "train_step_flops",
+]

@@ -1,0 +1,1 @@
+"""Tables, figures and the written report, all computed from the files under results/."""

@@ -1,0 +1,35 @@
+"""python -m cs336_systems.report {table,figure} NAME INPUT.csv... — render one table or figure."""
+
+from __future__ import annotations
+
+import argparse
+
+from cs336_systems.bench.results import read_rows
+from cs336_systems.report.figures import FIGURES
+from cs336_systems.report.render import provenance_line, save_table
+from cs336_systems.report.tables import TABLES
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    table = sub.add_parser("table", help="Markdown and LaTeX table")
+    table.add_argument("name", choices=sorted(TABLES))
+    table.add_argument("inputs", nargs="+")
+    table.add_argument("--md", required=True)
+    table.add_argument("--tex", required=True)
+    figure = sub.add_parser("figure", help="PNG figure")
+    figure.add_argument("name", choices=sorted(FIGURES))
+    figure.add_argument("inputs", nargs="+")
+    figure.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    frame = read_rows(*args.inputs)
+    if args.kind == "table":
+        build, caption = TABLES[args.name]
+        save_table(build(frame), args.md, args.tex, f"{caption}. {provenance_line(frame)}")
+    else:
+        FIGURES[args.name](frame, args.out)
+
+
+if __name__ == "__main__":
+    main()

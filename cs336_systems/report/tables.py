@@ -1,0 +1,95 @@
+"""Each handout table as a function of its results rows (tidy frames in, display frames out)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from cs336_systems.report.render import mean_std
+
+SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
+
+
+def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
+    frame = frame.copy()
+    frame["size"] = pd.Categorical(frame["size"], [s for s in SIZE_ORDER if s in set(frame["size"])], ordered=True)
+    return frame.sort_values("size")
+
+
+def _cell(rows: pd.DataFrame) -> str:
+    if rows.empty:
+        return "—"
+    row = rows.iloc[0]
+    if row["status"] != "ok":
+        return str(row["status"]).upper()
+    return mean_std(row["mean_ms"], row["std_ms"])
+
+
+def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> pd.DataFrame:
+    """One row per model size; for each named column filter (e.g. precision=fp32) and phase, the cell
+    'mean ± std' in ms (or OOM). An OOM row has phase 'step', so it is looked up under any phase."""
+    out = []
+    for size, rows in _ordered(frame).groupby("size", observed=True, sort=True):
+        record = {"size": size}
+        for label, where in columns.items():
+            selected = rows
+            for key, value in where.items():
+                selected = selected[selected[key] == value]
+            for phase in phases:
+                cell_rows = selected[(selected["phase"] == phase) | (selected["status"] != "ok")]
+                record[f"{label} {phase} (ms)" if label else f"{phase} (ms)"] = _cell(cell_rows)
+        out.append(record)
+    return pd.DataFrame(out)
+
+
+def e2e_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.3(b): forward and backward time per size (fp32), our naive attention and SDPA."""
+    fp32 = frame[(frame["precision"] == "fp32") & (frame["mode"] == "forward_backward")]
+    columns = {name: {"attention": name} for name in sorted(set(fp32["attention"]))}
+    return phase_table(fp32, columns, ["forward", "backward"])
+
+
+def e2e_warmup(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.3(c): the forward+backward step time for each number of warm-up steps."""
+    columns = {f"warmup={w}": {"warmup": w} for w in sorted(set(frame["warmup"]))}
+    return phase_table(frame, columns, ["step"])
+
+
+def mixed_precision(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.5(c): forward and backward time per size, fp32 versus bf16 autocast (naive attention)."""
+    rows = frame[(frame["mode"] == "forward_backward") & (frame["attention"] == "naive")]
+    columns = {p: {"precision": p} for p in ["fp32", "bf16"] if p in set(rows["precision"])}
+    table = phase_table(rows, columns, ["forward", "backward"])
+    speedups = precision_speedup(rows)
+    return table.merge(speedups, on="size", how="left")
+
+
+def precision_speedup(frame: pd.DataFrame) -> pd.DataFrame:
+    """fp32 step time over bf16 step time per size."""
+    steps = frame[(frame["phase"] == "step") & (frame["status"] == "ok")]
+    wide = steps.pivot_table(index="size", columns="precision", values="median_ms", observed=True)
+    if not {"fp32", "bf16"} <= set(wide.columns):
+        return pd.DataFrame({"size": [], "bf16 speed-up": []})
+    return (wide["fp32"] / wide["bf16"]).round(2).rename("bf16 speed-up").reset_index()
+
+
+def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.3.1(b): eager versus compiled, forward-only and full training step, per attention backend."""
+    out = []
+    steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")]
+    for (size, attention, mode), rows in _ordered(steps).groupby(["size", "attention", "mode"], observed=True):
+        eager, compiled = rows[~rows["compile"]], rows[rows["compile"]]
+        record = {"size": size, "attention": attention, "mode": mode,
+                  "eager (ms)": _cell(eager), "compiled (ms)": _cell(compiled)}
+        ok = eager["status"].eq("ok").all() and compiled["status"].eq("ok").all() and len(eager) and len(compiled)
+        record["speed-up"] = round(eager["median_ms"].iloc[0] / compiled["median_ms"].iloc[0], 2) if ok else None
+        record["compiled MFU"] = round(compiled["mfu"].iloc[0], 3) if ok else None
+        out.append(record)
+    return pd.DataFrame(out)
+
+
+TABLES = {
+    "e2e_timing": (e2e_timing, "Forward and backward time per step (mean ± std over measured steps), fp32"),
+    "e2e_warmup": (e2e_warmup, "Forward+backward step time by number of warm-up steps, fp32"),
+    "mixed_precision": (mixed_precision, "Forward and backward time, fp32 versus bf16 autocast"),
+    "compile_timing": (compile_timing, "Eager versus torch.compile'd model (median ms per step), bf16 autocast"),
+}

@@ -1,0 +1,139 @@
+"""Our Transformer LM against independent references: torch's own ops, float64 math, formulas."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from cs336_systems.model import (
+    MODEL_SIZES,
+    AdamW,
+    ModelConfig,
+    TransformerLM,
+    cross_entropy,
+    forward_flops,
+    get_config,
+    parameter_count,
+)
+from cs336_systems.model.attention import naive_attention, sdpa_attention
+from cs336_systems.model.transformer import RotaryEmbedding
+
+TINY = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, vocab_size=97, context_length=64)
+
+
+def test_logits_shape_and_dtype():
+    model = TransformerLM(TINY)
+    tokens = torch.randint(TINY.vocab_size, (3, 17))
+    logits = model(tokens)
+    assert logits.shape == (3, 17, TINY.vocab_size)
+    assert logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+def test_causality(attention):
+    """Logits at position t do not change when tokens after t change."""
+    torch.manual_seed(0)
+    model = TransformerLM(TINY.replace(attention=attention))
+    tokens = torch.randint(TINY.vocab_size, (2, 20))
+    t = 11
+    changed = tokens.clone()
+    changed[:, t + 1 :] = torch.randint(TINY.vocab_size, (2, 20 - t - 1))
+    before, after = model(tokens), model(changed)
+    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1])
+    assert not torch.allclose(before[:, t + 1 :], after[:, t + 1 :])
+
+
+def test_naive_and_sdpa_backends_agree():
+    q, k, v = torch.randn(3, 2, 4, 19, 16, dtype=torch.float64)
+    for causal in (False, True):
+        torch.testing.assert_close(naive_attention(q, k, v, causal), sdpa_attention(q, k, v, causal))
+
+
+def test_rope_depends_only_on_relative_position():
+    rope = RotaryEmbedding(head_dim=16, context_length=64, theta=10_000.0)
+    q, k = torch.randn(2, 16, dtype=torch.float32)
+
+    def score(m: int, n: int) -> torch.Tensor:
+        qm = rope(q[None, None], torch.tensor([m]))[0, 0]
+        kn = rope(k[None, None], torch.tensor([n]))[0, 0]
+        return qm @ kn
+
+    torch.testing.assert_close(score(5, 2), score(40, 37), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(score(0, 0), q @ k, rtol=1e-5, atol=1e-5)  # position 0 is the identity
+    assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+def test_rope_preserves_norm():
+    rope = RotaryEmbedding(head_dim=8, context_length=32, theta=10_000.0)
+    x = torch.randn(2, 3, 32, 8)
+    torch.testing.assert_close(rope(x, torch.arange(32)).norm(dim=-1), x.norm(dim=-1))
+
+
+def test_context_longer_than_supported_is_an_error():
+    model = TransformerLM(TINY.replace(context_length=8))
+    with pytest.raises(ValueError, match="sequence length 9 exceeds"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_unknown_size_is_an_error():
+    with pytest.raises(ValueError, match="unknown model size 'huge'"):
+        get_config("huge")
+
+
+def test_bad_config_values_are_errors():
+    with pytest.raises(ValueError, match="num_heads=5"):
+        ModelConfig(d_model=32, d_ff=64, num_layers=1, num_heads=5)
+    with pytest.raises(ValueError, match="num_layers must be a positive integer"):
+        ModelConfig(d_model=32, d_ff=64, num_layers=0, num_heads=4)
+
+
+def test_unknown_attention_backend_is_an_error():
+    with pytest.raises(ValueError, match="unknown attention backend 'magic'"):
+        TransformerLM(TINY.replace(attention="magic"))
+
+
+@pytest.mark.parametrize("size", ["small", "medium", "large", "xl", "2.7B"])
+def test_parameter_count_matches_formula(size):
+    with torch.device("meta"):
+        model = TransformerLM(MODEL_SIZES[size])
+    assert sum(p.numel() for p in model.parameters()) == parameter_count(MODEL_SIZES[size])
+
+
+def test_forward_flops_match_flop_counter():
+    """Our formula against torch's own FLOP counter on the naive backend (all matmuls explicit)."""
+    config = TINY.replace(attention="naive")
+    model = TransformerLM(config)
+    tokens = torch.randint(config.vocab_size, (2, 24))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens)
+    assert counter.get_total_flops() == forward_flops(config, batch_size=2, seq_len=24)
+
+
+def test_cross_entropy_matches_torch():
+    logits = torch.randn(4, 7, 50) * 10
+    targets = torch.randint(50, (4, 7))
+    expected = F.cross_entropy(logits.double().reshape(-1, 50), targets.reshape(-1))
+    torch.testing.assert_close(cross_entropy(logits, targets).double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_adamw_matches_torch():
+    torch.manual_seed(0)
+    model = TransformerLM(TINY)
+    reference = TransformerLM(TINY)
+    reference.load_state_dict(model.state_dict())
+    kwargs = dict(lr=3e-3, betas=(0.85, 0.98), eps=1e-7, weight_decay=0.1)
+    ours, theirs = AdamW(model.parameters(), **kwargs), torch.optim.AdamW(reference.parameters(), **kwargs)
+    for _ in range(5):
+        tokens = torch.randint(TINY.vocab_size, (2, 13))
+        for m, opt in ((model, ours), (reference, theirs)):
+            opt.zero_grad()
+            cross_entropy(m(tokens[:, :-1]), tokens[:, 1:]).backward()
+            opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_rejects_bad_hyperparameters():
+    with pytest.raises(ValueError, match="lr=-1"):
+        AdamW([torch.nn.Parameter(torch.zeros(1))], lr=-1)

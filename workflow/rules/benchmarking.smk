@@ -1,0 +1,80 @@
+# Handout 1.1.3 (b, c), 1.1.5 (c), 1.3.1 (b): end-to-end timing of the Transformer LM.
+
+
+rule e2e_timing:
+    output:
+        f"{R}/e2e.csv",
+    log:
+        f"{LOGS}/e2e_timing.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {MODEL_ARGS}",
+        sizes=join(S["model_sizes"]),
+        precisions=join(S["e2e"]["precisions"]),
+        attention=join(S["e2e"]["attention"]),
+        warmup=S["e2e"]["warmup"],
+        steps=S["e2e"]["steps"],
+    shell:
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes}"
+        " --modes forward_backward --precisions {params.precisions} --attention {params.attention}"
+        " --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
+
+
+rule e2e_warmup_point:
+    output:
+        temp(f"{R}/raw/warmup/{{size}}_w{{warmup}}.csv"),
+    log:
+        f"{LOGS}/warmup/{{size}}_w{{warmup}}.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {MODEL_ARGS}",
+        steps=S["warmup_sweep"]["steps"],
+    shell:
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {wildcards.size}"
+        " --modes forward_backward --warmup {wildcards.warmup} --steps {params.steps}"
+        " --out {output} 2> {log}"
+
+
+rule e2e_warmup:
+    input:
+        expand(
+            f"{R}/raw/warmup/{{size}}_w{{warmup}}.csv",
+            size=S["model_sizes"],
+            warmup=S["warmup_sweep"]["warmups"],
+        ),
+    output:
+        f"{R}/e2e_warmup.csv",
+    log:
+        f"{LOGS}/e2e_warmup.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+
+
+rule compile_timing:
+    output:
+        f"{R}/e2e_compile.csv",
+    log:
+        f"{LOGS}/compile_timing.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {MODEL_ARGS}",
+        sizes=join(S["model_sizes"]),
+        precision=S["compile"]["precision"],
+        attention=join(S["compile"]["attention"]),
+        warmup=S["compile"]["warmup"],
+        steps=S["compile"]["steps"],
+    shell:
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes}"
+        " --modes forward train_step --precisions {params.precision} --attention {params.attention}"
+        " --compile off on --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"

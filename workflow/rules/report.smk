@@ -1,0 +1,66 @@
+# Tables (Markdown + LaTeX), figures (PNG) and the writeup, all computed from results files.
+
+TABLE_INPUTS = {
+    "e2e_timing": f"{R}/e2e.csv",
+    "e2e_warmup": f"{R}/e2e_warmup.csv",
+    "mixed_precision": f"{R}/e2e.csv",
+    "compile_timing": f"{R}/e2e_compile.csv",
+}
+FIGURE_INPUTS = {
+    "e2e_timing": f"{R}/e2e.csv",
+    "e2e_warmup": f"{R}/e2e_warmup.csv",
+    "compile_timing": f"{R}/e2e_compile.csv",
+}
+
+
+rule table:
+    input:
+        lambda wc: TABLE_INPUTS[wc.name],
+    output:
+        md=f"{R}/tables/{{name}}.md",
+        tex=f"{R}/tables/{{name}}.tex",
+    log:
+        f"{LOGS}/tables/{{name}}.log",
+    wildcard_constraints:
+        name="|".join(TABLE_INPUTS),
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.report table {wildcards.name} {input}"
+        " --md {output.md} --tex {output.tex} 2> {log}"
+
+
+rule figure:
+    input:
+        lambda wc: FIGURE_INPUTS[wc.name],
+    output:
+        f"{F}/{{name}}.png",
+    log:
+        f"{LOGS}/figures/{{name}}.log",
+    wildcard_constraints:
+        name="|".join(FIGURE_INPUTS),
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.report figure {wildcards.name} {input} --out {output} 2> {log}"
+
+
+rule writeup_md:
+    input:
+        tables=expand(f"{R}/tables/{{name}}.md", name=TABLE_INPUTS),
+        figures=expand(f"{F}/{{name}}.png", name=FIGURE_INPUTS),
+        data=sorted(set(TABLE_INPUTS.values())),
+        anchors="config.yaml",
+    output:
+        f"{R}/writeup.md",
+    log:
+        f"{LOGS}/writeup.log",
+    conda:
+        ENV
+    params:
+        results=lambda wc, output: os.path.dirname(output[0]),
+        figures=lambda wc, input: os.path.dirname(input.figures[0]),
+        scale=SCALE,
+    shell:
+        "python -m cs336_systems.report.writeup --results {params.results} --figures {params.figures}"
+        " --scale {params.scale} --anchors {input.anchors} --out {output} 2> {log}"
