@@ -71,7 +71,8 @@ class RunSpec:
 
 def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
     config = get_config(spec.size, attention=spec.attention, context_length=max(spec.context_length, 1))
-    model = TransformerLM(config).to(device)
+    with device:  # initialise on the device: a 2.7B model's init on the CPU takes longer than its benchmark
+        model = TransformerLM(config)
     if spec.compile:
         # Regional compilation: each block is compiled, and since the blocks share code one graph
         # serves them all, so compile time does not grow with depth (the embedding and head stay eager).

@@ -103,3 +103,21 @@ def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return float("nan")
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float, rep_ms: float,
+             grad_to_none: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of fn: `triton.testing.do_bench` on CUDA (device events, L2 flushed between
+    runs); on the CPU a host timer over at least three runs after one warm-up."""
+    if device.type == "cuda":
+        import triton
+
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median",
+                                       grad_to_none=grad_to_none)
+    fn()
+    samples: list[float] = []
+    while len(samples) < 3 or sum(samples) < rep_ms:
+        for t in grad_to_none or []:
+            t.grad = None
+        samples.append(timed(fn, device))
+    return statistics.median(samples)

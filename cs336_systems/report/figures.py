@@ -58,3 +58,39 @@ def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
 
 
 FIGURES = {"e2e_timing": e2e_timing, "e2e_warmup": e2e_warmup, "compile_timing": compile_timing}
+
+
+def attention_memory(frame: pd.DataFrame, path: str | Path) -> None:
+    """Memory in use before backward versus sequence length (1.2.1), with the formula's prediction."""
+    rows = frame[(frame["impl"] == "eager") & (frame["phase"] == "forward")].copy()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ok = rows[rows["status"] == "ok"]
+    sns.lineplot(data=ok, x="seq_len", y="memory_before_backward_mib", hue="head_dim", marker="o", ax=ax,
+                 palette="viridis")
+    predicted = rows.groupby("seq_len")["saved_for_backward_bytes"].max() / 2**20
+    ax.plot(predicted.index, predicted.values, "k--", label="Q, K, V, P by formula (largest d)")
+    for _, row in rows[rows["status"] == "oom"].iterrows():
+        ax.annotate("OOM", (row["seq_len"], predicted[row["seq_len"]]), color="red")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB in use before backward")
+    ax.legend(title="d", fontsize=8)
+    _save(fig, path, "Naive attention: memory before backward")
+
+
+def _flash_panels(frame: pd.DataFrame, path: str | Path, value: str, ylabel: str, title: str) -> None:
+    rows = frame[(frame["status"] == "ok") & (frame["pass"] == "forward_backward")]
+    grid = sns.relplot(data=rows, x="seq_len", y=value, hue="provider", row="dtype", col="head_dim", kind="line",
+                       marker="o", height=2.6, aspect=1.1, facet_kws={"sharey": False})
+    grid.set(xscale="log", yscale="log" if value == "median_ms" else "linear", ylabel=ylabel,
+             xlabel="sequence length")
+    _save(grid.figure, path, title)
+
+
+def flash_latency(frame: pd.DataFrame, path: str | Path) -> None:
+    _flash_panels(frame, path, "median_ms", "ms (forward+backward)", "Causal attention, forward+backward latency")
+
+
+def flash_tflops(frame: pd.DataFrame, path: str | Path) -> None:
+    _flash_panels(frame, path, "tflops", "TFLOP/s (forward+backward)", "Causal attention, achieved TFLOP/s")
+
+
+FIGURES.update({"attention_memory": attention_memory, "flash_latency": flash_latency, "flash_tflops": flash_tflops})

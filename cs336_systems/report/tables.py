@@ -93,3 +93,74 @@ TABLES = {
     "mixed_precision": (mixed_precision, "Forward and backward time, fp32 versus bf16 autocast"),
     "compile_timing": (compile_timing, "Eager versus torch.compile'd model (median ms per step), bf16 autocast"),
 }
+
+
+def _ms(rows: pd.DataFrame, column: str = "mean_ms") -> str:
+    if rows.empty:
+        return "—"
+    row = rows.iloc[0]
+    if row["status"] != "ok":
+        return str(row["status"]).upper()
+    return f"{row[column]:.3f}"
+
+
+def attention(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.2.1: naive attention (eager), forward and backward ms and memory before backward."""
+    rows = frame[frame["impl"] == "eager"]
+    out = []
+    for (d, seq), group in rows.groupby(["head_dim", "seq_len"]):
+        fwd, bwd = group[group["phase"] == "forward"], group[group["phase"] == "backward"]
+        ok = (group["status"] == "ok").all()
+        out.append({"d": d, "seq": seq, "forward (ms)": _ms(fwd), "backward (ms)": _ms(bwd),
+                    "memory before backward (MiB)": round(fwd["memory_before_backward_mib"].iloc[0]) if ok else "OOM",
+                    "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20)})
+    return pd.DataFrame(out)
+
+
+def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.3.1(a): eager versus compiled naive attention, side by side."""
+    out = []
+    for (d, seq), group in frame.groupby(["head_dim", "seq_len"]):
+        record = {"d": d, "seq": seq}
+        for phase in ("forward", "backward"):
+            for impl in ("eager", "compiled"):
+                record[f"{phase} {impl} (ms)"] = _ms(group[(group["phase"] == phase) & (group["impl"] == impl)])
+        out.append(record)
+    return pd.DataFrame(out)
+
+
+def flash_sweep(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.3.2(e): median ms per provider for every (dtype, d, seq, pass); OOM / unsupported shown."""
+    frame = frame.copy()
+    frame["cell"] = [f"{ms:.3f}" if status == "ok" else status.upper()
+                     for ms, status in zip(frame.get("median_ms", pd.Series(float("nan"), index=frame.index)),
+                                           frame["status"])]
+    wide = frame.pivot_table(index=["dtype", "head_dim", "seq_len", "pass"], columns="provider", values="cell",
+                             aggfunc="first").reset_index()
+    wide.columns.name = None
+    return wide.rename(columns={"head_dim": "d", "seq_len": "seq"})
+
+
+def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.3.3: the leaderboard case per provider, with the ratio to SDPA's flash backend."""
+    out = []
+    for pass_, group in frame.groupby("pass", sort=False):
+        anchor = group.loc[group["provider"] == "sdpa_flash", "mean_ms"]
+        for _, row in group.iterrows():
+            out.append({"pass": pass_, "provider": row["provider"], "torch.compile": bool(row["compiled"]),
+                        "mean (ms)": round(row["mean_ms"], 3), "TFLOP/s": round(row["tflops"]),
+                        "÷ SDPA flash": round(row["mean_ms"] / anchor.iloc[0], 3) if len(anchor) else None})
+    return pd.DataFrame(out)
+
+
+def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[["test", "outcome", "seconds"]].round({"seconds": 2})
+
+
+TABLES.update({
+    "attention": (attention, "Naive attention (batch 8, one head, float32): mean ms over 100 passes"),
+    "attention_compile": (attention_compile, "Naive attention, eager versus torch.compile (mean ms over 100 passes)"),
+    "flash_sweep": (flash_sweep, "FlashAttention-2 benchmark, batch 1, causal: median ms (triton.testing.do_bench)"),
+    "flash_leaderboard": (flash_leaderboard, "Leaderboard case: 16 heads x 16384 x 64, bf16, causal"),
+    "flash_correctness": (flash_correctness, "FlashAttention-2 tests (tests/test_flash.py) run on the device"),
+})

@@ -5,11 +5,19 @@ TABLE_INPUTS = {
     "e2e_warmup": f"{R}/e2e_warmup.csv",
     "mixed_precision": f"{R}/e2e.csv",
     "compile_timing": f"{R}/e2e_compile.csv",
+    "attention": f"{R}/attention.csv",
+    "attention_compile": f"{R}/attention.csv",
+    "flash_sweep": f"{R}/flash_sweep.csv",
+    "flash_leaderboard": f"{R}/flash_leaderboard.csv",
+    "flash_correctness": f"{R}/flash_correctness.csv",
 }
 FIGURE_INPUTS = {
     "e2e_timing": f"{R}/e2e.csv",
     "e2e_warmup": f"{R}/e2e_warmup.csv",
     "compile_timing": f"{R}/e2e_compile.csv",
+    "attention_memory": f"{R}/attention.csv",
+    "flash_latency": f"{R}/flash_sweep.csv",
+    "flash_tflops": f"{R}/flash_sweep.csv",
 }
 
 

@@ -1,0 +1,105 @@
+"""Naive PyTorch attention, eager and torch.compile'd (handout 1.2.1 pytorch_attention, 1.3.1(a)).
+
+Batch 8, one head (inputs (batch, seq, d)), every (d, seq) of the grid: after warm-up, `--iters`
+forward passes and `--iters` backward passes, each followed by a synchronize, and the memory in use
+just before the backward pass. Out-of-memory is a row (status=oom) and the sweep goes on.
+
+    python -m cs336_systems.bench.attention_sweep --impls eager compiled --out results/attention.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+
+from cs336_systems.bench.provenance import provenance
+from cs336_systems.bench.results import write_rows
+from cs336_systems.bench.timing import DTYPES, is_oom, reset_memory, resolve_device, summarize, timed
+from cs336_systems.model.attention import naive_attention
+
+
+def naive_memory_bytes(batch: int, seq: int, d: int, bytes_per_element: int = 4) -> dict[str, int]:
+    """Memory of naive attention by the formulas of the computation (one head, no mask).
+
+    S = Q Kᵀ/√d and P = softmax(S) are (batch, seq, seq). Autograd keeps Q, K (for S), P (for the
+    softmax and for P V) and V; S itself is freed once P exists, but both live together at the peak of
+    the forward. Backward builds dP and dS, each (batch, seq, seq), while P is still alive.
+    """
+    square = batch * seq * seq * bytes_per_element
+    vector = batch * seq * d * bytes_per_element
+    return {
+        "saved_for_backward_bytes": 3 * vector + square,  # Q, K, V and P
+        "forward_peak_bytes": 4 * vector + 2 * square,  # Q, K, V, O with S and P alive together
+        "backward_peak_bytes": 4 * vector + 3 * square,  # + dO-sized grads; P, dP, dS together
+        "square_matrix_bytes": square,
+    }
+
+
+def measure(impl: str, batch: int, seq: int, d: int, dtype: torch.dtype, warmup: int, iters: int,
+            device: torch.device) -> dict:
+    attention = naive_attention if impl == "eager" else torch.compile(naive_attention)
+    q, k, v = (torch.randn(batch, seq, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(batch, seq, d, device=device, dtype=dtype)
+    for _ in range(warmup):
+        attention(q, k, v, False).backward(grad)
+    forward_ms = [timed(lambda: attention(q, k, v, False), device) for _ in range(iters)]
+    backward_ms, memory_before_backward = [], 0
+    for _ in range(iters):
+        out = attention(q, k, v, False)
+        if device.type == "cuda":
+            memory_before_backward = torch.cuda.memory_allocated(device)
+        backward_ms.append(timed(lambda: out.backward(grad), device))
+        del out
+    return {"forward": summarize(forward_ms), "backward": summarize(backward_ms),
+            "memory_before_backward_mib": memory_before_backward / 2**20}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128])
+    parser.add_argument("--seqs", nargs="+", type=int, default=[256, 1024, 4096, 8192, 16384])
+    parser.add_argument("--impls", nargs="+", default=["eager"], choices=["eager", "compiled"])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "iters"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as error:
+        parser.error(str(error))
+    prov = provenance(device)
+    rows = []
+    grid = list(itertools.product(args.impls, args.head_dims, args.seqs))
+    for i, (impl, d, seq) in enumerate(grid, 1):
+        base = {"impl": impl, "head_dim": d, "seq_len": seq, "batch": args.batch_size, "dtype": args.dtype,
+                "warmup": args.warmup, "iters": args.iters, **naive_memory_bytes(args.batch_size, seq, d), **prov}
+        reset_memory(device)
+        try:
+            result = measure(impl, args.batch_size, seq, d, DTYPES[args.dtype], args.warmup, args.iters, device)
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_oom(error):
+                raise
+            reset_memory(device)
+            rows += [{**base, "phase": p, "status": "oom", "error": str(error).splitlines()[0][:200]}
+                     for p in ("forward", "backward")]
+            print(f"[{i}/{len(grid)}] {impl} d={d} seq={seq}: oom", file=sys.stderr, flush=True)
+            continue
+        for phase in ("forward", "backward"):
+            rows.append({**base, "phase": phase, **result[phase], "status": "ok",
+                         "memory_before_backward_mib": result["memory_before_backward_mib"]})
+        print(f"[{i}/{len(grid)}] {impl} d={d} seq={seq}: fwd {result['forward']['mean_ms']:.3f} ms, "
+              f"bwd {result['backward']['mean_ms']:.3f} ms", file=sys.stderr, flush=True)
+    write_rows(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()

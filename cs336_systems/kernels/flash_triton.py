@@ -1,0 +1,420 @@
+"""FlashAttention-2 forward and backward in Triton.
+
+Forward (Dao, 2023, Algorithm 1): one program per (query tile, batch·head). It loads Q_i once and
+streams over key tiles, keeping the running maximum m_i, the running denominator l_i and the
+unnormalised output `acc` in float32 registers; the exponentials are base 2 with log2(e)/√d folded
+into one scale. It writes O_i = acc / l_i and the natural-log logsumexp L_i = (m_i + log2 l_i)·ln 2.
+
+Backward: D = rowsum(dO ∘ O) first, then two kernels that recompute P = exp(S − L) from L and need
+no atomics: one per key tile accumulates dK_j and dV_j over the query tiles, one per query tile
+accumulates dQ_i over the key tiles.
+
+Causal masking (query i sees keys 0..i, aligned at the start of both sequences): tiles wholly above
+the diagonal are never visited; tiles wholly below it run without index comparisons; only the tiles
+on the diagonal build a mask. Heavy query tiles are scheduled first.
+
+Caveats: head dim up to 128 (padded to a power of two ≥ 16 inside the kernel); any sequence
+lengths (ragged last tiles are masked; EVEN_* heuristics drop the masks when lengths divide the
+tiles); float32 uses IEEE dots (not TF32) so float32 results match a float32 reference. Pointer
+arithmetic only (no block pointers, which Triton 3.9 removed). Without a GPU the kernels run under
+Triton's interpreter, which `import cs336_systems` switches on when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from cs336_systems.kernels.common import check_inputs
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------------------------
+# jit helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _load_tile(base, offs_r, offs_d, stride_r, stride_d, n_rows, head_dim,
+               MASK_R: tl.constexpr, MASK_D: tl.constexpr, other):
+    """A (rows, BLOCK_D) tile; masked loads only where a tile can run past the data."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :] * stride_d
+    if MASK_R and MASK_D:
+        return tl.load(ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < head_dim), other=other)
+    elif MASK_R:
+        return tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=other)
+    elif MASK_D:
+        return tl.load(ptrs, mask=offs_d[None, :] < head_dim, other=other)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _store_tile(base, value, offs_r, offs_d, stride_r, stride_d, n_rows, head_dim,
+                MASK_R: tl.constexpr, MASK_D: tl.constexpr):
+    ptrs = base + offs_r[:, None] * stride_r + offs_d[None, :] * stride_d
+    if MASK_R or MASK_D:
+        tl.store(ptrs, value, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < head_dim))
+    else:
+        tl.store(ptrs, value)
+
+
+@triton.jit
+def _load_row(base, offs, n, MASK: tl.constexpr, other):
+    if MASK:
+        return tl.load(base + offs, mask=offs < n, other=other)
+    else:
+        return tl.load(base + offs)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_m, offs_d, lo, hi, n_keys, head_dim, qk_scale,
+               BLOCK_N: tl.constexpr, ON_DIAGONAL: tl.constexpr, MASK_N: tl.constexpr,
+               MASK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key tiles [lo, hi). Scores are kept in the log2 domain."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
+        v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        if ON_DIAGONAL:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        if MASK_N:
+            s = tl.where(offs_n[None, :] < n_keys, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# ----------------------------------------------------------------------------------------------
+# forward kernel
+# ----------------------------------------------------------------------------------------------
+def _fwd_configs():
+    if INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
+    ]
+
+
+def _even(name: str, block: str):
+    return lambda args: args[name] % args[block] == 0
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop configs whose query or key tile is longer than the (power-of-two rounded) sequence, so a
+    short problem is not tuned over tiles it cannot fill; keep at least the smallest."""
+    max_m, max_n = named_args["SEQ_KEY_Q"], named_args["SEQ_KEY_K"]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)]
+    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+
+
+def _tuning_bench(fn, quantiles):
+    """Autotuning needs a ranking, not a precise time: short warm-up and repetition."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+# Tuning is keyed on the head dim, causality, precision and the sequence lengths rounded up to powers
+# of two (SEQ_KEY_*), so a sweep over many lengths tunes once per bucket.
+TUNING_KEY = ["SEQ_KEY_Q", "SEQ_KEY_K", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
+
+
+@triton.autotune(configs=_fwd_configs(), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+                 do_bench=_tuning_bench)
+@triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
+                    "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, O, L,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    H, N_Q, N_K, HEAD_DIM, SEQ_KEY_Q, SEQ_KEY_K, qk_scale,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the last query tiles see the most keys: start them first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, N_Q, HEAD_DIM,
+                   not EVEN_M, not EVEN_D, 0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Tiles with no causal mask: all keys, or (causal) the keys before this query tile.
+    hi = tl.minimum(start_m, N_K) if IS_CAUSAL else N_K
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_d, 0, hi, N_K, HEAD_DIM, qk_scale,
+                               BLOCK_N, False, not EVEN_N, not EVEN_D, PRECISION)
+    if IS_CAUSAL:  # the diagonal tiles
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                                   offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K, HEAD_DIM,
+                                   qk_scale, BLOCK_N, True, True, not EVEN_D, PRECISION)
+
+    out = acc / l_i[:, None]
+    _store_tile(O + b * stride_ob + h * stride_oh, out.to(O.dtype.element_ty), offs_m, offs_d,
+                stride_on, stride_od, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    _store_row = L + bh * N_Q + offs_m
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    if EVEN_M:
+        tl.store(_store_row, lse)
+    else:
+        tl.store(_store_row, lse, mask=offs_m < N_Q)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base,
+                    stride_qn, stride_qd, stride_don, stride_dod,
+                    offs_n, offs_d, lo, hi, n_queries, head_dim, qk_scale,
+                    BLOCK_M: tl.constexpr, ON_DIAGONAL: tl.constexpr, MASK_M: tl.constexpr,
+                    MASK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK_j, dV_j over query tiles [lo, hi); works on transposed scores (keys x queries)."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(q_base, offs_m, offs_d, stride_qn, stride_qd, n_queries, head_dim, MASK_M, MASK_D, 0.0)
+        do = _load_tile(do_base, offs_m, offs_d, stride_don, stride_dod, n_queries, head_dim, MASK_M, MASK_D, 0.0)
+        # L = +inf past the last query makes those columns of P exactly zero.
+        lse = _load_row(l_base, offs_m, n_queries, MASK_M, float("inf")) * 1.4426950408889634
+        delta = _load_row(d_base, offs_m, n_queries, MASK_M, 0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        if ON_DIAGONAL:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                  offs_m, offs_d, lo, hi, n_keys, head_dim, qk_scale,
+                  BLOCK_N: tl.constexpr, ON_DIAGONAL: tl.constexpr, MASK_N: tl.constexpr,
+                  MASK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dQ_i over key tiles [lo, hi)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
+        v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(s - lse[:, None])
+        if ON_DIAGONAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        if MASK_N:
+            p = tl.where(offs_n[None, :] < n_keys, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+def _bwd_configs(outer: str, inner: str):
+    if INTERPRET:
+        return [triton.Config({outer: 16, inner: 16}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({outer: o, inner: i}, num_warps=w, num_stages=s)
+        for o, i, w, s in [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)]
+    ]
+
+
+@triton.autotune(configs=_bwd_configs("BLOCK_N", "BLOCK_M"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+                 do_bench=_tuning_bench)
+@triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
+                    "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, DO, L, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    H, N_Q, N_K, HEAD_DIM, SEQ_KEY_Q, SEQ_KEY_K, qk_scale, sm_scale,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = _load_tile(K + b * stride_kb + h * stride_kh, offs_n, offs_d, stride_kn, stride_kd, N_K, HEAD_DIM,
+                   not EVEN_N, not EVEN_D, 0.0)
+    v = _load_tile(V + b * stride_vb + h * stride_vh, offs_n, offs_d, stride_vn, stride_vd, N_K, HEAD_DIM,
+                   not EVEN_N, not EVEN_D, 0.0)
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    l_base = L + bh * N_Q
+    d_base = DELTA + bh * N_Q
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    if IS_CAUSAL:
+        # Queries on the diagonal of this key tile need the mask; the later ones see every key of it.
+        diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_qd,
+                                 stride_don, stride_dod, offs_n, offs_d, start_n, diag_end, N_Q, HEAD_DIM,
+                                 qk_scale, BLOCK_M, True, True, not EVEN_D, PRECISION)
+        lo = start_n + BLOCK_N
+    else:
+        lo = 0
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_n, offs_d, lo, N_Q, N_Q, HEAD_DIM,
+                             qk_scale, BLOCK_M, False, not EVEN_M, not EVEN_D, PRECISION)
+    _store_tile(DK + b * stride_dkb + h * stride_dkh, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, offs_d,
+                stride_dkn, stride_dkd, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
+    _store_tile(DV + b * stride_dvb + h * stride_dvh, dv.to(DV.dtype.element_ty), offs_n, offs_d,
+                stride_dvn, stride_dvd, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
+
+
+@triton.autotune(configs=_bwd_configs("BLOCK_M", "BLOCK_N"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+                 do_bench=_tuning_bench)
+@triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
+                    "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
+@triton.jit
+def _flash_bwd_dq_kernel(
+    Q, K, V, DO, L, DELTA, DQ,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    H, N_Q, N_K, HEAD_DIM, SEQ_KEY_Q, SEQ_KEY_K, qk_scale, sm_scale,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, N_Q, HEAD_DIM,
+                   not EVEN_M, not EVEN_D, 0.0)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_don, stride_dod, N_Q, HEAD_DIM,
+                    not EVEN_M, not EVEN_D, 0.0)
+    lse = _load_row(L + bh * N_Q, offs_m, N_Q, not EVEN_M, float("inf")) * 1.4426950408889634
+    delta = _load_row(DELTA + bh * N_Q, offs_m, N_Q, not EVEN_M, 0.0)
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    hi = tl.minimum(start_m, N_K) if IS_CAUSAL else N_K
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, offs_d, 0, hi, N_K, HEAD_DIM, qk_scale, BLOCK_N, False, not EVEN_N, not EVEN_D,
+                       PRECISION)
+    if IS_CAUSAL:
+        dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                           offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K, HEAD_DIM, qk_scale,
+                           BLOCK_N, True, True, not EVEN_D, PRECISION)
+    _store_tile(DQ + b * stride_dqb + h * stride_dqh, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, offs_d,
+                stride_dqn, stride_dqd, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(batch, head, row, col) strides; a 3-d tensor is one head per batch entry."""
+    if t.dim() == 3:
+        return t.stride(0), 0, t.stride(1), t.stride(2)
+    return t.stride()
+
+
+def _launch_params(q: torch.Tensor, k: torch.Tensor) -> dict:
+    head_dim = q.shape[-1]
+    return dict(
+        H=q.shape[1] if q.dim() == 4 else 1,
+        N_Q=q.shape[-2], N_K=k.shape[-2], HEAD_DIM=head_dim,
+        SEQ_KEY_Q=triton.next_power_of_2(q.shape[-2]), SEQ_KEY_K=triton.next_power_of_2(k.shape[-2]),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
+
+
+def _check_device(q: torch.Tensor) -> None:
+    if not q.is_cuda and not INTERPRET:
+        raise ValueError(f"flash_triton needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
+
+
+def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (q's dtype, contiguous) and L (float32, shape q.shape[:-1])."""
+    _check_device(q)
+    p = _launch_params(q, k)
+    batch_heads = q.shape[0] * p["H"]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    qk_scale = q.shape[-1] ** -0.5 * LOG2E
+    grid = lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
+    _flash_fwd_kernel[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
+                            qk_scale=qk_scale, IS_CAUSAL=is_causal, **p)
+    return out, lse
+
+
+def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
+    _check_device(q)
+    p = _launch_params(q, k)
+    batch_heads = q.shape[0] * p["H"]
+    delta = (grad_out.float() * out.float()).sum(-1)  # D = rowsum(dO ∘ O), shape q.shape[:-1]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    sm_scale = q.shape[-1] ** -0.5
+    common = dict(qk_scale=sm_scale * LOG2E, sm_scale=sm_scale, IS_CAUSAL=is_causal, **p)
+    strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out))
+    _flash_bwd_dkdv_kernel[lambda meta: (triton.cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads)](
+        q, k, v, grad_out, lse, delta, dk, dv, *strides, *_strides4(dk), *_strides4(dv), **common)
+    _flash_bwd_dq_kernel[lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)](
+        q, k, v, grad_out, lse, delta, dq, *strides, *_strides4(dq), **common)
+    return dq, dk, dv
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """`FlashAttentionTriton.apply(q, k, v, is_causal)`; saves L (shape q.shape[:-1]) for backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        check_inputs(q, k, v, "flash_triton")
+        out, lse = flash_forward_triton(q, k, v, is_causal)
+        ctx.save_for_backward(lse, q, k, v, out)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = flash_backward_triton(q, k, v, out, lse, grad_out, ctx.is_causal)
+        return dq, dk, dv, None
+
+
+def flash_attention_triton(q, k, v, is_causal: bool = False) -> torch.Tensor:
+    return FlashAttentionTriton.apply(q, k, v, is_causal)

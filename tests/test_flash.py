@@ -1,0 +1,162 @@
+"""Both FlashAttention-2 implementations against an independent float64 reference.
+
+On a CPU-only machine the Triton kernels run under Triton's interpreter (exact float32 dots, no
+bfloat16 dots), so CPU cases are float32 and float16 at small sizes; on a GPU the same cases run on
+the device and bfloat16 is added.
+
+Tolerances. float32: the kernels accumulate in float32 in a different order than the reference, so
+errors are a few ulps times sqrt(n): 1e-4 relative to the output's scale is ample and still catches
+any indexing or masking mistake (those give O(1) errors). 16-bit: each kernel's error against
+float64 must be within 2x (plus a small floor) of PyTorch's own attention in the same dtype.
+"""
+
+import pytest
+import torch
+
+from cs336_systems.kernels.common import attention_ref
+from cs336_systems.kernels.flash_triton import INTERPRET
+from tests.adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
+
+IMPLS = {"pytorch": get_flashattention_autograd_function_pytorch(), "triton": get_flashattention_autograd_function_triton()}
+# The Triton kernels run on CPU tensors only under the interpreter (switched on where there is no GPU).
+CPU_IMPLS = sorted(IMPLS) if INTERPRET else ["pytorch"]
+CASES_BY_DEVICE = [(impl, "cpu") for impl in CPU_IMPLS] + (
+    [(impl, "cuda") for impl in sorted(IMPLS)] if torch.cuda.is_available() else [])
+
+# (q shape, k shape, causal): odd lengths, a single token, rectangular, with and without heads.
+CASES = [
+    ((2, 1, 16), (2, 1, 16), True),
+    ((2, 17, 16), (2, 17, 16), True),
+    ((1, 100, 32), (1, 100, 32), True),
+    ((1, 100, 32), (1, 100, 32), False),
+    ((2, 33, 16), (2, 65, 16), False),
+    ((1, 40, 24), (1, 23, 24), True),
+    ((2, 3, 37, 32), (2, 3, 37, 32), True),
+    ((1, 2, 64, 64), (1, 2, 64, 64), False),
+]
+GPU_CASES = [
+    ((4, 257, 64), (4, 257, 64), True),
+    ((2, 4, 1000, 128), (2, 4, 1000, 128), True),
+    ((2, 4, 513, 128), (2, 4, 300, 128), False),
+    ((1, 2, 256, 16), (1, 2, 256, 16), True),
+]
+
+
+def _inputs(q_shape, k_shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_shape, generator=gen, dtype=torch.float64)
+    k = torch.randn(k_shape, generator=gen, dtype=torch.float64)
+    v = torch.randn(k_shape, generator=gen, dtype=torch.float64)
+    do = torch.randn(q_shape, generator=gen, dtype=torch.float64)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, do)]
+
+
+def _run(fn, q, k, v, do, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal)
+    saved = getattr(out.grad_fn, "saved_tensors", ())  # our Functions save L; the torch reference does not
+    saved_l = [t for t in saved if t.shape == q.shape[:-1]]
+    out.backward(do)
+    return out, saved_l, q.grad, k.grad, v.grad
+
+
+def _reference(q, k, v, do, causal):
+    """float64 autograd through the textbook formulas."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = attention_ref(q, k, v, causal)
+    out.backward(do.double())
+    return out, lse, q.grad, k.grad, v.grad
+
+
+def _rel_err(x, ref):
+    """Relative error; the floor of 1 keeps it meaningful where the reference is exactly zero
+    (dQ with a single key)."""
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1.0)).item()
+
+
+def _cases(device):
+    return CASES + (GPU_CASES if device == "cuda" else [])
+
+
+@pytest.mark.parametrize("impl,device", CASES_BY_DEVICE)
+def test_float32_matches_float64_reference(impl, device):
+    for seed, (q_shape, k_shape, causal) in enumerate(_cases(device)):
+        q, k, v, do = _inputs(q_shape, k_shape, torch.float32, device, seed)
+        out, saved_l, dq, dk, dv = _run(IMPLS[impl].apply, q, k, v, do, causal)
+        ref_out, ref_l, ref_dq, ref_dk, ref_dv = _reference(q, k, v, do, causal)
+        assert len(saved_l) == 1, "exactly one saved tensor must have the logsumexp's shape"
+        assert out.dtype == torch.float32 and saved_l[0].dtype == torch.float32
+        for name, got, ref in [("O", out, ref_out), ("L", saved_l[0], ref_l), ("dQ", dq, ref_dq),
+                               ("dK", dk, ref_dk), ("dV", dv, ref_dv)]:
+            assert torch.isfinite(got).all(), f"{name} not finite for {q_shape} {k_shape} causal={causal}"
+            assert _rel_err(got, ref) < 1e-4, f"{name} for {q_shape} {k_shape} causal={causal}: {_rel_err(got, ref)}"
+
+
+def _dtypes(device):
+    return [torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+
+
+@pytest.mark.parametrize("impl,device", CASES_BY_DEVICE)
+def test_half_precision_error_is_within_twice_pytorch_own(impl, device):
+    for dtype in _dtypes(device):
+        for seed, (q_shape, k_shape, causal) in enumerate(_cases(device)):
+            q, k, v, do = _inputs(q_shape, k_shape, dtype, device, 100 + seed)
+            ours = _run(IMPLS[impl].apply, q, k, v, do, causal)
+            theirs = _run(lambda *a: attention_ref(*a)[0], q, k, v, do, causal)
+            ref = _reference(q, k, v, do, causal)
+            for i, name in [(0, "O"), (2, "dQ"), (3, "dK"), (4, "dV")]:
+                ours_err, torch_err = _rel_err(ours[i], ref[i]), _rel_err(theirs[i], ref[i])
+                assert ours_err <= 2 * torch_err + 2e-3, (
+                    f"{impl} {dtype} {name} {q_shape} {k_shape} causal={causal}: {ours_err:.2e} vs torch {torch_err:.2e}")
+
+
+@pytest.mark.parametrize("impl,device", CASES_BY_DEVICE)
+def test_sum_backward_with_stride_zero_grad(impl, device):
+    """o.sum().backward() hands the kernel an expanded (stride-0) dO."""
+    q, k, v, _ = _inputs((2, 3, 45, 32), (2, 3, 45, 32), torch.float32, device, 7)
+    grads = []
+    for fn in (IMPLS[impl].apply, lambda *a: attention_ref(*a)[0]):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        fn(*leaves, True).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, ref in zip(*grads):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl,device", CASES_BY_DEVICE)
+def test_non_contiguous_inputs(impl, device):
+    """(batch, n, heads, d) transposed to (batch, heads, n, d), as the model produces them."""
+    q, k, v, do = (t.transpose(1, 2) for t in _inputs((2, 29, 3, 16), (2, 29, 3, 16), torch.float32, device, 3))
+    assert not q.is_contiguous()
+    out, _, dq, dk, dv = _run(IMPLS[impl].apply, q, k, v, do, True)
+    ref = _reference(q, k, v, do, True)
+    for got, want in zip((out, dq, dk, dv), (ref[0], *ref[2:])):
+        assert _rel_err(got, want) < 1e-4
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_bad_inputs_are_clear_errors(impl):
+    apply = IMPLS[impl].apply
+    x = torch.randn(1, 8, 16)
+    with pytest.raises(ValueError, match="head dim 256 is not supported"):
+        apply(torch.randn(1, 8, 256), torch.randn(1, 8, 256), torch.randn(1, 8, 256), False)
+    with pytest.raises(ValueError, match="share a dtype"):
+        apply(x, x.half(), x, False)
+    with pytest.raises(ValueError, match=r"got shape \(8, 16\)"):
+        apply(x[0], x[0], x[0], False)
+    with pytest.raises(ValueError, match="incompatible shapes"):
+        apply(x, torch.randn(1, 8, 32), torch.randn(1, 8, 32), False)
+
+
+def test_backends_plug_into_the_model():
+    from cs336_systems.model import ModelConfig, TransformerLM
+
+    config = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=50, context_length=32)
+    torch.manual_seed(0)
+    reference = TransformerLM(config.replace(attention="naive"))
+    tokens = torch.randint(50, (2, 21))
+    expected = reference(tokens)
+    for backend in ("flash_pytorch", "flash_triton"):
+        model = TransformerLM(config.replace(attention=backend))
+        model.load_state_dict(reference.state_dict())
+        torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)

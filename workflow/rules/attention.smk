@@ -1,0 +1,83 @@
+# Handout 1.2.1, 1.3.1 (a), 1.3.2, 1.3.3: attention timing, FlashAttention-2 correctness and speed.
+
+
+rule attention_timing:
+    output:
+        f"{R}/attention.csv",
+    log:
+        f"{LOGS}/attention_timing.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        head_dims=join(S["attention"]["head_dims"]),
+        seqs=join(S["attention"]["seqs"]),
+        batch=S["attention"]["batch_size"],
+        warmup=S["attention"]["warmup"],
+        iters=S["attention"]["iters"],
+    shell:
+        "python -m cs336_systems.bench.attention_sweep {params.device} --impls eager compiled"
+        " --head-dims {params.head_dims} --seqs {params.seqs} --batch-size {params.batch}"
+        " --warmup {params.warmup} --iters {params.iters} --out {output} 2> {log}"
+
+
+rule flash_correctness:
+    output:
+        f"{R}/flash_correctness.csv",
+    log:
+        f"{LOGS}/flash_correctness.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+    shell:
+        "python -m cs336_systems.bench.flash_check {params.device} --out {output} > {log} 2>&1"
+
+
+rule flash_benchmark:
+    output:
+        f"{R}/flash_sweep.csv",
+    log:
+        f"{LOGS}/flash_benchmark.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        seqs=join(S["flash"]["seqs"]),
+        head_dims=join(S["flash"]["head_dims"]),
+        dtypes=join(S["flash"]["dtypes"]),
+        providers=join(S["flash"]["providers"]),
+        pytorch_max_seq=S["flash"]["pytorch_max_seq"],
+        warmup_ms=S["flash"]["warmup_ms"],
+        rep_ms=S["flash"]["rep_ms"],
+    shell:
+        "python -m cs336_systems.bench.flash_bench sweep {params.device} --seqs {params.seqs}"
+        " --head-dims {params.head_dims} --dtypes {params.dtypes} --providers {params.providers}"
+        " --pytorch-max-seq {params.pytorch_max_seq} --warmup-ms {params.warmup_ms}"
+        " --rep-ms {params.rep_ms} --out {output} 2> {log}"
+
+
+rule flash_leaderboard:
+    output:
+        f"{R}/flash_leaderboard.csv",
+    log:
+        f"{LOGS}/flash_leaderboard.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        lb=S["leaderboard"],
+        providers=join(S["leaderboard"]["providers"]),
+    shell:
+        "python -m cs336_systems.bench.flash_bench leaderboard {params.device} --heads {params.lb[heads]}"
+        " --seq-len {params.lb[seq_len]} --head-dim {params.lb[head_dim]} --dtype {params.lb[dtype]}"
+        " --compile {params.lb[compile]} --providers {params.providers}"
+        " --warmup-ms {params.lb[warmup_ms]} --rep-ms {params.lb[rep_ms]} --out {output} 2> {log}"
