@@ -169,7 +169,7 @@ def render_attention(ctx: Context) -> str:
     if len(ok):
         largest = ok.sort_values("seq_len").iloc[-1]
         smaller = ok[(ok["head_dim"] == largest["head_dim"]) & (ok["seq_len"] < largest["seq_len"])]
-        if len(smaller):
+        if len(smaller) and smaller["memory_before_backward_mib"].min() > 0:  # measured on CUDA only
             prev = smaller.sort_values("seq_len").iloc[-1]
             growth = largest["memory_before_backward_mib"] / prev["memory_before_backward_mib"]
             factor = largest["seq_len"] / prev["seq_len"]
