@@ -152,11 +152,12 @@ def test_backends_plug_into_the_model():
     from cs336_systems.model import ModelConfig, TransformerLM
 
     config = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=50, context_length=32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    reference = TransformerLM(config.replace(attention="naive"))
-    tokens = torch.randint(50, (2, 21))
+    reference = TransformerLM(config.replace(attention="naive")).to(device)
+    tokens = torch.randint(50, (2, 21), device=device)
     expected = reference(tokens)
     for backend in ("flash_pytorch", "flash_triton"):
-        model = TransformerLM(config.replace(attention=backend))
+        model = TransformerLM(config.replace(attention=backend)).to(device)
         model.load_state_dict(reference.state_dict())
         torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)

@@ -114,7 +114,8 @@ def _even(name: str, block: str):
 def _prune_configs(configs, named_args, **kwargs):
     """Drop configs whose query or key tile is longer than the (power-of-two rounded) sequence, so a
     short problem is not tuned over tiles it cannot fill; keep at least the smallest."""
-    max_m, max_n = named_args["SEQ_KEY_Q"], named_args["SEQ_KEY_K"]
+    args = {**named_args, **kwargs}  # the launcher passes the sizes by keyword
+    max_m, max_n = args["SEQ_KEY_Q"], args["SEQ_KEY_K"]
     kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
