@@ -33,8 +33,13 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Ten
 
 def _sdpa(backend: SDPBackend) -> Attention:
     def attention(q, k, v, is_causal):
+        # The fused backends need (batch, heads, n, d): a 3-d input is viewed as one batch of heads.
+        view = q.dim() == 3
+        if view:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        return out.squeeze(0) if view else out
 
     return attention
 
@@ -100,8 +105,7 @@ def sweep(args: argparse.Namespace) -> list[dict]:
             continue
         torch.cuda.empty_cache()
         try:
-            # (batch 1, one head, seq, d): SDPA's fused backends need the heads dimension.
-            q, k, v = (torch.randn(1, 1, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
+            q, k, v = (torch.randn(1, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
                        for _ in range(3))
             times = time_passes(PROVIDERS[provider], q, k, v, True, args.warmup_ms, args.rep_ms)
         except (torch.OutOfMemoryError, RuntimeError) as error:

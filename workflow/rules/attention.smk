@@ -38,11 +38,11 @@ rule flash_correctness:
         "python -m cs336_systems.bench.flash_check {params.device} --out {output} > {log} 2>&1"
 
 
-rule flash_benchmark:
+rule flash_benchmark_dtype:
     output:
-        f"{R}/flash_sweep.csv",
+        temp(f"{R}/raw/flash/{{dtype}}.csv"),
     log:
-        f"{LOGS}/flash_benchmark.log",
+        f"{LOGS}/flash_benchmark_{{dtype}}.log",
     conda:
         ENV
     resources:
@@ -51,16 +51,28 @@ rule flash_benchmark:
         device=DEVICE_ARGS,
         seqs=join(S["flash"]["seqs"]),
         head_dims=join(S["flash"]["head_dims"]),
-        dtypes=join(S["flash"]["dtypes"]),
         providers=join(S["flash"]["providers"]),
         pytorch_max_seq=S["flash"]["pytorch_max_seq"],
         warmup_ms=S["flash"]["warmup_ms"],
         rep_ms=S["flash"]["rep_ms"],
     shell:
         "python -m cs336_systems.bench.flash_bench sweep {params.device} --seqs {params.seqs}"
-        " --head-dims {params.head_dims} --dtypes {params.dtypes} --providers {params.providers}"
+        " --head-dims {params.head_dims} --dtypes {wildcards.dtype} --providers {params.providers}"
         " --pytorch-max-seq {params.pytorch_max_seq} --warmup-ms {params.warmup_ms}"
         " --rep-ms {params.rep_ms} --out {output} 2> {log}"
+
+
+rule flash_benchmark:
+    input:
+        expand(f"{R}/raw/flash/{{dtype}}.csv", dtype=S["flash"]["dtypes"]),
+    output:
+        f"{R}/flash_sweep.csv",
+    log:
+        f"{LOGS}/flash_benchmark.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
 
 
 rule flash_leaderboard:

@@ -18,6 +18,7 @@ MODEL_ARGS = f"--batch-size {S['batch_size']} --context-length {S['context_lengt
 wildcard_constraints:
     size="|".join(re.escape(s) for s in S["model_sizes"]),
     warmup=r"\d+",
+    dtype="fp32|bf16|fp16",
 
 
 def join(values):
