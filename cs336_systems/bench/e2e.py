@@ -128,6 +128,9 @@ def run(spec: RunSpec) -> list[dict]:
     base = {**asdict(spec), "d_model": config.d_model, "d_ff": config.d_ff, "num_layers": config.num_layers,
             "num_heads": config.num_heads}
     reset_memory(device)
+    # Each grid point compiles afresh: without this, recompiles for earlier points exhaust dynamo's cache
+    # limit and later points silently run eagerly.
+    torch.compiler.reset()
     try:
         samples = measure(spec)
     except (torch.OutOfMemoryError, RuntimeError) as error:
