@@ -238,8 +238,7 @@ def _bwd_configs(outer: str, inner: str):
         return [triton.Config({outer: 16, inner: 16}, num_warps=4, num_stages=1)]
     return [
         triton.Config({outer: o, inner: i}, num_warps=w, num_stages=s)
-        for o, i, w, s in [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                           (128, 64, 8, 4), (128, 32, 8, 5)]
+        for o, i, w, s in [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)]
     ]
 
 
