@@ -7,8 +7,11 @@ S = config["scales"][SCALE]
 R = S["results"]  # results directory of this scale
 F = S["figures"]  # figures directory of this scale
 GPUS = S["gpus_per_job"]
-LOGS = f"logs/{SCALE}"
+LOGS = f"{R}/logs"  # run logs travel with the results they explain
 ENV = "../envs/cs336.yaml"
+# measure=false builds tables, figures and the writeup from the results already present (e.g. the
+# committed GPU results on a machine without a GPU) and leaves deliverables without data pending.
+MEASURE = str(config.get("measure", True)).lower() != "false"
 
 # Arguments every benchmark CLI gets at this scale.
 DEVICE_ARGS = f"--device {S['device']}"
@@ -23,3 +26,8 @@ wildcard_constraints:
 
 def join(values):
     return " ".join(str(v) for v in values)
+
+
+def available(inputs):
+    """The names whose data exists, or all of them when this run may measure."""
+    return [name for name, data in inputs.items() if MEASURE or os.path.exists(data)]

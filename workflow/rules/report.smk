@@ -55,9 +55,8 @@ rule figure:
 
 rule writeup_md:
     input:
-        tables=expand(f"{R}/tables/{{name}}.md", name=TABLE_INPUTS),
-        figures=expand(f"{F}/{{name}}.png", name=FIGURE_INPUTS),
-        data=sorted(set(TABLE_INPUTS.values())),
+        tables=expand(f"{R}/tables/{{name}}.md", name=available(TABLE_INPUTS)),
+        figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),
         anchors="config.yaml",
     output:
         f"{R}/writeup.md",
@@ -67,7 +66,9 @@ rule writeup_md:
         ENV
     params:
         results=lambda wc, output: os.path.dirname(output[0]),
-        figures=lambda wc, input: os.path.dirname(input.figures[0]),
+        figures=lambda wc, input: (
+            os.path.dirname(input.figures[0]) if input.figures else F
+        ),
         scale=SCALE,
     shell:
         "python -m cs336_systems.report.writeup --results {params.results} --figures {params.figures}"
