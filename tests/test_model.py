@@ -117,13 +117,15 @@ def test_cross_entropy_matches_torch():
     torch.testing.assert_close(cross_entropy(logits, targets).double(), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_adamw_matches_torch():
+@pytest.mark.parametrize("foreach", [True, False])
+def test_adamw_matches_torch(foreach):
     torch.manual_seed(0)
     model = TransformerLM(TINY)
     reference = TransformerLM(TINY)
     reference.load_state_dict(model.state_dict())
     kwargs = dict(lr=3e-3, betas=(0.85, 0.98), eps=1e-7, weight_decay=0.1)
-    ours, theirs = AdamW(model.parameters(), **kwargs), torch.optim.AdamW(reference.parameters(), **kwargs)
+    ours = AdamW(model.parameters(), foreach=foreach, **kwargs)
+    theirs = torch.optim.AdamW(reference.parameters(), **kwargs)
     for _ in range(5):
         tokens = torch.randint(TINY.vocab_size, (2, 13))
         for m, opt in ((model, ours), (reference, theirs)):
@@ -131,6 +133,27 @@ def test_adamw_matches_torch():
             cross_entropy(m(tokens[:, :-1]), tokens[:, 1:]).backward()
             opt.step()
     for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_adamw_with_frozen_parameter_and_late_param_group():
+    """Parameters without gradients are skipped; a group added later starts its own step count."""
+    torch.manual_seed(1)
+    a, b, c = (torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3))
+    refs = [torch.nn.Parameter(t.detach().clone()) for t in (a, b, c)]
+    ours, theirs = AdamW([a, b], lr=1e-2), torch.optim.AdamW(refs[:2], lr=1e-2)
+    for step in range(4):
+        if step == 2:
+            ours.add_param_group({"params": [c]})
+            theirs.add_param_group({"params": [refs[2]]})
+        x = torch.randn(3)
+        for params, opt in (((a, b, c), ours), (refs, theirs)):
+            opt.zero_grad()
+            (params[0] @ x).sum().backward()  # b never gets a gradient
+            if step >= 2:
+                (params[2] @ x).pow(2).sum().backward()
+            opt.step()
+    for p, q in zip((a, b, c), refs):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 

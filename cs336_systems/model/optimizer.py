@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 
 
 class AdamW(torch.optim.Optimizer):
-    """Decoupled weight decay: p ← p − lr·λ·p, then the bias-corrected Adam update.
+    """Decoupled weight decay: p ← p − lr·λ·p, then the bias-corrected Adam update
+    m ← β1 m + (1−β1) g,  v ← β2 v + (1−β2) g²,  p ← p − lr/(1−β1ᵗ) · m / (√v / √(1−β2ᵗ) + ε).
 
-    The operations are ordered as in torch.optim.AdamW's single-tensor path, so results agree with it
-    to float32 rounding.
+    The operations are ordered as in torch.optim.AdamW, so results agree with it to float32 rounding.
+    With `foreach=True` (the default) each operation runs once over all tensors of a device, dtype
+    and step count (`torch._foreach_*`, the multi-tensor kernels torch.optim itself uses; PyTorch has
+    no public multi-tensor API): a per-tensor loop costs several kernel launches per parameter,
+    which dominated the optimizer step of the xl model in our first measurements.
     """
 
     def __init__(
@@ -22,6 +27,7 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        foreach: bool = True,
     ):
         if lr < 0:
             raise ValueError(f"invalid learning rate lr={lr}")
@@ -29,7 +35,7 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid betas={betas}")
         if eps < 0:
             raise ValueError(f"invalid eps={eps}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -38,7 +44,8 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            # Tensors that share device, dtype and step count are updated together.
+            batches: dict[tuple, list[torch.Tensor]] = defaultdict(list)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -48,11 +55,24 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                t, m, v, g = state["step"], state["exp_avg"], state["exp_avg_sq"], p.grad
-                p.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                step_size = lr / (1 - beta1**t)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                p.addcdiv_(m, denom, value=-step_size)
+                key = (p.device, p.dtype, state["step"]) if group["foreach"] else (id(p),)
+                batches[key].append(p)
+            for params in batches.values():
+                self._update(params, group)
         return loss
+
+    def _update(self, params: list[torch.Tensor], group: dict) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        t = self.state[params[0]]["step"]
+        grads = [p.grad for p in params]
+        m = [self.state[p]["exp_avg"] for p in params]
+        v = [self.state[p]["exp_avg_sq"] for p in params]
+        step_size = lr / (1 - beta1**t)
+        torch._foreach_mul_(params, 1 - lr * wd)
+        torch._foreach_lerp_(m, grads, 1 - beta1)
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, m, denom, value=-step_size)
