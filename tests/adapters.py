@@ -19,8 +19,31 @@ def get_flashattention_autograd_function_triton() -> Type:
     return FlashAttentionTriton
 
 
-__all__ = [
-    "get_flashattention_autograd_function_pytorch",
-    "get_flashattention_autograd_function_triton",
-    "torch",
-]
+
+
+# ---- data parallelism and optimizer-state sharding -------------------------------------------
+from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, ShardedOptimizer  # noqa: E402
+
+
+def get_ddp_individual_parameters(module: torch.nn.Module) -> torch.nn.Module:
+    return DDPIndividualParameters(module)
+
+
+def ddp_individual_parameters_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    ddp_model.finish_gradient_synchronization()
+
+
+def get_ddp_bucketed(module: torch.nn.Module, bucket_size_mb: float) -> torch.nn.Module:
+    return DDPBucketed(module, bucket_size_mb)
+
+
+def ddp_bucketed_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    ddp_model.finish_gradient_synchronization()
+
+
+def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    ddp_model.reset()
+
+
+def get_sharded_optimizer(params, optimizer_cls: Type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+    return ShardedOptimizer(params, optimizer_cls, **kwargs)

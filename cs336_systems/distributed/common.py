@@ -1,0 +1,32 @@
+"""Process-group checks and the broadcast every data-parallel wrapper starts with."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def require_process_group(what: str) -> tuple[int, int]:
+    """(rank, world size), or a clear error when torch.distributed is not initialised."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{what} needs an initialised process group: call torch.distributed.init_process_group "
+                           "first (or start the script with torchrun)")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters that get gradients, each once (a tied weight appears once in .parameters())."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"parameters are on several devices {sorted(map(str, devices))}; "
+                         "one data-parallel replica must live on one device")
+    return params
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module) -> None:
+    """Make every rank start from rank 0's parameters and buffers."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=0)

@@ -1,0 +1,108 @@
+"""Bucketed, overlapped data parallelism (handout 2.3, ddp_overlap_bucketed).
+
+Parameters are packed, in reverse order of `module.parameters()` (roughly the order in which their
+gradients become ready), into buckets of at most `bucket_size_mb` MiB (None: one bucket). When a
+gradient is ready its hook copies it into the bucket's flat buffer; when the last gradient of a
+bucket has arrived — in whatever order the hooks fired — one asynchronous all-reduce is launched
+for the whole bucket. `finish_gradient_synchronization()` launches any bucket still incomplete
+(parameters that got no gradient this step count as zero), waits, averages and copies the results
+back into each `.grad`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters
+
+
+@dataclass
+class Bucket:
+    params: list[nn.Parameter]
+    buffer: torch.Tensor  # flat, the concatenation of the params' gradients
+    offsets: list[int]
+    work: dist.Work | None = None
+    arrived: set[int] = field(default_factory=set)
+
+    def view(self, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+
+def plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
+    """Greedy packing in reverse parameter order; a bucket holds one dtype; a parameter larger than
+    the limit gets a bucket of its own."""
+    if bucket_size_mb is not None and bucket_size_mb <= 0:
+        raise ValueError(f"bucket_size_mb must be positive (or None for one bucket), got {bucket_size_mb}")
+    limit = float("inf") if bucket_size_mb is None else bucket_size_mb * 2**20
+    buckets: list[list[nn.Parameter]] = []
+    size = 0.0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > limit or buckets[-1][0].dtype != p.dtype:
+            buckets.append([])
+            size = 0.0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+class DDPBucketed(nn.Module):
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None):
+        super().__init__()
+        _, self.world_size = require_process_group(type(self).__name__)
+        self.module = module
+        groups = plan_buckets(trainable_parameters(module), bucket_size_mb)
+        broadcast_from_rank0(module)
+        self.buckets: list[Bucket] = []
+        self._where: dict[int, tuple[Bucket, int]] = {}
+        for params in groups:
+            offsets = [0]
+            for p in params[:-1]:
+                offsets.append(offsets[-1] + p.numel())
+            buffer = torch.zeros(offsets[-1] + params[-1].numel(), dtype=params[0].dtype, device=params[0].device)
+            bucket = Bucket(params, buffer, offsets)
+            self.buckets.append(bucket)
+            for i, p in enumerate(params):
+                self._where[id(p)] = (bucket, i)
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        bucket, i = self._where[id(param)]
+        bucket.view(i).copy_(param.grad)
+        bucket.arrived.add(i)
+        if len(bucket.arrived) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.buffer.div_(self.world_size)
+        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+
+    def reset(self) -> None:
+        """Forget the previous step's bookkeeping (called by finish; harmless to call again)."""
+        for bucket in self.buckets:
+            bucket.arrived.clear()
+            bucket.work = None
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        for bucket in self.buckets:
+            if bucket.work is None:  # some parameters got no gradient this step
+                for i in range(len(bucket.params)):
+                    if i not in bucket.arrived:
+                        bucket.view(i).zero_()
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            for i, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    p.grad.copy_(bucket.view(i))
+        self.reset()

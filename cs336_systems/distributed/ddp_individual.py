@@ -1,0 +1,41 @@
+"""Data parallelism that overlaps communication with the backward pass (handout 2.3).
+
+Each gradient is all-reduced asynchronously the moment autograd has finished accumulating it (a
+post-accumulate-grad hook), while the backward pass goes on computing earlier layers' gradients.
+`finish_gradient_synchronization()` waits for the outstanding reductions; call it after backward
+and before optimizer.step().
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters
+
+
+class DDPIndividualParameters(nn.Module):
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        _, self.world_size = require_process_group(type(self).__name__)
+        self.module = module
+        self._pending: list[dist.Work] = []
+        broadcast_from_rank0(module)
+        # A tied weight is one leaf with one AccumulateGrad node: its hook fires once per backward,
+        # after both uses have been summed, so it is reduced once.
+        for param in trainable_parameters(module):
+            param.register_post_accumulate_grad_hook(self._reduce)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _reduce(self, param: torch.Tensor) -> None:
+        param.grad.div_(self.world_size)  # sum of grad/world over ranks = the average
+        self._pending.append(dist.all_reduce(param.grad, async_op=True))
+
+    def finish_gradient_synchronization(self) -> None:
+        for work in self._pending:
+            work.wait()
+        self._pending.clear()

@@ -1,0 +1,118 @@
+"""Each data-parallel wrapper against single-process training on the full batch (CPU, gloo, 2 ranks).
+
+Ranks start from different random weights (the wrapper must broadcast rank 0's), each trains on its
+half of every batch, and after several steps every parameter must equal that of a single process
+trained on the whole batch. The model has a tied weight (used twice), a frozen layer and a buffer.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cs336_systems.distributed import DDPNaive
+from cs336_systems.distributed.common import trainable_parameters
+from cs336_systems.distributed.ddp_bucketed import plan_buckets
+from tests.adapters import (
+    ddp_bucketed_on_after_backward,
+    ddp_bucketed_on_train_batch_start,
+    ddp_individual_parameters_on_after_backward,
+    get_ddp_bucketed,
+    get_ddp_individual_parameters,
+)
+from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed
+
+WRAPPERS = {
+    "naive": (lambda m: DDPNaive(m), lambda ddp, opt: ddp.finish_gradient_synchronization()),
+    "flat": (lambda m: DDPNaive(m, flat=True), lambda ddp, opt: ddp.finish_gradient_synchronization()),
+    "individual": (get_ddp_individual_parameters, ddp_individual_parameters_on_after_backward),
+    "bucketed-one": (lambda m: get_ddp_bucketed(m, None), ddp_bucketed_on_after_backward),
+    "bucketed-0.0001MB": (lambda m: get_ddp_bucketed(m, 0.0001), ddp_bucketed_on_after_backward),
+    "bucketed-0.0005MB": (lambda m: get_ddp_bucketed(m, 0.0005), ddp_bucketed_on_after_backward),
+    "bucketed-10MB": (lambda m: get_ddp_bucketed(m, 10), ddp_bucketed_on_after_backward),
+}
+
+
+def _train_and_compare(rank: int, world_size: int, name: str) -> None:
+    torch.manual_seed(100 + rank)  # different initial weights on every rank
+    model = ToyModelWithTiedAndFrozen()
+    wrap, after_backward = WRAPPERS[name]
+    ddp = wrap(model)
+    assert ddp.module is model
+    reference = copy.deepcopy(model)  # rank 0's weights, now on every rank
+    frozen_before = model.frozen.weight.detach().clone()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    data = torch.Generator().manual_seed(7)  # the same batches on every rank
+    for _ in range(6):
+        x, y = torch.randn(8, 10, generator=data), torch.randn(8, 5, generator=data)
+        if name.startswith("bucketed"):
+            ddp_bucketed_on_train_batch_start(ddp, optimizer)
+        optimizer.zero_grad()
+        F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
+        after_backward(ddp, optimizer)
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        F.mse_loss(reference(x), y).backward()
+        ref_optimizer.step()
+        for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=f"grad of {pname}")
+    for (pname, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{name}: {pname} differs")
+    assert model.frozen.weight.grad is None
+    assert torch.equal(model.frozen.weight, frozen_before)
+    # every rank holds the same weights
+    gathered = [torch.empty_like(model.fc2.weight) for _ in range(world_size)]
+    dist.all_gather(gathered, model.fc2.weight.detach())
+    assert all(torch.equal(gathered[0], g) for g in gathered)
+
+
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_wrapper_matches_single_process(name):
+    run_distributed(_train_and_compare, 2, name)
+
+
+def _one_rank_fails(rank: int, world_size: int) -> None:
+    model = ToyModelWithTiedAndFrozen()
+    ddp = get_ddp_bucketed(model, 0.001)
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    ddp(torch.randn(4, 10)).sum().backward()  # rank 0 would wait for rank 1 forever
+    ddp.finish_gradient_synchronization()
+
+
+def test_a_failing_rank_fails_the_run_promptly():
+    start = time.monotonic()
+    # Whichever rank's error is seen first is reported: rank 1's own, or rank 0 losing its peer.
+    with pytest.raises(Exception, match="rank 1 fails on purpose|remote worker"):
+        run_distributed(_one_rank_fails, 2)
+    assert time.monotonic() - start < 60
+
+
+def test_bucket_plan():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 50, 300, 10)]  # float32: 4 bytes each
+    plan = plan_buckets(params, bucket_size_mb=1000 / 2**20)
+    # reverse order; at most 1000 B a bucket, except a larger parameter alone (300 x 4 B)
+    assert [[p.numel() for p in b] for b in plan] == [[10], [300], [50, 100]]
+    assert [[p.numel() for p in b] for b in plan_buckets(params, None)] == [[10, 300, 50, 100]]
+    with pytest.raises(ValueError, match="bucket_size_mb must be positive .* got 0"):
+        plan_buckets(params, 0)
+    with pytest.raises(ValueError, match="got -1"):
+        plan_buckets(params, -1)
+
+
+def test_wrappers_need_a_process_group():
+    assert not dist.is_initialized()
+    for wrap in (lambda m: get_ddp_bucketed(m, 1.0), get_ddp_individual_parameters, DDPNaive):
+        with pytest.raises(RuntimeError, match="needs an initialised process group"):
+            wrap(ToyModelWithTiedAndFrozen())
+
+
+def test_parameters_on_mixed_devices_are_an_error():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="parameters are on several devices"):
+        trainable_parameters(model)
