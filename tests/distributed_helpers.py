@@ -1,36 +1,13 @@
-"""Running a function on N CPU processes with the gloo backend, for the distributed tests."""
+"""A toy model for the distributed tests; ranks are started by cs336_systems.distributed.launch."""
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
+from cs336_systems.distributed.launch import run_distributed
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    # A short timeout turns a rank that never arrives into an error instead of a hang.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-
-
-def run_distributed(fn, world_size: int = 2, *args) -> None:
-    """fn(rank, world_size, *args) on each rank; any rank raising fails the call (others are killed)."""
-    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+__all__ = ["ToyModelWithTiedAndFrozen", "run_distributed"]
 
 
 class ToyModelWithTiedAndFrozen(nn.Module):

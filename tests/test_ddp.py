@@ -116,3 +116,16 @@ def test_parameters_on_mixed_devices_are_an_error():
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
     with pytest.raises(ValueError, match="parameters are on several devices"):
         trainable_parameters(model)
+
+
+def test_benchmark_config_strings():
+    from cs336_systems.bench.ddp import parse_config
+
+    assert parse_config("none") == ("none", None, "adamw")
+    assert parse_config("bucketed:100+sharded") == ("bucketed", 100.0, "sharded")
+    with pytest.raises(ValueError, match="unknown wrapper 'fsdp'"):
+        parse_config("fsdp")
+    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
+        parse_config("naive+lamb")
+    with pytest.raises(ValueError, match="bucket size must be positive, got 0"):
+        parse_config("bucketed:0")

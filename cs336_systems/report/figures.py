@@ -94,3 +94,26 @@ def flash_tflops(frame: pd.DataFrame, path: str | Path) -> None:
 
 
 FIGURES.update({"attention_memory": attention_memory, "flash_latency": flash_latency, "flash_tflops": flash_tflops})
+
+
+def allreduce(frame: pd.DataFrame, path: str | Path) -> None:
+    rows = frame.copy()
+    rows["setting"] = rows["backend"] + " × " + rows["world_size"].astype(str)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    sns.lineplot(data=rows, x="size_mb", y="median_ms", hue="setting", marker="o", ax=axes[0])
+    sns.lineplot(data=rows, x="size_mb", y="busbw_gbps", hue="setting", marker="o", ax=axes[1], legend=False)
+    axes[0].set(xscale="log", yscale="log", xlabel="MB per rank", ylabel="median ms")
+    axes[1].set(xscale="log", xlabel="MB per rank", ylabel="bus bandwidth (GB/s)")
+    _save(fig, path, "All-reduce on one node")
+
+
+def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
+    rows = frame[frame["status"] == "ok"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    sns.barplot(data=rows, x="config", y="step_ms", hue="precision", ax=ax, errorbar=None)
+    ax.set(ylabel="ms per training step", xlabel="")
+    ax.tick_params(axis="x", rotation=30)
+    _save(fig, path, "Bucketed DDP: step time by bucket size")
+
+
+FIGURES.update({"allreduce": allreduce, "ddp_bucketed": ddp_bucketed})

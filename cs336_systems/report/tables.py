@@ -164,3 +164,60 @@ TABLES.update({
     "flash_leaderboard": (flash_leaderboard, "Leaderboard case: 16 heads x 16384 x 64, bf16, causal"),
     "flash_correctness": (flash_correctness, "FlashAttention-2 tests (tests/test_flash.py) run on the device"),
 })
+
+
+def allreduce(frame: pd.DataFrame) -> pd.DataFrame:
+    """2.1: all-reduce time and bandwidth per backend, process count and size."""
+    rows = frame.sort_values(["backend", "world_size", "size_mb"])
+    return pd.DataFrame({
+        "backend": rows["backend"], "processes": rows["world_size"], "size (MB)": rows["size_mb"],
+        "median (ms)": rows["median_ms"].round(3), "mean ± std (ms)": [
+            mean_std(m, s, 3) for m, s in zip(rows["mean_ms"], rows["std_ms"])],
+        "algbw (GB/s)": rows["algbw_gbps"].round(2), "busbw (GB/s)": rows["busbw_gbps"].round(2)})
+
+
+def ddp(frame: pd.DataFrame) -> pd.DataFrame:
+    """2.2–2.3: time per training step and its parts, per wrapper and precision."""
+    out = []
+    for _, row in frame.iterrows():
+        record = {"precision": row["precision"], "config": row["config"]}
+        if row["status"] != "ok":
+            record["step (ms)"] = str(row["status"]).upper()
+        else:
+            record.update({"step (ms)": mean_std(row["step_ms"], row["step_std_ms"], 1),
+                           "forward+backward (ms)": round(row["forward_backward_ms"], 1),
+                           "communication wait (ms)": round(row["communication_ms"], 1),
+                           "optimizer (ms)": round(row["optimizer_ms"], 1),
+                           "comm share": f"{row['communication_ms'] / row['step_ms']:.1%}",
+                           "final loss": round(row["final_loss"], 4)})
+        out.append(record)
+    return pd.DataFrame(out)
+
+
+def _mib(value: float) -> str:
+    return "—" if pd.isna(value) else f"{value:.0f}"  # memory is measured on CUDA only
+
+
+def sharding(frame: pd.DataFrame) -> pd.DataFrame:
+    """3(a–b): memory at the three points and step time, with the accounting beside it."""
+    out = []
+    for _, row in frame[frame["status"] == "ok"].iterrows():
+        out.append({"precision": row["precision"], "config": row["config"],
+                    "after init (MiB)": _mib(row["mem_after_init_mib"]),
+                    "before step (MiB)": _mib(row["mem_before_step_mib"]),
+                    "peak before step (MiB)": _mib(row["peak_before_step_mib"]),
+                    "after step (MiB)": _mib(row["mem_after_step_mib"]),
+                    "peak after step (MiB)": _mib(row["peak_after_step_mib"]),
+                    "params + grads + state by formula (MiB)": round(
+                        row["param_mib"] + row["grad_mib"] + row["optimizer_state_mib"]),
+                    "step (ms)": round(row["step_median_ms"], 1)})
+    return pd.DataFrame(out)
+
+
+TABLES.update({
+    "allreduce": (allreduce, "All-reduce of float32 tensors on one node (slowest rank per iteration)"),
+    "ddp_naive": (ddp, "Naive and flat DDP versus single GPU and torch DDP (mean over measured steps)"),
+    "ddp_individual": (ddp, "DDP overlapping per-parameter all-reduces with backward"),
+    "ddp_bucketed": (ddp, "Bucketed DDP by bucket size, torch DDP in the same run"),
+    "sharding": (sharding, "Memory and step time with and without optimizer-state sharding"),
+})

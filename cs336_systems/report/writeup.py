@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import yaml
 
@@ -282,6 +284,121 @@ def render_leaderboard(ctx: Context) -> str:
     return "\n\n".join([*parts, ctx.table("flash_leaderboard")])
 
 
+def render_allreduce(ctx: Context) -> str:
+    frame = ctx.frame("allreduce")
+    largest = frame[frame["size_mb"] == frame["size_mb"].max()]
+    parts = []
+    for backend, rows in largest.groupby("backend"):
+        rows = rows.sort_values("world_size")
+        parts.append(f"{backend}: {rows['size_mb'].iloc[0]:g} MB all-reduced in "
+                     + ", ".join(f"{ms:.2f} ms with {n} processes ({bw:.1f} GB/s bus bandwidth)"
+                                 for ms, n, bw in zip(rows["median_ms"], rows["world_size"], rows["busbw_gbps"])))
+    smallest = frame[frame["size_mb"] == frame["size_mb"].min()]
+    parts.append("At the smallest size the time is latency: "
+                 + ", ".join(f"{b} × {n}: {ms:.3f} ms" for b, n, ms in
+                             zip(smallest["backend"], smallest["world_size"], smallest["median_ms"]))
+                 + ". Large messages are bandwidth-bound: bus bandwidth (what each link carries in a ring, "
+                 "2(n−1)/n of the data) is the figure to compare across process counts.")
+    return "\n\n".join(["; ".join(parts[:-1]) + ".", parts[-1], ctx.table("allreduce"),
+                         ctx.figure("allreduce", "all-reduce")])
+
+
+def _ddp_steps(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame[frame["status"] == "ok"].set_index(["precision", "config"])
+
+
+def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
+    steps = _ddp_steps(frame)
+    lines = []
+    for precision in sorted(set(frame["precision"])):
+        cells = []
+        for config in configs:
+            if (precision, config) in steps.index:
+                row = steps.loc[(precision, config)]
+                cells.append(f"{config} {row['step_ms']:.1f} ms (communication wait {row['communication_ms']:.1f} ms)")
+        lines.append(f"{precision}: " + "; ".join(cells))
+    first = frame.iloc[0]
+    setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}, batch "
+             f"{first['batch_per_rank']} per rank, context {first['context_length']}, our AdamW, "
+             f"{first['warmup']} warm-up and {first['steps']} measured steps; 'communication wait' is the time "
+             f"from the end of backward until the gradients are synchronised (torch DDP synchronises inside "
+             f"backward, so its wait is part of its forward+backward time).")
+    return setup + "\n\n" + "\n\n".join(lines)
+
+
+def render_ddp_naive(ctx: Context) -> str:
+    frame = ctx.frame("ddp_naive")
+    return "\n\n".join([_ddp_summary(frame, ["none", "naive", "flat", "torch_ddp"]), ctx.table("ddp_naive")])
+
+
+def render_ddp_individual(ctx: Context) -> str:
+    frame = ctx.frame("ddp_individual")
+    return "\n\n".join([_ddp_summary(frame, ["individual", "naive", "torch_ddp"]), ctx.table("ddp_individual")])
+
+
+def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float) -> str:
+    """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times."""
+    text = ("Model: n_b buckets of s/n_b bytes; computing a bucket's gradients takes as long as sending it, "
+            "s/(n_b·w), and every all-reduce also costs o. Communication falls behind by o per bucket and the "
+            "last bucket can only start when backward ends, so the time after backward is "
+            "**overhead(n_b) = n_b·o + s/(n_b·w)**. Setting the derivative to zero gives "
+            "**n_b\\* = √(s/(w·o))**, i.e. an optimal bucket size **b\\* = s/n_b\\* = √(s·w·o)**.")
+    if allreduce is None:
+        return text
+    nccl = allreduce[(allreduce["backend"] == "nccl") & (allreduce["world_size"] == 2)]
+    if len(nccl) < 2:
+        return text
+    size_bytes = nccl["size_mb"] * 2**20
+    slope, intercept = np.polyfit(size_bytes, nccl["median_ms"] / 1e3, 1)  # t = o + bytes / w
+    o, w = max(intercept, 1e-7), 1 / slope
+    best = math.sqrt(model_bytes * w * o)
+    return text + (f" Fitted to our NCCL all-reduce times (2 ranks): o = {o * 1e6:.1f} µs, w = {w / 1e9:.1f} GB/s; "
+                   f"for the {model_bytes / 2**30:.2f} GiB of gradients this gives b\\* = {best / 2**20:.0f} MiB.")
+
+
+def render_ddp_bucketed(ctx: Context) -> str:
+    frame = ctx.frame("ddp_bucketed")
+    configs = list(dict.fromkeys(frame["config"]))
+    ok = frame[frame["status"] == "ok"]
+    model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
+    parts = [_ddp_summary(frame, configs)]
+    steps = _ddp_steps(frame)["step_ms"]
+    for precision in sorted(set(frame["precision"])):
+        bucketed = {c: steps[(precision, c)] for c in configs if c.startswith("bucketed") and (precision, c) in steps}
+        if bucketed and (precision, "torch_ddp") in steps:
+            best = min(bucketed, key=bucketed.get)
+            parts.append(f"{precision}: the best bucket size is {best.split(':')[1]} MB, "
+                         f"{bucketed[best] / steps[(precision, 'torch_ddp')]:.2f}× torch DDP's step time.")
+    parts.append(bucket_model(ctx.frame("allreduce"), model_bytes))
+    return "\n\n".join([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")])
+
+
+def render_sharding(ctx: Context) -> str:
+    frame = ctx.frame("sharding")
+    ok = frame[frame["status"] == "ok"].set_index(["precision", "config"])
+    parts = []
+    for precision in sorted(set(frame["precision"])):
+        if (precision, "individual") in ok.index and (precision, "individual+sharded") in ok.index:
+            plain, sharded = ok.loc[(precision, "individual")], ok.loc[(precision, "individual+sharded")]
+            parts.append(
+                f"{precision}: peak memory after the optimizer step {plain['peak_after_step_mib']:.0f} MiB without "
+                f"sharding and {sharded['peak_after_step_mib']:.0f} MiB with it; by the formula parameters take "
+                f"{plain['param_mib']:.0f} MiB, gradients {plain['grad_mib']:.0f} MiB and AdamW's moments "
+                f"{plain['optimizer_state_mib']:.0f} MiB, of which each rank keeps "
+                f"{sharded['optimizer_state_mib']:.0f} MiB when sharded; the rest of the peak is activations "
+                f"and temporaries. Step time {plain['step_median_ms']:.1f} ms without and "
+                f"{sharded['step_median_ms']:.1f} ms with sharding (the difference is the parameter broadcast "
+                f"after each step, minus the smaller optimizer update).")
+    parts.append(
+        "3(c): ours shards only the optimizer state (ZeRO stage 1): every rank still holds all parameters and "
+        "all gradients, all-reduces full gradients (DDP) instead of reduce-scattering them, updates its shard "
+        "and then broadcasts each owner's parameters, where ZeRO-1 as described by Rajbhandari et al. (2020) "
+        "reduce-scatters gradients and all-gathers updated parameters, so its communication volume equals "
+        "plain data parallelism's. Shards here are whole parameters assigned greedily by size, not equal "
+        "slices of a flat buffer, so they balance only approximately.")
+    return "\n\n".join([*parts, ctx.table("sharding")])
+
+
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
                 lambda ctx: "`python -m cs336_systems.bench.e2e --help` (module `cs336_systems/bench/e2e.py`)."),
@@ -303,13 +420,16 @@ DELIVERABLES = [
                 ("flash_correctness",)),
     Deliverable("1.3.2 (e) flash_benchmarking", "flash_benchmark", render_flash_sweep, ("flash_sweep",)),
     Deliverable("1.3.3 leaderboard case", "flash_leaderboard", render_leaderboard, ("flash_leaderboard",)),
-    Deliverable("2.1 distributed_communication_single_node: all-reduce", None),
-    Deliverable("2.2 naive_ddp_benchmarking", None),
-    Deliverable("2.3 minimal_ddp_flat_benchmarking", None),
-    Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (a, b)", None),
-    Deliverable("2.3 ddp_bucketed_benchmarking (a, b)", None),
+    Deliverable("2.1 distributed_communication_single_node: all-reduce", "allreduce", render_allreduce,
+                ("allreduce",)),
+    Deliverable("2.2 naive_ddp_benchmarking and 2.3 minimal_ddp_flat_benchmarking", "ddp_benchmark",
+                render_ddp_naive, ("ddp_naive",)),
+    Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (a)", "ddp_benchmark", render_ddp_individual,
+                ("ddp_individual",)),
+    Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (b): profiler traces", None),
+    Deliverable("2.3 ddp_bucketed_benchmarking (a, b)", "ddp_benchmark", render_ddp_bucketed, ("ddp_bucketed",)),
     Deliverable("2.4 communication_accounting (a–d)", None),
-    Deliverable("3 optimizer_state_sharding_accounting (a–c)", None),
+    Deliverable("3 optimizer_state_sharding_accounting (a–c)", "ddp_benchmark", render_sharding, ("sharding",)),
 ]
 
 

@@ -10,6 +10,11 @@ TABLE_INPUTS = {
     "flash_sweep": f"{R}/flash_sweep.csv",
     "flash_leaderboard": f"{R}/flash_leaderboard.csv",
     "flash_correctness": f"{R}/flash_correctness.csv",
+    "allreduce": f"{R}/allreduce.csv",
+    "ddp_naive": f"{R}/ddp_naive.csv",
+    "ddp_individual": f"{R}/ddp_individual.csv",
+    "ddp_bucketed": f"{R}/ddp_bucketed.csv",
+    "sharding": f"{R}/sharding.csv",
 }
 FIGURE_INPUTS = {
     "e2e_timing": f"{R}/e2e.csv",
@@ -18,6 +23,8 @@ FIGURE_INPUTS = {
     "attention_memory": f"{R}/attention.csv",
     "flash_latency": f"{R}/flash_sweep.csv",
     "flash_tflops": f"{R}/flash_sweep.csv",
+    "allreduce": f"{R}/allreduce.csv",
+    "ddp_bucketed": f"{R}/ddp_bucketed.csv",
 }
 
 

@@ -1,0 +1,176 @@
+"""Data-parallel training step benchmark (handout 2.2, 2.3, 3), one rank per process under torchrun.
+
+    torchrun --nproc_per_node 2 -m cs336_systems.bench.ddp --size xl --precisions fp32 bf16 \
+        --configs none naive flat individual bucketed:1 bucketed:100 torch_ddp --out ddp.csv
+
+A config is WRAPPER[:BUCKET_MB][+OPTIMIZER]: wrapper none (each rank trains alone: the single-GPU
+speed), naive, flat, individual, bucketed:MB or torch_ddp; optimizer adamw (default), sharded (ours,
+ZeRO-1) or zero (torch's ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
+Per step it times forward+backward, the wait for gradient communication that did not overlap the
+backward pass (all of it for naive and flat), and the optimizer step, with synchronization around
+each; it records memory after initialisation and just before and after the optimizer step. Rank 0
+writes one row per config; out-of-memory is a row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from cs336_systems.bench.provenance import provenance
+from cs336_systems.bench.results import write_rows
+from cs336_systems.bench.timing import DTYPES, autocast, is_oom, synchronize, timed
+from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, ShardedOptimizer
+from cs336_systems.distributed.launch import init_from_env
+from cs336_systems.model import MODEL_SIZES, AdamW, TransformerLM, cross_entropy, get_config
+
+
+def parse_config(text: str) -> tuple[str, float | None, str]:
+    wrapper, _, optimizer = text.partition("+")
+    wrapper, _, bucket = wrapper.partition(":")
+    if wrapper not in ("none", "naive", "flat", "individual", "bucketed", "torch_ddp"):
+        raise ValueError(f"unknown wrapper {wrapper!r} in config {text!r}")
+    if optimizer not in ("", "adamw", "sharded", "zero"):
+        raise ValueError(f"unknown optimizer {optimizer!r} in config {text!r}")
+    bucket_mb = float(bucket) if bucket else None
+    if bucket_mb is not None and bucket_mb <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket} in config {text!r}")
+    return wrapper, bucket_mb, optimizer or "adamw"
+
+
+def wrap(model: torch.nn.Module, wrapper: str, bucket_mb: float | None, device: torch.device):
+    if wrapper == "none":
+        return model
+    if wrapper in ("naive", "flat"):
+        return DDPNaive(model, flat=wrapper == "flat")
+    if wrapper == "individual":
+        return DDPIndividualParameters(model)
+    if wrapper == "bucketed":
+        return DDPBucketed(model, bucket_mb)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   bucket_cap_mb=bucket_mb or 25)
+
+
+def make_optimizer(name: str, model: torch.nn.Module, lr: float):
+    if name == "sharded":
+        return ShardedOptimizer(model.parameters(), AdamW, lr=lr)
+    if name == "zero":
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
+    return AdamW(model.parameters(), lr=lr)
+
+
+def memory_mib(device: torch.device) -> tuple[float, float]:
+    if device.type != "cuda":
+        return float("nan"), float("nan")
+    return torch.cuda.memory_allocated(device) / 2**20, torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def run_config(text: str, args, rank: int, world: int, device: torch.device) -> dict:
+    wrapper, bucket_mb, opt_name = parse_config(text)
+    torch.manual_seed(rank)  # ranks start apart; the wrappers broadcast rank 0's weights
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    with device:
+        model = TransformerLM(get_config(args.size, context_length=args.context_length, attention=args.attention))
+    ddp = wrap(model, wrapper, bucket_mb, device)
+    optimizer = make_optimizer(opt_name, model, args.lr)
+    after_init = memory_mib(device)
+    data = torch.Generator(device="cpu").manual_seed(1234)  # the same global batches on every rank
+    times = {"forward_backward": [], "communication": [], "optimizer": [], "step": []}
+    memory = {}
+    losses = []
+    sync = getattr(ddp, "finish_gradient_synchronization", lambda: None)
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(model.config.vocab_size, (args.batch_size * world, args.context_length + 1),
+                               generator=data).chunk(world)[rank].to(device)
+        if isinstance(ddp, DDPBucketed):
+            ddp.reset()
+        optimizer.zero_grad(set_to_none=True)
+
+        def forward_backward():
+            with autocast(args.precision, device):
+                loss = cross_entropy(ddp(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            losses.append(loss.detach())
+
+        parts = {"forward_backward": timed(forward_backward, device), "communication": timed(sync, device)}
+        before_step = memory_mib(device)
+        parts["optimizer"] = timed(optimizer.step, device)
+        after_step = memory_mib(device)
+        if step >= args.warmup:
+            for key, value in parts.items():
+                times[key].append(value)
+            times["step"].append(sum(parts.values()))
+            memory = {"after_init": after_init, "before_step": before_step, "after_step": after_step}
+    row = {"config": text, "wrapper": wrapper, "bucket_mb": bucket_mb, "optimizer": opt_name, "status": "ok",
+           "final_loss": float(torch.stack(losses[-args.steps:]).mean())}
+    for key, values in times.items():
+        row[f"{key}_ms"] = statistics.fmean(values)
+        row[f"{key}_std_ms"] = statistics.pstdev(values)
+    row["step_median_ms"] = statistics.median(times["step"])
+    for point, (current, peak) in memory.items():
+        row[f"mem_{point}_mib"], row[f"peak_{point}_mib"] = current, peak
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    # The accounting the measurements are compared with: float32 parameters, gradients, AdamW's two
+    # moments (divided among ranks when sharded).
+    shards = world if opt_name in ("sharded", "zero") else 1
+    row.update(param_mib=params / 2**20, grad_mib=params / 2**20, optimizer_state_mib=2 * params / shards / 2**20)
+    del ddp, optimizer, model
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--configs", nargs="+", required=True)
+    parser.add_argument("--size", default="xl", choices=list(MODEL_SIZES))
+    parser.add_argument("--batch-size", type=int, default=4, help="per rank")
+    parser.add_argument("--context-length", type=int, default=512)
+    parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=sorted(DTYPES))
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    try:
+        for text in args.configs:
+            parse_config(text)
+    except ValueError as error:
+        parser.error(str(error))
+    rank, world, device = init_from_env(args.backend)
+    rows = []
+    grid = [(precision, text) for precision in args.precisions for text in args.configs]
+    for i, (precision, text) in enumerate(grid, 1):
+        args.precision = precision
+        try:
+            row = run_config(text, args, rank, world, device)
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_oom(error):
+                raise
+            row = {"config": text, "status": "oom", "error": str(error).splitlines()[0][:200]}
+            torch.cuda.empty_cache()
+        row.update(world_size=world, size=args.size, batch_per_rank=args.batch_size,
+                   context_length=args.context_length, precision=args.precision, attention=args.attention,
+                   backend=args.backend, warmup=args.warmup, steps=args.steps)
+        rows.append({**row, **provenance(device)})
+        if rank == 0:
+            shown = f"{row['step_median_ms']:.1f} ms/step" if row["status"] == "ok" else row["status"]
+            print(f"[{i}/{len(grid)}] {precision} {text}: {shown}", file=sys.stderr, flush=True)
+        dist.barrier()
+    if rank == 0:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        write_rows(rows, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

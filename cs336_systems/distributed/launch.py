@@ -1,0 +1,56 @@
+"""Starting ranks: under torchrun (environment variables) or spawned here for tests and sweeps."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# NVLink multicast (NVLS) can take a shared host's GPUs out of service; keep it off everywhere.
+SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(backend: str, timeout_s: float = 300) -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes; each NCCL rank takes the GPU of its local rank."""
+    for key, value in SAFE_NCCL_ENV.items():
+        os.environ.setdefault(key, value)
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' was requested but CUDA is not available on this machine")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(f"local rank {local_rank} needs GPU {local_rank}, but only "
+                               f"{torch.cuda.device_count()} are visible")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size))
+    # A short timeout turns a rank that never arrives into an error instead of a hang.
+    init_from_env(backend, timeout_s=60)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
+    """fn(rank, world_size, *args) on each of world_size local processes; a rank that raises fails the
+    call and the others are stopped."""
+    mp.spawn(_worker, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)

@@ -1,0 +1,66 @@
+# Handout 2.1, 2.2, 2.3, 3: all-reduce, data-parallel training and optimizer-state sharding.
+# Ranks are started with torchrun; NCCL rules ask for as many GPUs as they have ranks.
+
+ALLREDUCE_POINTS = [f"gloo_{n}" for n in S["allreduce"]["gloo_world_sizes"]] + [
+    f"nccl_{n}" for n in S["allreduce"]["nccl_world_sizes"]
+]
+DDP = S["ddp"]
+
+
+rule allreduce_point:
+    output:
+        temp(f"{R}/raw/allreduce/{{backend}}_{{world}}.csv"),
+    log:
+        f"{LOGS}/allreduce/{{backend}}_{{world}}.log",
+    wildcard_constraints:
+        backend="gloo|nccl",
+        world=r"\d+",
+    conda:
+        ENV
+    resources:
+        gpu=lambda wc: int(wc.world) if wc.backend == "nccl" else 0,
+    params:
+        sizes=join(S["allreduce"]["sizes_mb"]),
+        iters=S["allreduce"]["iters"],
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
+        " --nproc_per_node {wildcards.world} -m cs336_systems.bench.allreduce"
+        " --backend {wildcards.backend} --sizes-mb {params.sizes} --iters {params.iters}"
+        " --out {output} 2> {log}"
+
+
+rule allreduce:
+    input:
+        expand(f"{R}/raw/allreduce/{{point}}.csv", point=ALLREDUCE_POINTS),
+    output:
+        f"{R}/allreduce.csv",
+    log:
+        f"{LOGS}/allreduce.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+
+
+rule ddp_benchmark:
+    output:
+        f"{R}/{{deliverable}}.csv",
+    log:
+        f"{LOGS}/{{deliverable}}.log",
+    wildcard_constraints:
+        deliverable="|".join(DDP["configs"]),
+    conda:
+        ENV
+    resources:
+        gpu=DDP["gpus"],
+    params:
+        configs=lambda wc: join(DDP["configs"][wc.deliverable]),
+        precisions=join(DDP["precisions"]),
+        ddp=DDP,
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
+        " --nproc_per_node {params.ddp[world_size]} -m cs336_systems.bench.ddp"
+        " --backend {params.ddp[backend]} --size {params.ddp[size]} --batch-size {params.ddp[batch_size]}"
+        " --context-length {params.ddp[context_length]} --precisions {params.precisions}"
+        " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
+        " --configs {params.configs} --out {output} 2> {log}"
