@@ -160,3 +160,16 @@ def test_adamw_with_frozen_parameter_and_late_param_group():
 def test_adamw_rejects_bad_hyperparameters():
     with pytest.raises(ValueError, match="lr=-1"):
         AdamW([torch.nn.Parameter(torch.zeros(1))], lr=-1)
+
+
+def test_communication_accounting_numbers():
+    """2.4 from first principles: the XXL parameter count and the compute-bound batch."""
+    from cs336_systems.report.accounting import XXL, derivation
+
+    v = derivation()
+    assert v["params"] == 126 * 2 * 16384 * 53248
+    assert v["state_gb"] == pytest.approx(16 * v["params"] / 1e9)
+    assert v["n_fsdp_min"] == 38  # 3518 GB / 95 GB = 37.03
+    assert v["per_shard_batch"] == pytest.approx(4.6e14 / (2 * 9e10 * 2))
+    assert v["global_batch"] == pytest.approx(16 * v["per_shard_batch"])
+    assert XXL().activation_bytes_per_token() == 126 * (16384 + 53248) * 2

@@ -399,6 +399,11 @@ def render_sharding(ctx: Context) -> str:
     return "\n\n".join([*parts, ctx.table("sharding")])
 
 
+def render_accounting(ctx: Context) -> str:
+    path = ctx.results / "communication_accounting.md"
+    return path.read_text() if path.exists() else "pending: rule `communication_accounting`\n"
+
+
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
                 lambda ctx: "`python -m cs336_systems.bench.e2e --help` (module `cs336_systems/bench/e2e.py`)."),
@@ -428,7 +433,7 @@ DELIVERABLES = [
                 ("ddp_individual",)),
     Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (b): profiler traces", None),
     Deliverable("2.3 ddp_bucketed_benchmarking (a, b)", "ddp_benchmark", render_ddp_bucketed, ("ddp_bucketed",)),
-    Deliverable("2.4 communication_accounting (a–d)", None),
+    Deliverable("2.4 communication_accounting (a–d)", "communication_accounting", render_accounting),
     Deliverable("3 optimizer_state_sharding_accounting (a–c)", "ddp_benchmark", render_sharding, ("sharding",)),
 ]
 

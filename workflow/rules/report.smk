@@ -65,6 +65,7 @@ rule writeup_md:
         tables=expand(f"{R}/tables/{{name}}.md", name=available(TABLE_INPUTS)),
         figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),
         anchors="config.yaml",
+        accounting=f"{R}/communication_accounting.md",
     output:
         f"{R}/writeup.md",
     log:
@@ -80,3 +81,14 @@ rule writeup_md:
     shell:
         "python -m cs336_systems.report.writeup --results {params.results} --figures {params.figures}"
         " --scale {params.scale} --anchors {input.anchors} --out {output} 2> {log}"
+
+
+rule communication_accounting:
+    output:
+        f"{R}/communication_accounting.md",
+    log:
+        f"{LOGS}/communication_accounting.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.report.accounting --out {output} > {log} 2>&1"
