@@ -404,14 +404,49 @@ def render_accounting(ctx: Context) -> str:
     return path.read_text() if path.exists() else "pending: rule `communication_accounting`\n"
 
 
+def render_accumulation(ctx: Context) -> str:
+    frame = ctx.frame("mixed_precision")
+    acc = frame[frame["kind"] == "accumulation"].set_index("item")
+    lines = [f"- `{item}`: {row['value']:.6g} ({row['dtype']}), error {row['abs_error']:.2g}"
+             for item, row in acc.iterrows()]
+    worst, best = acc["abs_error"].idxmax(), acc["abs_error"].idxmin()
+    text = (f"Adding 0.01 a thousand times should give 10. The float16 accumulator ({worst}) is off by "
+            f"{acc.loc[worst, 'abs_error']:.3g}: once the sum is large, float16's 10-bit mantissa cannot represent "
+            f"sum + 0.01 and each addition rounds. A float32 accumulator fed float16 terms is off by "
+            f"{acc.loc['fp32 += fp16', 'abs_error']:.3g}: the terms themselves carry float16's rounding of 0.01 "
+            f"(upcast explicitly or by type promotion, the same), which summed 1000 times is the whole error. "
+            f"float32 throughout ({best}) is off by only {acc.loc[best, 'abs_error']:.2g}. Hence mixed precision "
+            f"keeps accumulations in float32.")
+    return "\n".join([text, "", *lines])
+
+
+def render_toy_dtypes(ctx: Context) -> str:
+    frame = ctx.frame("mixed_precision")
+    dtypes = frame[frame["kind"] == "dtype"]
+    device = dtypes["device_type"].iloc[0]
+    lines = [f"- {item}: `{dtype}`" for item, dtype in zip(dtypes["item"], dtypes["dtype"])]
+    ln = dict(zip(dtypes["item"], dtypes["dtype"]))["layer norm output"]
+    text = (f"Observed by running the model under `torch.autocast(device_type='{device}', dtype=torch.float16)` "
+            f"(forward hooks on fc1 and the layer norm):")
+    explanation = (
+        f"(b) Layer normalisation computes a mean and a variance — reductions over the features — and divides "
+        f"by √(var + ε): sums of squares overflow float16's range (max 65504) and small variances lose their "
+        f"few significant bits, so autocast runs it in float32 on CUDA (here its output is `{ln}` on {device}). "
+        f"bfloat16 has float32's exponent range, so overflow is no longer the problem, but with a 7-bit "
+        f"mantissa the reductions are still imprecise; autocast keeps layer norm (and softmax, losses) in float32 "
+        f"for bfloat16 too, and our RMSNorm upcasts to float32 explicitly.")
+    return "\n".join([text, "", *lines, "", explanation])
+
+
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
                 lambda ctx: "`python -m cs336_systems.bench.e2e --help` (module `cs336_systems/bench/e2e.py`)."),
     Deliverable("1.1.3 (b) forward and backward timings for every model size", "e2e_timing", render_e2e, ("e2e",)),
     Deliverable("1.1.3 (c) the effect of 0, 1 and 2 warm-up steps", "e2e_warmup", render_warmup, ("e2e_warmup",)),
     Deliverable("1.1.4 (a–e) nsys_profile: kernel summaries per range", None),
-    Deliverable("1.1.5 mixed_precision_accumulation", None),
-    Deliverable("1.1.5 (a–b) benchmarking_mixed_precision: ToyModel dtypes and layer norm", None),
+    Deliverable("1.1.5 mixed_precision_accumulation", "mixed_precision", render_accumulation, ("mixed_precision",)),
+    Deliverable("1.1.5 (a–b) benchmarking_mixed_precision: ToyModel dtypes and layer norm", "mixed_precision",
+                render_toy_dtypes, ("mixed_precision",)),
     Deliverable("1.1.5 (c) fp32 versus bf16 timings for every model size", "e2e_timing", render_mixed_precision,
                 ("e2e",)),
     Deliverable("1.1.6 (a–e) memory_profiling of the 2.7B model", None),

@@ -78,3 +78,18 @@ rule compile_timing:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes}"
         " --modes forward train_step --precisions {params.precision} --attention {params.attention}"
         " --compile off on --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
+
+
+rule mixed_precision:
+    output:
+        f"{R}/mixed_precision.csv",
+    log:
+        f"{LOGS}/mixed_precision.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+    shell:
+        "python -m cs336_systems.bench.mixed_precision {params.device} --out {output} 2> {log}"

@@ -66,6 +66,11 @@ rule writeup_md:
         figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),
         anchors="config.yaml",
         accounting=f"{R}/communication_accounting.md",
+        mixed_precision=(
+            [f"{R}/mixed_precision.csv"]
+            if MEASURE or os.path.exists(f"{R}/mixed_precision.csv")
+            else []
+        ),
     output:
         f"{R}/writeup.md",
     log:
