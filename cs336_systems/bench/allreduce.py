@@ -21,7 +21,7 @@ import torch.distributed as dist
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import synchronize
-from cs336_systems.distributed.launch import init_from_env
+from cs336_systems.distributed.launch import init_from_env, shutdown
 
 
 def time_allreduce(numel: int, device: torch.device, warmup: int, iters: int) -> list[float]:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
     if rank == 0:
         write_rows(rows, args.out)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import DTYPES, autocast, is_oom, synchronize, timed
 from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, ShardedOptimizer
-from cs336_systems.distributed.launch import init_from_env
+from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import MODEL_SIZES, AdamW, TransformerLM, cross_entropy, get_config
 
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_rows(rows, args.out)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

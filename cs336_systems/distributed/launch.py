@@ -46,8 +46,17 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn, args) -> No
     init_from_env(backend, timeout_s=60)
     try:
         fn(rank, world_size, *args)
-    finally:
+        shutdown()
+    except BaseException:
         dist.destroy_process_group()
+        raise
+
+
+def shutdown() -> None:
+    """Leave the process group only once every rank is done: a rank that closes its connections while
+    a peer is still finishing its last collective makes gloo abort that peer (std::terminate)."""
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
