@@ -221,3 +221,54 @@ TABLES.update({
     "ddp_bucketed": (ddp, "Bucketed DDP by bucket size, torch DDP in the same run"),
     "sharding": (sharding, "Memory and step time with and without optimizer-state sharding"),
 })
+
+
+MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma"
+
+
+def profile_point(frame: pd.DataFrame) -> tuple[str, int]:
+    """The configuration the profiling discussion is about: xl at 512 tokens if it ran, else the
+    largest size at the longest context (up to 512) that ran."""
+    ok = frame[frame["status"] == "ok"]
+    if ((ok["size"] == "xl") & (ok["context_length"] == 512)).any():
+        return "xl", 512
+    ok = ok[ok["context_length"] <= 512]
+    size = [s for s in SIZE_ORDER if s in set(ok["size"])][-1]
+    return size, int(ok[ok["size"] == size]["context_length"].max())
+
+
+def profile_kernels(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.4: the top kernels of forward, backward and the optimizer step at the discussed configuration."""
+    size, ctx = profile_point(frame)
+    rows = frame[(frame["size"] == size) & (frame["context_length"] == ctx) & (frame["kind"] == "kernel")]
+    out = []
+    for phase in ("forward", "backward", "optimizer", "inference"):
+        part = rows[rows["phase"] == phase].sort_values("ms_per_step", ascending=False)
+        total = part["ms_per_step"].sum()
+        for _, row in part.head(8).iterrows():
+            out.append({"size": size, "context": ctx, "phase": phase, "kernel": row["name"][:70],
+                        "calls per step": round(row["calls_per_step"], 1), "ms per step": round(row["ms_per_step"], 3),
+                        "share of phase": f"{row['ms_per_step'] / total:.1%}"})
+    return pd.DataFrame(out)
+
+
+def profile_grid(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.4: kernel time per phase for every size and context length (or OOM)."""
+    out = []
+    for (size, ctx), rows in _ordered(frame).groupby(["size", "context_length"], observed=True):
+        if (rows["status"] != "ok").any():
+            out.append({"size": size, "context": ctx, "status": "OOM"})
+            continue
+        kernels = rows[rows["kind"] == "kernel"].groupby("phase")["ms_per_step"].sum()
+        harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
+        out.append({"size": size, "context": ctx, "status": "ok",
+                    **{f"{p} kernels (ms)": round(kernels.get(p, float("nan")), 2)
+                       for p in ("forward", "backward", "optimizer")},
+                    "forward harness (ms)": round(harness.get("forward", float("nan")), 2)})
+    return pd.DataFrame(out)
+
+
+TABLES.update({
+    "profile_kernels": (profile_kernels, "Top kernels per phase (PyTorch profiler), per training step"),
+    "profile_grid": (profile_grid, "Kernel time per phase for every size and context length (PyTorch profiler)"),
+})

@@ -93,3 +93,25 @@ rule mixed_precision:
         device=DEVICE_ARGS,
     shell:
         "python -m cs336_systems.bench.mixed_precision {params.device} --out {output} 2> {log}"
+
+
+rule profile:
+    output:
+        f"{R}/profile.csv",
+    log:
+        f"{LOGS}/profile.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        sizes=join(S["model_sizes"]),
+        contexts=join(S["profile"]["context_lengths"]),
+        batch=S["batch_size"],
+        warmup=S["profile"]["warmup"],
+        steps=S["profile"]["steps"],
+    shell:
+        "python -m cs336_systems.bench.profile {params.device} --sizes {params.sizes}"
+        " --context-lengths {params.contexts} --batch-size {params.batch} --warmup {params.warmup}"
+        " --steps {params.steps} --out {output} 2> {log}"

@@ -10,6 +10,8 @@ TABLE_INPUTS = {
     "flash_sweep": f"{R}/flash_sweep.csv",
     "flash_leaderboard": f"{R}/flash_leaderboard.csv",
     "flash_correctness": f"{R}/flash_correctness.csv",
+    "profile_kernels": f"{R}/profile.csv",
+    "profile_grid": f"{R}/profile.csv",
     "allreduce": f"{R}/allreduce.csv",
     "ddp_naive": f"{R}/ddp_naive.csv",
     "ddp_individual": f"{R}/ddp_individual.csv",

@@ -1,0 +1,158 @@
+"""Kernel summaries per phase of a training step (handout 1.1.4), with the PyTorch profiler.
+
+Nsight Systems cannot make reports on our GPU machines (it writes a raw .qdstrm only), so this
+produces the tables the handout reads off `nsys stats` with `torch.profiler` instead: for each model
+size and context length, after warm-up, a few training steps in which forward, backward and the
+AdamW step are each profiled in a session of their own, plus forward-only (inference) passes. Rows:
+one per (phase, kernel) with calls and total time, one per attention stage (scores, softmax, final
+matmul: ranges of the `naive_annotated` backend), and the harness's own synchronized time of each
+phase in the same process. On CUDA the "kernels" are GPU kernels; on a CPU, ATen operators by self
+time (the `tool` column says which). Out-of-memory is a row.
+
+    python -m cs336_systems.bench.profile --sizes small xl --context-lengths 128 256 512 1024 --out prof.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from cs336_systems.bench.e2e import RunSpec, build_model
+from cs336_systems.bench.provenance import provenance
+from cs336_systems.bench.results import write_rows
+from cs336_systems.bench.timing import annotate, autocast, is_oom, reset_memory, resolve_device, timed
+from cs336_systems.model import MODEL_SIZES, AdamW, cross_entropy
+
+ATTENTION_STAGES = ("scores", "softmax", "final matmul")
+OWN_RANGES = {"forward", "backward", "optimizer", "inference", *ATTENTION_STAGES}
+
+
+def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tuple[int, float]]]:
+    """(kernel rows, attention stage totals) of one profiling session, times in ms."""
+    kernels, stages = [], {}
+    for a in averages:
+        if a.key in ATTENTION_STAGES:
+            total = a.device_time_total if device.type == "cuda" else a.cpu_time_total
+            stages[a.key] = (a.count, total / 1e3)
+        elif a.key in OWN_RANGES or a.key.startswith("ProfilerStep"):
+            continue
+        elif device.type == "cuda":
+            if a.self_device_time_total > 0 and a.self_cpu_time_total == 0:  # a GPU kernel, not a CPU op
+                kernels.append({"kernel": a.key, "calls": a.count, "total_ms": a.self_device_time_total / 1e3})
+        elif a.key.startswith("aten::") and a.self_cpu_time_total > 0:
+            kernels.append({"kernel": a.key, "calls": a.count, "total_ms": a.self_cpu_time_total / 1e3})
+    return kernels, stages
+
+
+def profile_point(size: str, context_length: int, args, device: torch.device) -> list[dict]:
+    spec = RunSpec(size=size, mode="train_step", precision=args.precision, attention="naive_annotated",
+                   compile=False, batch_size=args.batch_size, context_length=context_length, warmup=args.warmup,
+                   steps=args.steps, device=str(device))
+    torch.manual_seed(0)
+    model = build_model(spec, device)
+    optimizer = AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(model.config.vocab_size, (args.batch_size, context_length + 1), device=device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    state = {}
+
+    def forward():
+        with annotate("forward"), autocast(args.precision, device):
+            state["loss"] = cross_entropy(model(inputs), targets)
+
+    def backward():
+        with annotate("backward"):
+            state["loss"].backward()
+
+    def step():
+        with annotate("optimizer"):
+            optimizer.step()
+
+    def inference():
+        with annotate("inference"), torch.no_grad(), autocast(args.precision, device):
+            model(inputs)
+
+    phases = {"forward": forward, "backward": backward, "optimizer": step, "inference": inference}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    harness = {name: [] for name in phases}
+    kernels: dict[tuple[str, str], list] = {}
+    stage_rows: dict[tuple[str, str], list] = {}
+    for i in range(args.warmup + args.steps):
+        measured = i >= args.warmup
+        optimizer.zero_grad(set_to_none=True)
+        for name, fn in phases.items():
+            if not measured:
+                fn()
+                continue
+            harness[name].append(timed(fn, device))  # the harness's time, unprofiled
+            if name == "backward":  # backward needs a fresh graph to be profiled
+                forward()
+            with profile(activities=activities) as prof:
+                fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            found, stages = summarize(prof.key_averages(), device)
+            for row in found:
+                entry = kernels.setdefault((name, row["kernel"]), [0, 0.0])
+                entry[0] += row["calls"]
+                entry[1] += row["total_ms"]
+            for stage, (calls, total) in stages.items():
+                entry = stage_rows.setdefault((name, stage), [0, 0.0])
+                entry[0] += calls
+                entry[1] += total
+    tool = "torch.profiler: CUDA kernels" if device.type == "cuda" else "torch.profiler: ATen ops (CPU self time)"
+    rows = [{"kind": "kernel", "phase": phase, "name": kernel, "calls_per_step": calls / args.steps,
+             "ms_per_step": total / args.steps, "tool": tool} for (phase, kernel), (calls, total) in kernels.items()]
+    rows += [{"kind": "attention_stage", "phase": phase, "name": stage, "calls_per_step": calls / args.steps,
+              "ms_per_step": total / args.steps, "tool": tool} for (phase, stage), (calls, total) in stage_rows.items()]
+    rows += [{"kind": "harness", "phase": name, "name": "synchronized wall time", "calls_per_step": 1,
+              "ms_per_step": sum(times) / len(times), "tool": "timeit + synchronize"}
+             for name, times in harness.items()]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["small"])
+    parser.add_argument("--context-lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="profiled steps")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    for size in args.sizes:
+        if size not in MODEL_SIZES:
+            parser.error(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
+    if args.steps <= 0:
+        parser.error(f"--steps must be positive, got {args.steps}")
+    try:
+        device = resolve_device(args.device)
+    except RuntimeError as error:
+        parser.error(str(error))
+    prov = provenance(device)
+    rows = []
+    for size, context_length in itertools.product(args.sizes, args.context_lengths):
+        base = {"size": size, "context_length": context_length, "batch_size": args.batch_size,
+                "precision": args.precision, "steps": args.steps}
+        reset_memory(device)
+        try:
+            point = profile_point(size, context_length, args, device)
+            rows += [{**base, **row, "status": "ok", **prov} for row in point]
+            status = "ok"
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if not is_oom(error):
+                raise
+            rows.append({**base, "kind": "point", "status": "oom", "error": str(error).splitlines()[0][:200], **prov})
+            status = "oom"
+        reset_memory(device)
+        print(f"{size} ctx={context_length}: {status}", file=sys.stderr, flush=True)
+    write_rows(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
