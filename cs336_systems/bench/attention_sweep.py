@@ -17,7 +17,15 @@ import torch
 
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, is_oom, reset_memory, resolve_device, summarize, timed
+from cs336_systems.bench.timing import (
+    DTYPES,
+    add_device_argument,
+    device_from_args,
+    is_oom,
+    reset_memory,
+    summarize,
+    timed,
+)
 from cs336_systems.model.attention import naive_attention
 
 
@@ -66,16 +74,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=100)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     for name in ("batch_size", "iters"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    try:
-        device = resolve_device(args.device)
-    except RuntimeError as error:
-        parser.error(str(error))
+    device = device_from_args(parser, args.device)
     prov = provenance(device)
     rows = []
     grid = list(itertools.product(args.impls, args.head_dims, args.seqs))

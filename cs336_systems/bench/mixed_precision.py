@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import resolve_device
+from cs336_systems.bench.timing import add_device_argument, device_from_args
 
 
 def accumulation_loops() -> list[dict]:
@@ -83,13 +83,10 @@ def autocast_dtypes(device: torch.device) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    try:
-        device = resolve_device(args.device)
-    except RuntimeError as error:
-        parser.error(str(error))
+    device = device_from_args(parser, args.device)
     prov = provenance(device)
     rows = [*accumulation_loops(), *autocast_dtypes(device)]
     write_rows([{**row, "device_type": device.type, **prov} for row in rows], args.out)

@@ -24,7 +24,15 @@ from torch.profiler import ProfilerActivity, profile
 from cs336_systems.bench.e2e import RunSpec, build_model
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import annotate, autocast, is_oom, reset_memory, resolve_device, timed
+from cs336_systems.bench.timing import (
+    add_device_argument,
+    annotate,
+    autocast,
+    device_from_args,
+    is_oom,
+    reset_memory,
+    timed,
+)
 from cs336_systems.model import MODEL_SIZES, AdamW, cross_entropy
 
 ATTENTION_STAGES = ("scores", "softmax", "final matmul")
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="profiled steps")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     for size in args.sizes:
@@ -130,10 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
     if args.steps <= 0:
         parser.error(f"--steps must be positive, got {args.steps}")
-    try:
-        device = resolve_device(args.device)
-    except RuntimeError as error:
-        parser.error(str(error))
+    device = device_from_args(parser, args.device)
     prov = provenance(device)
     rows = []
     for size, context_length in itertools.product(args.sizes, args.context_lengths):

@@ -64,3 +64,24 @@ def flash_backward_math(q, k, v, o, lse, do, is_causal: bool):
     dq = ds @ kf * scale
     dk = ds.transpose(-2, -1) @ qf * scale
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_function(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """A FlashAttention-2 `autograd.Function` from a forward (q, k, v, is_causal) -> (O, L) and a backward
+    (q, k, v, O, L, dO, is_causal) -> (dQ, dK, dV). Forward saves L (shape q.shape[:-1]), Q, K, V and O;
+    called as `Cls.apply(q, k, v, is_causal)`."""
+
+    def forward_(ctx, q, k, v, is_causal=False):
+        check_inputs(q, k, v, name)
+        out, lse = forward(q, k, v, is_causal)
+        ctx.save_for_backward(lse, q, k, v, out)
+        ctx.is_causal = is_causal
+        return out
+
+    def backward_(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = backward(q, k, v, out, lse, grad_out, ctx.is_causal)
+        return dq, dk, dv, None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_),
+                                                    "__doc__": flash_function.__doc__})

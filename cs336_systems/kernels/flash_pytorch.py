@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from cs336_systems.kernels.common import check_inputs, flash_backward_math
+from cs336_systems.kernels.common import flash_backward_math, flash_function
 
 TILE_Q = 64
 TILE_K = 64
@@ -58,22 +58,11 @@ def _compiled_backward():
     return torch.compile(flash_backward_math, dynamic=True)
 
 
-class FlashAttentionPytorch(torch.autograd.Function):
-    """`FlashAttentionPytorch.apply(q, k, v, is_causal)`; saves L (shape q.shape[:-1]) for backward."""
+def _backward(q, k, v, out, lse, grad_out, is_causal):
+    return _compiled_backward()(q, k, v, out, lse, grad_out, is_causal)
 
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        check_inputs(q, k, v, "flash_pytorch")
-        out, lse = flash_forward_pytorch(q, k, v, is_causal)
-        ctx.save_for_backward(lse, q, k, v, out)
-        ctx.is_causal = is_causal
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = _compiled_backward()(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
+FlashAttentionPytorch = flash_function("FlashAttentionPytorch", flash_forward_pytorch, _backward)
 
 
 def flash_attention_pytorch(q, k, v, is_causal: bool = False) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.common import check_inputs
+from cs336_systems.kernels.common import flash_function
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -399,22 +399,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     return dq, dk, dv
 
 
-class FlashAttentionTriton(torch.autograd.Function):
-    """`FlashAttentionTriton.apply(q, k, v, is_causal)`; saves L (shape q.shape[:-1]) for backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        check_inputs(q, k, v, "flash_triton")
-        out, lse = flash_forward_triton(q, k, v, is_causal)
-        ctx.save_for_backward(lse, q, k, v, out)
-        ctx.is_causal = is_causal
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = flash_backward_triton(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
+FlashAttentionTriton = flash_function("FlashAttentionTriton", flash_forward_triton, flash_backward_triton)
 
 
 def flash_attention_triton(q, k, v, is_causal: bool = False) -> torch.Tensor:
