@@ -498,6 +498,46 @@ def render_profile(ctx: Context) -> str:
     return "\n\n".join([*parts, ctx.table("profile_grid"), ctx.table("profile_kernels")])
 
 
+def render_memory(ctx: Context) -> str:
+    from cs336_systems.model import get_config
+
+    peaks = ctx.frame("memory")
+    allocations = ctx.frame("memory_allocations")
+    ok = peaks[peaks["status"] == "ok"]
+    table = ok.pivot_table(index="context_length", columns=["mode", "precision"], values="peak_memory_mib").round(0)
+    table.columns = [f"{mode} {precision} peak (MiB)" for mode, precision in table.columns]
+    size, batch = peaks["size"].iloc[0], int(peaks["batch_size"].iloc[0])
+    config = get_config(size)
+    longest = int(ok["context_length"].max())
+    residual = batch * longest * config.d_model * 4 / 2**20
+    parts = [f"{size}, batch {batch}; peak memory allocated by tensors during one measured step (after warm-up), "
+             f"from `torch.cuda.max_memory_allocated`. Out of memory: "
+             + (", ".join(f"{m} {p} at {c}" for m, p, c in peaks[peaks["status"] == "oom"][
+                 ["mode", "precision", "context_length"]].values) or "none") + ".",
+             table.reset_index().to_markdown(index=False)]
+    for precision in ("fp32", "bf16"):
+        name = f"forward_{precision}_{longest}"
+        parts.append(ctx.figure(f"memory/{name}", f"forward {precision}"))
+        parts.append(ctx.figure(f"memory/train_step_{precision}_{longest}", f"train step {precision}"))
+    if {"fp32", "bf16"} <= set(ok["precision"]):
+        wide = ok.pivot_table(index=["mode", "context_length"], columns="precision", values="peak_memory_mib")
+        delta = (wide["bf16"] - wide["fp32"]).dropna()
+        parts.append(f"(c) bf16 autocast changes the peak by {delta.min():+.0f} to {delta.max():+.0f} MiB: the "
+                     f"float32 parameters (and their gradients and AdamW state) stay, autocast adds bf16 copies of "
+                     f"the weights, and activations saved for backward shrink to half.")
+    parts.append(f"(d) One residual-stream activation at context {longest} is batch × context × d_model × 4 B = "
+                 f"{batch} × {longest} × {config.d_model} × 4 / 1024² = {residual:.1f} MiB.")
+    if allocations is not None:
+        forward = allocations[allocations["snapshot"] == f"forward_fp32_{longest}"]
+        same = forward[(forward["size_mib"] - residual).abs() < 1e-6]
+        if len(same):
+            parts[-1] += f" The forward snapshot has {int(same['count'].sum())} allocations of exactly that size."
+        parts.append("(e) Largest allocations in the forward pass (fp32, context "
+                     f"{longest}) and the code that made them:\n\n"
+                     + forward[["size_mib", "count", "origin"]].round(1).to_markdown(index=False))
+    return "\n\n".join(parts)
+
+
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
                 lambda ctx: "`python -m cs336_systems.bench.e2e --help` (module `cs336_systems/bench/e2e.py`)."),
@@ -509,7 +549,8 @@ DELIVERABLES = [
                 render_toy_dtypes, ("mixed_precision",)),
     Deliverable("1.1.5 (c) fp32 versus bf16 timings for every model size", "e2e_timing", render_mixed_precision,
                 ("e2e",)),
-    Deliverable("1.1.6 (a–e) memory_profiling of the 2.7B model", None),
+    Deliverable("1.1.6 (a–e) memory_profiling of the 2.7B model", "memory_profile", render_memory,
+                ("memory", "memory_allocations")),
     Deliverable("1.2.1 pytorch_attention: attention timings and memory", "attention_timing", render_attention,
                 ("attention",)),
     Deliverable("1.3.1 (a) torch_compile: compiled versus vanilla attention", "attention_timing",

@@ -115,3 +115,41 @@ rule profile:
         "python -m cs336_systems.bench.profile {params.device} --sizes {params.sizes}"
         " --context-lengths {params.contexts} --batch-size {params.batch} --warmup {params.warmup}"
         " --steps {params.steps} --out {output} 2> {log}"
+
+
+rule memory_profile:
+    output:
+        peaks=f"{R}/memory.csv",
+        snapshots=directory(f"{R}/memory_snapshots"),
+    log:
+        f"{LOGS}/memory_profile.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        mem=S["memory"],
+        contexts=join(S["memory"]["context_lengths"]),
+        precisions=join(S["memory"]["precisions"]),
+        batch=S["batch_size"],
+    shell:
+        "python -m cs336_systems.bench.memory {params.device} --size {params.mem[size]}"
+        " --context-lengths {params.contexts} --precisions {params.precisions} --batch-size {params.batch}"
+        " --snapshot-dir {output.snapshots} --out {output.peaks} 2> {log}"
+
+
+rule memory_timelines:
+    input:
+        f"{R}/memory_snapshots",
+    output:
+        f"{R}/memory_allocations.csv",
+    log:
+        f"{LOGS}/memory_timelines.log",
+    conda:
+        ENV
+    params:
+        figures=f"{F}/memory",
+    shell:
+        "python -m cs336_systems.report.memory {input}/*.pickle --figures-dir {params.figures}"
+        " --out {output} 2> {log}"

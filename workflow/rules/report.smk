@@ -73,6 +73,12 @@ rule writeup_md:
             if MEASURE or os.path.exists(f"{R}/mixed_precision.csv")
             else []
         ),
+        memory=(
+            [f"{R}/memory.csv", f"{R}/memory_allocations.csv"]
+            if S["memory"]["enabled"]
+            and (MEASURE or os.path.exists(f"{R}/memory.csv"))
+            else []
+        ),
     output:
         f"{R}/writeup.md",
     log:
