@@ -41,3 +41,19 @@ def test_cli_draws_and_tabulates(tmp_path):
     assert (tmp_path / "figs" / "forward_fp32_128.png").stat().st_size > 1000
     table = pd.read_csv(tmp_path / "a.csv")
     assert table["size_mib"].tolist()[:2] == [16, 4]
+
+
+def test_trace_lanes_and_overlap():
+    from cs336_systems.report import traces
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "backward", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 110, "dur": 50},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32", "ts": 150, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32", "ts": 160, "dur": 20},
+    ]
+    lanes = traces.lanes(events)
+    assert lanes["backward"] == [(100.0, 200.0)] and lanes["compute"] == [(110.0, 160.0)]
+    assert len(lanes["communication"]) == 2
+    # merged communication 150..250 (100 µs), of which 150..200 is inside backward
+    assert traces.overlap_fraction(lanes["communication"], lanes["backward"]) == 0.5

@@ -15,6 +15,7 @@ writes one row per config; out-of-memory is a row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -23,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, autocast, is_oom, synchronize, timed
+from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, timed
 from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, ShardedOptimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import MODEL_SIZES, AdamW, TransformerLM, cross_entropy, get_config
@@ -72,6 +74,19 @@ def memory_mib(device: torch.device) -> tuple[float, float]:
     return torch.cuda.memory_allocated(device) / 2**20, torch.cuda.max_memory_allocated(device) / 2**20
 
 
+@contextlib.contextmanager
+def trace_to(path: Path | None, device: torch.device):
+    """Profile the enclosed step and export a Chrome trace to path (nothing when path is None)."""
+    if path is None:
+        yield
+        return
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+
+
 def run_config(text: str, args, rank: int, world: int, device: torch.device) -> dict:
     wrapper, bucket_mb, opt_name = parse_config(text)
     torch.manual_seed(rank)  # ranks start apart; the wrappers broadcast rank 0's weights
@@ -96,15 +111,18 @@ def run_config(text: str, args, rank: int, world: int, device: torch.device) -> 
         optimizer.zero_grad(set_to_none=True)
 
         def forward_backward():
-            with autocast(args.precision, device):
+            with annotate("forward"), autocast(args.precision, device):
                 loss = cross_entropy(ddp(tokens[:, :-1]), tokens[:, 1:])
-            loss.backward()
+            with annotate("backward"):
+                loss.backward()
             losses.append(loss.detach())
 
-        parts = {"forward_backward": timed(forward_backward, device), "communication": timed(sync, device)}
-        before_step = memory_mib(device)
-        parts["optimizer"] = timed(optimizer.step, device)
-        after_step = memory_mib(device)
+        tracing = args.trace_dir and rank == 0 and step == args.warmup + args.steps - 1
+        with trace_to(Path(args.trace_dir) / f"{text}_{args.precision}.json" if tracing else None, device):
+            parts = {"forward_backward": timed(forward_backward, device), "communication": timed(sync, device)}
+            before_step = memory_mib(device)
+            parts["optimizer"] = timed(optimizer.step, device)
+            after_step = memory_mib(device)
         if step >= args.warmup:
             for key, value in parts.items():
                 times[key].append(value)
@@ -139,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--trace-dir", default=None,
+                        help="export a Chrome trace of each config's last step (rank 0) into this folder")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:

@@ -538,6 +538,18 @@ def render_memory(ctx: Context) -> str:
     return "\n\n".join(parts)
 
 
+def render_traces(ctx: Context) -> str:
+    frame = ctx.frame("ddp_overlap")
+    parts = ["Each figure is drawn from a PyTorch-profiler trace of one training step on rank 0 (the handout asks "
+             "for Nsight screenshots; Nsight Systems cannot make reports on our machines): the backward range, "
+             "compute work and gradient communication on one time axis."]
+    for _, row in frame.iterrows():
+        parts.append(f"`{row['trace']}`: {row['communication_ms']:.1f} ms of communication, "
+                     f"{row['overlap_with_backward']:.0%} of it during the backward pass.")
+        parts.append(ctx.figure(f"ddp_traces/{row['trace']}", row["trace"]))
+    return "\n\n".join(parts)
+
+
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
                 lambda ctx: "`python -m cs336_systems.bench.e2e --help` (module `cs336_systems/bench/e2e.py`)."),
@@ -567,7 +579,8 @@ DELIVERABLES = [
                 render_ddp_naive, ("ddp_naive",)),
     Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (a)", "ddp_benchmark", render_ddp_individual,
                 ("ddp_individual",)),
-    Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (b): profiler traces", None),
+    Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (b): profiler traces", "ddp_overlap",
+                render_traces, ("ddp_overlap",)),
     Deliverable("2.3 ddp_bucketed_benchmarking (a, b)", "ddp_benchmark", render_ddp_bucketed, ("ddp_bucketed",)),
     Deliverable("2.4 communication_accounting (a–d)", "communication_accounting", render_accounting),
     Deliverable("3 optimizer_state_sharding_accounting (a–c)", "ddp_benchmark", render_sharding, ("sharding",)),

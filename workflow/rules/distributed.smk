@@ -64,3 +64,41 @@ rule ddp_benchmark:
         " --context-length {params.ddp[context_length]} --precisions {params.precisions}"
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
         " --configs {params.configs} --out {output} 2> {log}"
+
+
+rule ddp_traces:
+    output:
+        timings=f"{R}/ddp_traces.csv",
+        traces=directory(f"{R}/ddp_traces"),
+    log:
+        f"{LOGS}/ddp_traces.log",
+    conda:
+        ENV
+    resources:
+        gpu=DDP["gpus"],
+    params:
+        configs=join(DDP["trace_configs"]),
+        ddp=DDP,
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
+        " --nproc_per_node {params.ddp[world_size]} -m cs336_systems.bench.ddp"
+        " --backend {params.ddp[backend]} --size {params.ddp[size]} --batch-size {params.ddp[batch_size]}"
+        " --context-length {params.ddp[context_length]} --precisions {params.ddp[trace_precision]}"
+        " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps 2"
+        " --configs {params.configs} --trace-dir {output.traces} --out {output.timings} 2> {log}"
+
+
+rule ddp_overlap:
+    input:
+        f"{R}/ddp_traces",
+    output:
+        f"{R}/ddp_overlap.csv",
+    log:
+        f"{LOGS}/ddp_overlap.log",
+    conda:
+        ENV
+    params:
+        figures=f"{F}/ddp_traces",
+    shell:
+        "python -m cs336_systems.report.traces {input}/*.json --figures-dir {params.figures}"
+        " --out {output} 2> {log}"

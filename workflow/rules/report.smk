@@ -73,6 +73,7 @@ rule writeup_md:
             if MEASURE or os.path.exists(f"{R}/mixed_precision.csv")
             else []
         ),
+        overlap=f"{R}/ddp_overlap.csv",
         memory=(
             [f"{R}/memory.csv", f"{R}/memory_allocations.csv"]
             if S["memory"]["enabled"]

@@ -1,0 +1,97 @@
+"""Communication against backward in a profiler trace (handout 2.3 ddp_overlap_individual_parameters (b)).
+
+Reads Chrome traces exported by `cs336_systems.bench.ddp --trace-dir`, draws each as a timeline with
+three lanes (the backward range, compute, communication) and measures how much of the communication
+time falls inside the backward pass.
+
+    python -m cs336_systems.report.traces TRACE.json... --figures-dir figures/ddp_traces --out overlap.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from cs336_systems.bench.results import write_rows  # noqa: E402
+
+COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce", re.IGNORECASE)
+CPU_COMPUTE = re.compile(r"^aten::(mm|addmm|bmm|matmul|_softmax|mul|add)")
+
+Interval = tuple[float, float]
+
+
+def lanes(events: list[dict]) -> dict[str, list[Interval]]:
+    """(start, end) in µs of the backward range, compute work and communication."""
+    complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    kernels = [e for e in complete if e.get("cat") == "kernel"]
+    out: dict[str, list[Interval]] = {"backward": [], "compute": [], "communication": []}
+    for e in complete:
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        if e.get("cat") == "user_annotation" and e["name"] == "backward":
+            out["backward"].append(span)
+        elif COMMUNICATION.search(e["name"]) and (e.get("cat") == "kernel" or not kernels):
+            out["communication"].append(span)
+        elif (e.get("cat") == "kernel") if kernels else CPU_COMPUTE.match(e["name"]):
+            out["compute"].append(span)
+    return out
+
+
+def _union(intervals: list[Interval]) -> list[Interval]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(m) for m in merged]
+
+
+def overlap_fraction(communication: list[Interval], window: list[Interval]) -> float:
+    """Share of (merged) communication time that lies inside the window intervals."""
+    comm, win = _union(communication), _union(window)
+    total = sum(end - start for start, end in comm)
+    inside = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in win)
+    return inside / total if total else float("nan")
+
+
+def draw(lanes_: dict[str, list[Interval]], path: str | Path, title: str) -> None:
+    origin = min(start for spans in lanes_.values() for start, _ in spans)
+    fig, ax = plt.subplots(figsize=(10, 2.6))
+    colors = {"backward": "tab:gray", "compute": "tab:blue", "communication": "tab:red"}
+    for row, (name, spans) in enumerate(lanes_.items()):
+        ax.broken_barh([((s - origin) / 1e3, (e - s) / 1e3) for s, e in _union(spans)], (row - 0.4, 0.8),
+                       color=colors[name])
+    ax.set(yticks=range(len(lanes_)), yticklabels=list(lanes_), xlabel="ms from the first event", title=title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--figures-dir", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    rows = []
+    for path in map(Path, args.traces):
+        events = json.loads(path.read_text())["traceEvents"]
+        found = lanes(events)
+        if not found["communication"]:
+            raise SystemExit(f"{path}: no communication events found")
+        draw(found, Path(args.figures_dir) / f"{path.stem}.png", f"{path.stem}: backward, compute, communication")
+        rows.append({"trace": path.stem, "communication_ms": sum(e - s for s, e in _union(found["communication"])) / 1e3,
+                     "overlap_with_backward": overlap_fraction(found["communication"], found["backward"])})
+    write_rows(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
