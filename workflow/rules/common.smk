@@ -31,3 +31,8 @@ def join(values):
 def available(inputs):
     """The names whose data exists, or all of them when this run may measure."""
     return [name for name, data in inputs.items() if MEASURE or os.path.exists(data)]
+
+
+def wanted(*paths):
+    """The paths, unless this run only reports (measure=false) and they were never measured."""
+    return [p for p in paths if MEASURE or os.path.exists(p)]

@@ -68,16 +68,11 @@ rule writeup_md:
         figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),
         anchors="config.yaml",
         accounting=f"{R}/communication_accounting.md",
-        mixed_precision=(
-            [f"{R}/mixed_precision.csv"]
-            if MEASURE or os.path.exists(f"{R}/mixed_precision.csv")
-            else []
-        ),
-        overlap=f"{R}/ddp_overlap.csv",
+        mixed_precision=wanted(f"{R}/mixed_precision.csv"),
+        overlap=wanted(f"{R}/ddp_overlap.csv"),
         memory=(
-            [f"{R}/memory.csv", f"{R}/memory_allocations.csv"]
+            wanted(f"{R}/memory.csv", f"{R}/memory_allocations.csv")
             if S["memory"]["enabled"]
-            and (MEASURE or os.path.exists(f"{R}/memory.csv"))
             else []
         ),
     output:
