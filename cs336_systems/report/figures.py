@@ -18,7 +18,8 @@ def _sizes(frame: pd.DataFrame) -> list[str]:
     return [s for s in SIZE_ORDER if s in set(frame["size"])]
 
 
-def _save(fig: plt.Figure, path: str | Path, title: str) -> None:
+def save_figure(fig: plt.Figure, path: str | Path, title: str) -> None:
+    """Title, lay out, write the PNG (making its folder) and free the figure."""
     fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -33,7 +34,7 @@ def e2e_timing(frame: pd.DataFrame, path: str | Path) -> None:
     grid = sns.catplot(data=rows, kind="bar", x="size", y="mean_ms", hue="phase", col="precision", row="attention",
                        order=_sizes(rows), errorbar=None, height=3, aspect=1.4, sharey=False)
     grid.set(yscale="log", ylabel="ms per step")
-    _save(grid.figure, path, "Transformer LM: forward and backward time")
+    save_figure(grid.figure, path, "Transformer LM: forward and backward time")
 
 
 def e2e_warmup(frame: pd.DataFrame, path: str | Path) -> None:
@@ -45,7 +46,7 @@ def e2e_warmup(frame: pd.DataFrame, path: str | Path) -> None:
         ax.errorbar([bar.get_x() + bar.get_width() / 2 for bar in container], group["mean_ms"],
                     yerr=group["std_ms"], fmt="none", color="black", capsize=2)
     ax.set(yscale="log", ylabel="mean ms per step (± std)")
-    _save(fig, path, "Effect of warm-up steps (forward+backward)")
+    save_figure(fig, path, "Effect of warm-up steps (forward+backward)")
 
 
 def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
@@ -54,7 +55,7 @@ def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
     grid = sns.catplot(data=rows, kind="bar", x="size", y="median_ms", hue="execution", col="mode", row="attention",
                        order=_sizes(rows), errorbar=None, height=3, aspect=1.4, sharey=False)
     grid.set(yscale="log", ylabel="median ms per step")
-    _save(grid.figure, path, "Eager versus torch.compile")
+    save_figure(grid.figure, path, "Eager versus torch.compile")
 
 
 FIGURES = {"e2e_timing": e2e_timing, "e2e_warmup": e2e_warmup, "compile_timing": compile_timing}
@@ -73,7 +74,7 @@ def attention_memory(frame: pd.DataFrame, path: str | Path) -> None:
         ax.annotate("OOM", (row["seq_len"], predicted[row["seq_len"]]), color="red")
     ax.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB in use before backward")
     ax.legend(title="d", fontsize=8)
-    _save(fig, path, "Naive attention: memory before backward")
+    save_figure(fig, path, "Naive attention: memory before backward")
 
 
 def _flash_panels(frame: pd.DataFrame, path: str | Path, value: str, ylabel: str, title: str) -> None:
@@ -82,7 +83,7 @@ def _flash_panels(frame: pd.DataFrame, path: str | Path, value: str, ylabel: str
                        marker="o", height=2.6, aspect=1.1, facet_kws={"sharey": False})
     grid.set(xscale="log", yscale="log" if value == "median_ms" else "linear", ylabel=ylabel,
              xlabel="sequence length")
-    _save(grid.figure, path, title)
+    save_figure(grid.figure, path, title)
 
 
 def flash_latency(frame: pd.DataFrame, path: str | Path) -> None:
@@ -104,7 +105,7 @@ def allreduce(frame: pd.DataFrame, path: str | Path) -> None:
     sns.lineplot(data=rows, x="size_mb", y="busbw_gbps", hue="setting", marker="o", ax=axes[1], legend=False)
     axes[0].set(xscale="log", yscale="log", xlabel="MB per rank", ylabel="median ms")
     axes[1].set(xscale="log", xlabel="MB per rank", ylabel="bus bandwidth (GB/s)")
-    _save(fig, path, "All-reduce on one node")
+    save_figure(fig, path, "All-reduce on one node")
 
 
 def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
@@ -113,7 +114,7 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
     sns.barplot(data=rows, x="config", y="step_ms", hue="precision", ax=ax, errorbar=None)
     ax.set(ylabel="ms per training step", xlabel="")
     ax.tick_params(axis="x", rotation=30)
-    _save(fig, path, "Bucketed DDP: step time by bucket size")
+    save_figure(fig, path, "Bucketed DDP: step time by bucket size")
 
 
 FIGURES.update({"allreduce": allreduce, "ddp_bucketed": ddp_bucketed})

@@ -10,12 +10,10 @@ import argparse
 import pickle
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from cs336_systems.bench.results import write_rows  # noqa: E402
+from cs336_systems.bench.results import write_rows
+from cs336_systems.report.figures import save_figure  # also selects the Agg backend
 
 
 def trace(snapshot: dict) -> list[dict]:
@@ -59,11 +57,8 @@ def draw_timeline(snapshot: dict, path: str | Path, title: str) -> None:
     xs, ys = active_timeline(snapshot)
     fig, ax = plt.subplots(figsize=(8, 3.5))
     ax.fill_between(xs, ys, step="post", alpha=0.6)
-    ax.set(xlabel="allocator event", ylabel="active memory (MiB)", title=title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set(xlabel="allocator event", ylabel="active memory (MiB)")
+    save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,12 +14,10 @@ import json
 import re
 from pathlib import Path
 
-import matplotlib
+import matplotlib.pyplot as plt
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from cs336_systems.bench.results import write_rows  # noqa: E402
+from cs336_systems.bench.results import write_rows
+from cs336_systems.report.figures import save_figure  # also selects the Agg backend
 
 COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce", re.IGNORECASE)
 CPU_COMPUTE = re.compile(r"^aten::(mm|addmm|bmm|matmul|_softmax|mul|add)")
@@ -68,11 +66,8 @@ def draw(lanes_: dict[str, list[Interval]], path: str | Path, title: str) -> Non
     for row, (name, spans) in enumerate(lanes_.items()):
         ax.broken_barh([((s - origin) / 1e3, (e - s) / 1e3) for s, e in _union(spans)], (row - 0.4, 0.8),
                        color=colors[name])
-    ax.set(yticks=range(len(lanes_)), yticklabels=list(lanes_), xlabel="ms from the first event", title=title)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set(yticks=range(len(lanes_)), yticklabels=list(lanes_), xlabel="ms from the first event")
+    save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> None:
