@@ -15,12 +15,11 @@ import sys
 
 import torch
 
+from cs336_systems.bench.cli import add_device_argument, device_from_args, positive_int
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import (
     DTYPES,
-    add_device_argument,
-    device_from_args,
     is_oom,
     reset_memory,
     summarize,
@@ -70,16 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128])
     parser.add_argument("--seqs", nargs="+", type=int, default=[256, 1024, 4096, 8192, 16384])
     parser.add_argument("--impls", nargs="+", default=["eager"], choices=["eager", "compiled"])
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--iters", type=positive_int, default=100)
     add_device_argument(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    for name in ("batch_size", "iters"):
-        if getattr(args, name) <= 0:
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     device = device_from_args(parser, args.device)
     prov = provenance(device)
     rows = []

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from cs336_systems.bench.cli import add_device_argument, non_negative_int, positive_int
 from cs336_systems.bench.provenance import device_name, provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import (
@@ -158,20 +159,6 @@ def run(spec: RunSpec) -> list[dict]:
     return rows
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["small"], help=f"model sizes: {', '.join(MODEL_SIZES)}")
@@ -186,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-length", type=positive_int, default=512)
     parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed warm-up steps")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_argument(parser)
     parser.add_argument("--memory-snapshot", default=None,
                         help="dump the allocator history of the measured steps to this pickle (CUDA only)")
     parser.add_argument("--out", required=True, help="CSV file for the rows")

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from cs336_systems.bench import e2e
+from cs336_systems.bench.cli import add_device_argument, device_from_args, positive_int
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import add_device_argument, device_from_args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-lengths", nargs="+", type=int, default=[128, 256, 512])
     parser.add_argument("--modes", nargs="+", default=["forward", "train_step"], choices=["forward", "train_step"])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--snapshot-dir", required=True)
     add_device_argument(parser)

@@ -14,9 +14,9 @@ import argparse
 import torch
 import torch.nn as nn
 
+from cs336_systems.bench.cli import add_device_argument, device_from_args
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import add_device_argument, device_from_args
 
 
 def accumulation_loops() -> list[dict]:

@@ -22,13 +22,12 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench.e2e import RunSpec, build_model
+from cs336_systems.bench.cli import add_device_argument, device_from_args, positive_int
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import (
-    add_device_argument,
     annotate,
     autocast,
-    device_from_args,
     is_oom,
     reset_memory,
     timed,
@@ -126,18 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["small"])
     parser.add_argument("--context-lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--batch-size", type=positive_int, default=4)
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2, help="profiled steps")
+    parser.add_argument("--steps", type=positive_int, default=2, help="profiled steps")
     add_device_argument(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     for size in args.sizes:
         if size not in MODEL_SIZES:
             parser.error(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
-    if args.steps <= 0:
-        parser.error(f"--steps must be positive, got {args.steps}")
     device = device_from_args(parser, args.device)
     prov = provenance(device)
     rows = []

@@ -122,15 +122,3 @@ def bench_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float, r
         samples.append(timed(fn, device))
     return statistics.median(samples)
 
-
-def add_device_argument(parser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda or cpu (default: cuda where there is one)")
-
-
-def device_from_args(parser, device: str) -> torch.device:
-    """resolve_device, reported as a usage error of the CLI."""
-    try:
-        return resolve_device(device)
-    except RuntimeError as error:
-        parser.error(str(error))
