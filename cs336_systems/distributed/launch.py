@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,13 +15,7 @@ import torch.multiprocessing as mp
 SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_from_env(backend: str, timeout_s: float = 300) -> tuple[int, int, torch.device]:
+def init_from_env(backend: str, timeout_s: float = 300, init_method: str = "env://") -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes; each NCCL rank takes the GPU of its local rank."""
     for key, value in SAFE_NCCL_ENV.items():
         os.environ.setdefault(key, value)
@@ -35,15 +30,17 @@ def init_from_env(backend: str, timeout_s: float = 300) -> tuple[int, int, torch
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, init_method=init_method, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size))
-    # A short timeout turns a rank that never arrives into an error instead of a hang.
-    init_from_env(backend, timeout_s=60)
+def _worker(rank: int, world_size: int, store_file: str, backend: str, fn, args) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    # A file store has no server: no rank's exit can pull the store from under a peer still shutting
+    # down (with a TCP store hosted by rank 0, that aborted the other rank now and then). A short
+    # timeout turns a rank that never arrives into an error instead of a hang.
+    init_from_env(backend, timeout_s=60, init_method=f"file://{store_file}")
     try:
         fn(rank, world_size, *args)
         shutdown()
@@ -62,4 +59,6 @@ def shutdown() -> None:
 def run_distributed(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
     """fn(rank, world_size, *args) on each of world_size local processes; a rank that raises fails the
     call and the others are stopped."""
-    mp.spawn(_worker, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        store_file = str(Path(tmp) / "store")
+        mp.spawn(_worker, args=(world_size, store_file, backend, fn, args), nprocs=world_size, join=True)
