@@ -41,6 +41,7 @@ from cs336_systems.model import (
     TransformerLM,
     cross_entropy,
     forward_flops,
+    get_attention,
     get_config,
     naive_attention,
     register_attention,
@@ -191,8 +192,6 @@ def specs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         device = resolve_device(args.device)
         for precision in args.precisions:
             check_precision(precision, device)
-        from cs336_systems.model import get_attention
-
         for name in args.attention:
             get_attention(name)
     except (ValueError, RuntimeError) as error:

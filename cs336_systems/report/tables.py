@@ -15,13 +15,14 @@ def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("size")
 
 
-def _cell(rows: pd.DataFrame) -> str:
+def _cell(rows: pd.DataFrame, render=lambda row: mean_std(row["mean_ms"], row["std_ms"])) -> str:
+    """The first row rendered, its status (OOM, …) if it did not run, or a dash if there is none."""
     if rows.empty:
         return "—"
     row = rows.iloc[0]
     if row["status"] != "ok":
         return str(row["status"]).upper()
-    return mean_std(row["mean_ms"], row["std_ms"])
+    return render(row)
 
 
 def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> pd.DataFrame:
@@ -95,13 +96,8 @@ TABLES = {
 }
 
 
-def _ms(rows: pd.DataFrame, column: str = "mean_ms") -> str:
-    if rows.empty:
-        return "—"
-    row = rows.iloc[0]
-    if row["status"] != "ok":
-        return str(row["status"]).upper()
-    return f"{row[column]:.3f}"
+def _ms(rows: pd.DataFrame) -> str:
+    return _cell(rows, lambda row: f"{row['mean_ms']:.3f}")
 
 
 def attention(frame: pd.DataFrame) -> pd.DataFrame:
