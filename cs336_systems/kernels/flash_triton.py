@@ -5,7 +5,7 @@ streams over key tiles, keeping the running maximum m_i, the running denominator
 unnormalised output `acc` in float32 registers; the exponentials are base 2 with log2(e)/√d folded
 into one scale. It writes O_i = acc / l_i and the natural-log logsumexp L_i = (m_i + log2 l_i)·ln 2.
 
-Backward: D = rowsum(dO ∘ O) first, then two kernels that recompute P = exp(S − L) from L and need
+Backward: D = rowsum(dO ∘ O) first (a small kernel), then two kernels that recompute P = exp(S − L) from L and need
 no atomics: one per key tile accumulates dK_j and dV_j over the query tiles, one per query tile
 accumulates dQ_i over the key tiles.
 
@@ -98,13 +98,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 # ----------------------------------------------------------------------------------------------
 # forward kernel
 # ----------------------------------------------------------------------------------------------
-def _fwd_configs():
+# Tile configs as (outer tile, inner tile, warps, stages). The outer tile is the one a program keeps
+# (queries in the forward and dQ kernels, keys in the dK/dV kernel); the inner one is streamed.
+# Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but with float32 (IEEE
+# dots) they make GPU compilation very slow and rarely fit in shared memory: `_prune_configs` keeps
+# them for 16-bit inputs only.
+FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+             (128, 64, 4, 4), (128, 128, 8, 4)]
+BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
+             (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5)]
+MAX_FLOAT32_STAGES = 3
+
+
+def _configs(tiles, outer: str, inner: str):
     if INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
-    ]
+        return [triton.Config({outer: 16, inner: 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({outer: o, inner: i}, num_warps=w, num_stages=s) for o, i, w, s in tiles]
 
 
 def _even(name: str, block: str):
@@ -113,11 +122,15 @@ def _even(name: str, block: str):
 
 def _prune_configs(configs, named_args, **kwargs):
     """Drop configs whose query or key tile is longer than the (power-of-two rounded) sequence, so a
-    short problem is not tuned over tiles it cannot fill; keep at least the smallest."""
+    short problem is not tuned over tiles it cannot fill, and deep pipelines for float32; keep at
+    least the smallest."""
     args = {**named_args, **kwargs}  # the launcher passes the sizes by keyword
     max_m, max_n = args["SEQ_KEY_Q"], args["SEQ_KEY_K"]
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)]
-    return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
+    max_stages = MAX_FLOAT32_STAGES if args["PRECISION"] == "ieee" else None
+    kept = [c for c in configs
+            if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)
+            and (max_stages is None or c.num_stages <= max_stages)]
+    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
 
 
 def _tuning_bench(fn, quantiles):
@@ -130,7 +143,7 @@ def _tuning_bench(fn, quantiles):
 TUNING_KEY = ["SEQ_KEY_Q", "SEQ_KEY_K", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
 
 
-@triton.autotune(configs=_fwd_configs(), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+@triton.autotune(configs=_configs(FWD_TILES, "BLOCK_M", "BLOCK_N"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
                  do_bench=_tuning_bench)
 @triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
                     "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
@@ -233,16 +246,26 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, s
     return dq
 
 
-def _bwd_configs(outer: str, inner: str):
-    if INTERPRET:
-        return [triton.Config({outer: 16, inner: 16}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({outer: o, inner: i}, num_warps=w, num_stages=s)
-        for o, i, w, s in [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)]
-    ]
+@triton.jit
+def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
+                      stride_dob, stride_doh, stride_don, stride_dod, H, N_Q, HEAD_DIM,
+                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """D = rowsum(dO ∘ O) in float32, reading O and dO once in their own dtype and strides (a stride-0
+    dO from `o.sum().backward()` is read as it is, never materialised)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(O + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_on, stride_od, N_Q, HEAD_DIM,
+                   True, True, 0.0)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_don, stride_dod, N_Q, HEAD_DIM,
+                    True, True, 0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
-@triton.autotune(configs=_bwd_configs("BLOCK_N", "BLOCK_M"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+@triton.autotune(configs=_configs(BWD_TILES, "BLOCK_N", "BLOCK_M"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
                  do_bench=_tuning_bench)
 @triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
                     "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
@@ -294,7 +317,7 @@ def _flash_bwd_dkdv_kernel(
                 stride_dvn, stride_dvd, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
 
 
-@triton.autotune(configs=_bwd_configs("BLOCK_M", "BLOCK_N"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
+@triton.autotune(configs=_configs(BWD_TILES, "BLOCK_M", "BLOCK_N"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
                  do_bench=_tuning_bench)
 @triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
                     "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
@@ -385,7 +408,11 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     _check_device(q)
     p = _launch_params(q, k)
     batch_heads = q.shape[0] * p["H"]
-    delta = (grad_out.float() * out.float()).sum(-1)  # D = rowsum(dO ∘ O), shape q.shape[:-1]
+    delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    delta_block = 16 if INTERPRET else 64
+    _bwd_delta_kernel[(triton.cdiv(p["N_Q"], delta_block), batch_heads)](
+        out, grad_out, delta, *_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"],
+        BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
