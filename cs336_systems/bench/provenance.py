@@ -13,7 +13,12 @@ import torch
 
 @functools.cache
 def git_commit() -> str:
-    """The checkout's commit, with '+dirty' when tracked files differ from it ('unknown' outside git)."""
+    """The checkout's commit, with '+dirty' when tracked files differ from it ('unknown' outside git).
+
+    CS336_GIT_COMMIT, when set, names the commit instead: for copies of a checkout whose .git is
+    absent or stale (a remote GPU machine given the working tree)."""
+    if os.environ.get("CS336_GIT_COMMIT"):
+        return os.environ["CS336_GIT_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         commit = subprocess.run(
@@ -23,7 +28,7 @@ def git_commit() -> str:
             ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("CS336_GIT_COMMIT", "unknown")
+        return "unknown"
     return commit + ("+dirty" if dirty else "")
 
 
