@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import sys
 from pathlib import Path
@@ -87,11 +88,20 @@ def trace_to(path: Path | None, device: torch.device):
     prof.export_chrome_trace(str(path))
 
 
+def release_memory(device: torch.device) -> None:
+    """Free what the previous config left. Gradient hooks hold their wrapper, which holds the model:
+    a reference cycle that only the garbage collector breaks, so without this each config's model,
+    gradients and optimizer state stay on the GPU and inflate every later config's peak memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_config(text: str, args, rank: int, world: int, device: torch.device) -> dict:
     wrapper, bucket_mb, opt_name = parse_config(text)
     torch.manual_seed(rank)  # ranks start apart; the wrappers broadcast rank 0's weights
+    release_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     with device:
         model = TransformerLM(get_config(args.size, context_length=args.context_length, attention=args.attention))
@@ -177,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             if not is_oom(error):
                 raise
             row = {"config": text, "status": "oom", "error": str(error).splitlines()[0][:200]}
-            torch.cuda.empty_cache()
+            # (the next config's release_memory frees what this one held, once the exception is gone)
         row.update(world_size=world, size=args.size, batch_per_rank=args.batch_size,
                    context_length=args.context_length, precision=args.precision, attention=args.attention,
                    backend=args.backend, warmup=args.warmup, steps=args.steps)

@@ -426,7 +426,33 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     return dq, dk, dv
 
 
-FlashAttentionTriton = flash_function("FlashAttentionTriton", flash_forward_triton, flash_backward_triton)
+# The launchers as PyTorch custom operators: torch.compile then treats each as one opaque call with a
+# known output shape instead of tracing into Triton's autotuner (which Dynamo in torch 2.11 fails on:
+# "Can't construct an AttrSource without a valid base source"), so `torch.compile(FlashAttentionTriton.apply)`
+# compiles as the handout's leaderboard test does.
+@torch.library.custom_op("cs336_systems::flash_triton_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_forward_triton(q, k, v, is_causal)
+
+
+@_forward_op.register_fake
+def _(q, k, v, is_causal):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("cs336_systems::flash_triton_backward", mutates_args=())
+def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                 grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_backward_triton(q, k, v, out, lse, grad_out, is_causal)
+
+
+@_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out, is_causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+FlashAttentionTriton = flash_function("FlashAttentionTriton", _forward_op, _backward_op)
 
 
 def flash_attention_triton(q, k, v, is_causal: bool = False) -> torch.Tensor:
