@@ -6,7 +6,9 @@ trained on the whole batch. The model has a tied weight (used twice), a frozen l
 """
 
 import copy
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -69,6 +71,11 @@ def _train_and_compare(rank: int, world_size: int, name: str) -> None:
     gathered = [torch.empty_like(model.fc2.weight) for _ in range(world_size)]
     dist.all_gather(gathered, model.fc2.weight.detach())
     assert all(torch.equal(gathered[0], g) for g in gathered)
+    # Dropping the wrapper and the model frees them (gradient hooks must not keep them alive).
+    alive = [weakref.ref(ddp), weakref.ref(model)]
+    del ddp, model, optimizer
+    gc.collect()
+    assert [r() for r in alive] == [None, None], f"{name}: the wrapper or its model outlived every reference"
 
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))

@@ -101,6 +101,8 @@ def run_config(text: str, args, rank: int, world: int, device: torch.device) -> 
     wrapper, bucket_mb, opt_name = parse_config(text)
     torch.manual_seed(rank)  # ranks start apart; the wrappers broadcast rank 0's weights
     release_memory(device)
+    # Memory still allocated before this config builds anything: 0 unless an earlier config leaked.
+    at_start = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with device:
@@ -139,6 +141,7 @@ def run_config(text: str, args, rank: int, world: int, device: torch.device) -> 
             times["step"].append(sum(parts.values()))
             memory = {"after_init": after_init, "before_step": before_step, "after_step": after_step}
     row = {"config": text, "wrapper": wrapper, "bucket_mb": bucket_mb, "optimizer": opt_name, "status": "ok",
+           "mem_at_start_mib": at_start,
            "final_loss": float(torch.stack(losses[-args.steps:]).mean())}
     for key, values in times.items():
         row[f"{key}_ms"] = statistics.fmean(values)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -30,3 +33,20 @@ def broadcast_from_rank0(module: nn.Module) -> None:
     """Make every rank start from rank 0's parameters and buffers."""
     for tensor in [*module.parameters(), *module.buffers()]:
         dist.broadcast(tensor.data, src=0)
+
+
+def weak_hook(method: Callable) -> Callable:
+    """A gradient hook that calls a bound method without keeping its object alive.
+
+    A tensor holds its hooks in C++, out of sight of Python's garbage collector, so a hook that holds
+    its wrapper strongly makes a cycle (parameter → hook → wrapper → module → parameter) that is
+    never collected: the wrapper, its model and their gradients would outlive every reference to
+    them. Once the wrapper is gone, the hook does nothing."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters
+from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters, weak_hook
 
 
 @dataclass
@@ -69,7 +69,7 @@ class DDPBucketed(nn.Module):
             self.buckets.append(bucket)
             for i, p in enumerate(params):
                 self._where[id(p)] = (bucket, i)
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                p.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

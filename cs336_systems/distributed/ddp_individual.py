@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters
+from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters, weak_hook
 
 
 class DDPIndividualParameters(nn.Module):
@@ -25,7 +25,7 @@ class DDPIndividualParameters(nn.Module):
         # A tied weight is one leaf with one AccumulateGrad node: its hook fires once per backward,
         # after both uses have been summed, so it is reduced once.
         for param in trainable_parameters(module):
-            param.register_post_accumulate_grad_hook(self._reduce)
+            param.register_post_accumulate_grad_hook(weak_hook(self._reduce))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
