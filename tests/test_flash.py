@@ -10,11 +10,14 @@ any indexing or masking mistake (those give O(1) errors). 16-bit: each kernel's 
 float64 must be within 2x (plus a small floor) of PyTorch's own attention in the same dtype.
 """
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
 from cs336_systems.kernels.common import attention_ref
-from cs336_systems.kernels.flash_triton import INTERPRET
+from cs336_systems.kernels import flash_triton
+from cs336_systems.kernels.flash_triton import BWD_TILES, FWD_TILES, INTERPRET, MAX_FLOAT32_STAGES, pinned_tiles
 from tests.adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
 
 IMPLS = {"pytorch": get_flashattention_autograd_function_pytorch(), "triton": get_flashattention_autograd_function_triton()}
@@ -74,8 +77,34 @@ def _rel_err(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1.0)).item()
 
 
+# Small enough for every dtype and head dim in shared memory (float32 at d=128 included).
+GPU_TEST_TILE = (64, 32, 4, 2)
+
+
 def _cases(device):
     return CASES + (GPU_CASES if device == "cuda" else [])
+
+
+@pytest.fixture(autouse=True)
+def _one_tile_config_on_gpu(request):
+    """On a GPU the tests run with one tile config per kernel: autotuning every test shape would
+    compile every config once per specialization (minutes). `test_every_tile_config` checks each
+    config and `test_autotuned_path` (marked `autotuned`) the autotuner itself."""
+    pin = torch.cuda.is_available() and request.node.get_closest_marker("autotuned") is None
+    with pinned_tiles(GPU_TEST_TILE, GPU_TEST_TILE) if pin else nullcontext():
+        yield
+
+
+def _check_against_reference(apply, q_shape, k_shape, causal, dtype, device, seed, what):
+    """float32: within 1e-4 of float64. 16-bit: within 2x (plus a floor) of PyTorch's own error."""
+    q, k, v, do = _inputs(q_shape, k_shape, dtype, device, seed)
+    got = _run(apply, q, k, v, do, causal)
+    ref = _reference(q, k, v, do, causal)
+    torch_own = _run(lambda *a: attention_ref(*a)[0], q, k, v, do, causal) if dtype != torch.float32 else None
+    for i, name in ((0, "O"), (2, "dQ"), (3, "dK"), (4, "dV")):
+        err = _rel_err(got[i], ref[i])
+        limit = 1e-4 if torch_own is None else 2 * _rel_err(torch_own[i], ref[i]) + 2e-3
+        assert err < limit, f"{what} {dtype} {name} {q_shape} {k_shape} causal={causal}: {err:.2e} (limit {limit:.2e})"
 
 
 @pytest.mark.parametrize("impl,device", CASES_BY_DEVICE)
@@ -177,3 +206,48 @@ def test_backends_plug_into_the_model():
         model = TransformerLM(config.replace(attention=backend)).to(device)
         model.load_state_dict(reference.state_dict())
         torch.testing.assert_close(model(tokens), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tile configs are GPU code; CPU runs use one 16x16 tile")
+@pytest.mark.parametrize("index", range(max(len(FWD_TILES), len(BWD_TILES))))
+def test_every_tile_config(index):
+    from triton.runtime.errors import OutOfResources  # after cs336_systems, which sets the interpreter up
+
+    forward, backward = FWD_TILES[index % len(FWD_TILES)], BWD_TILES[index % len(BWD_TILES)]
+    dtypes = [torch.bfloat16] + ([torch.float32] if max(forward[3], backward[3]) <= MAX_FLOAT32_STAGES else [])
+    checked = 0
+    with pinned_tiles(forward, backward):
+        for dtype in dtypes:
+            for seed, (q_shape, k_shape, causal) in enumerate([((2, 3, 300, 64), (2, 3, 300, 64), True),
+                                                               ((1, 2, 200, 128), (1, 2, 333, 128), False)]):
+                try:
+                    _check_against_reference(IMPLS["triton"].apply, q_shape, k_shape, causal, dtype, "cuda", seed,
+                                             f"tiles fwd={forward} bwd={backward}")
+                    checked += 1
+                except OutOfResources:  # too big for shared memory at this dtype and head dim; the
+                    continue            # autotuner skips such a config the same way
+    assert checked, f"tiles fwd={forward} bwd={backward} ran for no case"
+
+
+@pytest.mark.autotuned
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner runs on the GPU only")
+def test_autotuned_path():
+    """The kernels as the benchmarks run them: autotuned, with pruning by length and precision."""
+    assert len(flash_triton._flash_fwd_kernel.configs) == len(FWD_TILES)
+    for dtype in (torch.bfloat16, torch.float32):
+        _check_against_reference(IMPLS["triton"].apply, (1, 4, 1000, 64), (1, 4, 1000, 64), True, dtype,
+                                 "cuda", 5, "autotuned")
+
+
+def test_pinned_tiles_run_the_given_tile_and_restore():
+    """A tile other than the default on CPU too (the interpreter runs any tile, slowly)."""
+    kernel = flash_triton._flash_fwd_kernel
+    before = kernel.configs
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not INTERPRET:
+        pytest.skip("Triton kernels need a GPU or the interpreter")
+    with pinned_tiles((32, 16, 4, 1), (32, 16, 4, 1)):
+        assert [c.kwargs for c in kernel.configs] == [{"BLOCK_M": 32, "BLOCK_N": 16}]
+        _check_against_reference(IMPLS["triton"].apply, (2, 45, 16), (2, 45, 16), True, torch.float32, device, 3,
+                                 "pinned 32x16")
+    assert kernel.configs is before

@@ -15,17 +15,21 @@ def _event(action, size, filename="/x/cs336_systems/model/transformer.py", line=
         {"filename": filename, "line": line, "name": name}]}
 
 
-SNAPSHOT = {"segments": [], "device_traces": [[
+# 100 MiB made before recording stays live; an 8 MiB tensor made before recording is freed in it.
+SNAPSHOT = {"segments": [{"device": 0, "blocks": [
+    {"size": 100 * MiB, "state": "active_allocated"}, {"size": 4 * MiB, "state": "active_allocated"},
+    {"size": 60 * MiB, "state": "inactive"}]}], "device_traces": [[
+    _event("free_completed", 8 * MiB),
     _event("alloc", 4 * MiB), _event("alloc", 16 * MiB, line=42, name="attention"),
     _event("free_requested", 16 * MiB), _event("free_completed", 16 * MiB),
     _event("alloc", 4 * MiB), _event("segment_alloc", 64 * MiB), _event("free_completed", 4 * MiB),
 ]]}
 
 
-def test_active_timeline_counts_allocations_and_completed_frees():
+def test_active_timeline_starts_from_what_was_live_before_recording():
     xs, ys = memory.active_timeline(SNAPSHOT)
-    assert ys == [4, 20, 4, 8, 4]
-    assert xs == [0, 1, 3, 4, 6]
+    assert ys == [100, 104, 120, 104, 108, 104]  # ends at the 104 MiB the segments hold at the dump
+    assert xs == [0, 1, 2, 4, 5, 7]
 
 
 def test_largest_allocations_name_our_code():

@@ -22,6 +22,7 @@ Triton's interpreter, which `import cs336_systems` switches on when CUDA is abse
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -110,10 +111,15 @@ BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
 MAX_FLOAT32_STAGES = 3
 
 
+def _config(tile, outer: str, inner: str) -> triton.Config:
+    o, i, warps, stages = tile
+    return triton.Config({outer: o, inner: i}, num_warps=warps, num_stages=stages)
+
+
 def _configs(tiles, outer: str, inner: str):
-    if INTERPRET:
-        return [triton.Config({outer: 16, inner: 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({outer: o, inner: i}, num_warps=w, num_stages=s) for o, i, w, s in tiles]
+    if INTERPRET:  # the interpreter runs any tile slowly: the smallest one keeps CPU tests quick
+        return [_config((16, 16, 4, 1), outer, inner)]
+    return [_config(tile, outer, inner) for tile in tiles]
 
 
 def _even(name: str, block: str):
@@ -361,6 +367,25 @@ def _flash_bwd_dq_kernel(
                            BLOCK_N, True, True, not EVEN_D, PRECISION)
     _store_tile(DQ + b * stride_dqb + h * stride_dqh, (dq * sm_scale).to(DQ.dtype.element_ty), offs_m, offs_d,
                 stride_dqn, stride_dqd, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+
+
+@contextlib.contextmanager
+def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, int, int]):
+    """Run the kernels with one tile config each, (outer, inner, warps, stages) as in FWD_TILES and
+    BWD_TILES, instead of autotuning: a single config skips Triton's pruning and benchmarking. For
+    checking every tile config, and for quick GPU test runs, where autotuning every test shape
+    compiles each config once per specialization (minutes)."""
+    roles = ((_flash_fwd_kernel, forward, "BLOCK_M", "BLOCK_N"),
+             (_flash_bwd_dkdv_kernel, backward, "BLOCK_N", "BLOCK_M"),
+             (_flash_bwd_dq_kernel, backward, "BLOCK_M", "BLOCK_N"))
+    saved = [(kernel.configs, kernel.cache) for kernel, *_ in roles]
+    try:
+        for kernel, tile, outer, inner in roles:
+            kernel.configs, kernel.cache = [_config(tile, outer, inner)], {}
+        yield
+    finally:
+        for (kernel, *_), (configs, cache) in zip(roles, saved):
+            kernel.configs, kernel.cache = configs, cache
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,16 +21,23 @@ def trace(snapshot: dict) -> list[dict]:
     return next((t for t in snapshot.get("device_traces", []) if t), [])
 
 
+def allocated_at_dump(snapshot: dict) -> int:
+    """Bytes held by live tensors when the snapshot was dumped: its segments' allocated blocks."""
+    return sum(block["size"] for segment in snapshot.get("segments", []) for block in segment.get("blocks", [])
+               if block.get("state") in ("active_allocated", "active_pending_free"))
+
+
 def active_timeline(snapshot: dict) -> tuple[list[int], list[float]]:
-    """(event index, MiB allocated by live tensors) after each allocation or completed free."""
-    active, xs, ys = 0, [], []
-    for i, event in enumerate(trace(snapshot)):
-        if event["action"] == "alloc":
-            active += event["size"]
-        elif event["action"] == "free_completed":
-            active -= event["size"]
-        else:
-            continue
+    """(event index, MiB allocated by live tensors) after each allocation or completed free.
+
+    The trace covers only the recorded window, but tensors made before it (weights, optimizer state)
+    are live throughout and some are freed inside it (last step's gradients): the level at the start
+    is what was allocated at the dump minus the window's net change, as PyTorch's memory viewer does."""
+    events = [(i, e) for i, e in enumerate(trace(snapshot)) if e["action"] in ("alloc", "free_completed")]
+    net = sum(e["size"] if e["action"] == "alloc" else -e["size"] for _, e in events)
+    active, xs, ys = allocated_at_dump(snapshot) - net, [], []
+    for i, event in events:
+        active += event["size"] if event["action"] == "alloc" else -event["size"]
         xs.append(i)
         ys.append(active / 2**20)
     return xs, ys

@@ -95,26 +95,39 @@ rule mixed_precision:
         "python -m cs336_systems.bench.mixed_precision {params.device} --out {output} 2> {log}"
 
 
-rule profile:
+rule profile_size:
     output:
-        f"{R}/profile.csv",
+        temp(f"{R}/raw/profile/{{size}}.csv"),
     log:
-        f"{LOGS}/profile.log",
+        f"{LOGS}/profile/{{size}}.log",
     conda:
         ENV
     resources:
         gpu=GPUS,
     params:
         device=DEVICE_ARGS,
-        sizes=join(S["model_sizes"]),
         contexts=join(S["profile"]["context_lengths"]),
         batch=S["batch_size"],
         warmup=S["profile"]["warmup"],
         steps=S["profile"]["steps"],
     shell:
-        "python -m cs336_systems.bench.profile {params.device} --sizes {params.sizes}"
+        "python -m cs336_systems.bench.profile {params.device} --sizes {wildcards.size}"
         " --context-lengths {params.contexts} --batch-size {params.batch} --warmup {params.warmup}"
         " --steps {params.steps} --out {output} 2> {log}"
+
+
+# One job per model size, so a size that fails or is cut short costs only its own points.
+rule profile:
+    input:
+        expand(f"{R}/raw/profile/{{size}}.csv", size=S["model_sizes"]),
+    output:
+        f"{R}/profile.csv",
+    log:
+        f"{LOGS}/profile.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
 
 
 rule memory_profile:
