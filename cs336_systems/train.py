@@ -8,7 +8,8 @@ tokens. Every step draws a global batch of `batch_size * world` windows from one
 rank r takes rows r, r+world, ... so ranks see disjoint data and the run does not depend on timing.
 Checkpoints hold the model, the step and each rank's optimizer state (one file per rank: with the
 sharded optimizer each rank owns a different shard); `--resume` continues from the latest.
-The loss of every step is written by rank 0 (`--loss-log`), so runs can be compared curve against curve.
+The loss of every step is written by rank 0 (`--loss-log`), so runs can be compared curve against curve,
+with the step's wall time (synchronized), the run's settings, its peak memory and provenance on each row.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from cs336_systems.bench.ddp import make_optimizer, parse_config, wrap
+from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, autocast
+from cs336_systems.bench.timing import DTYPES, autocast, peak_memory_mib, timed
 from cs336_systems.distributed import DDPBucketed
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_config
@@ -65,19 +67,26 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     for step in range(start, args.steps):
         inputs, targets = batches(data, model.config.vocab_size, args.batch_size, args.context_length, world, rank,
                                   args.seed, step)
-        if isinstance(ddp, DDPBucketed):
-            ddp.reset()
-        optimizer.zero_grad(set_to_none=True)
-        with autocast(args.precision, device):
-            loss = cross_entropy(ddp(inputs.to(device)), targets.to(device))
-        loss.backward()
-        sync()
-        optimizer.step()
-        mean_loss = loss.detach().clone()
+        inputs, targets = inputs.to(device), targets.to(device)
+
+        def train_step():
+            if isinstance(ddp, DDPBucketed):
+                ddp.reset()
+            optimizer.zero_grad(set_to_none=True)
+            with autocast(args.precision, device):
+                loss = cross_entropy(ddp(inputs), targets)
+            loss.backward()
+            sync()
+            optimizer.step()
+            return loss
+
+        losses = []
+        step_ms = timed(lambda: losses.append(train_step()), device)
+        mean_loss = losses[0].detach().clone()
         if world > 1:
             dist.all_reduce(mean_loss)
             mean_loss /= world
-        log.append({"step": step + 1, "loss": float(mean_loss)})
+        log.append({"step": step + 1, "loss": float(mean_loss), "step_ms": step_ms})
         if rank == 0 and (step + 1) % args.log_every == 0:
             print(f"step {step + 1}: loss {float(mean_loss):.4f}", flush=True)
         if ckpt_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
@@ -123,7 +132,12 @@ def main(argv: list[str] | None = None) -> None:
     rank, world, device = init_from_env(args.backend)
     log = train(args, rank, world, device)
     if rank == 0 and args.loss_log:
-        write_rows(log, args.loss_log)
+        run = {"size": args.size, "attention": args.attention, "wrapper": args.wrapper if world > 1 else "none",
+               "sharded_optimizer": args.sharded_optimizer, "world_size": world, "batch_per_rank": args.batch_size,
+               "context_length": args.context_length, "precision": args.precision, "backend": args.backend,
+               "tokens_per_step": args.batch_size * world * args.context_length,
+               "peak_memory_mib": peak_memory_mib(device), **provenance(device)}
+        write_rows([{**row, **run} for row in log], args.loss_log)
     shutdown()
 
 

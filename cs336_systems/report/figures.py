@@ -117,4 +117,12 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
     save_figure(fig, path, "Bucketed DDP: step time by bucket size")
 
 
-FIGURES.update({"allreduce": allreduce, "ddp_bucketed": ddp_bucketed})
+def train_matrix(frame: pd.DataFrame, path: str | Path) -> None:
+    """Loss per step, one panel per attention backend, one line per wrapper: the curves should coincide."""
+    rows = frame.assign(wrapper=frame["wrapper"].replace({"none": "single GPU"}))
+    grid = sns.relplot(data=rows, x="step", y="loss", hue="wrapper", style="wrapper", col="attention", kind="line",
+                       height=3.2, aspect=1.1, facet_kws={"sharey": True})
+    save_figure(grid.figure, path, "Training loss by data-parallel wrapper (same seed and global batch)")
+
+
+FIGURES.update({"allreduce": allreduce, "ddp_bucketed": ddp_bucketed, "train_matrix": train_matrix})

@@ -219,6 +219,31 @@ TABLES.update({
 })
 
 
+def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
+    """Training runs by attention backend and wrapper: speed over the second half of the steps (the
+    first half includes warm-up and, for flash_triton, autotuning), memory, and how far each loss
+    curve strays from torch DDP's with the same backend."""
+    out = []
+    for (attention, wrapper), run in frame.groupby(["attention", "wrapper"], sort=False):
+        run = run.sort_values("step")
+        timed_steps = run[run["step"] > run["step"].max() // 2]
+        step_ms = timed_steps["step_ms"].median()
+        reference = frame[(frame["attention"] == attention) & (frame["wrapper"] == "torch_ddp")].sort_values("step")
+        drift = ((run["loss"].to_numpy() - reference["loss"].to_numpy()).__abs__().max()
+                 if len(reference) == len(run) else float("nan"))
+        out.append({"attention": attention, "wrapper": "single GPU" if wrapper == "none" else wrapper,
+                    "ranks": int(run["world_size"].iloc[0]), "step (ms, median)": round(step_ms, 1),
+                    "tokens/s": round(run["tokens_per_step"].iloc[0] / step_ms * 1e3),
+                    "peak memory (MiB)": _mib(run["peak_memory_mib"].iloc[0]),
+                    "final loss": round(run["loss"].iloc[-1], 4),
+                    "max |loss − torch DDP|": float(f"{drift:.2g}")})
+    return pd.DataFrame(out)
+
+
+TABLES["train_matrix"] = (train_matrix, "Short training runs: attention backend × data-parallel wrapper, same seed "
+                                        "and global batch")
+
+
 MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma"
 
 

@@ -584,6 +584,29 @@ def render_traces(ctx: Context) -> str:
     return "\n\n".join(parts)
 
 
+def render_train_matrix(ctx: Context) -> str:
+    from cs336_systems.report.tables import train_matrix
+
+    frame = ctx.frame("train_matrix")
+    summary = train_matrix(frame)
+    first = frame.iloc[0]
+    parts = [f"{first['size']} model, {first['precision']}, context {first['context_length']}, "
+             f"{int(first['tokens_per_step'])} tokens per step for every run ({int(first['batch_per_rank'])} "
+             f"sequences per rank; the single-GPU run takes the whole global batch), {int(frame['step'].max())} "
+             f"steps from the same seed, on {first['device_name']}."]
+    drift = summary["max |loss − torch DDP|"].dropna()
+    if len(drift):
+        parts.append(f"Every run's loss stays within {drift.max():.2g} of torch DDP's with the same attention "
+                     f"backend at every step: our wrappers train the model as torch's does, and data parallelism "
+                     f"as a whole matches one GPU on the same global batch.")
+    for attention, runs in summary.groupby("attention", sort=False):
+        best = runs.sort_values("tokens/s").iloc[-1]
+        parts.append(f"Tokens/s with {attention} attention: "
+                     + ", ".join(f"{r['wrapper']} {r['tokens/s']:,}" for _, r in runs.iterrows())
+                     + f" (fastest: {best['wrapper']}).")
+    return "\n\n".join([*parts, ctx.figure("train_matrix", "loss curves"), ctx.table("train_matrix")])
+
+
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
                 lambda ctx: "`python -m cs336_systems.bench.e2e --help` (module `cs336_systems/bench/e2e.py`)."),
@@ -618,6 +641,8 @@ DELIVERABLES = [
     Deliverable("2.3 ddp_bucketed_benchmarking (a, b)", "ddp_benchmark", render_ddp_bucketed, ("ddp_bucketed",)),
     Deliverable("2.4 communication_accounting (a–d)", "communication_accounting", render_accounting),
     Deliverable("3 optimizer_state_sharding_accounting (a–c)", "ddp_benchmark", render_sharding, ("sharding",)),
+    Deliverable("End to end: training runs by attention backend and wrapper", "train_matrix", render_train_matrix,
+                ("train_matrix",)),
 ]
 
 

@@ -102,3 +102,56 @@ rule ddp_overlap:
     shell:
         "python -m cs336_systems.report.traces {input}/*.json --figures-dir {params.figures}"
         " --out {output} 2> {log}"
+
+
+# End to end: short training runs of our model, attention backend x data-parallel wrapper (train.py).
+TRAIN = S["train_matrix"]
+
+
+rule train_point:
+    output:
+        temp(f"{R}/raw/train/{{attention}}_{{wrapper}}.csv"),
+    log:
+        f"{LOGS}/train/{{attention}}_{{wrapper}}.log",
+    wildcard_constraints:
+        attention="naive|sdpa|flash_pytorch|flash_triton",
+        wrapper=r"single|naive|flat|individual|torch_ddp|bucketed-[0-9.]+",
+    conda:
+        ENV
+    resources:
+        gpu=lambda wc: (
+            min(TRAIN["gpus"], 1) if wc.wrapper == "single" else TRAIN["gpus"]
+        ),
+    params:
+        t=TRAIN,
+        nproc=lambda wc: 1 if wc.wrapper == "single" else TRAIN["world_size"],
+        wrapper=lambda wc: (
+            "none" if wc.wrapper == "single" else wc.wrapper.replace("-", ":")
+        ),
+        # the single-GPU run takes the global batch, so every run sees the same tokens per step
+        batch=lambda wc: TRAIN["batch_size"]
+        * (TRAIN["world_size"] if wc.wrapper == "single" else 1),
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
+        " --nproc_per_node {params.nproc} -m cs336_systems.train --size {params.t[size]}"
+        " --wrapper {params.wrapper} --attention {wildcards.attention} --batch-size {params.batch}"
+        " --context-length {params.t[context_length]} --precision {params.t[precision]}"
+        " --steps {params.t[steps]} --backend {params.t[backend]} --log-every 1000000"
+        " --loss-log {output} > {log} 2>&1"
+
+
+rule train_matrix:
+    input:
+        expand(
+            f"{R}/raw/train/{{attention}}_{{wrapper}}.csv",
+            attention=TRAIN["attention"],
+            wrapper=TRAIN["wrappers"],
+        ),
+    output:
+        f"{R}/train_matrix.csv",
+    log:
+        f"{LOGS}/train_matrix.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"

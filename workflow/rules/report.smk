@@ -17,6 +17,7 @@ TABLE_INPUTS = {
     "ddp_individual": f"{R}/ddp_individual.csv",
     "ddp_bucketed": f"{R}/ddp_bucketed.csv",
     "sharding": f"{R}/sharding.csv",
+    "train_matrix": f"{R}/train_matrix.csv",
 }
 FIGURE_INPUTS = {
     "e2e_timing": f"{R}/e2e.csv",
@@ -27,6 +28,7 @@ FIGURE_INPUTS = {
     "flash_tflops": f"{R}/flash_sweep.csv",
     "allreduce": f"{R}/allreduce.csv",
     "ddp_bucketed": f"{R}/ddp_bucketed.csv",
+    "train_matrix": f"{R}/train_matrix.csv",
 }
 
 

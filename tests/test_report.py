@@ -1,4 +1,5 @@
-"""Snapshot reading on a synthetic allocator trace with known answers (real snapshots need CUDA)."""
+"""Report helpers on synthetic inputs with known answers: allocator snapshots (real ones need CUDA),
+profiler traces and the training-matrix table."""
 
 import pickle
 
@@ -61,3 +62,20 @@ def test_trace_lanes_and_overlap():
     assert len(lanes["communication"]) == 2
     # merged communication 150..250 (100 µs), of which 150..200 is inside backward
     assert traces.overlap_fraction(lanes["communication"], lanes["backward"]) == 0.5
+
+
+def test_train_matrix_table_speed_and_loss_drift():
+    """Speed from the second half of the steps; drift is the largest per-step gap to torch DDP."""
+    from cs336_systems.report.tables import train_matrix
+
+    def run(wrapper, world, losses, ms):
+        return pd.DataFrame({"step": [1, 2, 3, 4], "loss": losses, "step_ms": ms, "attention": "sdpa",
+                             "wrapper": wrapper, "world_size": world, "tokens_per_step": 1000,
+                             "peak_memory_mib": float("nan")})
+
+    frame = pd.concat([run("torch_ddp", 2, [4.0, 3.0, 2.0, 1.0], [900, 10, 10, 10]),
+                       run("none", 1, [4.0, 3.0, 2.5, 1.0], [900, 20, 20, 20])])
+    table = train_matrix(frame).set_index("wrapper")
+    assert table.loc["torch_ddp", "step (ms, median)"] == 10 and table.loc["torch_ddp", "tokens/s"] == 100_000
+    assert table.loc["single GPU", "max |loss − torch DDP|"] == 0.5
+    assert table.loc["single GPU", "ranks"] == 1 and table.loc["single GPU", "final loss"] == 1.0
