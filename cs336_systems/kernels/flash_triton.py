@@ -149,10 +149,17 @@ def _tuning_bench(fn, quantiles):
 TUNING_KEY = ["SEQ_KEY_Q", "SEQ_KEY_K", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
 
 
-@triton.autotune(configs=_configs(FWD_TILES, "BLOCK_M", "BLOCK_N"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
-                 do_bench=_tuning_bench)
-@triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
-                    "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
+def _tuned(tiles, outer: str, inner: str):
+    """Autotuning over `tiles` (outer tile kept by a program, inner tile streamed), and the EVEN_*
+    heuristics that drop masks where the lengths and head dim fill the tiles."""
+    autotune = triton.autotune(configs=_configs(tiles, outer, inner), key=TUNING_KEY,
+                               prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_tuning_bench)
+    heuristics = triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
+                                    "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
+    return lambda kernel: autotune(heuristics(kernel))
+
+
+@_tuned(FWD_TILES, "BLOCK_M", "BLOCK_N")
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, L,
@@ -271,10 +278,7 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
     tl.store(DELTA + bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
-@triton.autotune(configs=_configs(BWD_TILES, "BLOCK_N", "BLOCK_M"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
-                 do_bench=_tuning_bench)
-@triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
-                    "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
+@_tuned(BWD_TILES, "BLOCK_N", "BLOCK_M")
 @triton.jit
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, L, DELTA, DK, DV,
@@ -323,10 +327,7 @@ def _flash_bwd_dkdv_kernel(
                 stride_dvn, stride_dvd, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
 
 
-@triton.autotune(configs=_configs(BWD_TILES, "BLOCK_M", "BLOCK_N"), key=TUNING_KEY, prune_configs_by={"early_config_prune": _prune_configs},
-                 do_bench=_tuning_bench)
-@triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
-                    "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
+@_tuned(BWD_TILES, "BLOCK_M", "BLOCK_N")
 @triton.jit
 def _flash_bwd_dq_kernel(
     Q, K, V, DO, L, DELTA, DQ,
