@@ -244,7 +244,8 @@ TABLES["train_matrix"] = (train_matrix, "Short training runs: attention backend 
                                         "and global batch")
 
 
-MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma"
+# cuBLAS on Hopper with CUDA 12.8+ names many of its GEMMs nvjet_*.
+MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
 
 
 def profile_point(frame: pd.DataFrame) -> tuple[str, int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 import yaml
 
 from cs336_systems.report.tables import SIZE_ORDER
@@ -343,14 +344,57 @@ def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
     return setup + "\n\n" + "\n\n".join(lines)
 
 
+def gradient_tensors(size: str) -> int:
+    """How many gradient tensors (all-reduces for naive DDP) the model has; built on the meta device."""
+    from cs336_systems.model import TransformerLM, get_config
+
+    with torch.device("meta"):
+        return sum(p.requires_grad for p in TransformerLM(get_config(size)).parameters())
+
+
 def render_ddp_naive(ctx: Context) -> str:
     frame = ctx.frame("ddp_naive")
-    return "\n\n".join([_ddp_summary(frame, ["none", "naive", "flat", "torch_ddp"]), ctx.table("ddp_naive")])
+    parts = [_ddp_summary(frame, ["none", "naive", "flat", "torch_ddp"])]
+    steps = _ddp_steps(frame)
+    cost = allreduce_cost(ctx.frame("allreduce"))
+    ok = frame[frame["status"] == "ok"]
+    if cost is not None and len(ok):
+        o, w = cost
+        grad_bytes, tensors = ok["grad_mib"].iloc[0] * 2**20, gradient_tensors(ok["size"].iloc[0])
+        waits = "; ".join(
+            f"{p}: naive {steps.loc[(p, 'naive'), 'communication_ms']:.1f} ms, flat "
+            f"{steps.loc[(p, 'flat'), 'communication_ms']:.1f} ms"
+            for p in sorted(set(ok["precision"])) if {(p, "naive"), (p, "flat")} <= set(steps.index))
+        parts.append(
+            f"The gradients are {tensors} tensors, {grad_bytes / 2**30:.2f} GiB in float32. The all-reduce times of "
+            f"2.1 fit t = o + bytes/w with o = {o * 1e6:.0f} µs and w = {w / 1e9:.0f} GB/s: one all-reduce of all "
+            f"gradients should take {(o + grad_bytes / w) * 1e3:.1f} ms, and {tensors} separate ones "
+            f"{(tensors * o + grad_bytes / w) * 1e3:.1f} ms if each paid o in full. Measured waits: {waits}. "
+            f"Flat DDP also copies every gradient into one buffer and back, which the prediction leaves out.")
+    shares = {p: steps.loc[(p, "naive"), "communication_ms"] / steps.loc[(p, "naive"), "step_ms"]
+              for p in sorted(set(ok["precision"])) if (p, "naive") in steps.index}
+    if shares:
+        parts.append("Communication is " + ", ".join(f"{share:.0%} of naive DDP's step in {p}"
+                                                     for p, share in shares.items())
+                     + ": the faster the computation, the larger the share of the step that waits for "
+                       "gradients, which is what overlapping communication with backward (2.3) recovers.")
+    return "\n\n".join([*parts, ctx.table("ddp_naive")])
 
 
 def render_ddp_individual(ctx: Context) -> str:
     frame = ctx.frame("ddp_individual")
     return "\n\n".join([_ddp_summary(frame, ["individual", "naive", "torch_ddp"]), ctx.table("ddp_individual")])
+
+
+def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None:
+    """(o seconds, w bytes/s) of t = o + bytes/w, fitted to the 2-rank NCCL all-reduce times of 2.1."""
+    if allreduce is None:
+        return None
+    nccl = allreduce[(allreduce["backend"] == "nccl") & (allreduce["world_size"] == 2)]
+    if len(nccl) < 2:
+        return None
+    slope, intercept = np.polyfit(nccl["size_mb"] * 2**20, nccl["median_ms"] / 1e3, 1)
+    return max(intercept, 1e-7), 1 / slope
 
 
 def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float) -> str:
@@ -360,14 +404,10 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float) -> str:
             "last bucket can only start when backward ends, so the time after backward is "
             "**overhead(n_b) = n_b·o + s/(n_b·w)**. Setting the derivative to zero gives "
             "**n_b\\* = √(s/(w·o))**, i.e. an optimal bucket size **b\\* = s/n_b\\* = √(s·w·o)**.")
-    if allreduce is None:
+    cost = allreduce_cost(allreduce)
+    if cost is None:
         return text
-    nccl = allreduce[(allreduce["backend"] == "nccl") & (allreduce["world_size"] == 2)]
-    if len(nccl) < 2:
-        return text
-    size_bytes = nccl["size_mb"] * 2**20
-    slope, intercept = np.polyfit(size_bytes, nccl["median_ms"] / 1e3, 1)  # t = o + bytes / w
-    o, w = max(intercept, 1e-7), 1 / slope
+    o, w = cost
     best = math.sqrt(model_bytes * w * o)
     return text + (f" Fitted to our NCCL all-reduce times (2 ranks): o = {o * 1e6:.1f} µs, w = {w / 1e9:.1f} GB/s; "
                    f"for the {model_bytes / 2**30:.2f} GiB of gradients this gives b\\* = {best / 2**20:.0f} MiB.")
