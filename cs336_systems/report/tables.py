@@ -244,7 +244,7 @@ TABLES["train_matrix"] = (train_matrix, "Short training runs: attention backend 
                                         "and global batch")
 
 
-# cuBLAS on Hopper with CUDA 12.8+ names many of its GEMMs nvjet_*.
+# Recent cuBLAS names its Hopper GEMMs nvjet_* (e.g. nvjet_sm90_hss_320x128).
 MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
 
 
