@@ -38,11 +38,13 @@ rule flash_correctness:
         "python -m cs336_systems.bench.flash_check {params.device} --out {output} > {log} 2>&1"
 
 
-rule flash_benchmark_dtype:
+rule flash_benchmark_point:
     output:
-        temp(f"{R}/raw/flash/{{dtype}}.csv"),
+        temp(f"{R}/raw/flash/{{dtype}}_d{{head_dim}}.csv"),
     log:
-        f"{LOGS}/flash_benchmark_{{dtype}}.log",
+        f"{LOGS}/flash_benchmark/{{dtype}}_d{{head_dim}}.log",
+    wildcard_constraints:
+        head_dim=r"\d+",
     conda:
         ENV
     resources:
@@ -50,21 +52,25 @@ rule flash_benchmark_dtype:
     params:
         device=DEVICE_ARGS,
         seqs=join(S["flash"]["seqs"]),
-        head_dims=join(S["flash"]["head_dims"]),
         providers=join(S["flash"]["providers"]),
         pytorch_max_seq=S["flash"]["pytorch_max_seq"],
         warmup_ms=S["flash"]["warmup_ms"],
         rep_ms=S["flash"]["rep_ms"],
     shell:
         "python -m cs336_systems.bench.flash_bench sweep {params.device} --seqs {params.seqs}"
-        " --head-dims {params.head_dims} --dtypes {wildcards.dtype} --providers {params.providers}"
+        " --head-dims {wildcards.head_dim} --dtypes {wildcards.dtype} --providers {params.providers}"
         " --pytorch-max-seq {params.pytorch_max_seq} --warmup-ms {params.warmup_ms}"
         " --rep-ms {params.rep_ms} --out {output} 2> {log}"
 
 
+# One job per (dtype, head dim): a float32 sweep over every head dim outlasted a 200 s slot.
 rule flash_benchmark:
     input:
-        expand(f"{R}/raw/flash/{{dtype}}.csv", dtype=S["flash"]["dtypes"]),
+        expand(
+            f"{R}/raw/flash/{{dtype}}_d{{head_dim}}.csv",
+            dtype=S["flash"]["dtypes"],
+            head_dim=S["flash"]["head_dims"],
+        ),
     output:
         f"{R}/flash_sweep.csv",
     log:

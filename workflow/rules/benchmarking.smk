@@ -58,26 +58,39 @@ rule e2e_warmup:
         "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
 
 
-rule compile_timing:
+rule compile_timing_size:
     output:
-        f"{R}/e2e_compile.csv",
+        temp(f"{R}/raw/compile/{{size}}.csv"),
     log:
-        f"{LOGS}/compile_timing.log",
+        f"{LOGS}/compile/{{size}}.log",
     conda:
         ENV
     resources:
         gpu=GPUS,
     params:
         common=f"{DEVICE_ARGS} {MODEL_ARGS}",
-        sizes=join(S["model_sizes"]),
         precision=S["compile"]["precision"],
         attention=join(S["compile"]["attention"]),
         warmup=S["compile"]["warmup"],
         steps=S["compile"]["steps"],
     shell:
-        "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes}"
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {wildcards.size}"
         " --modes forward train_step --precisions {params.precision} --attention {params.attention}"
         " --compile off on --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
+
+
+# One job per model size: the large compiled points take longest, and a cut-short run keeps the rest.
+rule compile_timing:
+    input:
+        expand(f"{R}/raw/compile/{{size}}.csv", size=S["model_sizes"]),
+    output:
+        f"{R}/e2e_compile.csv",
+    log:
+        f"{LOGS}/compile_timing.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
 
 
 rule mixed_precision:

@@ -89,9 +89,10 @@ rule writeup_md:
             os.path.dirname(input.figures[0]) if input.figures else F
         ),
         scale=SCALE,
+        device=S["device"],
     shell:
         "python -m cs336_systems.report.writeup --results {params.results} --figures {params.figures}"
-        " --scale {params.scale} --anchors {input.anchors} --out {output} 2> {log}"
+        " --scale {params.scale} --device {params.device} --anchors {input.anchors} --out {output} 2> {log}"
 
 
 rule communication_accounting:
