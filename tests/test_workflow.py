@@ -59,3 +59,16 @@ def test_every_deliverable_rule_exists():
     assert not missing, f"deliverables whose rule is not in the workflow: {missing}"
     without = [d.section for d in DELIVERABLES if d.rule is None]
     print("deliverables without a producing rule yet:", *without, sep="\n  ")
+
+
+def test_committed_writeup_is_what_the_code_makes_of_the_committed_results(monkeypatch):
+    """Every renderer runs on the real GPU results, and results/writeup.md is up to date with them
+    (rebuild: snakemake writeup --cores 2 --forcerun writeup_md --config measure=false)."""
+    import yaml
+
+    from cs336_systems.report.writeup import Context, build
+
+    monkeypatch.chdir(ROOT)  # figure links are relative to the working directory
+    anchors = yaml.safe_load((ROOT / "config.yaml").read_text())["anchors"]
+    ctx = Context(Path("results"), Path("figures"), Path("results"), anchors)
+    assert build(ctx, "full", "cuda") == (ROOT / "results" / "writeup.md").read_text()
