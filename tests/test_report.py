@@ -79,3 +79,15 @@ def test_train_matrix_table_speed_and_loss_drift():
     assert table.loc["torch_ddp", "step (ms, median)"] == 10 and table.loc["torch_ddp", "tokens/s"] == 100_000
     assert table.loc["single GPU", "max |loss − torch DDP|"] == 0.5
     assert table.loc["single GPU", "ranks"] == 1 and table.loc["single GPU", "final loss"] == 1.0
+
+
+def test_writeup_html_keeps_tables_and_figure_links(tmp_path):
+    from cs336_systems.report import html
+
+    source = tmp_path / "writeup.md"
+    source.write_text("# Results & more\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n![fig](../figures/x.png)\n")
+    html.main([str(source), "--out", str(tmp_path / "writeup.html")])
+    page = (tmp_path / "writeup.html").read_text()
+    assert "<title>Results &amp; more</title>" in page
+    assert "<table>" in page and "<td>2</td>" in page
+    assert '<img alt="fig" src="../figures/x.png"' in page

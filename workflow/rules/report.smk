@@ -95,6 +95,19 @@ rule writeup_md:
         " --scale {params.scale} --device {params.device} --anchors {input.anchors} --out {output} 2> {log}"
 
 
+rule writeup_html:
+    input:
+        f"{R}/writeup.md",
+    output:
+        f"{R}/writeup.html",
+    log:
+        f"{LOGS}/writeup_html.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.report.html {input} --out {output} 2> {log}"
+
+
 rule communication_accounting:
     output:
         f"{R}/communication_accounting.md",
