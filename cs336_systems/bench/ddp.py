@@ -89,9 +89,9 @@ def trace_to(path: Path | None, device: torch.device):
 
 
 def release_memory(device: torch.device) -> None:
-    """Free what the previous config left. Gradient hooks hold their wrapper, which holds the model:
-    a reference cycle that only the garbage collector breaks, so without this each config's model,
-    gradients and optimizer state stay on the GPU and inflate every later config's peak memory."""
+    """Free what the previous config left before the next one is measured: reference cycles (collected
+    now rather than whenever the garbage collector runs) and the allocator's cached blocks. Anything
+    still allocated after this shows up in the next row's mem_at_start_mib."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -12,7 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters, weak_hook
+from cs336_systems.distributed.common import (
+    broadcast_from_rank0,
+    require_process_group,
+    trainable_parameters,
+    weak_hook,
+)
 
 
 class DDPIndividualParameters(nn.Module):

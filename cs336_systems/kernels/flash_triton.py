@@ -5,9 +5,9 @@ streams over key tiles, keeping the running maximum m_i, the running denominator
 unnormalised output `acc` in float32 registers; the exponentials are base 2 with log2(e)/√d folded
 into one scale. It writes O_i = acc / l_i and the natural-log logsumexp L_i = (m_i + log2 l_i)·ln 2.
 
-Backward: D = rowsum(dO ∘ O) first (a small kernel), then two kernels that recompute P = exp(S − L) from L and need
-no atomics: one per key tile accumulates dK_j and dV_j over the query tiles, one per query tile
-accumulates dQ_i over the key tiles.
+Backward: D = rowsum(dO ∘ O) first (a small kernel), then two kernels that recompute P = exp(S − L)
+from L and need no atomics: one per key tile accumulates dK_j and dV_j over the query tiles, one per
+query tile accumulates dQ_i over the key tiles.
 
 Causal masking (query i sees keys 0..i, aligned at the start of both sequences): tiles wholly above
 the diagonal are never visited; tiles wholly below it run without index comparisons; only the tiles
@@ -156,7 +156,13 @@ def _tuned(tiles, outer: str, inner: str):
                                prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_tuning_bench)
     heuristics = triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
                                     "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
-    return lambda kernel: autotune(heuristics(kernel))
+
+    def decorate(kernel):
+        tuned = autotune(heuristics(kernel))
+        tuned.tile_names = (outer, inner)  # for pinned_tiles
+        return tuned
+
+    return decorate
 
 
 @_tuned(FWD_TILES, "BLOCK_M", "BLOCK_N")
@@ -376,16 +382,14 @@ def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, i
     BWD_TILES, instead of autotuning: a single config skips Triton's pruning and benchmarking. For
     checking every tile config, and for quick GPU test runs, where autotuning every test shape
     compiles each config once per specialization (minutes)."""
-    roles = ((_flash_fwd_kernel, forward, "BLOCK_M", "BLOCK_N"),
-             (_flash_bwd_dkdv_kernel, backward, "BLOCK_N", "BLOCK_M"),
-             (_flash_bwd_dq_kernel, backward, "BLOCK_M", "BLOCK_N"))
-    saved = [(kernel.configs, kernel.cache) for kernel, *_ in roles]
+    roles = ((_flash_fwd_kernel, forward), (_flash_bwd_dkdv_kernel, backward), (_flash_bwd_dq_kernel, backward))
+    saved = [(kernel.configs, kernel.cache) for kernel, _ in roles]
     try:
-        for kernel, tile, outer, inner in roles:
-            kernel.configs, kernel.cache = [_config(tile, outer, inner)], {}
+        for kernel, tile in roles:
+            kernel.configs, kernel.cache = [_config(tile, *kernel.tile_names)], {}
         yield
     finally:
-        for (kernel, *_), (configs, cache) in zip(roles, saved):
+        for (kernel, _), (configs, cache) in zip(roles, saved):
             kernel.configs, kernel.cache = configs, cache
 
 

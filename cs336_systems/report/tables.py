@@ -229,7 +229,7 @@ def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
         timed_steps = run[run["step"] > run["step"].max() // 2]
         step_ms = timed_steps["step_ms"].median()
         reference = frame[(frame["attention"] == attention) & (frame["wrapper"] == "torch_ddp")].sort_values("step")
-        drift = ((run["loss"].to_numpy() - reference["loss"].to_numpy()).__abs__().max()
+        drift = (abs(run["loss"].to_numpy() - reference["loss"].to_numpy()).max()
                  if len(reference) == len(run) else float("nan"))
         out.append({"attention": attention, "wrapper": "single GPU" if wrapper == "none" else wrapper,
                     "ranks": int(run["world_size"].iloc[0]), "step (ms, median)": round(step_ms, 1),
