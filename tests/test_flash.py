@@ -129,14 +129,7 @@ def _dtypes(device):
 def test_half_precision_error_is_within_twice_pytorch_own(impl, device):
     for dtype in _dtypes(device):
         for seed, (q_shape, k_shape, causal) in enumerate(_cases(device)):
-            q, k, v, do = _inputs(q_shape, k_shape, dtype, device, 100 + seed)
-            ours = _run(IMPLS[impl].apply, q, k, v, do, causal)
-            theirs = _run(lambda *a: attention_ref(*a)[0], q, k, v, do, causal)
-            ref = _reference(q, k, v, do, causal)
-            for i, name in [(0, "O"), (2, "dQ"), (3, "dK"), (4, "dV")]:
-                ours_err, torch_err = _rel_err(ours[i], ref[i]), _rel_err(theirs[i], ref[i])
-                assert ours_err <= 2 * torch_err + 2e-3, (
-                    f"{impl} {dtype} {name} {q_shape} {k_shape} causal={causal}: {ours_err:.2e} vs torch {torch_err:.2e}")
+            _check_against_reference(IMPLS[impl].apply, q_shape, k_shape, causal, dtype, device, 100 + seed, impl)
 
 
 @pytest.mark.parametrize("impl,device", CASES_BY_DEVICE)
