@@ -118,10 +118,10 @@ rule train_point:
         wrapper=r"single|naive|flat|individual|torch_ddp|bucketed-[0-9.]+",
     conda:
         ENV
+    # Every point reserves all the matrix's GPUs, the single-GPU runs too: Snakemake counts GPUs but
+    # does not place jobs on them, so two single-GPU points would otherwise share one device.
     resources:
-        gpu=lambda wc: (
-            min(TRAIN["gpus"], 1) if wc.wrapper == "single" else TRAIN["gpus"]
-        ),
+        gpu=TRAIN["gpus"],
     params:
         t=TRAIN,
         nproc=lambda wc: 1 if wc.wrapper == "single" else TRAIN["world_size"],
