@@ -30,12 +30,15 @@ rule flash_correctness:
         f"{LOGS}/flash_correctness.log",
     conda:
         ENV
+    # Triton compiles are single-threaded CPU work; the tests are dealt out to this many processes.
+    threads: 8
     resources:
         gpu=GPUS,
     params:
         device=DEVICE_ARGS,
     shell:
-        "python -m cs336_systems.bench.flash_check {params.device} --out {output} > {log} 2>&1"
+        "python -m cs336_systems.bench.flash_check {params.device} --workers {threads}"
+        " --out {output} > {log} 2>&1"
 
 
 rule flash_benchmark_point:
