@@ -91,3 +91,34 @@ def test_writeup_html_keeps_tables_and_figure_links(tmp_path):
     assert "<title>Results &amp; more</title>" in page
     assert "<table>" in page and "<td>2</td>" in page
     assert '<img alt="fig" src="../figures/x.png"' in page
+
+
+def test_kernel_labels_name_the_operation():
+    from cs336_systems.report.tables import kernel_label
+
+    mul = ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float, "
+           "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, at::native::BinaryFunctor"
+           "<float, float, float, at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul>)")
+    adam = ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+            "TensorListMetadata<2>, at::native::(anonymous namespace)::UnaryOpFunctor<float, 2, 1, 1>, "
+            "at::native::Sqrt<float> >(at::native::(anonymous namespace)::TensorListMetadata<2>)")
+    softmax = "void (anonymous namespace)::softmax_warp_forward<float, float, float, 9, false, false>(float*, int, bool)"
+    assert kernel_label(mul) == "vectorized_elementwise_kernel<MulFunctor>"
+    assert kernel_label(adam) == "multi_tensor_apply_kernel<Sqrt>"
+    assert kernel_label(softmax) == "(anonymous namespace)::softmax_warp_forward<float, float, float, 9, false, false>"
+    assert kernel_label("Memcpy DtoD (Device -> Device)") == "Memcpy DtoD (Device -> Device)"
+
+
+def test_profile_kernels_drop_ranges_and_merge_instances():
+    """torch.optim's `Optimizer.step#AdamW.step` range shows up on the GPU timeline; it is not a kernel."""
+    from cs336_systems.report.tables import profile_kernels_of
+
+    rows = pd.DataFrame({
+        "kind": ["kernel"] * 4 + ["harness"], "phase": ["optimizer"] * 3 + ["forward"] * 2,
+        "name": ["Optimizer.step#AdamW.step", "void at::native::elementwise_kernel<128, at::native::MulFunctor<float> >(int)",
+                 "void at::native::vectorized_elementwise_kernel<4, at::native::MulFunctor<float> >(int)",
+                 "gemm", "forward"],
+        "calls_per_step": [1, 2, 3, 4, 1], "ms_per_step": [10.0, 1.0, 2.0, 5.0, 6.0], "size": "xl"})
+    kernels = profile_kernels_of(rows).set_index(["phase", "name"])["ms_per_step"]
+    assert kernels.to_dict() == {("forward", "gemm"): 5.0, ("optimizer", "elementwise_kernel<MulFunctor>"): 1.0,
+                                 ("optimizer", "vectorized_elementwise_kernel<MulFunctor>"): 2.0}

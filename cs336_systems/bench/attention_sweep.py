@@ -21,6 +21,7 @@ from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import (
     DTYPES,
     is_oom,
+    oom_message,
     reset_memory,
     summarize,
     timed,
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             if not is_oom(error):
                 raise
             reset_memory(device)
-            rows += [{**base, "phase": p, "status": "oom", "error": str(error).splitlines()[0][:200]}
+            rows += [{**base, "phase": p, "status": "oom", "error": oom_message(error)}
                      for p in ("forward", "backward")]
             print(f"[{i}/{len(grid)}] {impl} d={d} seq={seq}: oom", file=sys.stderr, flush=True)
             continue

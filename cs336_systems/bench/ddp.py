@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, timed
+from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, oom_message, timed
 from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, ShardedOptimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import MODEL_SIZES, AdamW, TransformerLM, cross_entropy, get_config
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not is_oom(error):
                 raise
-            row = {"config": text, "status": "oom", "error": str(error).splitlines()[0][:200]}
+            row = {"config": text, "status": "oom", "error": oom_message(error)}
             # (the next config's release_memory frees what this one held, once the exception is gone)
         row.update(world_size=world, size=args.size, batch_per_rank=args.batch_size,
                    context_length=args.context_length, precision=args.precision, attention=args.attention,

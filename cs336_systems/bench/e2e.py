@@ -27,6 +27,7 @@ from cs336_systems.bench.timing import (
     autocast,
     check_precision,
     is_oom,
+    oom_message,
     peak_flops,
     peak_memory_mib,
     reset_memory,
@@ -129,10 +130,11 @@ def run(spec: RunSpec) -> list[dict]:
     config = get_config(spec.size)
     base = {**asdict(spec), "d_model": config.d_model, "d_ff": config.d_ff, "num_layers": config.num_layers,
             "num_heads": config.num_heads}
-    reset_memory(device)
     # Each grid point compiles afresh: without this, recompiles for earlier points exhaust dynamo's cache
-    # limit and later points silently run eagerly.
+    # limit and later points silently run eagerly. The compiled code refers to the previous point's model,
+    # so the reset comes before the memory is released.
     torch.compiler.reset()
+    reset_memory(device)
     try:
         samples = measure(spec)
     except (torch.OutOfMemoryError, RuntimeError) as error:
@@ -141,7 +143,7 @@ def run(spec: RunSpec) -> list[dict]:
         if spec.memory_snapshot:
             torch.cuda.memory._record_memory_history(enabled=None)
         reset_memory(device)
-        return [{**base, "phase": "step", "status": "oom", "error": str(error).splitlines()[0][:200]}]
+        return [{**base, "phase": "step", "status": "oom", "error": oom_message(error)}]
     peak_mib = peak_memory_mib(device)
     step_ms = [sum(parts) for parts in zip(*samples.values())]
     # Matmul FLOPs only; the optimizer's elementwise work is not counted, as usual for MFU.

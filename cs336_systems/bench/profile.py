@@ -29,6 +29,7 @@ from cs336_systems.bench.timing import (
     annotate,
     autocast,
     is_oom,
+    oom_message,
     reset_memory,
     timed,
 )
@@ -38,6 +39,12 @@ ATTENTION_STAGES = ("scores", "softmax", "final matmul")
 OWN_RANGES = {"forward", "backward", "optimizer", "inference", *ATTENTION_STAGES}
 
 
+def is_annotation(name: str) -> bool:
+    """A range, not a kernel: ours, the profiler's step markers, or torch.optim's own
+    `Optimizer.step#AdamW.step`, which the profiler also puts on the GPU timeline (with no CPU time)."""
+    return name in OWN_RANGES or name.startswith(("ProfilerStep", "Optimizer."))
+
+
 def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tuple[int, float]]]:
     """(kernel rows, attention stage totals) of one profiling session, times in ms."""
     kernels, stages = [], {}
@@ -45,7 +52,7 @@ def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tup
         if a.key in ATTENTION_STAGES:
             total = a.device_time_total if device.type == "cuda" else a.cpu_time_total
             stages[a.key] = (a.count, total / 1e3)
-        elif a.key in OWN_RANGES or a.key.startswith("ProfilerStep"):
+        elif is_annotation(a.key):
             continue
         elif device.type == "cuda":
             if a.self_device_time_total > 0 and a.self_cpu_time_total == 0:  # a GPU kernel, not a CPU op
@@ -149,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not is_oom(error):
                 raise
-            rows.append({**base, "kind": "point", "status": "oom", "error": str(error).splitlines()[0][:200], **prov})
+            rows.append({**base, "kind": "point", "status": "oom", "error": oom_message(error), **prov})
             status = "oom"
         reset_memory(device)
         print(f"{size} ctx={context_length}: {status}", file=sys.stderr, flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import statistics
 import timeit
 from collections.abc import Callable, Iterator
@@ -93,7 +94,15 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
+def oom_message(error: BaseException) -> str:
+    """The first line of an out-of-memory error, long enough to keep the allocator's own account
+    (how much PyTorch had allocated and how much was reserved but free)."""
+    return str(error).splitlines()[0][:500]
+
+
 def reset_memory(device: torch.device) -> None:
+    """Free what earlier work left (reference cycles included) and restart the peak count."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)

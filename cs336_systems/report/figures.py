@@ -23,7 +23,7 @@ def save_figure(fig: plt.Figure, path: str | Path, title: str) -> None:
     fig.suptitle(title)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=130, bbox_inches="tight")  # keeps legends placed outside the axes
     plt.close(fig)
 
 
@@ -114,6 +114,7 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
     sns.barplot(data=rows, x="config", y="step_ms", hue="precision", ax=ax, errorbar=None)
     ax.set(ylabel="ms per training step", xlabel="")
     ax.tick_params(axis="x", rotation=30)
+    sns.move_legend(ax, "upper left", bbox_to_anchor=(1.0, 1.0))
     save_figure(fig, path, "Bucketed DDP: step time by bucket size")
 
 
@@ -122,6 +123,7 @@ def train_matrix(frame: pd.DataFrame, path: str | Path) -> None:
     rows = frame.assign(wrapper=frame["wrapper"].replace({"none": "single GPU"}))
     grid = sns.relplot(data=rows, x="step", y="loss", hue="wrapper", style="wrapper", col="attention", kind="line",
                        height=3.2, aspect=1.1, facet_kws={"sharey": True})
+    sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))  # beside the panels, not over the last one
     save_figure(grid.figure, path, "Training loss by data-parallel wrapper (same seed and global batch)")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from cs336_systems.report.render import mean_std
@@ -92,7 +94,8 @@ TABLES = {
     "e2e_timing": (e2e_timing, "Forward and backward time per step (mean ± std over measured steps), fp32"),
     "e2e_warmup": (e2e_warmup, "Forward+backward step time by number of warm-up steps, fp32"),
     "mixed_precision": (mixed_precision, "Forward and backward time, fp32 versus bf16 autocast"),
-    "compile_timing": (compile_timing, "Eager versus torch.compile'd model (median ms per step), bf16 autocast"),
+    "compile_timing": (compile_timing, "Eager versus torch.compile'd model: ms per step, mean ± std; speed-up "
+                                        "and MFU from the medians; bf16 autocast"),
 }
 
 
@@ -248,6 +251,38 @@ TABLES["train_matrix"] = (train_matrix, "Short training runs: attention backend 
 MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
 
 
+# Wrapper functors of ATen's elementwise and multi-tensor kernels; the operation is a template argument inside.
+_GENERIC_FUNCTORS = {"BinaryFunctor", "BUnaryFunctor", "AUnaryFunctor", "UnaryFunctor", "BinaryOpScalarFunctor",
+                     "PointwiseOpScalarFunctor", "TernaryOpScalarFunctor", "UnaryOpFunctor",
+                     "BinaryOpListAlphaFunctor", "BinaryOpScalarTensorFunctor"}
+_STD_OPS = {"multiplies", "divides", "plus", "minus", "Sqrt"}
+
+
+def kernel_label(name: str) -> str:
+    """A readable kernel name: ATen's templated kernels as `kernel<operation>` (e.g.
+    `vectorized_elementwise_kernel<MulFunctor>`), others without `void` and their argument list."""
+    if "at::native::" in name:
+        words = re.findall(r"[A-Za-z_]\w*", name.removeprefix("void "))
+        base = next(w for w in words if w not in {"at", "native", "anonymous", "namespace"})
+        ops = [w for w in words if w != base and w not in _GENERIC_FUNCTORS
+               and (w.endswith(("Functor", "_kernel", "_kernel_cuda")) or "Functor_" in w or w in _STD_OPS)]
+        return f"{base}<{ops[0]}>" if ops else base
+    if name.startswith("void "):  # a C++ signature: drop the argument list
+        return re.sub(r"\((?:[^()]|\([^()]*\))*\)$", "", name.removeprefix("void "))
+    return name
+
+
+def profile_kernels_of(rows: pd.DataFrame) -> pd.DataFrame:
+    """The kernel rows of profile results, labelled with `kernel_label` (instantiations that share a
+    label are summed) and without the ranges the profiler also reports on the GPU timeline."""
+    from cs336_systems.bench.profile import is_annotation
+
+    kernels = rows[(rows["kind"] == "kernel") & ~rows["name"].map(is_annotation)].assign(
+        name=lambda f: f["name"].map(kernel_label))
+    keys = [c for c in kernels.columns if c not in ("name", "calls_per_step", "ms_per_step")]
+    return kernels.groupby([*keys, "name"], as_index=False, dropna=False, observed=True)[["calls_per_step", "ms_per_step"]].sum()
+
+
 def profile_point(frame: pd.DataFrame) -> tuple[str, int]:
     """The configuration the profiling discussion is about: xl at 512 tokens if it ran, else the
     largest size at the longest context (up to 512) that ran."""
@@ -262,7 +297,7 @@ def profile_point(frame: pd.DataFrame) -> tuple[str, int]:
 def profile_kernels(frame: pd.DataFrame) -> pd.DataFrame:
     """1.1.4: the top kernels of forward, backward and the optimizer step at the discussed configuration."""
     size, ctx = profile_point(frame)
-    rows = frame[(frame["size"] == size) & (frame["context_length"] == ctx) & (frame["kind"] == "kernel")]
+    rows = profile_kernels_of(frame[(frame["size"] == size) & (frame["context_length"] == ctx)])
     out = []
     for phase in ("forward", "backward", "optimizer", "inference"):
         part = rows[rows["phase"] == phase].sort_values("ms_per_step", ascending=False)
@@ -281,7 +316,7 @@ def profile_grid(frame: pd.DataFrame) -> pd.DataFrame:
         if (rows["status"] != "ok").any():
             out.append({"size": size, "context": ctx, "status": "OOM"})
             continue
-        kernels = rows[rows["kind"] == "kernel"].groupby("phase")["ms_per_step"].sum()
+        kernels = profile_kernels_of(rows).groupby("phase")["ms_per_step"].sum()
         harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
         out.append({"size": size, "context": ctx, "status": "ok",
                     **{f"{p} kernels (ms)": round(kernels.get(p, float("nan")), 2)

@@ -166,6 +166,11 @@ def render_compile(ctx: Context) -> str:
             f"Left out above: {', '.join(f'{s} {m}' for s, m in sorted(affected))}. The run's log shows torch.compile "
             f"hitting its recompile limit before these points, so their 'compiled' time is partly eager (the "
             f"table still lists them). The harness now resets the compiler before every point.")
+    ooms = frame[frame["status"] == "oom"]
+    if len(ooms):
+        cases = sorted({(size, mode) for size, mode in zip(ooms["size"], ooms["mode"])})
+        parts.append(f"Out of memory on the {frame['device_name'].iloc[0]}: "
+                     f"{', '.join(f'{s} {m}' for s, m in cases)} (eager and/or compiled, as the table shows).")
     anchor = ctx.anchors.get("xl_train_step_sdpa_ms")
     target = rows[(rows["size"] == "xl") & (rows["attention"] == "sdpa") & (rows["mode"] == "train_step")
                   & rows["compile"]]
@@ -173,7 +178,7 @@ def render_compile(ctx: Context) -> str:
         ms, mfu = target["median_ms"].iloc[0], target["mfu"].iloc[0]
         parts.append(
             f"Target case (xl, batch 4, context 512, bf16, compiled, full training step, SDPA attention): "
-            f"{ms:.1f} ms per step, MFU {mfu:.1%} of the bf16 dense peak; that is {ms / anchor['value']:.2f}× "
+            f"{ms:.1f} ms per step (median; mean {target['mean_ms'].iloc[0]:.1f} ± {target['std_ms'].iloc[0]:.1f}), MFU {mfu:.1%} of the bf16 dense peak; that is {ms / anchor['value']:.2f}× "
             f"the {anchor['value']} ms anchor ({anchor['source']})."
         )
     return "\n\n".join([*parts, ctx.table("compile_timing"), ctx.figure("compile_timing", "compile")])
@@ -337,7 +342,8 @@ def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
             if (precision, config) in steps.index:
                 row = steps.loc[(precision, config)]
                 cells.append(f"{config} {row['step_ms']:.1f} ms (communication wait {row['communication_ms']:.1f} ms)")
-        lines.append(f"{precision}: " + "; ".join(cells))
+        spread = steps.loc[precision]["step_std_ms"].max() if precision in steps.index else float("nan")
+        lines.append(f"{precision}: " + "; ".join(cells) + f". Step-to-step standard deviation up to {spread:.1f} ms.")
     first = frame.iloc[0]
     setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}, batch "
              f"{first['batch_per_rank']} per rank, context {first['context_length']}, our AdamW, "
@@ -401,8 +407,9 @@ def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None
     return max(intercept, 1e-7), 1 / slope
 
 
-def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float) -> str:
-    """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times."""
+def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: dict[str, float] | None = None) -> str:
+    """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times, and checked
+    against the best bucket size measured per precision (`best_mb`, with the swept sizes as keys' context)."""
     text = ("Model: n_b buckets of s/n_b bytes; computing a bucket's gradients takes as long as sending it, "
             "s/(n_b·w), and every all-reduce also costs o. Communication falls behind by o per bucket and the "
             "last bucket can only start when backward ends, so the time after backward is "
@@ -413,8 +420,11 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float) -> str:
         return text
     o, w = cost
     best = math.sqrt(model_bytes * w * o)
-    return text + (f" Fitted to our NCCL all-reduce times (2 ranks): o = {o * 1e6:.1f} µs, w = {w / 1e9:.1f} GB/s; "
-                   f"for the {model_bytes / 2**30:.2f} GiB of gradients this gives b\\* = {best / 2**20:.0f} MiB.")
+    text += (f" Fitted to our NCCL all-reduce times (2 ranks): o = {o * 1e6:.1f} µs, w = {w / 1e9:.1f} GB/s; "
+             f"for the {model_bytes / 2**30:.2f} GiB of gradients this gives b\\* = {best / 2**20:.0f} MiB.")
+    if best_mb:
+        text += " Measured best of the sweep: " + ", ".join(f"{mb:g} MB in {p}" for p, mb in best_mb.items()) + "."
+    return text
 
 
 def render_ddp_bucketed(ctx: Context) -> str:
@@ -424,13 +434,20 @@ def render_ddp_bucketed(ctx: Context) -> str:
     model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
     parts = [_ddp_summary(frame, configs)]
     steps = _ddp_steps(frame)["step_ms"]
+    best_mb = {}
     for precision in sorted(set(frame["precision"])):
         bucketed = {c: steps[(precision, c)] for c in configs if c.startswith("bucketed") and (precision, c) in steps}
         if bucketed and (precision, "torch_ddp") in steps:
             best = min(bucketed, key=bucketed.get)
-            parts.append(f"{precision}: the best bucket size is {best.split(':')[1]} MB, "
-                         f"{bucketed[best] / steps[(precision, 'torch_ddp')]:.2f}× torch DDP's step time.")
-    parts.append(bucket_model(ctx.frame("allreduce"), model_bytes))
+            best_mb[precision] = float(best.split(":")[1])
+            text = (f"{precision}: the best bucket size is {best.split(':')[1]} MB, "
+                    f"{bucketed[best] / steps[(precision, 'torch_ddp')]:.2f}× torch DDP's step time.")
+            stds = _ddp_steps(frame)["step_std_ms"]
+            if abs(bucketed[best] - steps[(precision, "torch_ddp")]) < max(stds[(precision, best)],
+                                                                         stds[(precision, "torch_ddp")]):
+                text += " The gap is smaller than the step-to-step standard deviation of either."
+            parts.append(text)
+    parts.append(bucket_model(ctx.frame("allreduce"), model_bytes, best_mb))
     return "\n\n".join([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")])
 
 
@@ -439,17 +456,36 @@ def render_sharding(ctx: Context) -> str:
     ok = frame[frame["status"] == "ok"].set_index(["precision", "config"])
     parts = []
     for precision in sorted(set(frame["precision"])):
-        if (precision, "individual") in ok.index and (precision, "individual+sharded") in ok.index:
-            plain, sharded = ok.loc[(precision, "individual")], ok.loc[(precision, "individual+sharded")]
-            parts.append(
-                f"{precision}: peak memory after the optimizer step {plain['peak_after_step_mib']:.0f} MiB without "
-                f"sharding and {sharded['peak_after_step_mib']:.0f} MiB with it; by the formula parameters take "
-                f"{plain['param_mib']:.0f} MiB, gradients {plain['grad_mib']:.0f} MiB and AdamW's moments "
-                f"{plain['optimizer_state_mib']:.0f} MiB, of which each rank keeps "
-                f"{sharded['optimizer_state_mib']:.0f} MiB when sharded; the rest of the peak is activations "
-                f"and temporaries. Step time {plain['step_median_ms']:.1f} ms without and "
-                f"{sharded['step_median_ms']:.1f} ms with sharding (the difference is the parameter broadcast "
-                f"after each step, minus the smaller optimizer update).")
+        if not {(precision, "individual"), (precision, "individual+sharded")} <= set(ok.index):
+            continue
+        plain, sharded = ok.loc[(precision, "individual")], ok.loc[(precision, "individual+sharded")]
+        text = (f"{precision}: peak memory {plain['peak_after_step_mib']:.0f} MiB without sharding and "
+                f"{sharded['peak_after_step_mib']:.0f} MiB with ours "
+                f"({sharded['peak_after_step_mib'] - plain['peak_after_step_mib']:+.0f} MiB). By the formula parameters "
+                f"take {plain['param_mib']:.0f} MiB, gradients {plain['grad_mib']:.0f} MiB and AdamW's moments "
+                f"{plain['optimizer_state_mib']:.0f} MiB, of which each rank keeps {sharded['optimizer_state_mib']:.0f} "
+                f"MiB when sharded; the rest of the peak is activations and temporaries.")
+        compared = [plain, sharded]
+        if (precision, "torch_ddp+zero") in ok.index:
+            zero = ok.loc[(precision, "torch_ddp+zero")]
+            compared.append(zero)
+            text += (f" torch's ZeroRedundancyOptimizer over torch DDP peaks at {zero['peak_after_step_mib']:.0f} MiB "
+                     f"(torch DDP keeps its own gradient buckets besides the gradients). Step time (median): "
+                     f"{sharded['step_median_ms']:.1f} ms for ours, {zero['step_median_ms']:.1f} ms for torch's "
+                     f"({sharded['step_median_ms'] / zero['step_median_ms']:.2f}×), "
+                     f"{plain['step_median_ms']:.1f} ms without sharding. The optimizer phase, where sharding acts "
+                     f"(each rank updates its shard, then the updated parameters are broadcast), takes "
+                     f"{sharded['optimizer_ms']:.1f} ms for ours, {zero['optimizer_ms']:.1f} ms for torch's and "
+                     f"{plain['optimizer_ms']:.1f} ms unsharded.")
+        else:
+            text += (f" Step time (median) {plain['step_median_ms']:.1f} ms without and "
+                     f"{sharded['step_median_ms']:.1f} ms with sharding.")
+        spread = max(row["step_std_ms"] for row in compared)
+        gap = max(row["step_median_ms"] for row in compared) - min(row["step_median_ms"] for row in compared)
+        if gap < spread:
+            text += (f" These step times differ by less than their step-to-step standard deviation (up to "
+                     f"{spread:.1f} ms), so this run does not separate them.")
+        parts.append(text)
     parts.append(
         "3(c): ours shards only the optimizer state (ZeRO stage 1): every rank still holds all parameters and "
         "all gradients, all-reduces full gradients (DDP) instead of reduce-scattering them, updates its shard "
@@ -501,12 +537,12 @@ def render_toy_dtypes(ctx: Context) -> str:
 
 def render_profile(ctx: Context) -> str:
     from cs336_systems.model import get_config
-    from cs336_systems.report.tables import MATMUL, profile_point
+    from cs336_systems.report.tables import MATMUL, profile_kernels_of, profile_point
 
     frame = ctx.frame("profile")
     size, context = profile_point(frame)
     rows = frame[(frame["size"] == size) & (frame["context_length"] == context)]
-    kernels = rows[rows["kind"] == "kernel"]
+    kernels = profile_kernels_of(rows)
     harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
     by_phase = kernels.groupby("phase")["ms_per_step"].sum()
     tool = kernels["tool"].iloc[0]
@@ -657,11 +693,16 @@ def render_train_matrix(ctx: Context) -> str:
         else:
             parts.append(f"The loss curves do not agree: {worst['wrapper']} with {worst['attention']} strays "
                          f"{gap:.2g} from torch DDP's (agreement would be below {LOSS_AGREEMENT}).")
+    fastest = set()
     for attention, runs in summary.groupby("attention", sort=False):
         best = runs.sort_values("tokens/s").iloc[-1]
+        fastest.add(best["wrapper"])
         parts.append(f"Tokens/s with {attention} attention: "
                      + ", ".join(f"{r['wrapper']} {r['tokens/s']:,}" for _, r in runs.iterrows())
                      + f" (fastest: {best['wrapper']}).")
+    if len(fastest) > 1:
+        parts.append("The fastest wrapper changes with the attention backend, so these short runs of a small model "
+                     "do not rank the wrappers; the xl measurements of 2.2–2.3 do.")
     return "\n\n".join([*parts, ctx.figure("train_matrix", "loss curves"), ctx.table("train_matrix")])
 
 
