@@ -280,7 +280,8 @@ def profile_kernels_of(rows: pd.DataFrame) -> pd.DataFrame:
     kernels = rows[(rows["kind"] == "kernel") & ~rows["name"].map(is_annotation)].assign(
         name=lambda f: f["name"].map(kernel_label))
     keys = [c for c in kernels.columns if c not in ("name", "calls_per_step", "ms_per_step")]
-    return kernels.groupby([*keys, "name"], as_index=False, dropna=False, observed=True)[["calls_per_step", "ms_per_step"]].sum()
+    grouped = kernels.groupby([*keys, "name"], as_index=False, dropna=False, observed=True)
+    return grouped[["calls_per_step", "ms_per_step"]].sum()
 
 
 def profile_point(frame: pd.DataFrame) -> tuple[str, int]:

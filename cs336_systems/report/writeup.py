@@ -178,8 +178,9 @@ def render_compile(ctx: Context) -> str:
         ms, mfu = target["median_ms"].iloc[0], target["mfu"].iloc[0]
         parts.append(
             f"Target case (xl, batch 4, context 512, bf16, compiled, full training step, SDPA attention): "
-            f"{ms:.1f} ms per step (median; mean {target['mean_ms'].iloc[0]:.1f} ± {target['std_ms'].iloc[0]:.1f}), MFU {mfu:.1%} of the bf16 dense peak; that is {ms / anchor['value']:.2f}× "
-            f"the {anchor['value']} ms anchor ({anchor['source']})."
+            f"{ms:.1f} ms per step (median; mean {target['mean_ms'].iloc[0]:.1f} ± {target['std_ms'].iloc[0]:.1f}), "
+            f"MFU {mfu:.1%} of the bf16 dense peak; that is {ms / anchor['value']:.2f}× the {anchor['value']} ms "
+            f"anchor ({anchor['source']})."
         )
     return "\n\n".join([*parts, ctx.table("compile_timing"), ctx.figure("compile_timing", "compile")])
 
@@ -408,8 +409,8 @@ def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None
 
 
 def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: dict[str, float] | None = None) -> str:
-    """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times, and checked
-    against the best bucket size measured per precision (`best_mb`, with the swept sizes as keys' context)."""
+    """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times, next to the best
+    bucket size the sweep measured (`best_mb`: MB by precision)."""
     text = ("Model: n_b buckets of s/n_b bytes; computing a bucket's gradients takes as long as sending it, "
             "s/(n_b·w), and every all-reduce also costs o. Communication falls behind by o per bucket and the "
             "last bucket can only start when backward ends, so the time after backward is "
@@ -433,7 +434,8 @@ def render_ddp_bucketed(ctx: Context) -> str:
     ok = frame[frame["status"] == "ok"]
     model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
     parts = [_ddp_summary(frame, configs)]
-    steps = _ddp_steps(frame)["step_ms"]
+    ok_steps = _ddp_steps(frame)
+    steps, stds = ok_steps["step_ms"], ok_steps["step_std_ms"]
     best_mb = {}
     for precision in sorted(set(frame["precision"])):
         bucketed = {c: steps[(precision, c)] for c in configs if c.startswith("bucketed") and (precision, c) in steps}
@@ -442,10 +444,9 @@ def render_ddp_bucketed(ctx: Context) -> str:
             best_mb[precision] = float(best.split(":")[1])
             text = (f"{precision}: the best bucket size is {best.split(':')[1]} MB, "
                     f"{bucketed[best] / steps[(precision, 'torch_ddp')]:.2f}× torch DDP's step time.")
-            stds = _ddp_steps(frame)["step_std_ms"]
             if abs(bucketed[best] - steps[(precision, "torch_ddp")]) < max(stds[(precision, best)],
                                                                          stds[(precision, "torch_ddp")]):
-                text += " The gap is smaller than the step-to-step standard deviation of either."
+                text += " The gap is smaller than the larger of the two step-to-step standard deviations."
             parts.append(text)
     parts.append(bucket_model(ctx.frame("allreduce"), model_bytes, best_mb))
     return "\n\n".join([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")])
