@@ -1,5 +1,7 @@
 """The benchmarking harness on CPU: every mode runs, OOM becomes a row, bad input is a clear error."""
 
+import sqlite3
+
 import pandas as pd
 import pytest
 import torch
@@ -109,3 +111,60 @@ def test_interrupted_write_keeps_the_earlier_result(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert pd.read_csv(path)["a"].tolist() == [1]
     assert [p.name for p in tmp_path.iterdir()] == ["result.csv"]  # no temporary left behind
+
+
+def _nsys_database(path):
+    """A small database laid out like `nsys export --type sqlite`: a forward window with an attention
+    stage, a backward window whose kernels were launched from another thread, and warm-up work
+    outside any window. Times in ns."""
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INT, end INT, correlationId INT, demangledName INT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INT, end INT, correlationId INT, globalTid INT);
+        CREATE TABLE NVTX_EVENTS (start INT, end INT, text TEXT, textId INT, globalTid INT, eventType INT);
+        INSERT INTO StringIds VALUES (1, 'gemm'), (2, 'softmax_warp_forward'), (3, 'measured:backward');
+    """)
+    ranges = [(1000, 9000, "measured:forward", None), (1500, 2000, "softmax", None),
+              (10000, 20000, None, 3), (0, 500, "forward", None)]
+    db.executemany("INSERT INTO NVTX_EVENTS VALUES (?, ?, ?, ?, 1, 59)", ranges)
+    kernels = [(1100, 2100, 1, 1),    # forward, launched before the softmax range
+               (2100, 3100, 2, 2),    # forward, launched inside softmax but running after it closed
+               (11000, 15000, 3, 1),  # backward, launched by the autograd thread
+               (100, 400, 4, 1)]      # warm-up: outside every window
+    db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, ?, ?)", kernels)
+    launches = [(1050, 1060, 1, 1), (1600, 1610, 2, 1), (10500, 10510, 3, 2), (90, 95, 4, 1)]
+    db.executemany("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, ?, ?)", launches)
+    db.commit()
+    db.close()
+
+
+def test_nsys_report_is_summarized_by_window_and_launch(tmp_path):
+    from cs336_systems.bench import nsys
+
+    _nsys_database(tmp_path / "report.sqlite")
+    kernels, ranges = nsys.read_report(tmp_path / "report.sqlite")
+    assert set(ranges["name"]) == {"measured:forward", "softmax", "measured:backward", "forward"}
+    rows = pd.DataFrame(nsys.summarize_report(kernels, ranges, steps=1, stages=("scores", "softmax")))
+    kernel_ms = rows[rows["kind"] == "kernel"].set_index(["phase", "name"])["ms_per_step"].to_dict()
+    assert kernel_ms == {("forward", "gemm"): pytest.approx(1e-3), ("forward", "softmax_warp_forward"):
+                         pytest.approx(1e-3), ("backward", "gemm"): pytest.approx(4e-3)}
+    stage = rows[rows["kind"] == "attention_stage"].set_index(["phase", "name"])
+    assert list(stage.index) == [("forward", "softmax")]
+    assert stage.loc[("forward", "softmax"), "ms_per_step"] == pytest.approx(1e-3)
+    assert stage.loc[("forward", "softmax"), "calls_per_step"] == 1
+    assert set(rows["tool"]) == {nsys.TOOL}
+
+
+def test_profile_tool_choice_and_nsys_child_rows(tmp_path):
+    from cs336_systems.bench import profile
+
+    out = tmp_path / "child.csv"
+    args = ["--sizes", "tiny", "--context-lengths", "16", "--batch-size", "2", "--warmup", "1", "--steps", "1",
+            "--device", "cpu"]
+    profile.main([*args, "--nsys-child", "--out", str(out)])
+    rows = pd.read_csv(out)
+    assert set(rows["kind"]) == {"harness"}  # the kernels come from the parent's reading of the report
+    assert set(rows["phase"]) == {"forward", "backward", "optimizer", "inference"}
+    with pytest.raises(SystemExit):
+        profile.main([*args, "--tool", "nsys", "--out", str(out)])  # no CUDA (and no nsys) here

@@ -1,9 +1,10 @@
-"""Kernel summaries per phase of a training step (handout 1.1.4), with the PyTorch profiler.
+"""Kernel summaries per phase of a training step (handout 1.1.4), from Nsight Systems or the PyTorch profiler.
 
-Nsight Systems cannot make reports on our GPU machines (it writes a raw .qdstrm only), so this
-produces the tables the handout reads off `nsys stats` with `torch.profiler` instead: for each model
-size and context length, after warm-up, a few training steps in which forward, backward and the
-AdamW step are each profiled in a session of their own, plus forward-only (inference) passes. Rows:
+For each model size and context length, after warm-up, a few training steps in which forward,
+backward and the AdamW step are each profiled on their own, plus forward-only (inference) passes.
+With `--tool nsys` (the default where Nsight Systems writes reports) each point runs under `nsys
+profile`, and the report is kept and read (`bench.nsys`); elsewhere, as on our GPU machines, where
+nsys writes a raw .qdstrm only, each call is a torch.profiler session. Rows:
 one per (phase, kernel) with calls and total time, one per attention stage (scores, softmax, final
 matmul: ranges of the `naive_annotated` backend), and the harness's own synchronized time of each
 phase in the same process. On CUDA the "kernels" are GPU kernels; on a CPU, ATen operators by self
@@ -16,11 +17,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
+import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from cs336_systems.bench import nsys
 from cs336_systems.bench.e2e import RunSpec, build_model
 from cs336_systems.bench.cli import add_device_argument, device_from_args, positive_int
 from cs336_systems.bench.provenance import provenance
@@ -31,6 +37,7 @@ from cs336_systems.bench.timing import (
     is_oom,
     oom_message,
     reset_memory,
+    synchronize,
     timed,
 )
 from cs336_systems.model import MODEL_SIZES, AdamW, cross_entropy
@@ -63,6 +70,9 @@ def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tup
 
 
 def profile_point(size: str, context_length: int, args, device: torch.device) -> list[dict]:
+    """Rows of one (size, context) point. Under `--nsys-child` each measured call runs in an NVTX window
+    (`nsys.window`) instead of a torch.profiler session, and only the harness rows come back: the
+    parent reads the kernels from the Nsight report."""
     spec = RunSpec(size=size, mode="train_step", precision=args.precision, attention="naive_annotated",
                    compile=False, batch_size=args.batch_size, context_length=context_length, warmup=args.warmup,
                    steps=args.steps, device=str(device))
@@ -104,10 +114,15 @@ def profile_point(size: str, context_length: int, args, device: torch.device) ->
             harness[name].append(timed(fn, device))  # the harness's time, unprofiled
             if name == "backward":  # backward needs a fresh graph to be profiled
                 forward()
+            if args.nsys_child:
+                synchronize(device)
+                with annotate(nsys.window(name)):
+                    fn()
+                    synchronize(device)
+                continue
             with profile(activities=activities) as prof:
                 fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                synchronize(device)
             found, stages = summarize(prof.key_averages(), device)
             for row in found:
                 entry = kernels.setdefault((name, row["kernel"]), [0, 0.0])
@@ -117,15 +132,37 @@ def profile_point(size: str, context_length: int, args, device: torch.device) ->
                 entry = stage_rows.setdefault((name, stage), [0, 0.0])
                 entry[0] += calls
                 entry[1] += total
+    harness_rows = [{"kind": "harness", "phase": name, "name": "synchronized wall time", "calls_per_step": 1,
+                     "ms_per_step": sum(times) / len(times), "tool": "timeit + synchronize"}
+                    for name, times in harness.items()]
+    if args.nsys_child:
+        return harness_rows
     tool = "torch.profiler: CUDA kernels" if device.type == "cuda" else "torch.profiler: ATen ops (CPU self time)"
     rows = [{"kind": "kernel", "phase": phase, "name": kernel, "calls_per_step": calls / args.steps,
              "ms_per_step": total / args.steps, "tool": tool} for (phase, kernel), (calls, total) in kernels.items()]
     rows += [{"kind": "attention_stage", "phase": phase, "name": stage, "calls_per_step": calls / args.steps,
               "ms_per_step": total / args.steps, "tool": tool} for (phase, stage), (calls, total) in stage_rows.items()]
-    rows += [{"kind": "harness", "phase": name, "name": "synchronized wall time", "calls_per_step": 1,
-              "ms_per_step": sum(times) / len(times), "tool": "timeit + synchronize"}
-             for name, times in harness.items()]
-    return rows
+    return rows + harness_rows
+
+
+def profile_point_nsys(size: str, context_length: int, args, reports: Path) -> list[dict]:
+    """The point in a child process under Nsight Systems; its harness (or OOM) rows plus the kernel
+    rows read from the report, which stays in `reports`."""
+    stem = reports / f"{size}_{context_length}"
+    child_csv = stem.with_suffix(".harness.csv")
+    argv = ["--sizes", size, "--context-lengths", str(context_length), "--batch-size", str(args.batch_size),
+            "--precision", args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps),
+            "--device", args.device, "--nsys-child", "--out", str(child_csv)]
+    report = nsys.profile_under_nsys(stem, argv)
+    rows = pd.read_csv(child_csv).to_dict("records")
+    if rows[0]["status"] != "ok":
+        return rows
+    kernels, ranges = nsys.read_report(nsys.export_sqlite(report))
+    found = nsys.summarize_report(kernels, ranges, args.steps, ATTENTION_STAGES)
+    if not found:
+        raise RuntimeError(f"no kernels of a measured window in {report}")
+    shared = {k: v for k, v in rows[0].items() if k not in found[0] and k not in ("kind", "phase", "tool")}
+    return rows + [{**shared, **row} for row in found]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +173,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=positive_int, default=2, help="profiled steps")
+    parser.add_argument("--tool", default="auto", choices=["auto", "torch", "nsys"],
+                        help="kernel summaries from torch.profiler or Nsight Systems; auto: nsys where it writes "
+                             "reports (on CUDA), else torch.profiler")
+    parser.add_argument("--nsys-reports", type=Path, help="keep the Nsight reports here (with --tool nsys)")
+    parser.add_argument("--nsys-child", action="store_true", help=argparse.SUPPRESS)  # set by the nsys path
     add_device_argument(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -143,6 +185,20 @@ def main(argv: list[str] | None = None) -> None:
         if size not in MODEL_SIZES:
             parser.error(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
     device = device_from_args(parser, args.device)
+    if args.tool != "torch" and not args.nsys_child:
+        works = device.type == "cuda" and nsys.nsys_works()
+        if args.tool == "nsys" and not works:
+            installed = "installed" if shutil.which("nsys") else "not installed"
+            parser.error(f"--tool nsys needs a CUDA device and an Nsight Systems that writes reports "
+                         f"(device {device}; nsys {installed})")
+        args.tool = "nsys" if works else "torch"
+    if args.tool == "nsys" and not args.nsys_child:
+        with tempfile.TemporaryDirectory() as tmp:
+            reports = args.nsys_reports or Path(tmp)
+            rows = [row for size, context_length in itertools.product(args.sizes, args.context_lengths)
+                    for row in profile_point_nsys(size, context_length, args, reports)]
+            write_rows(rows, args.out)
+        return
     prov = provenance(device)
     rows = []
     for size, context_length in itertools.product(args.sizes, args.context_lengths):

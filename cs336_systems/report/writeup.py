@@ -563,7 +563,9 @@ def render_profile(ctx: Context) -> str:
     config = get_config(size)
     ooms = frame[frame["status"] == "oom"]
     parts = [
-        f"Profiled with {tool} (Nsight Systems cannot make reports on our GPU machines); discussed at {size}, "
+        f"Profiled with {tool}"
+        + ("" if tool.startswith("Nsight") else " (Nsight Systems cannot make reports on our GPU machines)")
+        + f"; discussed at {size}, "
         f"context {context}, batch {int(rows['batch_size'].iloc[0])}, {rows['precision'].iloc[0]}. "
         + (f"Out of memory: {', '.join(f'{s} at {c}' for s, c in zip(ooms['size'], ooms['context_length']))}."
            if len(ooms) else "Every size and context length of the grid ran."),

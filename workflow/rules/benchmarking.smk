@@ -123,10 +123,12 @@ rule profile_size:
         batch=S["batch_size"],
         warmup=S["profile"]["warmup"],
         steps=S["profile"]["steps"],
+        # where Nsight Systems writes reports (not on our GPU machines), they are kept here
+        reports=f"{R}/nsys_reports",
     shell:
         "python -m cs336_systems.bench.profile {params.device} --sizes {wildcards.size}"
         " --context-lengths {params.contexts} --batch-size {params.batch} --warmup {params.warmup}"
-        " --steps {params.steps} --out {output} 2> {log}"
+        " --steps {params.steps} --nsys-reports {params.reports} --out {output} 2> {log}"
 
 
 # One job per model size, so a size that fails or is cut short costs only its own points.
