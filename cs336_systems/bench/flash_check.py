@@ -5,7 +5,7 @@ provenance, so the writeup can say on which device and versions the kernels were
 
 On a fresh GPU machine the tests spend their time compiling Triton kernels (one compile per
 specialization: dtype, causal, head dim, length divisibility), which is single-threaded CPU work, so
-the tests are dealt out to several pytest processes that share the GPU.
+each test runs in a pytest process of its own, several at a time on the same GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cs336_systems.bench.provenance import provenance
@@ -35,20 +36,18 @@ def collect(tests: Path) -> list[str]:
     return ids
 
 
-def run_shards(ids: list[str], workers: int, tmp: Path, cwd: Path) -> list[ET.Element]:
-    """Run the ids in `workers` concurrent pytest processes (round-robin); their junit test cases."""
-    shards = [ids[i::workers] for i in range(min(workers, len(ids)))]
-    procs = []
-    for i, shard in enumerate(shards):
-        xml = tmp / f"shard{i}.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *shard]
-        procs.append((xml, subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})))
-    cases = []
-    for xml, proc in procs:
-        proc.wait()
-        if xml.exists():
-            cases.extend(ET.parse(xml).getroot().iter("testcase"))
-    return cases
+def run_tests(ids: list[str], workers: int, tmp: Path, cwd: Path) -> list[ET.Element]:
+    """Each test in a pytest process of its own, `workers` at a time, the next test going to the first
+    free worker (a few tests take most of the time, so fixed shards would leave workers idle); their
+    junit test cases. Triton's on-disk cache is shared, so a kernel compiled for one test serves the rest."""
+    def one(index: int, test_id: str) -> list[ET.Element]:
+        xml = tmp / f"test{index}.xml"
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", test_id],
+                       cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return list(ET.parse(xml).getroot().iter("testcase")) if xml.exists() else []
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return [case for cases in pool.map(one, range(len(ids)), ids) for case in cases]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     ids = collect(TESTS)
     with tempfile.TemporaryDirectory() as tmp:
-        cases = run_shards(ids, args.workers, Path(tmp), TESTS.parents[1])
+        cases = run_tests(ids, args.workers, Path(tmp), TESTS.parents[1])
     prov = provenance(args.device)
     rows = []
     for case in cases:
