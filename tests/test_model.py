@@ -117,14 +117,17 @@ def test_cross_entropy_matches_torch():
     torch.testing.assert_close(cross_entropy(logits, targets).double(), expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("foreach", [True, False])
-def test_adamw_matches_torch(foreach):
+@pytest.mark.parametrize("implementation", ["foreach", "loop", "fused"])
+@pytest.mark.parametrize("beta1", [0.85, 0.3])  # torch.lerp switches formulas at weight 0.5
+def test_adamw_matches_torch(implementation, beta1):
+    """The multi-tensor update, the per-tensor loop and the fused Triton kernel (under the interpreter
+    on a CPU) against torch.optim.AdamW."""
     torch.manual_seed(0)
     model = TransformerLM(TINY)
     reference = TransformerLM(TINY)
     reference.load_state_dict(model.state_dict())
-    kwargs = dict(lr=3e-3, betas=(0.85, 0.98), eps=1e-7, weight_decay=0.1)
-    ours = AdamW(model.parameters(), foreach=foreach, **kwargs)
+    kwargs = dict(lr=3e-3, betas=(beta1, 0.98), eps=1e-7, weight_decay=0.1)
+    ours = AdamW(model.parameters(), foreach=implementation == "foreach", fused=implementation == "fused", **kwargs)
     theirs = torch.optim.AdamW(reference.parameters(), **kwargs)
     for _ in range(5):
         tokens = torch.randint(TINY.vocab_size, (2, 13))
@@ -155,6 +158,17 @@ def test_adamw_with_frozen_parameter_and_late_param_group():
             opt.step()
     for p, q in zip((a, b, c), refs):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_fused_adamw_rejects_what_its_kernel_cannot_update():
+    half = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    half.grad = torch.ones_like(half)
+    with pytest.raises(ValueError, match="param is torch.bfloat16"):
+        AdamW([half], fused=True).step()
+    strided = torch.nn.Parameter(torch.zeros(4, 6).t())
+    strided.grad = torch.ones(6, 4)
+    with pytest.raises(ValueError, match="not contiguous"):
+        AdamW([strided], fused=True).step()
 
 
 def test_adamw_rejects_bad_hyperparameters():

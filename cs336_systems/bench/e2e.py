@@ -70,6 +70,7 @@ class RunSpec:
     steps: int
     device: str
     memory_snapshot: str | None = None
+    optimizer: str = "foreach"  # our AdamW's multi-tensor update, or "fused" (one Triton kernel per tensor)
 
 
 def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
@@ -89,7 +90,8 @@ def measure(spec: RunSpec) -> dict[str, list[float]]:
     device = resolve_device(spec.device)
     torch.manual_seed(0)
     model = build_model(spec, device)
-    optimizer = AdamW(model.parameters(), lr=1e-4) if spec.mode == "train_step" else None
+    optimizer = (AdamW(model.parameters(), lr=1e-4, fused=spec.optimizer == "fused")
+                 if spec.mode == "train_step" else None)
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (spec.batch_size, spec.context_length + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -177,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed warm-up steps")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
     add_device_argument(parser)
+    parser.add_argument("--optimizer", default="foreach", choices=["foreach", "fused"],
+                        help="our AdamW's update: multi-tensor ops, or one Triton kernel per tensor")
     parser.add_argument("--memory-snapshot", default=None,
                         help="dump the allocator history of the measured steps to this pickle (CUDA only)")
     parser.add_argument("--out", required=True, help="CSV file for the rows")
@@ -204,7 +208,8 @@ def specs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return [
         RunSpec(size=size, mode=mode, precision=precision, attention=attention, compile=compile_ == "on",
                 batch_size=args.batch_size, context_length=args.context_length, warmup=warmup,
-                steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot)
+                steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot,
+                optimizer=args.optimizer)
         for size, mode, precision, attention, compile_, warmup in grid
     ]
 
