@@ -1,5 +1,6 @@
 """The benchmarking harness on CPU: every mode runs, OOM becomes a row, bad input is a clear error."""
 
+import dataclasses
 import sqlite3
 
 import pandas as pd
@@ -29,25 +30,40 @@ def test_each_mode_runs_on_cpu(tmp_path, mode, phases):
         assert isinstance(step[column], str) and step[column]
 
 
-def test_train_step_changes_parameters():
+def test_train_step_optimizers_change_parameters_alike():
+    """Our two AdamW paths and torch's fused AdamW each update the model, and to the same values."""
     spec = e2e.RunSpec(size="tiny", mode="train_step", precision="fp32", attention="naive", compile=False,
                        batch_size=2, context_length=8, warmup=0, steps=1, device="cpu")
     torch.manual_seed(0)
     before = e2e.build_model(spec, torch.device("cpu")).state_dict()
     original = e2e.build_model
-    built = {}
+    after = {}
+    for optimizer in e2e.OPTIMIZERS:
+        def keep(spec_, device):
+            after[spec_.optimizer] = original(spec_, device)
+            return after[spec_.optimizer]
 
-    def keep(spec_, device):
-        built["model"] = original(spec_, device)
-        return built["model"]
+        e2e.build_model = keep
+        try:
+            e2e.measure(dataclasses.replace(spec, optimizer=optimizer))
+        finally:
+            e2e.build_model = original
+    states = {name: model.state_dict() for name, model in after.items()}
+    assert any(not torch.equal(before[k], states["foreach"][k]) for k in before)
+    for name in ("fused", "torch_fused"):
+        for key in before:
+            torch.testing.assert_close(states[name][key], states["foreach"][key], rtol=1e-5, atol=1e-6)
 
-    e2e.build_model = keep
-    try:
-        e2e.measure(spec)
-    finally:
-        e2e.build_model = original
-    after = built["model"].state_dict()
-    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+def test_optimizer_grid_only_for_train_steps(tmp_path):
+    parser = e2e.build_parser()
+    args = parser.parse_args(["--sizes", "tiny", "--modes", "forward", "train_step", "--optimizers", "foreach",
+                              "torch_fused", "--out", str(tmp_path / "x.csv"), *COMMON])
+    specs = e2e.specs_from_args(args, parser)
+    assert [(s.mode, s.optimizer) for s in specs] == [("forward", "none"), ("train_step", "foreach"),
+                                                      ("train_step", "torch_fused")]
+    with pytest.raises(ValueError, match="'sgd'"):
+        e2e.make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(1))])
 
 
 def test_out_of_memory_becomes_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):

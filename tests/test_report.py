@@ -122,3 +122,20 @@ def test_profile_kernels_drop_ranges_and_merge_instances():
     kernels = profile_kernels_of(rows).set_index(["phase", "name"])["ms_per_step"]
     assert kernels.to_dict() == {("forward", "gemm"): 5.0, ("optimizer", "elementwise_kernel<MulFunctor>"): 1.0,
                                  ("optimizer", "vectorized_elementwise_kernel<MulFunctor>"): 2.0}
+
+
+def test_optimizer_table_bandwidth_and_oom():
+    from cs336_systems.model import get_config, parameter_count
+    from cs336_systems.report.tables import optimizer_timing
+
+    params = parameter_count(get_config("small"))
+    base = {"size": "small", "status": "ok", "std_ms": 0.1}
+    frame = pd.DataFrame([
+        {**base, "optimizer": "fused", "phase": "optimizer", "mean_ms": 2.0, "median_ms": 2.0},
+        {**base, "optimizer": "fused", "phase": "step", "mean_ms": 30.0, "median_ms": 30.0},
+        {**base, "size": "2.7B", "optimizer": "fused", "phase": "step", "status": "oom"},
+    ])
+    table = optimizer_timing(frame).set_index("size")
+    assert table.loc["small", "GB/s at 28 B/param"] == round(params * 28 / 2e-3 / 1e9)
+    assert table.loc["small", "optimizer step (ms)"] == "2.00 ± 0.10"
+    assert table.loc["2.7B", "optimizer step (ms)"] == "OOM" and pd.isna(table.loc["2.7B", "GB/s at 28 B/param"])

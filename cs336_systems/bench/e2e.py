@@ -50,6 +50,8 @@ from cs336_systems.model import (
 )
 
 MODES = ("forward", "forward_backward", "train_step")
+# Our AdamW's multi-tensor update, our AdamW with one Triton kernel per tensor, and torch's fused AdamW.
+OPTIMIZERS = ("foreach", "fused", "torch_fused")
 PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
           "train_step": ("forward", "backward", "optimizer")}
 
@@ -70,7 +72,7 @@ class RunSpec:
     steps: int
     device: str
     memory_snapshot: str | None = None
-    optimizer: str = "foreach"  # our AdamW's multi-tensor update, or "fused" (one Triton kernel per tensor)
+    optimizer: str = "none"  # train_step only: one of OPTIMIZERS
 
 
 def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
@@ -85,13 +87,20 @@ def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
     return model
 
 
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "torch_fused":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-2, fused=True)
+    if name in ("foreach", "fused"):
+        return AdamW(params, lr=1e-4, weight_decay=1e-2, fused=name == "fused")
+    raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+
+
 def measure(spec: RunSpec) -> dict[str, list[float]]:
     """Run the spec and return per-phase times (ms) of the measured steps."""
     device = resolve_device(spec.device)
     torch.manual_seed(0)
     model = build_model(spec, device)
-    optimizer = (AdamW(model.parameters(), lr=1e-4, fused=spec.optimizer == "fused")
-                 if spec.mode == "train_step" else None)
+    optimizer = make_optimizer(spec.optimizer, model.parameters()) if spec.mode == "train_step" else None
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (spec.batch_size, spec.context_length + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -179,8 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed warm-up steps")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
     add_device_argument(parser)
-    parser.add_argument("--optimizer", default="foreach", choices=["foreach", "fused"],
-                        help="our AdamW's update: multi-tensor ops, or one Triton kernel per tensor")
+    parser.add_argument("--optimizers", nargs="+", default=["foreach"], choices=OPTIMIZERS,
+                        help="for train_step: our AdamW with multi-tensor ops (foreach) or one Triton kernel per "
+                             "tensor (fused), or torch.optim.AdamW(fused=True) (torch_fused)")
     parser.add_argument("--memory-snapshot", default=None,
                         help="dump the allocator history of the measured steps to this pickle (CUDA only)")
     parser.add_argument("--out", required=True, help="CSV file for the rows")
@@ -208,9 +218,9 @@ def specs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return [
         RunSpec(size=size, mode=mode, precision=precision, attention=attention, compile=compile_ == "on",
                 batch_size=args.batch_size, context_length=args.context_length, warmup=warmup,
-                steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot,
-                optimizer=args.optimizer)
+                steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot, optimizer=optimizer)
         for size, mode, precision, attention, compile_, warmup in grid
+        for optimizer in (args.optimizers if mode == "train_step" else ["none"])
     ]
 
 
@@ -226,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
         last = spec_rows[-1]
         shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
         print(f"[{i}/{len(specs)}] {spec.size} {spec.mode} {spec.precision} {spec.attention} "
-              f"compile={spec.compile} warmup={spec.warmup}: {shown}", file=sys.stderr, flush=True)
+              f"compile={spec.compile} warmup={spec.warmup} optimizer={spec.optimizer}: {shown}",
+              file=sys.stderr, flush=True)
     write_rows(rows, args.out)
 
 

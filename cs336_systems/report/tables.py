@@ -6,6 +6,7 @@ import re
 
 import pandas as pd
 
+from cs336_systems.model import get_config, parameter_count
 from cs336_systems.report.render import mean_std
 
 SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
@@ -90,12 +91,36 @@ def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+# AdamW's least memory traffic per fp32 parameter: read parameter, gradient and both moments, write
+# parameter and both moments.
+ADAMW_BYTES_PER_PARAM = 7 * 4
+
+
+def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    """The optimizer phase of a training step per size and optimizer, with the bandwidth it would take to
+    move AdamW's least traffic in that time."""
+    out = []
+    for (size, optimizer), rows in _ordered(frame).groupby(["size", "optimizer"], observed=True, sort=True):
+        phase = rows[rows["phase"].eq("optimizer") | rows["status"].ne("ok")]
+        step = rows[rows["phase"].eq("step") | rows["status"].ne("ok")]
+        params = parameter_count(get_config(str(size)))
+        record = {"size": size, "parameters (M)": round(params / 1e6), "optimizer": optimizer,
+                  "optimizer step (ms)": _cell(phase), "training step (ms)": _cell(step)}
+        ok = phase["status"].eq("ok").all() and len(phase)
+        seconds = phase["median_ms"].iloc[0] / 1e3 if ok else None
+        record["GB/s at 28 B/param"] = round(params * ADAMW_BYTES_PER_PARAM / seconds / 1e9) if ok else None
+        out.append(record)
+    return pd.DataFrame(out)
+
+
 TABLES = {
     "e2e_timing": (e2e_timing, "Forward and backward time per step (mean ± std over measured steps), fp32"),
     "e2e_warmup": (e2e_warmup, "Forward+backward step time by number of warm-up steps, fp32"),
     "mixed_precision": (mixed_precision, "Forward and backward time, fp32 versus bf16 autocast"),
     "compile_timing": (compile_timing, "Eager versus torch.compile'd model: ms per step, mean ± std; speed-up "
                                         "and MFU from the medians; bf16 autocast"),
+    "optimizer": (optimizer_timing, "AdamW's step alone, eager training steps: ms per step, mean ± std; the "
+                                    "bandwidth is AdamW's least traffic over the median time"),
 }
 
 

@@ -71,12 +71,14 @@ rule compile_timing_size:
         common=f"{DEVICE_ARGS} {MODEL_ARGS}",
         precision=S["compile"]["precision"],
         attention=join(S["compile"]["attention"]),
+        optimizer=S["compile"]["optimizer"],
         warmup=S["compile"]["warmup"],
         steps=S["compile"]["steps"],
     shell:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {wildcards.size}"
         " --modes forward train_step --precisions {params.precision} --attention {params.attention}"
-        " --compile off on --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
+        " --compile off on --optimizers {params.optimizer} --warmup {params.warmup} --steps {params.steps}"
+        " --out {output} 2> {log}"
 
 
 # One job per model size: the large compiled points take longest, and a cut-short run keeps the rest.
@@ -91,6 +93,28 @@ rule compile_timing:
         ENV
     shell:
         "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+
+
+# The optimizer step: our AdamW's two update paths against torch's fused AdamW, every model size. Eager,
+# since the optimizer step is not compiled either way and the compiled points cost minutes each.
+rule optimizer_timing:
+    output:
+        f"{R}/optimizer.csv",
+    log:
+        f"{LOGS}/optimizer_timing.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {MODEL_ARGS}",
+        sizes=join(S["model_sizes"]),
+        o=S["optimizer"],
+        optimizers=join(S["optimizer"]["optimizers"]),
+    shell:
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes train_step"
+        " --precisions {params.o[precision]} --attention {params.o[attention]} --optimizers {params.optimizers}"
+        " --warmup {params.o[warmup]} --steps {params.o[steps]} --out {output} 2> {log}"
 
 
 rule mixed_precision:

@@ -5,6 +5,7 @@ TABLE_INPUTS = {
     "e2e_warmup": f"{R}/e2e_warmup.csv",
     "mixed_precision": f"{R}/e2e.csv",
     "compile_timing": f"{R}/e2e_compile.csv",
+    "optimizer": f"{R}/optimizer.csv",
     "attention": f"{R}/attention.csv",
     "attention_compile": f"{R}/attention.csv",
     "flash_sweep": f"{R}/flash_sweep.csv",
