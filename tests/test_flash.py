@@ -244,3 +244,19 @@ def test_pinned_tiles_run_the_given_tile_and_restore():
         _check_against_reference(IMPLS["triton"].apply, (2, 45, 16), (2, 45, 16), True, torch.float32, device, 3,
                                  "pinned 32x16")
     assert kernel.configs is before
+
+
+def test_tile_pruning_by_precision_and_length():
+    """Small tiles only for float32 (IEEE dots), deep pipelines only for 16-bit inputs, no tile longer
+    than the rounded sequence."""
+    configs = [flash_triton._config(tile, "BLOCK_M", "BLOCK_N") for tile in FWD_TILES]
+
+    def kept(precision, seq):
+        pruned = flash_triton._prune_configs(configs, {"SEQ_KEY_Q": seq, "SEQ_KEY_K": seq, "PRECISION": precision})
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned}
+
+    small = flash_triton.FLOAT32_ONLY_TILES
+    assert small and small <= kept("ieee", 4096) and not small & kept("tf32", 4096)
+    assert all(stages <= MAX_FLOAT32_STAGES for *_, stages in kept("ieee", 4096))
+    assert any(stages > MAX_FLOAT32_STAGES for *_, stages in kept("tf32", 4096))
+    assert all(m <= 64 and n <= 64 for m, n, *_ in kept("ieee", 64)) and kept("ieee", 64)
