@@ -246,17 +246,10 @@ def test_pinned_tiles_run_the_given_tile_and_restore():
     assert kernel.configs is before
 
 
-def test_tile_pruning_by_precision_and_length():
-    """Small tiles only for float32 (IEEE dots), deep pipelines only for 16-bit inputs, no tile longer
-    than the rounded sequence."""
-    configs = [flash_triton._config(tile, "BLOCK_M", "BLOCK_N") for tile in FWD_TILES]
 
-    def kept(precision, seq):
-        pruned = flash_triton._prune_configs(configs, {"SEQ_KEY_Q": seq, "SEQ_KEY_K": seq, "PRECISION": precision})
-        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in pruned}
-
-    small = flash_triton.FLOAT32_ONLY_TILES
-    assert small and small <= kept("ieee", 4096) and not small & kept("tf32", 4096)
-    assert all(stages <= MAX_FLOAT32_STAGES for *_, stages in kept("ieee", 4096))
-    assert any(stages > MAX_FLOAT32_STAGES for *_, stages in kept("tf32", 4096))
-    assert all(m <= 64 and n <= 64 for m, n, *_ in kept("ieee", 64)) and kept("ieee", 64)
+def test_tile_lists_keep_the_causal_split_exact():
+    """Every outer tile is a multiple of its inner tile (else the unmasked causal loop overruns), and a
+    tile that breaks this is refused by name."""
+    assert all(outer % inner == 0 for outer, inner, *_ in FWD_TILES + BWD_TILES)
+    with pytest.raises(ValueError, match=r"\(32, 64, 4, 2\)"):
+        flash_triton._config((32, 64, 4, 2), "BLOCK_M", "BLOCK_N")

@@ -103,25 +103,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 # (queries in the forward and dQ kernels, keys in the dK/dV kernel); the inner one is streamed.
 # Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but with float32 (IEEE
 # dots) they make GPU compilation very slow and rarely fit in shared memory: `_prune_configs` keeps
-# them for 16-bit inputs only. IEEE dots run on the CUDA cores with their operands in registers: with
-# only the 16-bit tiles, the float32 forward at head dim 128 ran at 0.9 TFLOP/s on the H100 (19 at
-# head dim 64), which looks like register spilling. The small tiles at the end of each list are
-# tried for float32 only.
+# them for 16-bit inputs only.
 FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-             (128, 64, 4, 4), (128, 128, 8, 4),
-             (64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)]
+             (128, 64, 4, 4), (128, 128, 8, 4)]
 BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
-             (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5),
-             (32, 64, 4, 2), (32, 32, 4, 2)]
-FLOAT32_ONLY_TILES = {(64, 32, 4, 2), (32, 64, 4, 2), (32, 32, 4, 2)}
+             (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5)]
 MAX_FLOAT32_STAGES = 3
 
 
 def _config(tile, outer: str, inner: str) -> triton.Config:
     o, i, warps, stages = tile
-    config = triton.Config({outer: o, inner: i}, num_warps=warps, num_stages=stages)
-    config.float32_only = tile in FLOAT32_ONLY_TILES
-    return config
+    if o % i:
+        # The causal kernels stream the unmasked tiles up to the start of the outer tile in inner-tile
+        # steps; an inner tile that does not divide the outer one would run past it without the mask
+        # (a (32, 64) tile did, on the H100).
+        raise ValueError(f"tile {tile}: the outer tile {o} must be a multiple of the inner tile {i}")
+    return triton.Config({outer: o, inner: i}, num_warps=warps, num_stages=stages)
 
 
 def _configs(tiles, outer: str, inner: str):
@@ -136,14 +133,14 @@ def _even(name: str, block: str):
 
 def _prune_configs(configs, named_args, **kwargs):
     """Drop configs whose query or key tile is longer than the (power-of-two rounded) sequence, so a
-    short problem is not tuned over tiles it cannot fill; deep pipelines for float32; and the small
-    float32 tiles for 16-bit inputs. Keep at least the smallest."""
+    short problem is not tuned over tiles it cannot fill, and deep pipelines for float32; keep at
+    least the smallest."""
     args = {**named_args, **kwargs}  # the launcher passes the sizes by keyword
     max_m, max_n = args["SEQ_KEY_Q"], args["SEQ_KEY_K"]
-    ieee = args["PRECISION"] == "ieee"
+    max_stages = MAX_FLOAT32_STAGES if args["PRECISION"] == "ieee" else None
     kept = [c for c in configs
             if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)
-            and (c.num_stages <= MAX_FLOAT32_STAGES if ieee else not c.float32_only)]
+            and (max_stages is None or c.num_stages <= max_stages)]
     return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
 
 

@@ -83,6 +83,10 @@ def _flash_panels(frame: pd.DataFrame, path: str | Path, value: str, ylabel: str
                        marker="o", height=2.6, aspect=1.1, facet_kws={"sharey": False})
     grid.set(xscale="log", yscale="log" if value == "median_ms" else "linear", ylabel=ylabel,
              xlabel="sequence length")
+    for (dtype, head_dim), ax in grid.axes_dict.items():
+        if rows[(rows["dtype"] == dtype) & (rows["head_dim"] == head_dim)].empty:
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="grey")
+    sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))  # beside the panels, not over the last one
     save_figure(grid.figure, path, title)
 
 
