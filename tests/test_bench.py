@@ -55,13 +55,17 @@ def test_train_step_optimizers_change_parameters_alike():
             torch.testing.assert_close(states[name][key], states["foreach"][key], rtol=1e-5, atol=1e-6)
 
 
-def test_optimizer_grid_only_for_train_steps(tmp_path):
+def test_optimizer_and_compile_scope_grids(tmp_path):
     parser = e2e.build_parser()
     args = parser.parse_args(["--sizes", "tiny", "--modes", "forward", "train_step", "--optimizers", "foreach",
                               "torch_fused", "--out", str(tmp_path / "x.csv"), *COMMON])
     specs = e2e.specs_from_args(args, parser)
     assert [(s.mode, s.optimizer) for s in specs] == [("forward", "none"), ("train_step", "foreach"),
                                                       ("train_step", "torch_fused")]
+    args = parser.parse_args(["--sizes", "tiny", "--compile", "off", "on", "--compile-scopes", "blocks", "model",
+                              "--out", str(tmp_path / "x.csv"), *COMMON])
+    assert [(s.compile, s.compile_scope) for s in e2e.specs_from_args(args, parser)] == [
+        (False, "none"), (True, "blocks"), (True, "model")]
     with pytest.raises(ValueError, match="'sgd'"):
         e2e.make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(1))])
 
@@ -184,3 +188,15 @@ def test_profile_tool_choice_and_nsys_child_rows(tmp_path):
     assert set(rows["phase"]) == {"forward", "backward", "optimizer", "inference"}
     with pytest.raises(SystemExit):
         profile.main([*args, "--tool", "nsys", "--out", str(out)])  # no CUDA (and no nsys) here
+
+
+@pytest.mark.parametrize("scope", e2e.COMPILE_SCOPES)
+def test_compile_scope_decides_what_is_compiled(scope):
+    spec = e2e.RunSpec(size="tiny", mode="forward", precision="fp32", attention="naive", compile=True,
+                       batch_size=2, context_length=8, warmup=0, steps=1, device="cpu", compile_scope=scope)
+    model = e2e.build_model(spec, torch.device("cpu"))
+    whole = getattr(model, "_compiled_call_impl", None) is not None
+    blocks = [getattr(layer, "_compiled_call_impl", None) is not None for layer in model.layers]
+    assert whole == (scope != "blocks") and all(blocks) == (scope == "blocks")
+    with pytest.raises(ValueError, match="'layers'"):
+        e2e.build_model(dataclasses.replace(spec, compile_scope="layers"), torch.device("cpu"))

@@ -1,9 +1,9 @@
 """End-to-end benchmark of the Transformer LM (handout 1.1.3, 1.1.5(c), 1.1.6, 1.3.1(b)).
 
-For every point of the grid (size x mode x precision x attention x compile) it builds the model,
-runs `warmup` untimed steps and `steps` timed ones, synchronizing around each phase, and writes one
-tidy row per phase (forward, backward, optimizer, step) with mean/std/median, tokens/s, MFU and peak
-memory. Out-of-memory becomes a row with status=oom and the sweep goes on.
+For every point of the grid (size x mode x precision x attention x compile [x scope] [x optimizer]) it
+builds the model, runs `warmup` untimed steps and `steps` timed ones, synchronizing around each phase,
+and writes one tidy row per phase (forward, backward, optimizer, step) with mean/std/median, tokens/s,
+MFU and peak memory. Out-of-memory becomes a row with status=oom and the sweep goes on.
 
     python -m cs336_systems.bench.e2e --sizes small xl --modes forward forward_backward \
         --precisions fp32 bf16 --device cuda --out results/e2e.csv
@@ -52,6 +52,11 @@ from cs336_systems.model import (
 MODES = ("forward", "forward_backward", "train_step")
 # Our AdamW's multi-tensor update, our AdamW with one Triton kernel per tensor, and torch's fused AdamW.
 OPTIMIZERS = ("foreach", "fused", "torch_fused")
+# What `--compile on` compiles: each Transformer block (regional compilation: the blocks share one graph,
+# so compile time does not grow with depth), the whole model, or the whole model with CUDA graphs
+# (torch.compile's "reduce-overhead" mode, which replays each step's kernels without launching them
+# one by one from the host).
+COMPILE_SCOPES = ("blocks", "model", "model-cudagraphs")
 PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
           "train_step": ("forward", "backward", "optimizer")}
 
@@ -72,18 +77,23 @@ class RunSpec:
     steps: int
     device: str
     memory_snapshot: str | None = None
-    optimizer: str = "none"  # train_step only: one of OPTIMIZERS
+    optimizer: str = "foreach"  # train_step only: one of OPTIMIZERS (the CLI records "none" otherwise)
+    compile_scope: str = "blocks"  # with compile only: one of COMPILE_SCOPES (the CLI records "none" otherwise)
 
 
 def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
     config = get_config(spec.size, attention=spec.attention, context_length=max(spec.context_length, 1))
     with device:  # initialise on the device: a 2.7B model's init on the CPU takes longer than its benchmark
         model = TransformerLM(config)
-    if spec.compile:
-        # Regional compilation: each block is compiled, and since the blocks share code one graph
-        # serves them all, so compile time does not grow with depth (the embedding and head stay eager).
+    if not spec.compile:
+        return model
+    if spec.compile_scope == "blocks":  # the embedding and head stay eager
         for layer in model.layers:
             layer.compile()
+    elif spec.compile_scope in ("model", "model-cudagraphs"):
+        model.compile(mode="reduce-overhead" if spec.compile_scope == "model-cudagraphs" else None)
+    else:
+        raise ValueError(f"unknown compile scope {spec.compile_scope!r}; known: {', '.join(COMPILE_SCOPES)}")
     return model
 
 
@@ -122,6 +132,8 @@ def measure(spec: RunSpec) -> dict[str, list[float]]:
         if measured and step == spec.warmup and spec.memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         with annotate("measured_step" if measured else "warmup_step"):
+            if spec.compile and spec.compile_scope == "model-cudagraphs":
+                torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier outputs may be overwritten
             model.zero_grad(set_to_none=True)
             for phase in samples:
                 with annotate(phase):
@@ -183,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attention backends: naive, naive_annotated, sdpa, flash_pytorch, flash_triton")
     parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"],
                         help="run eagerly (off) and/or with each block torch.compile'd (on)")
+    parser.add_argument("--compile-scopes", nargs="+", default=["blocks"], choices=COMPILE_SCOPES,
+                        help="with --compile on: each block (regional), the whole model, or the whole model "
+                             "with CUDA graphs (mode reduce-overhead)")
     parser.add_argument("--batch-size", type=positive_int, default=4)
     parser.add_argument("--context-length", type=positive_int, default=512)
     parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed warm-up steps")
@@ -218,8 +233,10 @@ def specs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     return [
         RunSpec(size=size, mode=mode, precision=precision, attention=attention, compile=compile_ == "on",
                 batch_size=args.batch_size, context_length=args.context_length, warmup=warmup,
-                steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot, optimizer=optimizer)
+                steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot, optimizer=optimizer,
+                compile_scope=scope)
         for size, mode, precision, attention, compile_, warmup in grid
+        for scope in (args.compile_scopes if compile_ == "on" else ["none"])
         for optimizer in (args.optimizers if mode == "train_step" else ["none"])
     ]
 
@@ -236,7 +253,8 @@ def main(argv: list[str] | None = None) -> None:
         last = spec_rows[-1]
         shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
         print(f"[{i}/{len(specs)}] {spec.size} {spec.mode} {spec.precision} {spec.attention} "
-              f"compile={spec.compile} warmup={spec.warmup} optimizer={spec.optimizer}: {shown}",
+              f"compile={spec.compile} scope={spec.compile_scope} warmup={spec.warmup} "
+              f"optimizer={spec.optimizer}: {shown}",
               file=sys.stderr, flush=True)
     write_rows(rows, args.out)
 

@@ -72,13 +72,14 @@ rule compile_timing_size:
         precision=S["compile"]["precision"],
         attention=join(S["compile"]["attention"]),
         optimizer=S["compile"]["optimizer"],
+        scopes=join(S["compile"]["scopes"]),
         warmup=S["compile"]["warmup"],
         steps=S["compile"]["steps"],
     shell:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {wildcards.size}"
         " --modes forward train_step --precisions {params.precision} --attention {params.attention}"
-        " --compile off on --optimizers {params.optimizer} --warmup {params.warmup} --steps {params.steps}"
-        " --out {output} 2> {log}"
+        " --compile off on --compile-scopes {params.scopes} --optimizers {params.optimizer}"
+        " --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
 
 
 # One job per model size: the large compiled points take longest, and a cut-short run keeps the rest.
