@@ -10,8 +10,11 @@ any indexing or masking mistake (those give O(1) errors). 16-bit: each kernel's 
 float64 must be within 2x (plus a small floor) of PyTorch's own attention in the same dtype.
 """
 
+import subprocess
+import sys
 from contextlib import nullcontext
 
+import pandas as pd
 import pytest
 import torch
 
@@ -253,3 +256,25 @@ def test_tile_lists_keep_the_causal_split_exact():
     assert all(outer % inner == 0 for outer, inner, *_ in FWD_TILES + BWD_TILES)
     with pytest.raises(ValueError, match=r"\(32, 64, 4, 2\)"):
         flash_triton._config((32, 64, 4, 2), "BLOCK_M", "BLOCK_N")
+
+
+def test_kernel_resources_see_the_float32_spills(tmp_path):
+    """Compiled for the H100 on the CPU: a float32 tile known to spill shows spills, the same tile in
+    bfloat16 does not, and every row has its registers. In a process of its own, since compiling needs
+    Triton's JIT rather than the interpreter this process runs."""
+    out = tmp_path / "resources.csv"
+    subprocess.run([sys.executable, "-m", "cs336_systems.bench.kernel_resources", "--kernels", "forward",
+                    "--dtypes", "fp32", "bf16", "--head-dims", "64", "--tiles", "64,64,4,3", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    rows = pd.read_csv(out).set_index("dtype")
+    assert (rows["status"] == "ok").all() and (rows["registers"] > 0).all()
+    assert rows.loc["fp32", "spill_store_bytes"] > 0 and rows.loc["bf16", "spill_store_bytes"] == 0
+    assert (rows["arch"] == "sm_90").all()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the error is for processes running the kernels under the interpreter")
+def test_kernel_resources_in_an_interpreter_process_is_a_clear_error():
+    from cs336_systems.bench import kernel_resources
+
+    with pytest.raises(RuntimeError, match="process of their own"):
+        kernel_resources.flash_module()

@@ -198,12 +198,29 @@ def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[["test", "outcome", "seconds"]].round({"seconds": 2})
 
 
+def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per kernel and tile config, 'registers / bytes spilled' per thread for each dtype and head dim."""
+    frame = frame.assign(tile=[f"{o}×{i}, {w} warps, {s} stages" for o, i, w, s in
+                               zip(frame["outer"], frame["inner"], frame["warps"], frame["stages"])],
+                         case=[f"{t} d={d}" for t, d in zip(frame["dtype"], frame["head_dim"])])
+    frame["cell"] = [f"{int(r)} / {int(b)}" if status == "ok" else "error" for r, b, status in
+                     zip(frame["registers"].fillna(0), frame["spill_store_bytes"].fillna(0), frame["status"])]
+    cases = list(dict.fromkeys(frame.sort_values(["dtype", "head_dim"])["case"]))
+    wide = frame.pivot_table(index=["kernel", "tile"], columns="case", values="cell", aggfunc="first")
+    rows = list(dict.fromkeys(zip(frame["kernel"], frame["tile"])))  # kernels and tiles in the order compiled
+    return wide.reindex(index=pd.MultiIndex.from_tuples(rows, names=["kernel", "tile"]), columns=cases
+                        ).fillna("—").reset_index()
+
+
 TABLES.update({
     "attention": (attention, "Naive attention (batch 8, one head, float32): mean ms over 100 passes"),
     "attention_compile": (attention_compile, "Naive attention, eager versus torch.compile (mean ms over 100 passes)"),
     "flash_sweep": (flash_sweep, "FlashAttention-2 benchmark, batch 1, causal: median ms (triton.testing.do_bench)"),
     "flash_leaderboard": (flash_leaderboard, "Leaderboard case: 16 heads x 16384 x 64, bf16, causal"),
     "flash_correctness": (flash_correctness, "FlashAttention-2 tests (tests/test_flash.py) run on the device"),
+    "flash_resources": (flash_resources, "Our FA2 Triton kernels compiled for the GPU: registers / bytes spilled "
+                                         "per thread (ptxas -v), causal, each tile the autotuner may pick for that "
+                                         "dtype (— : not tried, e.g. deep pipelines for fp32)"),
 })
 
 

@@ -84,6 +84,24 @@ rule flash_benchmark:
         "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
 
 
+# Compiled for the GPU architecture on the CPU: runs anywhere, no GPU resource.
+rule flash_resources:
+    output:
+        f"{R}/flash_resources.csv",
+    log:
+        f"{LOGS}/flash_resources.log",
+    conda:
+        ENV
+    params:
+        r=S["flash_resources"],
+        kernels=join(S["flash_resources"]["kernels"]),
+        head_dims=join(S["flash_resources"]["head_dims"]),
+        dtypes=join(S["flash_resources"]["dtypes"]),
+    shell:
+        "python -m cs336_systems.bench.kernel_resources --arch {params.r[arch]} --kernels {params.kernels}"
+        " --head-dims {params.head_dims} --dtypes {params.dtypes} --out {output} 2> {log}"
+
+
 rule flash_leaderboard:
     output:
         f"{R}/flash_leaderboard.csv",

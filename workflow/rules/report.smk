@@ -10,6 +10,7 @@ TABLE_INPUTS = {
     "attention_compile": f"{R}/attention.csv",
     "flash_sweep": f"{R}/flash_sweep.csv",
     "flash_leaderboard": f"{R}/flash_leaderboard.csv",
+    "flash_resources": f"{R}/flash_resources.csv",
     "flash_correctness": f"{R}/flash_correctness.csv",
     "profile_kernels": f"{R}/profile.csv",
     "profile_grid": f"{R}/profile.csv",

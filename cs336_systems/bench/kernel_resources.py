@@ -1,0 +1,177 @@
+"""Registers and spills of our FlashAttention-2 Triton kernels per tile config, compiled without a GPU.
+
+Triton compiles for a named GPU architecture on any machine, and its wheel ships NVIDIA's ptxas; with
+`ptxas -v` on the generated PTX we read what each config costs a thread: registers, the stack frame,
+and the bytes spilled to local memory (which lives in DRAM behind the L1). A config that spills runs
+its inner loop through memory, so this table explains timings, for example why our float32 kernels
+(IEEE dots, which keep their operands in registers) are slow with the tiles chosen for 16-bit inputs.
+
+    python -m cs336_systems.bench.kernel_resources --arch 90 --dtypes bf16 fp32 --head-dims 64 128 \
+        --out results/flash_resources.csv
+
+The launch is modelled as the benchmarks make it: causal, lengths that fill the tiles, contiguous
+inputs (unit stride in the head dim, the other strides multiples of 16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from cs336_systems.bench.provenance import provenance
+from cs336_systems.bench.results import write_rows
+
+# kernel name: (attribute of flash_triton, its tile list, names of its outer and inner tile sizes)
+KERNELS = {"forward": ("_flash_fwd_kernel", "FWD_TILES", ("BLOCK_M", "BLOCK_N")),
+           "backward_dkdv": ("_flash_bwd_dkdv_kernel", "BWD_TILES", ("BLOCK_N", "BLOCK_M")),
+           "backward_dq": ("_flash_bwd_dq_kernel", "BWD_TILES", ("BLOCK_M", "BLOCK_N"))}
+POINTER_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
+TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
+FLOAT32_TENSORS = {"L", "DELTA"}  # the logsumexp and rowsum(dO * O) are float32 whatever the inputs
+
+
+def use_compiler() -> None:
+    """Compiling needs Triton's JIT, not the interpreter that the package turns on where there is no GPU.
+    Triton reads the switch when it and the kernels are imported, so this must come before either is."""
+    if "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "0"
+
+
+def flash_module():
+    """flash_triton, its kernels defined for compiling."""
+    import triton
+
+    from cs336_systems.kernels import flash_triton
+
+    if flash_triton.INTERPRET or triton.knobs.runtime.interpret:
+        raise RuntimeError("Triton and the kernels were imported under TRITON_INTERPRET=1 in this process; compile "
+                           "them in a process of their own: python -m cs336_systems.bench.kernel_resources")
+    return flash_triton
+
+
+def _jit_function(kernel):
+    """The JIT function under the autotuner and heuristics wrappers."""
+    import triton
+
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def _source(kernel, dtype: str, head_dim: int, blocks: dict[str, int]):
+    import triton
+
+    fn = _jit_function(kernel)
+    constants = {"IS_CAUSAL": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "BLOCK_D": head_dim,
+                 "EVEN_M": True, "EVEN_N": True, "EVEN_D": True, **blocks}
+    signature, divisible = {}, []
+    for index, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.startswith("stride") and name.endswith("d"):  # unit stride along the head dim
+            signature[name], constants[name] = "constexpr", 1
+        elif name in TENSORS | FLOAT32_TENSORS:
+            signature[name] = "*fp32" if name in FLOAT32_TENSORS else POINTER_DTYPES[dtype]
+            divisible.append(index)
+        elif name in ("qk_scale", "sm_scale"):
+            signature[name] = "fp32"
+        else:  # other strides, sizes: multiples of 16 at the benchmarked shapes, as Triton specializes them
+            signature[name] = "i32"
+            divisible.append(index)
+    names = fn.arg_names
+    return triton.compiler.ASTSource(
+        fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in divisible})
+
+
+def ptxas_usage(ptx: str) -> dict[str, int]:
+    """Registers, stack frame and spill bytes that `ptxas -v` reports for the PTX's one kernel."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # shipped in Triton's wheel
+    arch = re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(ptx)
+        source.flush()
+        done = subprocess.run([str(ptxas), "-v", "--gpu-name", arch, source.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True)
+    report = done.stdout + done.stderr
+    numbers = {"registers": r"Used (\d+) registers", "stack_bytes": r"(\d+) bytes stack frame",
+               "spill_store_bytes": r"(\d+) bytes spill stores", "spill_load_bytes": r"(\d+) bytes spill loads"}
+    found = {key: re.search(pattern, report) for key, pattern in numbers.items()}
+    missing = [key for key, match in found.items() if match is None]
+    if missing:
+        raise RuntimeError(f"ptxas -v did not report {', '.join(missing)}:\n{report}")
+    return {key: int(match.group(1)) for key, match in found.items()}
+
+
+def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, int, int], arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    attribute, _, (outer_name, inner_name) = KERNELS[kernel_name]
+    kernel = getattr(flash_module(), attribute)
+    outer, inner, warps, stages = tile
+    row = {"kernel": kernel_name, "dtype": dtype, "head_dim": head_dim, "outer": outer, "inner": inner,
+           "warps": warps, "stages": stages, "arch": f"sm_{arch}"}
+    try:
+        compiled = triton.compile(_source(kernel, dtype, head_dim, {outer_name: outer, inner_name: inner}),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options={"num_warps": warps, "num_stages": stages})
+        usage = ptxas_usage(compiled.asm["ptx"])
+    except Exception as error:  # a config the compiler rejects is a row, not the end of the table
+        return {**row, "status": "error", "error": f"{type(error).__name__}: {error}"[:300]}
+    return {**row, **usage, "shared_bytes": compiled.metadata.shared, "status": "ok"}
+
+
+def tiles_for(kernel_name: str, dtype: str) -> list[tuple[int, int, int, int]]:
+    """The kernel's tile list as the autotuner sees it for this dtype (no deep pipelines for float32)."""
+    module = flash_module()
+    tiles = getattr(module, KERNELS[kernel_name][1])
+    if dtype == "fp32":
+        tiles = [t for t in tiles if t[3] <= module.MAX_FLOAT32_STAGES]
+    return list(tiles)
+
+
+def parse_tile(text: str) -> tuple[int, int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"tile {text!r} is not 'outer,inner,warps,stages' (e.g. 64,32,4,2)")
+    return tuple(int(p) for p in parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 and H200)")
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(POINTER_DTYPES))
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128])
+    parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
+                        help="tiles to compile instead of each kernel's autotuning list, as outer,inner,warps,stages")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    use_compiler()
+    for d in args.head_dims:
+        if d not in (16, 32, 64, 128):
+            parser.error(f"--head-dims {d}: the kernels take head dims 16, 32, 64 and 128")
+    rows = []
+    for kernel_name in args.kernels:
+        for dtype in args.dtypes:
+            for head_dim in args.head_dims:
+                for tile in args.tiles or tiles_for(kernel_name, dtype):
+                    row = measure(kernel_name, dtype, head_dim, tile, args.arch)
+                    rows.append(row)
+                    shown = (f"{row['registers']} registers, {row['spill_store_bytes']} B spilled"
+                             if row["status"] == "ok" else row["error"])
+                    print(f"{kernel_name} {dtype} d={head_dim} tile={tile}: {shown}", file=sys.stderr, flush=True)
+    prov = provenance("cpu")
+    write_rows([{**row, **prov} for row in rows], args.out)
+
+
+if __name__ == "__main__":
+    main()
