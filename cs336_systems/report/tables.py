@@ -6,6 +6,7 @@ import re
 
 import pandas as pd
 
+from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
 from cs336_systems.report.render import mean_std
 
@@ -74,9 +75,6 @@ def precision_speedup(frame: pd.DataFrame) -> pd.DataFrame:
     if not {"fp32", "bf16"} <= set(wide.columns):
         return pd.DataFrame({"size": [], "bf16 speed-up": []})
     return (wide["fp32"] / wide["bf16"]).round(2).rename("bf16 speed-up").reset_index()
-
-
-COMPILE_SCOPES = ["blocks", "model", "model-cudagraphs"]
 
 
 def compile_scope(frame: pd.DataFrame) -> pd.Series:
