@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, oom_message, timed
+from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, timed
 from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, ShardedOptimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import MODEL_SIZES, AdamW, TransformerLM, cross_entropy, get_config
@@ -88,23 +87,12 @@ def trace_to(path: Path | None, device: torch.device):
     prof.export_chrome_trace(str(path))
 
 
-def release_memory(device: torch.device) -> None:
-    """Free what the previous config left before the next one is measured: reference cycles (collected
-    now rather than whenever the garbage collector runs) and the allocator's cached blocks. Anything
-    still allocated after this shows up in the next row's mem_at_start_mib."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def run_config(text: str, args, rank: int, world: int, device: torch.device) -> dict:
     wrapper, bucket_mb, opt_name = parse_config(text)
     torch.manual_seed(rank)  # ranks start apart; the wrappers broadcast rank 0's weights
-    release_memory(device)
+    reset_memory(device)  # frees what the previous config left, reference cycles included
     # Memory still allocated before this config builds anything: 0 unless an earlier config leaked.
     at_start = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     with device:
         model = TransformerLM(get_config(args.size, context_length=args.context_length, attention=args.attention))
     ddp = wrap(model, wrapper, bucket_mb, device)
@@ -190,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             if not is_oom(error):
                 raise
             row = {"config": text, "status": "oom", "error": oom_message(error)}
-            # (the next config's release_memory frees what this one held, once the exception is gone)
+            # (the next config's reset_memory frees what this one held, once the exception is gone)
         row.update(world_size=world, size=args.size, batch_per_rank=args.batch_size,
                    context_length=args.context_length, precision=args.precision, attention=args.attention,
                    backend=args.backend, warmup=args.warmup, steps=args.steps)
