@@ -38,9 +38,10 @@ WRAPPERS = {
 }
 
 
-def _train_and_compare(rank: int, world_size: int, name: str) -> None:
+def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gloo") -> None:
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     torch.manual_seed(100 + rank)  # different initial weights on every rank
-    model = ToyModelWithTiedAndFrozen()
+    model = ToyModelWithTiedAndFrozen().to(device)
     wrap, after_backward = WRAPPERS[name]
     ddp = wrap(model)
     assert ddp.module is model
@@ -50,7 +51,7 @@ def _train_and_compare(rank: int, world_size: int, name: str) -> None:
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(7)  # the same batches on every rank
     for _ in range(6):
-        x, y = torch.randn(8, 10, generator=data), torch.randn(8, 5, generator=data)
+        x, y = torch.randn(8, 10, generator=data).to(device), torch.randn(8, 5, generator=data).to(device)
         if name.startswith("bucketed"):
             ddp_bucketed_on_train_batch_start(ddp, optimizer)
         optimizer.zero_grad()
@@ -81,6 +82,13 @@ def _train_and_compare(rank: int, world_size: int, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
 def test_wrapper_matches_single_process(name):
     run_distributed(_train_and_compare, 2, name)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", sorted(WRAPPERS))
+def test_wrapper_matches_single_process_on_nccl(name):
+    """The same on two GPUs, where the wrappers average inside NCCL's reduction (ReduceOp.AVG)."""
+    run_distributed(_train_and_compare, 2, name, "nccl", backend="nccl")
 
 
 def _one_rank_fails(rank: int, world_size: int) -> None:

@@ -8,8 +8,10 @@ speed), naive, flat, individual, bucketed:MB or torch_ddp; optimizer adamw (defa
 ZeRO-1) or zero (torch's ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
 Per step it times forward+backward, the wait for gradient communication that did not overlap the
 backward pass (all of it for naive and flat), and the optimizer step, with synchronization around
-each; it records memory after initialisation and just before and after the optimizer step. Rank 0
-writes one row per config; out-of-memory is a row.
+each; it records memory after initialisation and just before and after the optimizer step. With
+--rounds R the whole list of configs runs R times, interleaved, and each config's statistics pool its
+rounds (the spread of the per-round medians is in the row). Rank 0 writes one row per config;
+out-of-memory is a row.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def trace_to(path: Path | None, device: torch.device):
 
 
 def run_config(text: str, args, rank: int, world: int, device: torch.device) -> dict:
+    """One round of one config: build, warm up, measure args.steps steps. Returns the per-step times,
+    the memory readings and the mean loss of the measured steps."""
     wrapper, bucket_mb, opt_name = parse_config(text)
     torch.manual_seed(rank)  # ranks start apart; the wrappers broadcast rank 0's weights
     reset_memory(device)  # frees what the previous config left, reference cycles included
@@ -128,21 +132,34 @@ def run_config(text: str, args, rank: int, world: int, device: torch.device) -> 
                 times[key].append(value)
             times["step"].append(sum(parts.values()))
             memory = {"after_init": after_init, "before_step": before_step, "after_step": after_step}
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    loss = float(torch.stack(losses[-args.steps:]).mean())
+    del ddp, optimizer, model
+    return {"times": times, "memory": memory, "at_start": at_start, "loss": loss, "param_bytes": params}
+
+
+def summarize(text: str, rounds: list[dict], world: int) -> dict:
+    """One row from a config's rounds: step statistics over all their measured steps, the spread of
+    the per-round medians, and the memory of the last round."""
+    wrapper, bucket_mb, opt_name = parse_config(text)
+    last = rounds[-1]
     row = {"config": text, "wrapper": wrapper, "bucket_mb": bucket_mb, "optimizer": opt_name, "status": "ok",
-           "mem_at_start_mib": at_start,
-           "final_loss": float(torch.stack(losses[-args.steps:]).mean())}
-    for key, values in times.items():
+           "rounds": len(rounds), "mem_at_start_mib": max(r["at_start"] for r in rounds),
+           "final_loss": last["loss"]}
+    for key in last["times"]:
+        values = [t for r in rounds for t in r["times"][key]]
         row[f"{key}_ms"] = statistics.fmean(values)
         row[f"{key}_std_ms"] = statistics.pstdev(values)
-    row["step_median_ms"] = statistics.median(times["step"])
-    for point, (current, peak) in memory.items():
+    row["step_median_ms"] = statistics.median(t for r in rounds for t in r["times"]["step"])
+    round_medians = [statistics.median(r["times"]["step"]) for r in rounds]
+    row["step_round_median_min_ms"], row["step_round_median_max_ms"] = min(round_medians), max(round_medians)
+    for point, (current, peak) in last["memory"].items():
         row[f"mem_{point}_mib"], row[f"peak_{point}_mib"] = current, peak
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
     # The accounting the measurements are compared with: float32 parameters, gradients, AdamW's two
     # moments (divided among ranks when sharded).
+    params = last["param_bytes"]
     shards = world if opt_name in ("sharded", "zero") else 1
     row.update(param_mib=params / 2**20, grad_mib=params / 2**20, optimizer_state_mib=2 * params / shards / 2**20)
-    del ddp, optimizer, model
     return row
 
 
@@ -157,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per config and round")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times the whole list of configs is run, interleaved; statistics pool all rounds")
     parser.add_argument("--trace-dir", default=None,
                         help="export a Chrome trace of each config's last step (rank 0) into this folder")
     parser.add_argument("--out", required=True)
@@ -167,26 +186,43 @@ def main(argv: list[str] | None = None) -> None:
             parse_config(text)
     except ValueError as error:
         parser.error(str(error))
+    if args.rounds < 1 or args.steps < 1:
+        parser.error(f"--rounds {args.rounds} and --steps {args.steps} must both be at least 1")
     rank, world, device = init_from_env(args.backend)
-    rows = []
     grid = [(precision, text) for precision in args.precisions for text in args.configs]
-    for i, (precision, text) in enumerate(grid, 1):
-        args.precision = precision
-        try:
-            row = run_config(text, args, rank, world, device)
-        except (torch.OutOfMemoryError, RuntimeError) as error:
-            if not is_oom(error):
-                raise
-            row = {"config": text, "status": "oom", "error": oom_message(error)}
-            # (the next config's reset_memory frees what this one held, once the exception is gone)
+    # Rounds interleave the configs (every config once per round), so a slow spell of the machine
+    # lands on all of them instead of on whichever config ran during it.
+    measured: dict[tuple[str, str], list[dict]] = {point: [] for point in grid}
+    failed: dict[tuple[str, str], str] = {}
+    for round_index in range(args.rounds):
+        for i, (precision, text) in enumerate(grid, 1):
+            if (precision, text) in failed:
+                continue
+            args.precision = precision
+            try:
+                result = run_config(text, args, rank, world, device)
+                measured[precision, text].append(result)
+                shown = f"{statistics.median(result['times']['step']):.1f} ms/step"
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_oom(error):
+                    raise
+                failed[precision, text] = oom_message(error)
+                shown = "oom"
+                # (the next config's reset_memory frees what this one held, once the exception is gone)
+            if rank == 0:
+                print(f"[round {round_index + 1}/{args.rounds}, {i}/{len(grid)}] {precision} {text}: {shown}",
+                      file=sys.stderr, flush=True)
+            dist.barrier()
+    rows = []
+    for precision, text in grid:
+        if (precision, text) in failed:
+            row = {"config": text, "status": "oom", "error": failed[precision, text]}
+        else:
+            row = summarize(text, measured[precision, text], world)
         row.update(world_size=world, size=args.size, batch_per_rank=args.batch_size,
-                   context_length=args.context_length, precision=args.precision, attention=args.attention,
+                   context_length=args.context_length, precision=precision, attention=args.attention,
                    backend=args.backend, warmup=args.warmup, steps=args.steps)
         rows.append({**row, **provenance(device)})
-        if rank == 0:
-            shown = f"{row['step_median_ms']:.1f} ms/step" if row["status"] == "ok" else row["status"]
-            print(f"[{i}/{len(grid)}] {precision} {text}: {shown}", file=sys.stderr, flush=True)
-        dist.barrier()
     if rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_rows(rows, args.out)

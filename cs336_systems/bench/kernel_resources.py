@@ -63,11 +63,16 @@ def _jit_function(kernel):
     return kernel
 
 
+def _dot_precision(dtype: str) -> str:
+    """The kernels' PRECISION for this input dtype (16-bit inputs ignore it)."""
+    return flash_module().FLOAT32_DOT if dtype == "fp32" else "tf32"
+
+
 def _source(kernel, dtype: str, head_dim: int, blocks: dict[str, int]):
     import triton
 
     fn = _jit_function(kernel)
-    constants = {"IS_CAUSAL": True, "PRECISION": "ieee" if dtype == "fp32" else "tf32", "BLOCK_D": head_dim,
+    constants = {"IS_CAUSAL": True, "PRECISION": _dot_precision(dtype), "BLOCK_D": head_dim,
                  "EVEN_M": True, "EVEN_N": True, "EVEN_D": True, **blocks}
     signature, divisible = {}, []
     for index, name in enumerate(fn.arg_names):
@@ -117,7 +122,8 @@ def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, i
     attribute, _, (outer_name, inner_name) = KERNELS[kernel_name]
     kernel = getattr(flash_module(), attribute)
     outer, inner, warps, stages = tile
-    row = {"kernel": kernel_name, "dtype": dtype, "head_dim": head_dim, "outer": outer, "inner": inner,
+    row = {"kernel": kernel_name, "dtype": dtype, "dot": _dot_precision(dtype), "head_dim": head_dim,
+           "outer": outer, "inner": inner,
            "warps": warps, "stages": stages, "arch": f"sm_{arch}"}
     try:
         compiled = triton.compile(_source(kernel, dtype, head_dim, {outer_name: outer, inner_name: inner}),

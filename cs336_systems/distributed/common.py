@@ -35,6 +35,16 @@ def broadcast_from_rank0(module: nn.Module) -> None:
         dist.broadcast(tensor.data, src=0)
 
 
+def all_reduce_mean(tensor: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+    """Replace tensor, in place, by its mean over ranks. NCCL averages inside the reduction
+    (ReduceOp.AVG), which saves a division kernel per call, and so a host launch per gradient in
+    the per-parameter wrapper; gloo has no AVG, so there each rank divides first and the ranks sum."""
+    if dist.get_backend() == dist.Backend.NCCL:
+        return dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=async_op)
+    tensor.div_(dist.get_world_size())
+    return dist.all_reduce(tensor, async_op=async_op)
+
+
 def weak_hook(method: Callable) -> Callable:
     """A gradient hook that calls a bound method without keeping its object alive.
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from cs336_systems.distributed.common import (
+    all_reduce_mean,
     broadcast_from_rank0,
     require_process_group,
     trainable_parameters,
@@ -59,7 +60,7 @@ def plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> li
 class DDPBucketed(nn.Module):
     def __init__(self, module: nn.Module, bucket_size_mb: float | None):
         super().__init__()
-        _, self.world_size = require_process_group(type(self).__name__)
+        require_process_group(type(self).__name__)
         self.module = module
         groups = plan_buckets(trainable_parameters(module), bucket_size_mb)
         broadcast_from_rank0(module)
@@ -88,8 +89,7 @@ class DDPBucketed(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.buffer.div_(self.world_size)
-        bucket.work = dist.all_reduce(bucket.buffer, async_op=True)
+        bucket.work = all_reduce_mean(bucket.buffer, async_op=True)
 
     def reset(self) -> None:
         """Forget the previous step's bookkeeping (called by finish; harmless to call again)."""

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from cs336_systems.distributed.common import (
+    all_reduce_mean,
     broadcast_from_rank0,
     require_process_group,
     trainable_parameters,
@@ -23,7 +24,7 @@ from cs336_systems.distributed.common import (
 class DDPIndividualParameters(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
-        _, self.world_size = require_process_group(type(self).__name__)
+        require_process_group(type(self).__name__)
         self.module = module
         self._pending: list[dist.Work] = []
         broadcast_from_rank0(module)
@@ -37,8 +38,7 @@ class DDPIndividualParameters(nn.Module):
 
     @torch.no_grad()
     def _reduce(self, param: torch.Tensor) -> None:
-        param.grad.div_(self.world_size)  # sum of grad/world over ranks = the average
-        self._pending.append(dist.all_reduce(param.grad, async_op=True))
+        self._pending.append(all_reduce_mean(param.grad, async_op=True))
 
     def finish_gradient_synchronization(self) -> None:
         for work in self._pending:

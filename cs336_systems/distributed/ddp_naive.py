@@ -5,16 +5,20 @@ the backward pass."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from cs336_systems.distributed.common import broadcast_from_rank0, require_process_group, trainable_parameters
+from cs336_systems.distributed.common import (
+    all_reduce_mean,
+    broadcast_from_rank0,
+    require_process_group,
+    trainable_parameters,
+)
 
 
 class DDPNaive(nn.Module):
     def __init__(self, module: nn.Module, flat: bool = False):
         super().__init__()
-        _, self.world_size = require_process_group(type(self).__name__)
+        require_process_group(type(self).__name__)
         self.module = module
         self.flat = flat
         self._params = trainable_parameters(module)
@@ -31,11 +35,9 @@ class DDPNaive(nn.Module):
             return
         if not self.flat:
             for grad in grads:
-                dist.all_reduce(grad)
-                grad.div_(self.world_size)
+                all_reduce_mean(grad)
             return
         flat = torch.cat([g.reshape(-1) for g in grads])  # one call instead of one per tensor
-        dist.all_reduce(flat)
-        flat.div_(self.world_size)
+        all_reduce_mean(flat)
         for grad, part in zip(grads, flat.split([g.numel() for g in grads])):
             grad.copy_(part.view_as(grad))

@@ -15,7 +15,8 @@ on the diagonal build a mask. Heavy query tiles are scheduled first.
 
 Caveats: head dim up to 128 (padded to a power of two ≥ 16 inside the kernel); any sequence
 lengths (ragged last tiles are masked; EVEN_* heuristics drop the masks when lengths divide the
-tiles); float32 uses IEEE dots (not TF32) so float32 results match a float32 reference. Pointer
+tiles); float32 dots use `FLOAT32_DOT` (below), never plain TF32, so float32 results match a float32
+reference. Pointer
 arithmetic only (no block pointers, which Triton 3.9 removed). Without a GPU the kernels run under
 Triton's interpreter, which `import cs336_systems` switches on when CUDA is absent.
 """
@@ -34,6 +35,15 @@ from cs336_systems.kernels.common import flash_function
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# How float32 inputs are multiplied. "tf32x3" (the default) splits each operand into a TF32 high part
+# and a TF32 remainder and sums three tensor-core products (hi·hi + hi·lo + lo·hi), which keeps about
+# float32's accuracy; "ieee" multiplies on the CUDA cores, keeping the operands in registers, where
+# every tile of d >= 64 spills (results/flash_resources.csv). Plain "tf32" (10-bit mantissa) is not
+# offered: it fails float32 checks. Chosen once per process: CS336_FLASH_FLOAT32_DOT=ieee.
+FLOAT32_DOTS = ("tf32x3", "ieee")
+FLOAT32_DOT = os.environ.get("CS336_FLASH_FLOAT32_DOT", "tf32x3")
+if FLOAT32_DOT not in FLOAT32_DOTS:
+    raise ValueError(f"CS336_FLASH_FLOAT32_DOT={FLOAT32_DOT!r}: choose one of {', '.join(FLOAT32_DOTS)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,7 +147,7 @@ def _prune_configs(configs, named_args, **kwargs):
     least the smallest."""
     args = {**named_args, **kwargs}  # the launcher passes the sizes by keyword
     max_m, max_n = args["SEQ_KEY_Q"], args["SEQ_KEY_K"]
-    max_stages = MAX_FLOAT32_STAGES if args["PRECISION"] == "ieee" else None
+    max_stages = MAX_FLOAT32_STAGES if args["PRECISION"] in FLOAT32_DOTS else None
     kept = [c for c in configs
             if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)
             and (max_stages is None or c.num_stages <= max_stages)]
@@ -414,7 +424,7 @@ def _launch_params(q: torch.Tensor, k: torch.Tensor) -> dict:
         H=q.shape[1] if q.dim() == 4 else 1,
         N_Q=q.shape[-2], N_K=k.shape[-2], HEAD_DIM=head_dim,
         SEQ_KEY_Q=triton.next_power_of_2(q.shape[-2]), SEQ_KEY_K=triton.next_power_of_2(k.shape[-2]),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION=FLOAT32_DOT if q.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit inputs
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
     )
 

@@ -63,7 +63,7 @@ rule ddp_benchmark:
         " --backend {params.ddp[backend]} --size {params.ddp[size]} --batch-size {params.ddp[batch_size]}"
         " --context-length {params.ddp[context_length]} --precisions {params.precisions}"
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
-        " --configs {params.configs} --out {output} 2> {log}"
+        " --rounds {params.ddp[rounds]} --configs {params.configs} --out {output} 2> {log}"
 
 
 rule ddp_traces:
