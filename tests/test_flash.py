@@ -21,7 +21,14 @@ import torch
 
 from cs336_systems.kernels.common import attention_ref
 from cs336_systems.kernels import flash_triton
-from cs336_systems.kernels.flash_triton import BWD_TILES, FWD_TILES, INTERPRET, MAX_FLOAT32_STAGES, pinned_tiles
+from cs336_systems.kernels.flash_triton import (
+    BWD_TILES,
+    FLOAT32_TILES,
+    FWD_TILES,
+    INTERPRET,
+    MAX_FLOAT32_STAGES,
+    pinned_tiles,
+)
 from tests.adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
 
 IMPLS = {"pytorch": get_flashattention_autograd_function_pytorch(), "triton": get_flashattention_autograd_function_triton()}
@@ -226,14 +233,43 @@ def test_every_tile_config(index):
     assert checked, f"tiles fwd={forward} bwd={backward} ran for no case"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tile configs are GPU code; CPU runs use one 16x16 tile")
+@pytest.mark.parametrize("tile", FLOAT32_TILES)
+def test_every_float32_tile_config(tile):
+    """The float32-only tiles exist for d=128, where nothing else fits: they must run there."""
+    with pinned_tiles(tile, tile):
+        for seed, (q_shape, k_shape, causal) in enumerate([((2, 3, 300, 128), (2, 3, 300, 128), True),
+                                                           ((1, 2, 200, 64), (1, 2, 333, 64), False)]):
+            _check_against_reference(IMPLS["triton"].apply, q_shape, k_shape, causal, torch.float32, "cuda", seed,
+                                     f"float32 tile {tile}")
+
+
+def test_float32_only_tiles_are_pruned_by_precision():
+    """16-bit inputs never tune over the float32-only tiles; float32 inputs tune over them and over
+    the kernel's own tiles of at most MAX_FLOAT32_STAGES stages."""
+    configs = flash_triton._tile_configs(FWD_TILES, "BLOCK_M", "BLOCK_N")
+    sizes = {"SEQ_KEY_Q": 4096, "SEQ_KEY_K": 4096}
+
+    def tiles(precision):
+        kept = flash_triton._prune_configs(configs, {}, PRECISION=precision, **sizes)
+        return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
+
+    assert tiles("tf32") == set(FWD_TILES)
+    for precision in flash_triton.FLOAT32_DOTS:
+        assert tiles(precision) == {t for t in FWD_TILES if t[3] <= MAX_FLOAT32_STAGES} | set(FLOAT32_TILES)
+
+
 @pytest.mark.autotuned
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner runs on the GPU only")
 def test_autotuned_path():
     """The kernels as the benchmarks run them: autotuned, with pruning by length and precision."""
-    assert len(flash_triton._flash_fwd_kernel.configs) == len(FWD_TILES)
+    assert len(flash_triton._flash_fwd_kernel.configs) == len(FWD_TILES) + len(FLOAT32_TILES)
     for dtype in (torch.bfloat16, torch.float32):
         _check_against_reference(IMPLS["triton"].apply, (1, 4, 1000, 64), (1, 4, 1000, 64), True, dtype,
                                  "cuda", 5, "autotuned")
+    # float32 at d=128: only the float32-only tiles fit in shared memory (a sweep failed here without them)
+    _check_against_reference(IMPLS["triton"].apply, (1, 2, 700, 128), (1, 2, 700, 128), True, torch.float32,
+                             "cuda", 6, "autotuned d=128")
 
 
 def test_pinned_tiles_run_the_given_tile_and_restore():
@@ -254,7 +290,7 @@ def test_pinned_tiles_run_the_given_tile_and_restore():
 def test_tile_lists_keep_the_causal_split_exact():
     """Every outer tile is a multiple of its inner tile (else the unmasked causal loop overruns), and a
     tile that breaks this is refused by name."""
-    assert all(outer % inner == 0 for outer, inner, *_ in FWD_TILES + BWD_TILES)
+    assert all(outer % inner == 0 for outer, inner, *_ in FWD_TILES + BWD_TILES + FLOAT32_TILES)
     with pytest.raises(ValueError, match=r"\(32, 64, 4, 2\)"):
         flash_triton._config((32, 64, 4, 2), "BLOCK_M", "BLOCK_N")
 

@@ -4,7 +4,8 @@ Triton compiles for a named GPU architecture on any machine, and its wheel ships
 `ptxas -v` on the generated PTX we read what each config costs a thread: registers, the stack frame,
 and the bytes spilled to local memory (which lives in DRAM behind the L1). A config that spills runs
 its inner loop through memory, so this table explains timings, for example why our float32 kernels
-(IEEE dots, which keep their operands in registers) are slow with the tiles chosen for 16-bit inputs.
+were slow with IEEE dots (which keep their operands in registers) and the tiles chosen for 16-bit
+inputs, and which float32 tiles fit in shared memory.
 
     python -m cs336_systems.bench.kernel_resources --arch 90 --dtypes bf16 fp32 --head-dims 64 128 \
         --out results/flash_resources.csv
@@ -136,12 +137,13 @@ def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, i
 
 
 def tiles_for(kernel_name: str, dtype: str) -> list[tuple[int, int, int, int]]:
-    """The kernel's tile list as the autotuner sees it for this dtype (no deep pipelines for float32)."""
+    """The kernel's tile list as the autotuner sees it for this dtype: for float32, no deep pipelines,
+    plus the float32-only tiles."""
     module = flash_module()
-    tiles = getattr(module, KERNELS[kernel_name][1])
+    tiles = list(getattr(module, KERNELS[kernel_name][1]))
     if dtype == "fp32":
-        tiles = [t for t in tiles if t[3] <= module.MAX_FLOAT32_STAGES]
-    return list(tiles)
+        tiles = [t for t in tiles if t[3] <= module.MAX_FLOAT32_STAGES] + list(module.FLOAT32_TILES)
+    return tiles
 
 
 def parse_tile(text: str) -> tuple[int, int, int, int]:

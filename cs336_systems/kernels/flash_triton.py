@@ -111,13 +111,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 # ----------------------------------------------------------------------------------------------
 # Tile configs as (outer tile, inner tile, warps, stages). The outer tile is the one a program keeps
 # (queries in the forward and dQ kernels, keys in the dK/dV kernel); the inner one is streamed.
-# Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but with float32 (IEEE
-# dots) they make GPU compilation very slow and rarely fit in shared memory: `_prune_configs` keeps
-# them for 16-bit inputs only.
+# Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
+# twice the shared memory: `_prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
+# dots no float32 config of these lists fits in the H100's 227 KiB of shared memory (the smallest
+# asks 256 KiB), so FLOAT32_TILES adds smaller, 2-stage tiles for float32 inputs only (73-197 KiB at
+# d=128, compiled for sm_90 by bench/kernel_resources.py).
 FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
              (128, 64, 4, 4), (128, 128, 8, 4)]
 BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
              (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5)]
+FLOAT32_TILES = [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2)]
 MAX_FLOAT32_STAGES = 3
 
 
@@ -131,10 +134,18 @@ def _config(tile, outer: str, inner: str) -> triton.Config:
     return triton.Config({outer: o, inner: i}, num_warps=warps, num_stages=stages)
 
 
+def _tile_configs(tiles, outer: str, inner: str) -> list[triton.Config]:
+    """The kernel's tiles, then the float32-only ones (marked for `_prune_configs`)."""
+    float32_only = [_config(tile, outer, inner) for tile in FLOAT32_TILES]
+    for config in float32_only:
+        config.float32_only = True
+    return [_config(tile, outer, inner) for tile in tiles] + float32_only
+
+
 def _configs(tiles, outer: str, inner: str):
     if INTERPRET:  # the interpreter runs any tile slowly: the smallest one keeps CPU tests quick
         return [_config((16, 16, 4, 1), outer, inner)]
-    return [_config(tile, outer, inner) for tile in tiles]
+    return _tile_configs(tiles, outer, inner)
 
 
 def _even(name: str, block: str):
@@ -143,14 +154,14 @@ def _even(name: str, block: str):
 
 def _prune_configs(configs, named_args, **kwargs):
     """Drop configs whose query or key tile is longer than the (power-of-two rounded) sequence, so a
-    short problem is not tuned over tiles it cannot fill, and deep pipelines for float32; keep at
-    least the smallest."""
+    short problem is not tuned over tiles it cannot fill; for float32, deep pipelines; for 16-bit
+    inputs, the float32-only tiles. Keep at least the smallest."""
     args = {**named_args, **kwargs}  # the launcher passes the sizes by keyword
     max_m, max_n = args["SEQ_KEY_Q"], args["SEQ_KEY_K"]
-    max_stages = MAX_FLOAT32_STAGES if args["PRECISION"] in FLOAT32_DOTS else None
+    float32 = args["PRECISION"] in FLOAT32_DOTS
     kept = [c for c in configs
             if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)
-            and (max_stages is None or c.num_stages <= max_stages)]
+            and (c.num_stages <= MAX_FLOAT32_STAGES if float32 else not getattr(c, "float32_only", False))]
     return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
 
 
