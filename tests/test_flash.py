@@ -10,7 +10,6 @@ any indexing or masking mistake (those give O(1) errors). 16-bit: each kernel's 
 float64 must be within 2x (plus a small floor) of PyTorch's own attention in the same dtype.
 """
 
-import os
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -297,17 +296,13 @@ def test_tile_lists_keep_the_causal_split_exact():
 
 def test_kernel_resources_see_the_float32_spills(tmp_path):
     """Compiled for the H100 on the CPU: a tile that spills with IEEE float32 dots spills less with the
-    default tf32x3 dots (not at all, today), and not at all in bfloat16; and every row has its registers. In processes of their
-    own, since compiling needs Triton's JIT rather than the interpreter this process runs."""
-    frames = []
-    for dot in ("ieee", "tf32x3"):
-        out = tmp_path / f"{dot}.csv"
-        subprocess.run([sys.executable, "-m", "cs336_systems.bench.kernel_resources", "--kernels", "forward",
-                        "--dtypes", "fp32", "bf16", "--head-dims", "64", "--tiles", "64,64,4,3", "--out", str(out)],
-                       check=True, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "CS336_FLASH_FLOAT32_DOT": dot})
-        frames.append(pd.read_csv(out))
-    rows = pd.concat(frames).set_index("dot")
+    default tf32x3 dots (not at all, today) and not at all in bfloat16; every row has its registers.
+    In a process of its own: compiling needs Triton's JIT, not the interpreter this process runs."""
+    out = tmp_path / "resources.csv"
+    subprocess.run([sys.executable, "-m", "cs336_systems.bench.kernel_resources", "--kernels", "forward",
+                    "--dtypes", "fp32", "bf16", "--float32-dots", "ieee", "tf32x3", "--head-dims", "64",
+                    "--tiles", "64,64,4,3", "--out", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    rows = pd.read_csv(out).set_index("dot")
     assert (rows["status"] == "ok").all() and (rows["registers"] > 0).all() and (rows["arch"] == "sm_90").all()
     fp32 = rows[rows["dtype"] == "fp32"]["spill_store_bytes"]
     assert fp32["ieee"] > 0 and fp32["tf32x3"] < fp32["ieee"], fp32.to_dict()

@@ -64,16 +64,17 @@ def _jit_function(kernel):
     return kernel
 
 
-def _dot_precision(dtype: str) -> str:
-    """The kernels' PRECISION for this input dtype (16-bit inputs ignore it)."""
-    return flash_module().FLOAT32_DOT if dtype == "fp32" else "tf32"
+def _dot_precision(dtype: str, float32_dot: str | None = None) -> str:
+    """The kernels' PRECISION for this input dtype (16-bit inputs ignore it); float32 inputs use
+    float32_dot, or the kernels' default."""
+    return (float32_dot or flash_module().FLOAT32_DOT) if dtype == "fp32" else "tf32"
 
 
-def _source(kernel, dtype: str, head_dim: int, blocks: dict[str, int]):
+def _source(kernel, dtype: str, head_dim: int, blocks: dict[str, int], float32_dot: str | None = None):
     import triton
 
     fn = _jit_function(kernel)
-    constants = {"IS_CAUSAL": True, "PRECISION": _dot_precision(dtype), "BLOCK_D": head_dim,
+    constants = {"IS_CAUSAL": True, "PRECISION": _dot_precision(dtype, float32_dot), "BLOCK_D": head_dim,
                  "EVEN_M": True, "EVEN_N": True, "EVEN_D": True, **blocks}
     signature, divisible = {}, []
     for index, name in enumerate(fn.arg_names):
@@ -116,18 +117,19 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
     return {key: int(match.group(1)) for key, match in found.items()}
 
 
-def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, int, int], arch: int) -> dict:
+def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, int, int], arch: int,
+            float32_dot: str | None = None) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
     attribute, _, (outer_name, inner_name) = KERNELS[kernel_name]
     kernel = getattr(flash_module(), attribute)
     outer, inner, warps, stages = tile
-    row = {"kernel": kernel_name, "dtype": dtype, "dot": _dot_precision(dtype), "head_dim": head_dim,
+    row = {"kernel": kernel_name, "dtype": dtype, "dot": _dot_precision(dtype, float32_dot), "head_dim": head_dim,
            "outer": outer, "inner": inner,
            "warps": warps, "stages": stages, "arch": f"sm_{arch}"}
     try:
-        compiled = triton.compile(_source(kernel, dtype, head_dim, {outer_name: outer, inner_name: inner}),
+        compiled = triton.compile(_source(kernel, dtype, head_dim, {outer_name: outer, inner_name: inner}, float32_dot),
                                   target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": warps, "num_stages": stages})
         usage = ptxas_usage(compiled.asm["ptx"])
@@ -161,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128])
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                         help="tiles to compile instead of each kernel's autotuning list, as outer,inner,warps,stages")
+    parser.add_argument("--float32-dots", nargs="+", default=None, choices=["tf32x3", "ieee"],
+                        help="float32 dot precisions to compile (default: the kernels' FLOAT32_DOT)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     use_compiler()
@@ -170,13 +174,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for kernel_name in args.kernels:
         for dtype in args.dtypes:
-            for head_dim in args.head_dims:
-                for tile in args.tiles or tiles_for(kernel_name, dtype):
-                    row = measure(kernel_name, dtype, head_dim, tile, args.arch)
-                    rows.append(row)
-                    shown = (f"{row['registers']} registers, {row['spill_store_bytes']} B spilled"
-                             if row["status"] == "ok" else row["error"])
-                    print(f"{kernel_name} {dtype} d={head_dim} tile={tile}: {shown}", file=sys.stderr, flush=True)
+            for dot in (args.float32_dots or [None]) if dtype == "fp32" else [None]:
+                for head_dim in args.head_dims:
+                    for tile in args.tiles or tiles_for(kernel_name, dtype):
+                        row = measure(kernel_name, dtype, head_dim, tile, args.arch, dot)
+                        rows.append(row)
+                        shown = (f"{row['registers']} registers, {row['spill_store_bytes']} B spilled"
+                                 if row["status"] == "ok" else row["error"])
+                        print(f"{kernel_name} {dtype} ({row['dot']}) d={head_dim} tile={tile}: {shown}",
+                              file=sys.stderr, flush=True)
     prov = provenance("cpu")
     write_rows([{**row, **prov} for row in rows], args.out)
 

@@ -97,9 +97,11 @@ rule flash_resources:
         kernels=join(S["flash_resources"]["kernels"]),
         head_dims=join(S["flash_resources"]["head_dims"]),
         dtypes=join(S["flash_resources"]["dtypes"]),
+        dots=join(S["flash_resources"]["float32_dots"]),
     shell:
         "python -m cs336_systems.bench.kernel_resources --arch {params.r[arch]} --kernels {params.kernels}"
-        " --head-dims {params.head_dims} --dtypes {params.dtypes} --out {output} 2> {log}"
+        " --head-dims {params.head_dims} --dtypes {params.dtypes} --float32-dots {params.dots}"
+        " --out {output} 2> {log}"
 
 
 rule flash_leaderboard:
