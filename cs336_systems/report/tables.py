@@ -197,13 +197,17 @@ def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per kernel and tile config, 'registers / bytes spilled' per thread for each dtype and head dim."""
+    """Per kernel and tile config, 'registers / bytes spilled' per thread for each dtype (float32 by its
+    dot precision) and head dim."""
+    dots = frame["dot"] if "dot" in frame else pd.Series("", index=frame.index)
     frame = frame.assign(tile=[f"{o}×{i}, {w} warps, {s} stages" for o, i, w, s in
                                zip(frame["outer"], frame["inner"], frame["warps"], frame["stages"])],
-                         case=[f"{t} d={d}" for t, d in zip(frame["dtype"], frame["head_dim"])])
+                         case=[f"{t} {dot} d={d}" if t == "fp32" and isinstance(dot, str) and dot else f"{t} d={d}"
+                               for t, dot, d in zip(frame["dtype"], dots, frame["head_dim"])])
     frame["cell"] = [f"{int(r)} / {int(b)}" if status == "ok" else "error" for r, b, status in
                      zip(frame["registers"].fillna(0), frame["spill_store_bytes"].fillna(0), frame["status"])]
-    cases = list(dict.fromkeys(frame.sort_values(["dtype", "head_dim"])["case"]))
+    cases = list(dict.fromkeys(frame.assign(dot_key=dots.fillna("").astype(str))
+                               .sort_values(["dtype", "dot_key", "head_dim"])["case"]))
     wide = frame.pivot_table(index=["kernel", "tile"], columns="case", values="cell", aggfunc="first")
     rows = list(dict.fromkeys(zip(frame["kernel"], frame["tile"])))  # kernels and tiles in the order compiled
     return wide.reindex(index=pd.MultiIndex.from_tuples(rows, names=["kernel", "tile"]), columns=cases
@@ -232,6 +236,13 @@ def allreduce(frame: pd.DataFrame) -> pd.DataFrame:
         "algbw (GB/s)": rows["algbw_gbps"].round(2), "busbw (GB/s)": rows["busbw_gbps"].round(2)})
 
 
+def _round_medians(row: pd.Series) -> str:
+    """The range of a config's per-round median step times ('—' for runs of one round)."""
+    if pd.isna(row.get("rounds")) or row["rounds"] < 2:
+        return "—"
+    return f"{row['step_round_median_min_ms']:.1f}–{row['step_round_median_max_ms']:.1f}"
+
+
 def ddp(frame: pd.DataFrame) -> pd.DataFrame:
     """2.2–2.3: time per training step and its parts, per wrapper and precision."""
     out = []
@@ -241,6 +252,8 @@ def ddp(frame: pd.DataFrame) -> pd.DataFrame:
             record["step (ms)"] = str(row["status"]).upper()
         else:
             record.update({"step (ms)": mean_std(row["step_ms"], row["step_std_ms"], 1),
+                           "step median (ms)": round(row["step_median_ms"], 1),
+                           "round medians (ms)": _round_medians(row),
                            "forward+backward (ms)": round(row["forward_backward_ms"], 1),
                            "communication wait (ms)": round(row["communication_ms"], 1),
                            "optimizer (ms)": round(row["optimizer_ms"], 1),
@@ -266,13 +279,14 @@ def sharding(frame: pd.DataFrame) -> pd.DataFrame:
                     "peak after step (MiB)": _mib(row["peak_after_step_mib"]),
                     "params + grads + state by formula (MiB)": round(
                         row["param_mib"] + row["grad_mib"] + row["optimizer_state_mib"]),
-                    "step (ms)": round(row["step_median_ms"], 1)})
+                    "step median (ms)": round(row["step_median_ms"], 1),
+                    "round medians (ms)": _round_medians(row)})
     return pd.DataFrame(out)
 
 
 TABLES.update({
     "allreduce": (allreduce, "All-reduce of float32 tensors on one node (slowest rank per iteration)"),
-    "ddp_naive": (ddp, "Naive and flat DDP versus single GPU and torch DDP (mean over measured steps)"),
+    "ddp_naive": (ddp, "Naive and flat DDP versus single GPU and torch DDP"),
     "ddp_individual": (ddp, "DDP overlapping per-parameter all-reduces with backward"),
     "ddp_bucketed": (ddp, "Bucketed DDP by bucket size, torch DDP in the same run"),
     "sharding": (sharding, "Memory and step time with and without optimizer-state sharding"),

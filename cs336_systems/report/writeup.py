@@ -173,13 +173,21 @@ def render_compile(ctx: Context) -> str:
         cases = sorted({(size, mode) for size, mode in zip(ooms["size"], ooms["mode"])})
         parts.append(f"Out of memory on the {frame['device_name'].iloc[0]}: "
                      f"{', '.join(f'{s} {m}' for s, m in cases)} (eager and/or compiled, as the table shows).")
+    commits = rows.set_index(["size", "attention", "mode", "scope"])["git_commit"].str[:7]
     for scope in ("model", "model-cudagraphs"):
         other = rows[rows["scope"] == scope].set_index(["size", "attention", "mode"])["median_ms"]
         versus = (compiled / other).dropna()
         if len(versus):
+            runs = {(commits.get((*key, "blocks")), commits.get((*key, scope))) for key in versus.index}
+            note = ("" if all(a == b for a, b in runs) else
+                    " These pairs come from different runs (block-compiled at "
+                    + ", ".join(sorted({a for a, _ in runs})) + f", {scope} at "
+                    + ", ".join(sorted({b for _, b in runs})) + "): the ratio carries the difference between "
+                    "the two runs as well.")
             parts.append(f"With the {COMPILE_SCOPE_NAMES[scope]} instead, the step takes "
                          f"{(1 / versus).min():.2f}–{(1 / versus).max():.2f}× the time of the block-compiled "
-                         f"one (median {(1 / versus).median():.2f}×).")
+                         f"one (median {(1 / versus).median():.2f}×; "
+                         + ", ".join(f"{size} {mode}" for size, _, mode in versus.index) + f").{note}")
     per_layer = _compiled_forward_per_layer(rows[rows["scope"].isin(["none", "blocks"])])
     if per_layer:
         parts.append(per_layer)
@@ -313,7 +321,10 @@ def render_attention_compile(ctx: Context) -> str:
 def render_flash_correctness(ctx: Context) -> str:
     frame = ctx.frame("flash_correctness")
     passed = int((frame["outcome"] == "passed").sum())
-    text = (f"{passed} of {len(frame)} tests of `tests/test_flash.py` passed on {frame['device_name'].iloc[0]}: "
+    skipped = frame.loc[frame["outcome"] == "skipped", "test"]
+    aside = f" ({len(skipped)} skipped: {', '.join(skipped)})" if len(skipped) else ""
+    text = (f"{passed} of {len(frame)} tests of `tests/test_flash.py` passed{aside} on "
+            f"{frame['device_name'].iloc[0]}: "
             "O, L, dQ, dK and dV of both implementations against a float64 reference, causal and not, lengths "
             "from 1 to 100 (up to 1000 on a GPU) and rectangular cases, with and without a heads dimension, float32 "
             "(relative error < 1e-4) and 16-bit (error within 2× of PyTorch's own attention in the same dtype; "
@@ -375,9 +386,12 @@ def _flash_float32(frame: pd.DataFrame, wide: pd.DataFrame) -> str:
         both = wide.xs("fp32", level="dtype")[["flash_triton", "naive"]].dropna()
         ratio = (both["naive"] / both["flash_triton"])[both.index.get_level_values("seq_len") >= 8192]
         if len(ratio):
-            text.append(f"In float32 (IEEE dots on the CUDA cores; SDPA's flash and cuDNN backends take 16-bit "
-                        f"inputs only) naive attention takes {ratio.min():.2f}–{ratio.max():.2f}× our "
-                        f"forward+backward time from 8192 tokens on.")
+            fp32 = frame[(frame["dtype"] == "fp32") & (frame["provider"] == "flash_triton")]
+            commits = ", ".join(sorted(fp32["git_commit"].str[:7].unique()))
+            dots = (", ".join(sorted(fp32["float32_dot"].dropna().unique())) if "float32_dot" in fp32 else "")
+            text.append(f"In float32 (our kernels at {commits}" + (f", {dots} dots" if dots else "")
+                        + f"; SDPA's flash and cuDNN backends take 16-bit inputs only) naive attention takes "
+                        f"{ratio.min():.2f}–{ratio.max():.2f}× our forward+backward time from 8192 tokens on.")
     if {"forward", "backward"} <= set(by_pass.columns):
         ratio = (by_pass["backward"] / by_pass["forward"]).groupby(level="dtype").median()
         text.append("From 8192 tokens on our backward takes a median "
@@ -401,6 +415,15 @@ def _flash_coverage(ctx: Context, frame: pd.DataFrame) -> str:
     return text
 
 
+def _fitting(rows: pd.DataFrame, limit: int = 232448) -> str:
+    """Which d=128 tiles fit in the H100's shared memory (227 KiB per block), per kernel."""
+    d128 = rows[rows["head_dim"] == 128]
+    return "; ".join(
+        f"{kernel} " + ", ".join(f"{r.outer}×{r.inner}/{r.warps}w/{r.stages}s" for r in group.itertuples()
+                                 if r.shared_bytes <= limit)
+        for kernel, group in d128.groupby("kernel", sort=False)) or "none measured"
+
+
 def render_flash_resources(ctx: Context) -> str:
     frame = ctx.frame("flash_resources")
     ok = frame[frame["status"] == "ok"]
@@ -408,9 +431,10 @@ def render_flash_resources(ctx: Context) -> str:
              f"and H200) on a machine without a GPU; `ptxas -v` reports the registers per thread and the bytes a "
              f"thread spills to local memory, which lives in DRAM behind the L1 cache. "
              f"`python -m cs336_systems.bench.kernel_resources` compiles any other tile the same way."]
-    for dtype, rows in ok.groupby("dtype", sort=False):
+    for (dtype, dot), rows in ok.groupby(["dtype", ok.get("dot", pd.Series("", index=ok.index))], sort=False):
         spilled = rows[rows["spill_store_bytes"] > 0]
-        text = f"{dtype}: {len(spilled)} of {len(rows)} compiled configs spill"
+        label = f"{dtype} ({dot} dots)" if dtype == "fp32" and dot else dtype
+        text = f"{label}: {len(spilled)} of {len(rows)} compiled configs spill"
         if len(spilled):
             worst = spilled.sort_values("spill_store_bytes").iloc[-1]
             clean_dims = sorted(set(rows["head_dim"]) - set(spilled["head_dim"]))
@@ -419,12 +443,18 @@ def render_flash_resources(ctx: Context) -> str:
             if clean_dims:
                 text += f"; none at d = {', '.join(map(str, clean_dims))}"
         parts.append(text + ".")
-    spill_share = (ok["spill_store_bytes"] > 0).groupby(ok["dtype"]).mean()
-    if {"bf16", "fp32"} <= set(spill_share.index) and spill_share["fp32"] > spill_share["bf16"]:
-        parts.append("Float32 dots run as IEEE FMAs on the CUDA cores with their operands held in registers, while "
-                     "16-bit dots go to the tensor cores; tiles sized for the latter spill more in float32, which is "
-                     "consistent with the float32 timings of the sweep above (the kernels were not changed for it: "
-                     "a float32 tile list is in `kernels/NOTES.md` as a next step).")
+    if "dot" in ok and {"ieee", "tf32x3"} <= set(ok["dot"]):
+        fp32 = ok[ok["dtype"] == "fp32"]
+        spills = fp32.groupby("dot")["spill_store_bytes"]
+        parts.append(
+            f"Float32 with IEEE dots (FMAs on the CUDA cores, operands held in registers): "
+            f"{(spills.get_group('ieee') > 0).sum()} of {spills.get_group('ieee').size} configs spill, up to "
+            f"{spills.get_group('ieee').max():,} B per thread. With tf32x3 dots (three TF32 tensor-core products "
+            f"per dot, the kernels' float32 path now): {(spills.get_group('tf32x3') > 0).sum()} of "
+            f"{spills.get_group('tf32x3').size}, up to {spills.get_group('tf32x3').max():,} B. tf32x3 stages "
+            f"float32 operands in shared memory instead, so at d=128 only these float32 configs fit in the "
+            f"H100's 227 KiB per block (the 2-stage ones are the float32-only tiles): "
+            f"{_fitting(fp32[fp32['dot'] == 'tf32x3'])}.")
     errors = frame[frame["status"] != "ok"]
     if len(errors):
         parts.append(f"{len(errors)} configs did not compile (rows with status=error).")
@@ -470,21 +500,28 @@ def _ddp_steps(frame: pd.DataFrame) -> pd.DataFrame:
 
 def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
     steps = _ddp_steps(frame)
+    rounds = int(frame["rounds"].max()) if "rounds" in frame and frame["rounds"].notna().any() else 1
     lines = []
     for precision in sorted(set(frame["precision"])):
         cells = []
         for config in configs:
             if (precision, config) in steps.index:
                 row = steps.loc[(precision, config)]
-                cells.append(f"{config} {row['step_ms']:.1f} ms (communication wait {row['communication_ms']:.1f} ms)")
-        spread = steps.loc[precision]["step_std_ms"].max() if precision in steps.index else float("nan")
-        lines.append(f"{precision}: " + "; ".join(cells) + f". Step-to-step standard deviation up to {spread:.1f} ms.")
+                spread = (f", rounds {row['step_round_median_min_ms']:.1f}–{row['step_round_median_max_ms']:.1f}"
+                          if rounds > 1 else "")
+                cells.append(f"{config} {row['step_median_ms']:.1f} ms{spread} (communication wait "
+                             f"{row['communication_ms']:.1f} ms)")
+        std = steps.loc[precision]["step_std_ms"].max() if precision in steps.index else float("nan")
+        lines.append(f"{precision}: " + "; ".join(cells) + f". Step-to-step standard deviation up to {std:.1f} ms.")
     first = frame.iloc[0]
+    repeats = (f"{rounds} interleaved rounds (every config once per round) of {first['warmup']} warm-up and "
+               f"{first['steps']} measured steps; a time is the median over all measured steps, with the range "
+               f"of the per-round medians" if rounds > 1 else
+               f"{first['warmup']} warm-up and {first['steps']} measured steps; times are medians")
     setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}, batch "
-             f"{first['batch_per_rank']} per rank, context {first['context_length']}, our AdamW, "
-             f"{first['warmup']} warm-up and {first['steps']} measured steps; 'communication wait' is the time "
-             f"from the end of backward until the gradients are synchronised (torch DDP synchronises inside "
-             f"backward, so its wait is part of its forward+backward time).")
+             f"{first['batch_per_rank']} per rank, context {first['context_length']}, our AdamW, {repeats}. "
+             f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
+             f"(torch DDP synchronises inside backward, so its wait is part of its forward+backward time).")
     return setup + "\n\n" + "\n\n".join(lines)
 
 
@@ -528,7 +565,20 @@ def render_ddp_naive(ctx: Context) -> str:
 
 def render_ddp_individual(ctx: Context) -> str:
     frame = ctx.frame("ddp_individual")
-    return "\n\n".join([_ddp_summary(frame, ["individual", "naive", "torch_ddp"]), ctx.table("ddp_individual")])
+    steps = _ddp_steps(frame)
+    parts = [_ddp_summary(frame, ["individual", "naive", "torch_ddp"])]
+    for precision in sorted(set(frame["precision"])):
+        if not {(precision, c) for c in ("individual", "naive", "torch_ddp")} <= set(steps.index):
+            continue
+        ours, naive, torch_ddp = (steps.loc[(precision, c)] for c in ("individual", "naive", "torch_ddp"))
+        parts.append(
+            f"{precision}: overlapped-individual takes {ours['step_median_ms'] / torch_ddp['step_median_ms']:.2f}× "
+            f"torch DDP's step. Its communication wait is {ours['communication_ms']:.1f} ms against naive's "
+            f"{naive['communication_ms']:.1f} ms, but its forward+backward takes {ours['forward_backward_ms']:.1f} ms "
+            f"against naive's {naive['forward_backward_ms']:.1f} ms (which communicates nothing during backward): "
+            f"overlapping one all-reduce per gradient with the backward pass changes it by "
+            f"{ours['forward_backward_ms'] - naive['forward_backward_ms']:+.1f} ms.")
+    return "\n\n".join([*parts, ctx.table("ddp_individual")])
 
 
 def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None:
@@ -615,11 +665,30 @@ def render_sharding(ctx: Context) -> str:
         else:
             text += (f" Step time (median) {plain['step_median_ms']:.1f} ms without and "
                      f"{sharded['step_median_ms']:.1f} ms with sharding.")
-        spread = max(row["step_std_ms"] for row in compared)
-        gap = max(row["step_median_ms"] for row in compared) - min(row["step_median_ms"] for row in compared)
-        if gap < spread:
-            text += (f" These step times differ by less than their step-to-step standard deviation (up to "
-                     f"{spread:.1f} ms), so this run does not separate them.")
+        for config in sorted(c for p, c in ok.index if p == precision and c.endswith("+sharded")
+                             and c != "individual+sharded"):
+            other = ok.loc[(precision, config)]
+            compared.append(other)
+            versus = ok.loc[(precision, "torch_ddp+zero")] if (precision, "torch_ddp+zero") in ok.index else None
+            text += (f" With {config.split('+')[0]} DDP under our sharded optimizer: {other['step_median_ms']:.1f} ms"
+                     + (f" ({other['step_median_ms'] / versus['step_median_ms']:.2f}× torch's)" if versus is not None
+                        else "") + f", peak {other['peak_after_step_mib']:.0f} MiB.")
+        if "step_round_median_min_ms" in ok:
+            # ours against torch's (or against no sharding): apart only if their per-round medians are
+            zero_key = (precision, "torch_ddp+zero")
+            reference = ok.loc[zero_key] if zero_key in ok.index else plain
+            apart = [row.name[1] for row in compared if row.name[1].endswith("+sharded") and (
+                row["step_round_median_min_ms"] > reference["step_round_median_max_ms"]
+                or row["step_round_median_max_ms"] < reference["step_round_median_min_ms"])]
+            text += (f" Against {reference.name[1]}, the per-round medians of "
+                     + (f"{', '.join(apart)} do not overlap its own" if apart else "every sharded config overlap its own")
+                     + " (ranges in the table).")
+        else:
+            spread = max(row["step_std_ms"] for row in compared)
+            gap = max(row["step_median_ms"] for row in compared) - min(row["step_median_ms"] for row in compared)
+            if gap < spread:
+                text += (f" These step times differ by less than their step-to-step standard deviation (up to "
+                         f"{spread:.1f} ms), so this run does not separate them.")
         parts.append(text)
     parts.append(
         "3(c): ours shards only the optimizer state (ZeRO stage 1): every rank still holds all parameters and "
