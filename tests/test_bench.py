@@ -13,6 +13,30 @@ from cs336_systems.bench.results import write_rows
 COMMON = ["--context-length", "16", "--batch-size", "2", "--warmup", "1", "--steps", "2", "--device", "cpu"]
 
 
+def test_a_cut_run_keeps_earlier_results_and_its_finished_points(tmp_path, monkeypatch):
+    """A sweep that dies half-way leaves the earlier results file as it was and the points it finished in
+    OUT.partial; a complete run writes OUT and removes the partial file."""
+    out = tmp_path / "rows.csv"
+    write_rows([{"earlier": 1}], out)
+    real_run, calls = e2e.run, []
+
+    def dies_on_the_second_point(spec):
+        calls.append(spec)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a timeout's signal amounts to
+        return real_run(spec)
+
+    monkeypatch.setattr(e2e, "run", dies_on_the_second_point)
+    with pytest.raises(KeyboardInterrupt):
+        e2e.main(["--sizes", "tiny", "--modes", "forward", "forward_backward", "--out", str(out), *COMMON])
+    assert pd.read_csv(out).to_dict("records") == [{"earlier": 1}]
+    finished = pd.read_csv(tmp_path / "rows.csv.partial")
+    assert set(finished["mode"]) == {"forward"} and (finished["status"] == "ok").all()
+    monkeypatch.setattr(e2e, "run", real_run)
+    e2e.main(["--sizes", "tiny", "--modes", "forward", "--out", str(out), *COMMON])
+    assert set(pd.read_csv(out)["mode"]) == {"forward"} and not (tmp_path / "rows.csv.partial").exists()
+
+
 @pytest.mark.parametrize("mode,phases", [("forward", {"forward"}), ("forward_backward", {"forward", "backward"}),
                                          ("train_step", {"forward", "backward", "optimizer"})])
 def test_each_mode_runs_on_cpu(tmp_path, mode, phases):

@@ -21,7 +21,7 @@ import torch
 
 from cs336_systems.bench.cli import add_device_argument, non_negative_int, positive_int
 from cs336_systems.bench.provenance import device_name, provenance
-from cs336_systems.bench.results import write_rows
+from cs336_systems.bench.results import PartialRows
 from cs336_systems.bench.timing import (
     annotate,
     autocast,
@@ -246,17 +246,17 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     specs = specs_from_args(args, parser)
     prov = provenance(args.device)
-    rows = []
+    rows = PartialRows(args.out)  # a cut run keeps its finished points in OUT.partial
     for i, spec in enumerate(specs, 1):
         spec_rows = run(spec)
-        rows += [{**row, **prov} for row in spec_rows]
+        rows.add({**row, **prov} for row in spec_rows)
         last = spec_rows[-1]
         shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
         print(f"[{i}/{len(specs)}] {spec.size} {spec.mode} {spec.precision} {spec.attention} "
               f"compile={spec.compile} scope={spec.compile_scope} warmup={spec.warmup} "
               f"optimizer={spec.optimizer}: {shown}",
               file=sys.stderr, flush=True)
-    write_rows(rows, args.out)
+    rows.finish()
 
 
 if __name__ == "__main__":

@@ -16,14 +16,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
+from cs336_systems.bench.results import PartialRows
 from cs336_systems.bench.timing import DTYPES, bench_ms, is_oom, resolve_device
 from cs336_systems.kernels import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.model.attention import naive_attention
@@ -90,9 +90,9 @@ def supported(provider: str, dtype: torch.dtype, seq: int, device: torch.device,
     return None
 
 
-def sweep(args: argparse.Namespace) -> list[dict]:
+def sweep(args: argparse.Namespace) -> Iterator[list[dict]]:
+    """Each grid point's rows in turn: its three passes, or three rows that say why it did not run."""
     device = resolve_device(args.device)
-    rows = []
     grid = list(itertools.product(args.dtypes, args.head_dims, args.seqs, args.providers))
     for i, (dtype_name, head_dim, seq, provider) in enumerate(grid, 1):
         dtype = DTYPES[dtype_name]
@@ -100,10 +100,11 @@ def sweep(args: argparse.Namespace) -> list[dict]:
                 "seq_len": seq, "batch": 1, "causal": True}
         reason = supported(provider, dtype, seq, device, args.pytorch_max_seq)
         if reason:
-            rows += [{**base, "pass": p, "status": reason.split(":")[0], "note": reason}
-                     for p in ("forward", "backward", "forward_backward")]
+            yield [{**base, "pass": p, "status": reason.split(":")[0], "note": reason}
+                   for p in ("forward", "backward", "forward_backward")]
             continue
         torch.cuda.empty_cache()
+        times, failure = None, None
         try:
             q, k, v = (torch.randn(1, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
                        for _ in range(3))
@@ -111,19 +112,18 @@ def sweep(args: argparse.Namespace) -> list[dict]:
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not is_oom(error) and "No available kernel" not in str(error):
                 raise
-            status = "oom" if is_oom(error) else "unsupported"
-            rows += [{**base, "pass": p, "status": status, "note": str(error).splitlines()[0][:160]}
-                     for p in ("forward", "backward", "forward_backward")]
-            print(f"[{i}/{len(grid)}] {base}: {status}", file=sys.stderr, flush=True)
-            continue
+            failure = ("oom" if is_oom(error) else "unsupported", str(error).splitlines()[0][:160])
         finally:
             q = k = v = None
-        for pass_, ms in times.items():
-            flops = attention_flops(1, seq, head_dim, True, pass_)
-            rows.append({**base, "pass": pass_, "median_ms": ms, "tflops": flops / ms / 1e9, "status": "ok"})
+        if failure:
+            print(f"[{i}/{len(grid)}] {base}: {failure[0]}", file=sys.stderr, flush=True)
+            yield [{**base, "pass": p, "status": failure[0], "note": failure[1]}
+                   for p in ("forward", "backward", "forward_backward")]
+            continue
         print(f"[{i}/{len(grid)}] {provider} {dtype_name} d={head_dim} n={seq}: "
               + " ".join(f"{p}={t:.3f}ms" for p, t in times.items()), file=sys.stderr, flush=True)
-    return rows
+        yield [{**base, "pass": pass_, "median_ms": ms, "status": "ok",
+                "tflops": attention_flops(1, seq, head_dim, True, pass_) / ms / 1e9} for pass_, ms in times.items()]
 
 
 def leaderboard(args: argparse.Namespace) -> list[dict]:
@@ -198,11 +198,13 @@ def main(argv: list[str] | None = None) -> None:
         resolve_device(args.device)
     except RuntimeError as error:
         parser.error(str(error))
-    rows = sweep(args) if args.command == "sweep" else leaderboard(args)
     from cs336_systems.kernels.flash_triton import FLOAT32_DOT  # after the device check (it imports triton)
 
     prov = {**provenance(args.device), "float32_dot": FLOAT32_DOT}  # how our kernels multiplied float32 inputs
-    write_rows([{**row, **prov} for row in rows], args.out)
+    rows = PartialRows(args.out)  # a cut sweep keeps its finished points in OUT.partial
+    for point in sweep(args) if args.command == "sweep" else [leaderboard(args)]:
+        rows.add({**row, **prov} for row in point)
+    rows.finish()
 
 
 if __name__ == "__main__":

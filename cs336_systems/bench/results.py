@@ -27,6 +27,26 @@ def write_rows(rows: Iterable[Mapping], path: str | os.PathLike) -> pd.DataFrame
     return frame
 
 
+class PartialRows:
+    """Rows of a long sweep, kept on disk as they come: each `add` rewrites PATH.partial (atomically),
+    and `finish` writes PATH and removes the partial file. A run cut off before the end leaves its
+    finished points in PATH.partial, beside an earlier PATH, never in its place."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.partial = self.path.with_name(self.path.name + ".partial")
+        self.rows: list[Mapping] = []
+
+    def add(self, rows: Iterable[Mapping]) -> None:
+        self.rows += list(rows)
+        write_rows(self.rows, self.partial)
+
+    def finish(self) -> pd.DataFrame:
+        frame = write_rows(self.rows, self.path)
+        self.partial.unlink(missing_ok=True)
+        return frame
+
+
 def read_rows(*paths: str | os.PathLike) -> pd.DataFrame:
     """Concatenate results files (e.g. one per sweep job) into one frame."""
     return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
