@@ -16,9 +16,8 @@ on the diagonal build a mask. Heavy query tiles are scheduled first.
 Caveats: head dim up to 128 (padded to a power of two ≥ 16 inside the kernel); any sequence
 lengths (ragged last tiles are masked; EVEN_* heuristics drop the masks when lengths divide the
 tiles); float32 dots use `FLOAT32_DOT` (below), never plain TF32, so float32 results match a float32
-reference. Pointer
-arithmetic only (no block pointers, which Triton 3.9 removed). Without a GPU the kernels run under
-Triton's interpreter, which `import cs336_systems` switches on when CUDA is absent.
+reference. Pointer arithmetic only (no block pointers, which Triton 3.9 removed). Without a GPU the
+kernels run under Triton's interpreter, which `import cs336_systems` switches on when CUDA is absent.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # How float32 inputs are multiplied. "tf32x3" (the default) splits each operand into a TF32 high part
 # and a TF32 remainder and sums three tensor-core products (hi·hi + hi·lo + lo·hi), which keeps about
 # float32's accuracy; "ieee" multiplies on the CUDA cores, keeping the operands in registers, where
-# every tile of d >= 64 spills (results/flash_resources.csv). Plain "tf32" (10-bit mantissa) is not
+# every tile of the 16-bit lists spills at d >= 64 (results/flash_resources.csv). Plain "tf32" (10-bit mantissa) is not
 # offered: it fails float32 checks. Chosen once per process: CS336_FLASH_FLOAT32_DOT=ieee.
 FLOAT32_DOTS = ("tf32x3", "ieee")
 FLOAT32_DOT = os.environ.get("CS336_FLASH_FLOAT32_DOT", "tf32x3")
@@ -114,7 +113,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 # Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
 # twice the shared memory: `_prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
 # dots no float32 config of these lists fits in the H100's 227 KiB of shared memory (the smallest
-# asks 256 KiB), so FLOAT32_TILES adds smaller, 2-stage tiles for float32 inputs only (73-197 KiB at
+# asks 256 KiB), so FLOAT32_TILES adds smaller, 2-stage tiles for float32 inputs only (52-192 KiB at
 # d=128, compiled for sm_90 by bench/kernel_resources.py).
 FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
              (128, 64, 4, 4), (128, 128, 8, 4)]
