@@ -64,6 +64,24 @@ def test_trace_lanes_and_overlap():
     assert traces.overlap_fraction(lanes["communication"], lanes["backward"]) == 0.5
 
 
+def test_trace_host_side_of_backward():
+    """Collectives called during backward are counted with their CPU time; GPU busy share of backward."""
+    from cs336_systems.report import traces
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "backward", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 120, "dur": 30},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 170, "dur": 10},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": 300, "dur": 10},  # after backward
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 110, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 90, "dur": 30},  # 100..120 inside
+        {"ph": "X", "cat": "kernel", "name": "elementwise", "ts": 150, "dur": 20},
+    ]
+    found = traces.host_side(events, traces.lanes(events)["backward"])
+    assert found == {"collectives_in_backward": 2, "host_collective_ms_in_backward": 0.04, "backward_ms": 0.1,
+                     "gpu_busy_in_backward": 0.4}
+
+
 def test_train_matrix_table_speed_and_loss_drift():
     """Speed from the second half of the steps; drift is the largest per-step gap to torch DDP."""
     from cs336_systems.report.tables import train_matrix

@@ -2,7 +2,9 @@
 
 Reads Chrome traces exported by `cs336_systems.bench.ddp --trace-dir`, draws each as a timeline with
 three lanes (the backward range, compute, communication) and measures how much of the communication
-time falls inside the backward pass.
+time falls inside the backward pass. For the host side it also counts the collectives launched during
+backward and the CPU time spent in those calls, and how much of the backward range the GPU is busy:
+a backward that the GPU leaves idle is bound by the host, where every launched collective costs.
 
     python -m cs336_systems.report.traces TRACE.json... --figures-dir figures/ddp_traces --out overlap.csv
 """
@@ -21,6 +23,7 @@ from cs336_systems.report.figures import save_figure  # also selects the Agg bac
 
 COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce", re.IGNORECASE)
 CPU_COMPUTE = re.compile(r"^aten::(mm|addmm|bmm|matmul|_softmax|mul|add)")
+HOST_COLLECTIVE = re.compile(r"^c10d::")  # the CPU side of a collective call (c10d::allreduce_, ...)
 
 Interval = tuple[float, float]
 
@@ -59,6 +62,20 @@ def overlap_fraction(communication: list[Interval], window: list[Interval]) -> f
     return inside / total if total else float("nan")
 
 
+def host_side(events: list[dict], backward: list[Interval]) -> dict[str, float]:
+    """Collective calls made during backward, the CPU time inside them, and the share of the backward
+    range covered by GPU kernels (NaN for a CPU-only trace)."""
+    inside = [e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op" and HOST_COLLECTIVE.match(e["name"])
+              and any(s <= float(e["ts"]) <= end for s, end in backward)]
+    kernels = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+               if e.get("ph") == "X" and e.get("cat") == "kernel" and "dur" in e]
+    window = sum(end - start for start, end in _union(backward))
+    return {"collectives_in_backward": len(inside),
+            "host_collective_ms_in_backward": sum(float(e["dur"]) for e in inside) / 1e3,
+            "backward_ms": window / 1e3,
+            "gpu_busy_in_backward": overlap_fraction(backward, kernels) if kernels else float("nan")}
+
+
 def draw(lanes_: dict[str, list[Interval]], path: str | Path, title: str) -> None:
     origin = min(start for spans in lanes_.values() for start, _ in spans)
     fig, ax = plt.subplots(figsize=(10, 2.6))
@@ -84,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{path}: no communication events found")
         draw(found, Path(args.figures_dir) / f"{path.stem}.png", f"{path.stem}: backward, compute, communication")
         rows.append({"trace": path.stem, "communication_ms": sum(e - s for s, e in _union(found["communication"])) / 1e3,
-                     "overlap_with_backward": overlap_fraction(found["communication"], found["backward"])})
+                     "overlap_with_backward": overlap_fraction(found["communication"], found["backward"]),
+                     **host_side(events, found["backward"])})
     write_rows(rows, args.out)
 
 

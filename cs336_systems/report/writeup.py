@@ -867,8 +867,13 @@ def render_traces(ctx: Context) -> str:
              "for Nsight screenshots; Nsight Systems cannot make reports on our machines): the backward range, "
              "compute work and gradient communication on one time axis."]
     for _, row in frame.iterrows():
+        host = ""
+        if "collectives_in_backward" in row and pd.notna(row["collectives_in_backward"]):
+            host = (f" The host launched {int(row['collectives_in_backward'])} collectives during the "
+                    f"{row['backward_ms']:.1f} ms backward range and spent {row['host_collective_ms_in_backward']:.1f} ms "
+                    f"inside those calls; GPU kernels cover {row['gpu_busy_in_backward']:.0%} of the range.")
         parts.append(f"`{row['trace']}`: {row['communication_ms']:.1f} ms of communication, "
-                     f"{row['overlap_with_backward']:.0%} of it during the backward pass.")
+                     f"{row['overlap_with_backward']:.0%} of it during the backward pass.{host}")
         parts.append(ctx.figure(f"ddp_traces/{row['trace']}", row["trace"]))
     return "\n\n".join(parts)
 
