@@ -139,13 +139,13 @@ def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, i
 
 
 def tiles_for(kernel_name: str, dtype: str) -> list[tuple[int, int, int, int]]:
-    """The kernel's tile list as the autotuner sees it for this dtype: for float32, no deep pipelines,
-    plus the float32-only tiles."""
+    """The kernel's tiles as the autotuner sees them for this dtype (long sequences): its own pruning
+    of the tile list plus the float32-only tiles."""
     module = flash_module()
-    tiles = list(getattr(module, KERNELS[kernel_name][1]))
-    if dtype == "fp32":
-        tiles = [t for t in tiles if t[3] <= module.MAX_FLOAT32_STAGES] + list(module.FLOAT32_TILES)
-    return tiles
+    _, tile_list, (outer, inner) = KERNELS[kernel_name]
+    configs = module._tile_configs(getattr(module, tile_list), outer, inner)
+    kept = module._prune_configs(configs, {}, PRECISION=_dot_precision(dtype), SEQ_KEY_Q=2**16, SEQ_KEY_K=2**16)
+    return [(c.kwargs[outer], c.kwargs[inner], c.num_warps, c.num_stages) for c in kept]
 
 
 def parse_tile(text: str) -> tuple[int, int, int, int]:

@@ -236,7 +236,7 @@ def allreduce(frame: pd.DataFrame) -> pd.DataFrame:
         "algbw (GB/s)": rows["algbw_gbps"].round(2), "busbw (GB/s)": rows["busbw_gbps"].round(2)})
 
 
-def _round_medians(row: pd.Series) -> str:
+def round_medians(row: pd.Series) -> str:
     """The range of a config's per-round median step times ('—' for runs of one round)."""
     if pd.isna(row.get("rounds")) or row["rounds"] < 2:
         return "—"
@@ -253,7 +253,7 @@ def ddp(frame: pd.DataFrame) -> pd.DataFrame:
         else:
             record.update({"step (ms)": mean_std(row["step_ms"], row["step_std_ms"], 1),
                            "step median (ms)": round(row["step_median_ms"], 1),
-                           "round medians (ms)": _round_medians(row),
+                           "round medians (ms)": round_medians(row),
                            "forward+backward (ms)": round(row["forward_backward_ms"], 1),
                            "communication wait (ms)": round(row["communication_ms"], 1),
                            "optimizer (ms)": round(row["optimizer_ms"], 1),
@@ -280,7 +280,7 @@ def sharding(frame: pd.DataFrame) -> pd.DataFrame:
                     "params + grads + state by formula (MiB)": round(
                         row["param_mib"] + row["grad_mib"] + row["optimizer_state_mib"]),
                     "step median (ms)": round(row["step_median_ms"], 1),
-                    "round medians (ms)": _round_medians(row)})
+                    "round medians (ms)": round_medians(row)})
     return pd.DataFrame(out)
 
 

@@ -20,7 +20,7 @@ import torch
 import yaml
 
 from cs336_systems.model import forward_flops, get_config
-from cs336_systems.report.tables import SIZE_ORDER, compile_scope
+from cs336_systems.report.tables import SIZE_ORDER, compile_scope, round_medians
 
 
 @dataclass(eq=False)  # hashed by identity, so frame() can be cached per context
@@ -507,8 +507,7 @@ def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
         for config in configs:
             if (precision, config) in steps.index:
                 row = steps.loc[(precision, config)]
-                spread = (f", rounds {row['step_round_median_min_ms']:.1f}–{row['step_round_median_max_ms']:.1f}"
-                          if rounds > 1 else "")
+                spread = f", rounds {round_medians(row)}" if rounds > 1 else ""
                 cells.append(f"{config} {row['step_median_ms']:.1f} ms{spread} (communication wait "
                              f"{row['communication_ms']:.1f} ms)")
         std = steps.loc[precision]["step_std_ms"].max() if precision in steps.index else float("nan")
