@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cs336_systems.distributed import DDPNaive
-from cs336_systems.distributed.common import trainable_parameters
+from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, common
+from cs336_systems.distributed.common import AsyncAllReduce, trainable_parameters
 from cs336_systems.distributed.ddp_bucketed import plan_buckets
 from tests.adapters import (
     ddp_bucketed_on_after_backward,
@@ -31,6 +31,11 @@ WRAPPERS = {
     "naive": (lambda m: DDPNaive(m), lambda ddp, opt: ddp.finish_gradient_synchronization()),
     "flat": (lambda m: DDPNaive(m, flat=True), lambda ddp, opt: ddp.finish_gradient_synchronization()),
     "individual": (get_ddp_individual_parameters, ddp_individual_parameters_on_after_backward),
+    # the collectives issued by the hook itself, on autograd's thread, instead of a background thread
+    "individual-inline": (lambda m: DDPIndividualParameters(m, background_issue=False),
+                          ddp_individual_parameters_on_after_backward),
+    "bucketed-0.0005MB-inline": (lambda m: DDPBucketed(m, 0.0005, background_issue=False),
+                                 ddp_bucketed_on_after_backward),
     "bucketed-one": (lambda m: get_ddp_bucketed(m, None), ddp_bucketed_on_after_backward),
     "bucketed-0.0001MB": (lambda m: get_ddp_bucketed(m, 0.0001), ddp_bucketed_on_after_backward),
     "bucketed-0.0005MB": (lambda m: get_ddp_bucketed(m, 0.0005), ddp_bucketed_on_after_backward),
@@ -108,6 +113,36 @@ def test_a_failing_rank_fails_the_run_promptly():
     assert time.monotonic() - start < 60
 
 
+def test_background_all_reduce_keeps_order_and_raises_errors(monkeypatch):
+    """The worker issues in submission order (every rank must issue the same sequence), not on the
+    caller's thread, and an error raised while issuing comes out of wait()."""
+    import threading
+
+    issued = []
+
+    def fake_all_reduce(tensor, async_op=False):
+        if tensor.numel() == 0:
+            raise RuntimeError("cannot reduce an empty tensor")
+        issued.append((int(tensor[0]), threading.current_thread().name))
+        return type("Done", (), {"wait": lambda self: None})()
+
+    monkeypatch.setattr(common, "all_reduce_mean", fake_all_reduce)
+    reducer = AsyncAllReduce(torch.device("cpu"))
+    order = torch.randperm(50).tolist()
+    for i in order:
+        reducer.submit(torch.tensor([i]))
+    reducer.wait()
+    assert [i for i, _ in issued] == order
+    assert {name for _, name in issued} != {threading.current_thread().name}
+    reducer.submit(torch.empty(0))
+    with pytest.raises(RuntimeError, match="empty tensor"):
+        reducer.wait()
+    inline = AsyncAllReduce(torch.device("cpu"), background=False)
+    inline.submit(torch.tensor([7]))
+    inline.wait()
+    assert issued[-1] == (7, threading.current_thread().name)
+
+
 def test_bucket_plan():
     params = [torch.nn.Parameter(torch.zeros(n)) for n in (100, 50, 300, 10)]  # float32: 4 bytes each
     plan = plan_buckets(params, bucket_size_mb=1000 / 2**20)
@@ -138,6 +173,7 @@ def test_benchmark_config_strings():
 
     assert parse_config("none") == ("none", None, "adamw")
     assert parse_config("bucketed:100+sharded") == ("bucketed", 100.0, "sharded")
+    assert parse_config("bucketed-inline:1") == ("bucketed-inline", 1.0, "adamw")
     with pytest.raises(ValueError, match="unknown wrapper 'fsdp'"):
         parse_config("fsdp")
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):

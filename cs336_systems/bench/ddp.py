@@ -4,8 +4,10 @@
         --configs none naive flat individual bucketed:1 bucketed:100 torch_ddp --out ddp.csv
 
 A config is WRAPPER[:BUCKET_MB][+OPTIMIZER]: wrapper none (each rank trains alone: the single-GPU
-speed), naive, flat, individual, bucketed:MB or torch_ddp; optimizer adamw (default), sharded (ours,
-ZeRO-1) or zero (torch's ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
+speed), naive, flat, individual, bucketed:MB or torch_ddp; individual-inline and bucketed-inline:MB
+issue their all-reduces from the gradient hooks themselves instead of a background thread (for
+comparison); optimizer adamw (default), sharded (ours, ZeRO-1) or zero (torch's
+ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
 Per step it times forward+backward, the wait for gradient communication that did not overlap the
 backward pass (all of it for naive and flat), and the optimizer step, with synchronization around
 each; it records memory after initialisation and just before and after the optimizer step. With
@@ -39,7 +41,8 @@ from cs336_systems.model import MODEL_SIZES, AdamW, TransformerLM, cross_entropy
 def parse_config(text: str) -> tuple[str, float | None, str]:
     wrapper, _, optimizer = text.partition("+")
     wrapper, _, bucket = wrapper.partition(":")
-    if wrapper not in ("none", "naive", "flat", "individual", "bucketed", "torch_ddp"):
+    if wrapper not in ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "individual-inline",
+                       "bucketed-inline"):
         raise ValueError(f"unknown wrapper {wrapper!r} in config {text!r}")
     if optimizer not in ("", "adamw", "sharded", "zero"):
         raise ValueError(f"unknown optimizer {optimizer!r} in config {text!r}")
@@ -54,10 +57,11 @@ def wrap(model: torch.nn.Module, wrapper: str, bucket_mb: float | None, device: 
         return model
     if wrapper in ("naive", "flat"):
         return DDPNaive(model, flat=wrapper == "flat")
-    if wrapper == "individual":
-        return DDPIndividualParameters(model)
-    if wrapper == "bucketed":
-        return DDPBucketed(model, bucket_mb)
+    background = not wrapper.endswith("-inline")
+    if wrapper.startswith("individual"):
+        return DDPIndividualParameters(model, background_issue=background)
+    if wrapper.startswith("bucketed"):
+        return DDPBucketed(model, bucket_mb, background_issue=background)
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    bucket_cap_mb=bucket_mb or 25)
 

@@ -6,7 +6,8 @@ gradient is ready its hook copies it into the bucket's flat buffer; when the las
 bucket has arrived — in whatever order the hooks fired — one asynchronous all-reduce is launched
 for the whole bucket. `finish_gradient_synchronization()` launches any bucket still incomplete
 (parameters that got no gradient this step count as zero), waits, averages and copies the results
-back into each `.grad`.
+back into each `.grad`. As in `DDPIndividualParameters`, the all-reduces are issued from a background
+thread (`background_issue=True`, see `AsyncAllReduce`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from cs336_systems.distributed.common import (
-    all_reduce_mean,
+    AsyncAllReduce,
     broadcast_from_rank0,
     require_process_group,
     trainable_parameters,
@@ -31,7 +31,7 @@ class Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor  # flat, the concatenation of the params' gradients
     offsets: list[int]
-    work: dist.Work | None = None
+    launched: bool = False
     arrived: set[int] = field(default_factory=set)
 
     def view(self, i: int) -> torch.Tensor:
@@ -58,11 +58,13 @@ def plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> li
 
 
 class DDPBucketed(nn.Module):
-    def __init__(self, module: nn.Module, bucket_size_mb: float | None):
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None, background_issue: bool = True):
         super().__init__()
         require_process_group(type(self).__name__)
         self.module = module
-        groups = plan_buckets(trainable_parameters(module), bucket_size_mb)
+        params = trainable_parameters(module)
+        groups = plan_buckets(params, bucket_size_mb)
+        self._all_reduce = AsyncAllReduce(params[0].device if params else torch.device("cpu"), background_issue)
         broadcast_from_rank0(module)
         self.buckets: list[Bucket] = []
         self._where: dict[int, tuple[Bucket, int]] = {}
@@ -89,24 +91,25 @@ class DDPBucketed(nn.Module):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.work = all_reduce_mean(bucket.buffer, async_op=True)
+        self._all_reduce.submit(bucket.buffer)
+        bucket.launched = True
 
     def reset(self) -> None:
         """Forget the previous step's bookkeeping (called by finish; harmless to call again)."""
         for bucket in self.buckets:
             bucket.arrived.clear()
-            bucket.work = None
+            bucket.launched = False
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         for bucket in self.buckets:
-            if bucket.work is None:  # some parameters got no gradient this step
+            if not bucket.launched:  # some parameters got no gradient this step
                 for i in range(len(bucket.params)):
                     if i not in bucket.arrived:
                         bucket.view(i).zero_()
                 self._launch(bucket)
+        self._all_reduce.wait()
         for bucket in self.buckets:
-            bucket.work.wait()
             for i, p in enumerate(bucket.params):
                 if p.grad is not None:
                     p.grad.copy_(bucket.view(i))

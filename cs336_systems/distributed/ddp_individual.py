@@ -3,17 +3,18 @@
 Each gradient is all-reduced asynchronously the moment autograd has finished accumulating it (a
 post-accumulate-grad hook), while the backward pass goes on computing earlier layers' gradients.
 `finish_gradient_synchronization()` waits for the outstanding reductions; call it after backward
-and before optimizer.step().
+and before optimizer.step(). The all-reduces are issued from a background thread
+(`background_issue=True`, see `AsyncAllReduce`), which keeps c10d's host cost per call off the
+backward pass.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from cs336_systems.distributed.common import (
-    all_reduce_mean,
+    AsyncAllReduce,
     broadcast_from_rank0,
     require_process_group,
     trainable_parameters,
@@ -22,15 +23,16 @@ from cs336_systems.distributed.common import (
 
 
 class DDPIndividualParameters(nn.Module):
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, background_issue: bool = True):
         super().__init__()
         require_process_group(type(self).__name__)
         self.module = module
-        self._pending: list[dist.Work] = []
+        params = trainable_parameters(module)
+        self._all_reduce = AsyncAllReduce(params[0].device if params else torch.device("cpu"), background_issue)
         broadcast_from_rank0(module)
         # A tied weight is one leaf with one AccumulateGrad node: its hook fires once per backward,
         # after both uses have been summed, so it is reduced once.
-        for param in trainable_parameters(module):
+        for param in params:
             param.register_post_accumulate_grad_hook(weak_hook(self._reduce))
 
     def forward(self, *args, **kwargs):
@@ -38,9 +40,7 @@ class DDPIndividualParameters(nn.Module):
 
     @torch.no_grad()
     def _reduce(self, param: torch.Tensor) -> None:
-        self._pending.append(all_reduce_mean(param.grad, async_op=True))
+        self._all_reduce.submit(param.grad)
 
     def finish_gradient_synchronization(self) -> None:
-        for work in self._pending:
-            work.wait()
-        self._pending.clear()
+        self._all_reduce.wait()

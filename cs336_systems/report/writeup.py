@@ -577,7 +577,22 @@ def render_ddp_individual(ctx: Context) -> str:
             f"against naive's {naive['forward_backward_ms']:.1f} ms (which communicates nothing during backward): "
             f"overlapping one all-reduce per gradient with the backward pass changes it by "
             f"{ours['forward_backward_ms'] - naive['forward_backward_ms']:+.1f} ms.")
+        variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if (precision, c) in steps.index]
+        if variants:
+            parts.append(f"{precision}, in the same run: " + "; ".join(
+                f"{label}: step {steps.loc[(precision, c), 'step_median_ms']:.1f} ms, forward+backward "
+                f"{steps.loc[(precision, c), 'forward_backward_ms']:.1f} ms" for c, label in variants) + ".")
     return "\n\n".join([*parts, ctx.table("ddp_individual")])
+
+
+# Configs that tell where overlapped-individual's time goes: the same all-reduces issued on autograd's
+# thread, and torch's C++ reducer at (about) the same granularity.
+VARIANTS_OF_INDIVIDUAL = (
+    ("individual-inline", "the same all-reduces issued by each gradient hook itself on autograd's thread "
+                          "(individual-inline; `individual` issues them from a background thread)"),
+    ("torch_ddp:1", "torch DDP with 1 MB buckets, its C++ reducer issuing about one all-reduce per gradient "
+                    "(torch_ddp:1)"),
+)
 
 
 def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None:
