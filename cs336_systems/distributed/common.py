@@ -68,14 +68,15 @@ class AsyncAllReduce:
     is done (on a GPU: once the caller's stream waits for them).
 
     With `background=True` (the default) the collectives are issued by one worker thread, in the
-    order they were submitted, instead of by the caller. A gradient hook runs on autograd's thread,
-    and what c10d and NCCL do on the host for one all-reduce (about 0.13 ms per call on the 2 x H200
-    machine, results/ddp_diagnosis.csv) would otherwise sit on the backward pass's critical path
-    whenever that pass is limited by the host launching kernels, as eager bf16 XL is (the GPU
-    busy 30-40 % of the backward). c10d releases the GIL while it issues a collective, so the
-    worker's host time runs beside autograd's. On a GPU the caller records an event where the
-    tensor is ready and the worker's stream waits for it, so each collective starts after its
-    tensor's producer and after nothing later.
+    order they were submitted, instead of by the caller; c10d releases the GIL while it issues one.
+    The idea: a gradient hook runs on autograd's thread, and when the backward pass is limited by the
+    host launching kernels (eager bf16 XL on the 2 x H200 machine: GPU busy 30-40 % of the backward,
+    results/diagnosis/) the host cost of every all-reduce lands on its critical path. Measured
+    there (results/ddp_individual.csv, c108e32), it made no difference beyond the run's noise:
+    forward+backward 254 ms with the thread, 246 ms without, fp32 649 and 648 ms. `background=False`
+    keeps the caller issuing them. On a GPU the caller records an event where the tensor is ready and
+    the worker's stream waits for it, so each collective starts after its tensor's producer and after
+    nothing later.
     """
 
     def __init__(self, device: torch.device, background: bool = True):
