@@ -29,7 +29,6 @@ from cs336_systems.kernels.flash_triton import INTERPRET
 
 BLOCK = 1024  # elements per iteration of a program
 CHUNK = 8 * BLOCK  # elements per program
-NUM_WARPS, NUM_STAGES = 4, 3
 ALIGN = 16  # elements; 64 bytes of float32, a multiple of the 16-byte vector width
 
 
@@ -70,19 +69,19 @@ def _adamw_kernel(table_ptr, prog_tensor_ptr, prog_start_ptr, prog_end_ptr, deca
         tl.store(v_ptr + offsets, v, mask=mask)
 
 
-def _programs(segments: list[tuple[int, int, int]], device: torch.device, chunk: int) -> tuple[torch.Tensor, ...]:
+def _programs(segments: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
     """(tensor index, start, end) of every program: each segment [start, end) cut into CHUNKs."""
     tensor, start, end = [], [], []
     for t, lo, hi in segments:
-        for s in range(lo, hi, chunk):
+        for s in range(lo, hi, CHUNK):
             tensor.append(t)
             start.append(s)
-            end.append(min(s + chunk, hi))
+            end.append(min(s + CHUNK, hi))
     return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (tensor, start, end))
 
 
 @functools.lru_cache(maxsize=32)
-def _plan(sizes: tuple[int, ...], aligned: tuple[bool, ...], device: torch.device, chunk: int):
+def _plan(sizes: tuple[int, ...], aligned: tuple[bool, ...], device: torch.device):
     """The launches for tensors of these sizes: (VECTOR, program arrays) each; cached, as the sizes
     and alignments of a model's parameters do not change from step to step."""
     vector, scalar = [], []
@@ -92,7 +91,7 @@ def _plan(sizes: tuple[int, ...], aligned: tuple[bool, ...], device: torch.devic
             vector.append((t, 0, body))
         if body < n:
             scalar.append((t, body, n))
-    return [(flag, _programs(segments, device, chunk)) for flag, segments in ((True, vector), (False, scalar)) if segments]
+    return [(flag, _programs(segments, device)) for flag, segments in ((True, vector), (False, scalar)) if segments]
 
 
 def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -117,6 +116,5 @@ def adamw_step_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs:
     table = torch.tensor(addresses, dtype=torch.int64, pin_memory=device.type == "cuda").to(device, non_blocking=True)
     scalars = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2**step), eps,
                lr / (1 - beta1**step))
-    for vector, programs in _plan(tuple(p.numel() for p in params), aligned, device, CHUNK):
-        _adamw_kernel[(len(programs[0]),)](table, *programs, *scalars, BLOCK=BLOCK, CHUNK=CHUNK, VECTOR=vector,
-                                           num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    for vector, programs in _plan(tuple(p.numel() for p in params), aligned, device):
+        _adamw_kernel[(len(programs[0]),)](table, *programs, *scalars, BLOCK=BLOCK, CHUNK=CHUNK, VECTOR=vector)
