@@ -163,39 +163,12 @@ def test_adamw_with_frozen_parameter_and_late_param_group():
 def test_fused_adamw_rejects_what_its_kernel_cannot_update():
     half = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
     half.grad = torch.ones_like(half)
-    with pytest.raises(ValueError, match="param 0 is torch.bfloat16"):
+    with pytest.raises(ValueError, match="param is torch.bfloat16"):
         AdamW([half], fused=True).step()
     strided = torch.nn.Parameter(torch.zeros(4, 6).t())
     strided.grad = torch.ones(6, 4)
     with pytest.raises(ValueError, match="not contiguous"):
         AdamW([strided], fused=True).step()
-
-
-def test_fused_adamw_kernel_on_ragged_and_misaligned_tensors():
-    """One launch over tensors of awkward sizes: several programs' chunks, tails that are not a
-    multiple of the vector width, a tensor whose address is not 16-byte aligned (a view one element
-    into its storage), and an empty one; against torch.optim.AdamW on copies."""
-    from cs336_systems.kernels.adamw_triton import CHUNK, adamw_step_
-
-    torch.manual_seed(2)
-    sizes = [2 * CHUNK + 37, 16, 5, 1000, 0]
-    params = [torch.randn(n) for n in sizes]
-    params.append(torch.randn(101)[1:])  # contiguous, misaligned
-    assert params[-1].data_ptr() % 16 != 0
-    grads = [torch.randn_like(p) for p in params]
-    moments = [(torch.rand_like(p), torch.rand_like(p)) for p in params]
-    reference = [torch.nn.Parameter(p.clone()) for p in params]
-    theirs = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05, foreach=False)
-    for q, g, (m, v) in zip(reference, grads, moments):
-        q.grad = g.clone()
-        theirs.state[q] = {"step": torch.tensor(3.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
-    theirs.step()  # the fourth step
-    adamw_step_(params, grads, [m for m, _ in moments], [v for _, v in moments], lr=1e-2, beta1=0.9, beta2=0.99,
-                eps=1e-6, weight_decay=0.05, step=4)
-    for p, q, (m, v) in zip(params, reference, moments):
-        torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(m, theirs.state[q]["exp_avg"], rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(v, theirs.state[q]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
 
 
 def test_adamw_rejects_bad_hyperparameters():

@@ -18,9 +18,8 @@ class AdamW(torch.optim.Optimizer):
     and step count (`torch._foreach_*`, the multi-tensor kernels torch.optim itself uses; PyTorch has
     no public multi-tensor API): a per-tensor loop costs several kernel launches per parameter,
     which dominated the optimizer step of the xl model in our first measurements.
-    With `fused=True` the same batches are updated by one Triton kernel launch
-    (`kernels/adamw_triton.py`) that reads and writes each tensor once, where the multi-tensor update
-    makes about 20 tensor passes.
+    With `fused=True` each tensor is updated by one Triton kernel (`kernels/adamw_triton.py`) that
+    reads and writes each tensor once, where the multi-tensor update makes about 20 tensor passes.
     """
 
     def __init__(
@@ -60,7 +59,7 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
                 state["step"] += 1
-                key = (p.device, p.dtype, state["step"]) if group["foreach"] or group["fused"] else (id(p),)
+                key = (p.device, p.dtype, state["step"]) if group["foreach"] and not group["fused"] else (id(p),)
                 batches[key].append(p)
             for params in batches.values():
                 self._update(params, group)
@@ -72,9 +71,9 @@ class AdamW(torch.optim.Optimizer):
         if group["fused"]:
             from cs336_systems.kernels.adamw_triton import adamw_step_
 
-            adamw_step_(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
-                        [self.state[p]["exp_avg_sq"] for p in params], lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                        weight_decay=wd, step=t)
+            (p,) = params
+            adamw_step_(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], lr=lr, beta1=beta1,
+                        beta2=beta2, eps=eps, weight_decay=wd, step=t)
             return
         grads = [p.grad for p in params]
         m = [self.state[p]["exp_avg"] for p in params]
