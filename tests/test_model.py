@@ -171,6 +171,30 @@ def test_fused_adamw_rejects_what_its_kernel_cannot_update():
         AdamW([strided], fused=True).step()
 
 
+def test_fused_adamw_kernel_on_ragged_and_misaligned_tensors():
+    """The kernel on awkward tensors: several blocks with a ragged last one, fewer elements than a
+    block, a tensor whose address is not 16-byte aligned (a view one element into its storage);
+    against torch.optim.AdamW on copies at its fourth step."""
+    from cs336_systems.kernels.adamw_triton import BLOCK, adamw_step_
+
+    torch.manual_seed(2)
+    params = [torch.randn(n) for n in (2 * BLOCK + 37, 5)] + [torch.randn(101)[1:]]
+    assert params[-1].data_ptr() % 16 != 0
+    grads = [torch.randn_like(p) for p in params]
+    moments = [(torch.rand_like(p), torch.rand_like(p)) for p in params]
+    reference = [torch.nn.Parameter(p.clone()) for p in params]
+    theirs = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05, foreach=False)
+    for q, g, (m, v) in zip(reference, grads, moments):
+        q.grad = g.clone()
+        theirs.state[q] = {"step": torch.tensor(3.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+    theirs.step()
+    for p, g, (m, v), q in zip(params, grads, moments, reference):
+        adamw_step_(p, g, m, v, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-6, weight_decay=0.05, step=4)
+        torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(m, theirs.state[q]["exp_avg"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(v, theirs.state[q]["exp_avg_sq"], rtol=1e-6, atol=1e-7)
+
+
 def test_adamw_rejects_bad_hyperparameters():
     with pytest.raises(ValueError, match="lr=-1"):
         AdamW([torch.nn.Parameter(torch.zeros(1))], lr=-1)
