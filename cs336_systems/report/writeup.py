@@ -883,9 +883,14 @@ def render_traces(ctx: Context) -> str:
     for _, row in frame.iterrows():
         host = ""
         if "collectives_in_backward" in row and pd.notna(row["collectives_in_backward"]):
-            host = (f" The host launched {int(row['collectives_in_backward'])} collectives during the "
-                    f"{row['backward_ms']:.1f} ms backward range and spent {row['host_collective_ms_in_backward']:.1f} ms "
-                    f"inside those calls; GPU kernels cover {row['gpu_busy_in_backward']:.0%} of the range.")
+            busy = f"GPU kernels cover {row['gpu_busy_in_backward']:.0%} of the {row['backward_ms']:.1f} ms backward range."
+            if row["collectives_in_backward"] == 0 and row["overlap_with_backward"] > 0:
+                # communication kernels ran during backward, so some thread issued them unseen
+                host = (" No collective call appears on the threads this trace records (the overlapping wrappers "
+                        f"issue them from a background thread) although its kernels ran during backward; {busy}")
+            else:
+                host = (f" The host launched {int(row['collectives_in_backward'])} collectives during the backward "
+                        f"range and spent {row['host_collective_ms_in_backward']:.1f} ms inside those calls; {busy}")
         parts.append(f"`{row['trace']}`: {row['communication_ms']:.1f} ms of communication, "
                      f"{row['overlap_with_backward']:.0%} of it during the backward pass.{host}")
         parts.append(ctx.figure(f"ddp_traces/{row['trace']}", row["trace"]))
