@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
+from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench.provenance import provenance
@@ -87,7 +88,9 @@ def trace_to(path: Path | None, device: torch.device):
         yield
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    # All threads: the overlapping wrappers issue their collectives from a background thread, which a
+    # profiler recording only the thread that started it (the default) leaves out.
+    with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         yield
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
