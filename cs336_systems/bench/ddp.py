@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._C._profiler import _ExperimentalConfig
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
-from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench.provenance import provenance

@@ -4,8 +4,7 @@ Each gradient is all-reduced asynchronously the moment autograd has finished acc
 post-accumulate-grad hook), while the backward pass goes on computing earlier layers' gradients.
 `finish_gradient_synchronization()` waits for the outstanding reductions; call it after backward
 and before optimizer.step(). The all-reduces are issued from a background thread
-(`background_issue=True`, see `AsyncAllReduce`), which keeps c10d's host cost per call off the
-backward pass.
+(`background_issue=True`; `AsyncAllReduce` says why, and that it measured no gain on 2 x H200).
 """
 
 from __future__ import annotations

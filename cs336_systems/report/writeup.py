@@ -883,7 +883,8 @@ def render_traces(ctx: Context) -> str:
     for _, row in frame.iterrows():
         host = ""
         if "collectives_in_backward" in row and pd.notna(row["collectives_in_backward"]):
-            busy = f"GPU kernels cover {row['gpu_busy_in_backward']:.0%} of the {row['backward_ms']:.1f} ms backward range."
+            busy = (f"GPU kernels cover {row['gpu_busy_in_backward']:.0%} of the {row['backward_ms']:.1f} ms "
+                    f"backward range.")
             if row["collectives_in_backward"] == 0 and row["overlap_with_backward"] > 0:
                 # communication kernels ran during backward, so some thread issued them unseen
                 host = (" No collective call appears on the threads this trace records (the overlapping wrappers "
