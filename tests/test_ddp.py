@@ -5,7 +5,6 @@ half of every batch, and after several steps every parameter must equal that of 
 trained on the whole batch. The model has a tied weight (used twice), a frozen layer and a buffer.
 """
 
-import copy
 import gc
 import time
 import weakref
@@ -43,14 +42,17 @@ WRAPPERS = {
 }
 
 
-def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gloo") -> None:
+def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gloo", compiled: bool = False) -> None:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     torch.manual_seed(100 + rank)  # different initial weights on every rank
     model = ToyModelWithTiedAndFrozen().to(device)
+    reference = ToyModelWithTiedAndFrozen().to(device)  # eager, given rank 0's weights below
+    if compiled:  # AOTAutograd: the backward is one compiled function that hands out every gradient at its end
+        model.compile(backend="aot_eager")
     wrap, after_backward = WRAPPERS[name]
     ddp = wrap(model)
     assert ddp.module is model
-    reference = copy.deepcopy(model)  # rank 0's weights, now on every rank
+    reference.load_state_dict(model.state_dict())  # rank 0's weights, now on every rank
     frozen_before = model.frozen.weight.detach().clone()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
@@ -94,6 +96,13 @@ def test_wrapper_matches_single_process(name):
 def test_wrapper_matches_single_process_on_nccl(name):
     """The same on two GPUs, where the wrappers average inside NCCL's reduction (ReduceOp.AVG)."""
     run_distributed(_train_and_compare, 2, name, "nccl", backend="nccl")
+
+
+@pytest.mark.parametrize("name", ["individual", "individual-inline", "bucketed-0.0005MB", "bucketed-one"])
+def test_wrapper_on_a_compiled_model_matches_single_process(name):
+    """The benchmarks compile the model's blocks; the gradient hooks must still fire once for each
+    parameter (the tied one included) when the backward runs as a compiled graph."""
+    run_distributed(_train_and_compare, 2, name, "gloo", True)
 
 
 def _one_rank_fails(rank: int, world_size: int) -> None:
@@ -180,3 +189,29 @@ def test_benchmark_config_strings():
         parse_config("naive+lamb")
     with pytest.raises(ValueError, match="bucket size must be positive, got 0"):
         parse_config("bucketed:0")
+
+
+def test_benchmark_with_compiled_blocks_and_one_adamw_for_every_optimizer(tmp_path):
+    """The DDP benchmark as the full-scale pipeline runs it (blocks compiled, one AdamW implementation for
+    plain, sharded and ZeRO optimizers), on two CPU ranks: every data-parallel config trains the same
+    global batches from the same weights with the same update, so all reach the same loss; `none` (each
+    rank trains alone on its half) is the control that the loss tells them apart."""
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    out = tmp_path / "ddp.csv"
+    configs = ["none", "individual", "bucketed:0.01+sharded", "torch_ddp+zero", "torch_ddp"]
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "cs336_systems.bench.ddp", "--backend", "gloo", "--size", "tiny", "--batch-size", "2",
+                    "--context-length", "32", "--attention", "naive", "--warmup", "1", "--steps", "2",
+                    "--lr", "0.01", "--compile", "blocks", "--adamw", "torch_fused", "--configs", *configs, "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    rows = pd.read_csv(out)
+    assert rows["config"].tolist() == configs
+    assert (rows["status"] == "ok").all()
+    assert (rows["compile"] == "blocks").all() and (rows["adamw"] == "torch_fused").all()
+    loss = rows.set_index("config")["final_loss"]
+    assert loss[configs[1:]].max() - loss[configs[1:]].min() < 1e-4, loss
+    assert abs(loss["none"] - loss["torch_ddp"]) > 1e-3, loss

@@ -14,6 +14,8 @@ each; it records memory after initialisation and just before and after the optim
 --rounds R the whole list of configs runs R times, interleaved, and each config's statistics pool its
 rounds (the spread of the per-round medians is in the row). Rank 0 writes one row per config;
 out-of-memory is a row.
+--compile blocks compiles each Transformer block (eager bf16 xl steps are limited by the host's kernel
+launches, not by the GPU); --adamw picks the AdamW implementation every optimizer updates with.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, timed
 from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, ShardedOptimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.model import MODEL_SIZES, AdamW, TransformerLM, cross_entropy, get_config
+from cs336_systems.model import (
+    ADAMW_IMPLEMENTATIONS,
+    MODEL_SIZES,
+    TransformerLM,
+    adamw_implementation,
+    cross_entropy,
+    get_config,
+)
 
 
 def parse_config(text: str) -> tuple[str, float | None, str]:
@@ -67,12 +76,15 @@ def wrap(model: torch.nn.Module, wrapper: str, bucket_mb: float | None, device: 
                                    bucket_cap_mb=bucket_mb or 25)
 
 
-def make_optimizer(name: str, model: torch.nn.Module, lr: float):
+def make_optimizer(name: str, model: torch.nn.Module, lr: float, adamw: str = "foreach"):
+    """The config's optimizer (adamw, sharded or zero), each updating with the same AdamW implementation
+    (one of ADAMW_IMPLEMENTATIONS), so that sharded and unsharded steps differ only in the sharding."""
+    optimizer_class, extra = adamw_implementation(adamw)
     if name == "sharded":
-        return ShardedOptimizer(model.parameters(), AdamW, lr=lr)
+        return ShardedOptimizer(model.parameters(), optimizer_class, lr=lr, **extra)
     if name == "zero":
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=lr)
-    return AdamW(model.parameters(), lr=lr)
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=lr, **extra)
+    return optimizer_class(model.parameters(), lr=lr, **extra)
 
 
 def memory_mib(device: torch.device) -> tuple[float, float]:
@@ -106,8 +118,10 @@ def run_config(text: str, args, rank: int, world: int, device: torch.device) -> 
     at_start = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
     with device:
         model = TransformerLM(get_config(args.size, context_length=args.context_length, attention=args.attention))
+    if args.compile == "blocks":  # before wrapping: the wrappers' gradient hooks sit on the parameters
+        model.compile_blocks()
     ddp = wrap(model, wrapper, bucket_mb, device)
-    optimizer = make_optimizer(opt_name, model, args.lr)
+    optimizer = make_optimizer(opt_name, model, args.lr, args.adamw)
     after_init = memory_mib(device)
     data = torch.Generator(device="cpu").manual_seed(1234)  # the same global batches on every rank
     times = {"forward_backward": [], "communication": [], "optimizer": [], "step": []}
@@ -178,6 +192,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context-length", type=int, default=512)
     parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--compile", default="none", choices=["none", "blocks"],
+                        help="torch.compile each Transformer block (the first step of a config compiles, or finds "
+                             "the graphs an earlier config of the same process compiled)")
+    parser.add_argument("--adamw", default="foreach", choices=ADAMW_IMPLEMENTATIONS,
+                        help="the AdamW implementation every config's optimizer updates with (sharded and "
+                             "ZeroRedundancyOptimizer included)")
     parser.add_argument("--backend", default="nccl", choices=["nccl", "gloo"])
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--warmup", type=int, default=3)
@@ -228,7 +248,8 @@ def main(argv: list[str] | None = None) -> None:
             row = summarize(text, measured[precision, text], world)
         row.update(world_size=world, size=args.size, batch_per_rank=args.batch_size,
                    context_length=args.context_length, precision=precision, attention=args.attention,
-                   backend=args.backend, warmup=args.warmup, steps=args.steps)
+                   backend=args.backend, compile=args.compile, adamw=args.adamw, warmup=args.warmup,
+                   steps=args.steps)
         rows.append({**row, **provenance(device)})
     if rank == 0:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

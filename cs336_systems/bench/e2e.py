@@ -38,8 +38,9 @@ from cs336_systems.bench.timing import (
 )
 from cs336_systems.model import (
     MODEL_SIZES,
-    AdamW,
+    ADAMW_IMPLEMENTATIONS,
     TransformerLM,
+    adamw_implementation,
     cross_entropy,
     forward_flops,
     get_attention,
@@ -50,8 +51,7 @@ from cs336_systems.model import (
 )
 
 MODES = ("forward", "forward_backward", "train_step")
-# Our AdamW's multi-tensor update, our AdamW with one Triton kernel per tensor, and torch's fused AdamW.
-OPTIMIZERS = ("foreach", "fused", "torch_fused")
+OPTIMIZERS = ADAMW_IMPLEMENTATIONS
 # What `--compile on` compiles: each Transformer block (regional compilation: the blocks share one graph,
 # so compile time does not grow with depth), the whole model, or the whole model with CUDA graphs
 # (torch.compile's "reduce-overhead" mode, which replays each step's kernels without launching them
@@ -87,9 +87,8 @@ def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
         model = TransformerLM(config)
     if not spec.compile:
         return model
-    if spec.compile_scope == "blocks":  # the embedding and head stay eager
-        for layer in model.layers:
-            layer.compile()
+    if spec.compile_scope == "blocks":
+        model.compile_blocks()
     elif spec.compile_scope in ("model", "model-cudagraphs"):
         model.compile(mode="reduce-overhead" if spec.compile_scope == "model-cudagraphs" else None)
     else:
@@ -98,11 +97,8 @@ def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "torch_fused":
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=1e-2, fused=True)
-    if name in ("foreach", "fused"):
-        return AdamW(params, lr=1e-4, weight_decay=1e-2, fused=name == "fused")
-    raise ValueError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+    optimizer_class, extra = adamw_implementation(name)
+    return optimizer_class(params, lr=1e-4, weight_decay=1e-2, **extra)
 
 
 def measure(spec: RunSpec) -> dict[str, list[float]]:

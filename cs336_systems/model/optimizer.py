@@ -92,3 +92,18 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, m, denom, value=-step_size)
+
+
+# The AdamW implementations the benchmarks choose between: ours with multi-tensor operations, ours with
+# one Triton kernel per tensor, and torch's fused AdamW.
+ADAMW_IMPLEMENTATIONS = ("foreach", "fused", "torch_fused")
+
+
+def adamw_implementation(name: str) -> tuple[type[torch.optim.Optimizer], dict]:
+    """The optimizer class and the extra constructor arguments of one of ADAMW_IMPLEMENTATIONS, in the form
+    wrappers that build the optimizer themselves (ZeRO) take."""
+    if name == "torch_fused":
+        return torch.optim.AdamW, {"fused": True}
+    if name in ("foreach", "fused"):
+        return AdamW, {"fused": name == "fused"}
+    raise ValueError(f"unknown AdamW implementation {name!r}; known: {', '.join(ADAMW_IMPLEMENTATIONS)}")

@@ -141,3 +141,9 @@ class TransformerLM(nn.Module):
         for layer in self.layers:
             x = layer(x, self.rope, positions)
         return self.lm_head(self.ln_final(x))
+
+    def compile_blocks(self, **kwargs) -> None:
+        """torch.compile each Transformer block in place (regional compilation: the blocks share one
+        graph, so compile time does not grow with depth); the embedding and the head stay eager."""
+        for layer in self.layers:
+            layer.compile(**kwargs)

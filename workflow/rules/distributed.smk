@@ -63,6 +63,7 @@ rule ddp_benchmark:
         " --backend {params.ddp[backend]} --size {params.ddp[size]} --batch-size {params.ddp[batch_size]}"
         " --context-length {params.ddp[context_length]} --precisions {params.precisions}"
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
+        " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]}"
         " --rounds {params.ddp[rounds]} --configs {params.configs} --out {output} 2> {log}"
 
 
@@ -85,7 +86,7 @@ rule ddp_traces:
         " --backend {params.ddp[backend]} --size {params.ddp[size]} --batch-size {params.ddp[batch_size]}"
         " --context-length {params.ddp[context_length]} --precisions {params.ddp[trace_precision]}"
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps 2"
-        " --configs {params.configs} --trace-dir {output.traces} --out {output.timings} 2> {log}"
+        " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]} --configs {params.configs} --trace-dir {output.traces} --out {output.timings} 2> {log}"
 
 
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
