@@ -30,10 +30,10 @@ WRAPPERS = {
     "naive": (lambda m: DDPNaive(m), lambda ddp, opt: ddp.finish_gradient_synchronization()),
     "flat": (lambda m: DDPNaive(m, flat=True), lambda ddp, opt: ddp.finish_gradient_synchronization()),
     "individual": (get_ddp_individual_parameters, ddp_individual_parameters_on_after_backward),
-    # the collectives issued by the hook itself, on autograd's thread, instead of a background thread
-    "individual-inline": (lambda m: DDPIndividualParameters(m, background_issue=False),
+    # the collectives issued from a worker thread instead of by the hooks on autograd's thread
+    "individual-thread": (lambda m: DDPIndividualParameters(m, background_issue=True),
                           ddp_individual_parameters_on_after_backward),
-    "bucketed-0.0005MB-inline": (lambda m: DDPBucketed(m, 0.0005, background_issue=False),
+    "bucketed-0.0005MB-thread": (lambda m: DDPBucketed(m, 0.0005, background_issue=True),
                                  ddp_bucketed_on_after_backward),
     "bucketed-one": (lambda m: get_ddp_bucketed(m, None), ddp_bucketed_on_after_backward),
     "bucketed-0.0001MB": (lambda m: get_ddp_bucketed(m, 0.0001), ddp_bucketed_on_after_backward),
@@ -98,7 +98,7 @@ def test_wrapper_matches_single_process_on_nccl(name):
     run_distributed(_train_and_compare, 2, name, "nccl", backend="nccl")
 
 
-@pytest.mark.parametrize("name", ["individual", "individual-inline", "bucketed-0.0005MB", "bucketed-one"])
+@pytest.mark.parametrize("name", ["individual", "individual-thread", "bucketed-0.0005MB", "bucketed-one"])
 def test_wrapper_on_a_compiled_model_matches_single_process(name):
     """The benchmarks compile the model's blocks; the gradient hooks must still fire once for each
     parameter (the tied one included) when the backward runs as a compiled graph."""
@@ -136,7 +136,7 @@ def test_background_all_reduce_keeps_order_and_raises_errors(monkeypatch):
         return type("Done", (), {"wait": lambda self: None})()
 
     monkeypatch.setattr(common, "all_reduce_mean", fake_all_reduce)
-    reducer = AsyncAllReduce(torch.device("cpu"))
+    reducer = AsyncAllReduce(torch.device("cpu"), background=True)
     order = torch.randperm(50).tolist()
     for i in order:
         reducer.submit(torch.tensor([i]))
@@ -182,7 +182,7 @@ def test_benchmark_config_strings():
 
     assert parse_config("none") == ("none", None, "adamw")
     assert parse_config("bucketed:100+sharded") == ("bucketed", 100.0, "sharded")
-    assert parse_config("bucketed-inline:1") == ("bucketed-inline", 1.0, "adamw")
+    assert parse_config("bucketed-thread:1") == ("bucketed-thread", 1.0, "adamw")
     with pytest.raises(ValueError, match="unknown wrapper 'fsdp'"):
         parse_config("fsdp")
     with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):

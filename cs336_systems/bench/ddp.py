@@ -4,9 +4,8 @@
         --configs none naive flat individual bucketed:1 bucketed:100 torch_ddp --out ddp.csv
 
 A config is WRAPPER[:BUCKET_MB][+OPTIMIZER]: wrapper none (each rank trains alone: the single-GPU
-speed), naive, flat, individual, bucketed:MB or torch_ddp; individual-inline and bucketed-inline:MB
-issue their all-reduces from the gradient hooks themselves instead of a background thread (for
-comparison); optimizer adamw (default), sharded (ours, ZeRO-1) or zero (torch's
+speed), naive, flat, individual, bucketed:MB or torch_ddp; individual-thread and bucketed-thread:MB
+issue their all-reduces from a worker thread instead of the gradient hooks (for comparison); optimizer adamw (default), sharded (ours, ZeRO-1) or zero (torch's
 ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
 Per step it times forward+backward, the wait for gradient communication that did not overlap the
 backward pass (all of it for naive and flat), and the optimizer step, with synchronization around
@@ -51,8 +50,8 @@ from cs336_systems.model import (
 def parse_config(text: str) -> tuple[str, float | None, str]:
     wrapper, _, optimizer = text.partition("+")
     wrapper, _, bucket = wrapper.partition(":")
-    if wrapper not in ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "individual-inline",
-                       "bucketed-inline"):
+    if wrapper not in ("none", "naive", "flat", "individual", "bucketed", "torch_ddp", "individual-thread",
+                       "bucketed-thread"):
         raise ValueError(f"unknown wrapper {wrapper!r} in config {text!r}")
     if optimizer not in ("", "adamw", "sharded", "zero"):
         raise ValueError(f"unknown optimizer {optimizer!r} in config {text!r}")
@@ -67,7 +66,7 @@ def wrap(model: torch.nn.Module, wrapper: str, bucket_mb: float | None, device: 
         return model
     if wrapper in ("naive", "flat"):
         return DDPNaive(model, flat=wrapper == "flat")
-    background = not wrapper.endswith("-inline")
+    background = wrapper.endswith("-thread")
     if wrapper.startswith("individual"):
         return DDPIndividualParameters(model, background_issue=background)
     if wrapper.startswith("bucketed"):
@@ -100,7 +99,7 @@ def trace_to(path: Path | None, device: torch.device):
         yield
         return
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    # All threads: the overlapping wrappers issue their collectives from a background thread, which a
+    # All threads: the -thread variants issue their collectives from a worker thread, which a
     # profiler recording only the thread that started it (the default) leaves out.
     with profile(activities=activities, experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
         yield

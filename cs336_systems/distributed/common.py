@@ -67,19 +67,18 @@ class AsyncAllReduce:
     """Averages tensors over ranks asynchronously; `wait()` returns once every one submitted so far
     is done (on a GPU: once the caller's stream waits for them).
 
-    With `background=True` (the default) the collectives are issued by one worker thread, in the
-    order they were submitted, instead of by the caller; c10d releases the GIL while it issues one.
-    The idea: a gradient hook runs on autograd's thread, and when the backward pass is limited by the
-    host launching kernels (eager bf16 XL on the 2 x H200 machine: GPU busy 30-40 % of the backward,
-    results/diagnosis/) the host cost of every all-reduce lands on its critical path. Measured
-    there (results/ddp_individual.csv, c108e32), it made no difference beyond the run's noise:
-    forward+backward 254 ms with the thread, 246 ms without, fp32 649 and 648 ms. `background=False`
-    keeps the caller issuing them. On a GPU the caller records an event where the tensor is ready and
-    the worker's stream waits for it, so each collective starts after its tensor's producer and after
-    nothing later.
+    By default the caller issues each collective. With `background=True` one worker thread issues
+    them, in the order they were submitted; c10d releases the GIL while it issues one. The idea: a
+    gradient hook runs on autograd's thread, and when the backward pass is limited by the host
+    launching kernels the host cost of every all-reduce lands on its critical path. Measured on
+    2 x H200 (xl, bf16) it does not pay: eager, forward+backward 254 ms with the thread and 246 ms
+    without (c108e32); with the blocks compiled, 170 ms with the thread and 143 ms without (dea68a8),
+    the worker and the compiled backward's Python competing for the GIL. On a GPU the caller records
+    an event where the tensor is ready and the worker's stream waits for it, so each collective
+    starts after its tensor's producer and after nothing later.
     """
 
-    def __init__(self, device: torch.device, background: bool = True):
+    def __init__(self, device: torch.device, background: bool = False):
         self._device = device
         self._pending: list[Future | dist.Work] = []
         self._executor = self._stream = None

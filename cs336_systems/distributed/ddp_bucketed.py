@@ -6,8 +6,8 @@ gradient is ready its hook copies it into the bucket's flat buffer; when the las
 bucket has arrived — in whatever order the hooks fired — one asynchronous all-reduce is launched
 for the whole bucket. `finish_gradient_synchronization()` launches any bucket still incomplete
 (parameters that got no gradient this step count as zero), waits, averages and copies the results
-back into each `.grad`. As in `DDPIndividualParameters`, the all-reduces are issued from a background
-thread (`background_issue=True`, see `AsyncAllReduce`).
+back into each `.grad`. As in `DDPIndividualParameters`, `background_issue=True` issues the all-reduces
+from a worker thread instead of the hooks (see `AsyncAllReduce`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> li
 
 
 class DDPBucketed(nn.Module):
-    def __init__(self, module: nn.Module, bucket_size_mb: float | None, background_issue: bool = True):
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None, background_issue: bool = False):
         super().__init__()
         require_process_group(type(self).__name__)
         self.module = module

@@ -3,8 +3,8 @@
 Each gradient is all-reduced asynchronously the moment autograd has finished accumulating it (a
 post-accumulate-grad hook), while the backward pass goes on computing earlier layers' gradients.
 `finish_gradient_synchronization()` waits for the outstanding reductions; call it after backward
-and before optimizer.step(). The all-reduces are issued from a background thread
-(`background_issue=True`; `AsyncAllReduce` says why, and that it measured no gain on 2 x H200).
+and before optimizer.step(). The hooks issue the all-reduces themselves; `background_issue=True` issues
+them from a worker thread instead (`AsyncAllReduce` says why that was tried and why it is not the default).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from cs336_systems.distributed.common import (
 
 
 class DDPIndividualParameters(nn.Module):
-    def __init__(self, module: nn.Module, background_issue: bool = True):
+    def __init__(self, module: nn.Module, background_issue: bool = False):
         super().__init__()
         require_process_group(type(self).__name__)
         self.module = module

@@ -517,11 +517,26 @@ def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
                f"{first['steps']} measured steps; a time is the median over all measured steps, with the range "
                f"of the per-round medians" if rounds > 1 else
                f"{first['warmup']} warm-up and {first['steps']} measured steps; times are medians")
-    setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}, batch "
-             f"{first['batch_per_rank']} per rank, context {first['context_length']}, our AdamW, {repeats}. "
+    setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
+             f"{_ddp_compile_and_adamw(first)}, batch {first['batch_per_rank']} per rank, context "
+             f"{first['context_length']}, {repeats}. "
              f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
              f"(torch DDP synchronises inside backward, so its wait is part of its forward+backward time).")
     return setup + "\n\n" + "\n\n".join(lines)
+
+
+# How the DDP rows' `adamw` column reads in the text (rows measured before the column existed used `foreach`).
+ADAMW_WORDS = {"foreach": "our multi-tensor AdamW", "fused": "our AdamW with one Triton kernel per tensor",
+               "torch_fused": "torch's fused AdamW"}
+
+
+def _ddp_compile_and_adamw(row: pd.Series) -> str:
+    compiled = row.get("compile", "none")
+    adamw = row.get("adamw", "foreach")
+    adamw = "foreach" if pd.isna(adamw) else adamw
+    blocks = (" with each Transformer block compiled (torch.compile)" if compiled == "blocks"
+              else " (eager, not compiled)")
+    return f"{blocks}, every optimizer (plain, sharded, ZeRO) updating with {ADAMW_WORDS[adamw]}"
 
 
 def gradient_tensors(size: str) -> int:
@@ -580,16 +595,20 @@ def render_ddp_individual(ctx: Context) -> str:
         variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if (precision, c) in steps.index]
         if variants:
             parts.append(f"{precision}, in the same run: " + "; ".join(
-                f"{label}: step {steps.loc[(precision, c), 'step_median_ms']:.1f} ms, forward+backward "
+                f"{label}: step {steps.loc[(precision, c), 'step_median_ms']:.1f} ms "
+                f"({steps.loc[(precision, c), 'step_median_ms'] / torch_ddp['step_median_ms']:.2f}× torch DDP's), "
+                f"forward+backward "
                 f"{steps.loc[(precision, c), 'forward_backward_ms']:.1f} ms" for c, label in variants) + ".")
     return "\n\n".join([*parts, ctx.table("ddp_individual")])
 
 
-# Configs that tell where overlapped-individual's time goes: the same all-reduces issued on autograd's
+# Configs that tell where overlapped-individual's time goes: the same all-reduces issued from another
 # thread, and torch's C++ reducer at (about) the same granularity.
 VARIANTS_OF_INDIVIDUAL = (
+    ("individual-thread", "the same all-reduces issued from a worker thread instead of by each gradient hook "
+                          "on autograd's thread (individual-thread)"),
     ("individual-inline", "the same all-reduces issued by each gradient hook itself on autograd's thread "
-                          "(individual-inline; `individual` issues them from a background thread)"),
+                          "(individual-inline, from runs where `individual` issued them from a worker thread)"),
     ("torch_ddp:1", "torch DDP with 1 MB buckets, its C++ reducer issuing about one all-reduce per gradient "
                     "(torch_ddp:1)"),
 )
@@ -887,8 +906,8 @@ def render_traces(ctx: Context) -> str:
                     f"backward range.")
             if row["collectives_in_backward"] == 0 and row["overlap_with_backward"] > 0:
                 # communication kernels ran during backward, so some thread issued them unseen
-                host = (" No collective call appears on the threads this trace records (the overlapping wrappers "
-                        f"issue them from a background thread) although its kernels ran during backward; {busy}")
+                host = (" No collective call appears on the threads this trace records (they were issued from a "
+                        f"worker thread the profiler did not record) although its kernels ran during backward; {busy}")
             else:
                 host = (f" The host launched {int(row['collectives_in_backward'])} collectives during the backward "
                         f"range and spent {row['host_collective_ms_in_backward']:.1f} ms inside those calls; {busy}")
