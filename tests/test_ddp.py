@@ -206,7 +206,8 @@ def test_benchmark_with_compiled_blocks_and_one_adamw_for_every_optimizer(tmp_pa
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "cs336_systems.bench.ddp", "--backend", "gloo", "--size", "tiny", "--batch-size", "2",
                     "--context-length", "32", "--attention", "naive", "--warmup", "1", "--steps", "2",
-                    "--lr", "0.01", "--compile", "blocks", "--adamw", "torch_fused", "--configs", *configs, "--out", str(out)],
+                    "--lr", "0.01", "--compile", "blocks", "--adamw", "torch_fused", "--configs", *configs,
+                    "--out", str(out)],
                    check=True, capture_output=True, timeout=600)
     rows = pd.read_csv(out)
     assert rows["config"].tolist() == configs

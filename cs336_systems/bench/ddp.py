@@ -5,7 +5,8 @@
 
 A config is WRAPPER[:BUCKET_MB][+OPTIMIZER]: wrapper none (each rank trains alone: the single-GPU
 speed), naive, flat, individual, bucketed:MB or torch_ddp; individual-thread and bucketed-thread:MB
-issue their all-reduces from a worker thread instead of the gradient hooks (for comparison); optimizer adamw (default), sharded (ours, ZeRO-1) or zero (torch's
+issue their all-reduces from a worker thread instead of the gradient hooks (for comparison);
+optimizer adamw (default), sharded (ours, ZeRO-1) or zero (torch's
 ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
 Per step it times forward+backward, the wait for gradient communication that did not overlap the
 backward pass (all of it for naive and flat), and the optimizer step, with synchronization around
