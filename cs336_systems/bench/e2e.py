@@ -51,7 +51,6 @@ from cs336_systems.model import (
 )
 
 MODES = ("forward", "forward_backward", "train_step")
-OPTIMIZERS = ADAMW_IMPLEMENTATIONS
 # What `--compile on` compiles: each Transformer block (regional compilation: the blocks share one graph,
 # so compile time does not grow with depth), the whole model, or the whole model with CUDA graphs
 # (torch.compile's "reduce-overhead" mode, which replays each step's kernels without launching them
@@ -77,7 +76,7 @@ class RunSpec:
     steps: int
     device: str
     memory_snapshot: str | None = None
-    optimizer: str = "foreach"  # train_step only: one of OPTIMIZERS (the CLI records "none" otherwise)
+    optimizer: str = "foreach"  # train_step only: one of ADAMW_IMPLEMENTATIONS (the CLI records "none" otherwise)
     compile_scope: str = "blocks"  # with compile only: one of COMPILE_SCOPES (the CLI records "none" otherwise)
 
 
@@ -199,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed warm-up steps")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
     add_device_argument(parser)
-    parser.add_argument("--optimizers", nargs="+", default=["foreach"], choices=OPTIMIZERS,
+    parser.add_argument("--optimizers", nargs="+", default=["foreach"], choices=ADAMW_IMPLEMENTATIONS,
                         help="for train_step: our AdamW with multi-tensor ops (foreach) or one Triton kernel per "
                              "tensor (fused), or torch.optim.AdamW(fused=True) (torch_fused)")
     parser.add_argument("--memory-snapshot", default=None,
