@@ -57,13 +57,16 @@ def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gl
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
     data = torch.Generator().manual_seed(7)  # the same batches on every rank
-    for _ in range(6):
+    for step in range(6):
         x, y = torch.randn(8, 10, generator=data).to(device), torch.randn(8, 5, generator=data).to(device)
         if name.startswith("bucketed"):
             ddp_bucketed_on_train_batch_start(ddp, optimizer)
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=step % 2 == 0)  # fresh gradients, or ones kept and zeroed in place
         F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
         after_backward(ddp, optimizer)
+        if name.startswith("bucketed"):  # the gradients live in the buckets, not beside them
+            for bucket in ddp.buckets:
+                assert all(p.grad.data_ptr() == bucket.view(i).data_ptr() for i, p in enumerate(bucket.params))
         optimizer.step()
         ref_optimizer.zero_grad()
         F.mse_loss(reference(x), y).backward()

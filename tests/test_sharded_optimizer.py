@@ -13,7 +13,7 @@ from tests.adapters import get_sharded_optimizer
 from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed
 
 
-def _compare(rank: int, world_size: int, late_group: bool) -> None:
+def _compare(rank: int, world_size: int, late_group: bool, gather_bucket_mb: float) -> None:
     torch.manual_seed(0)  # the same model on every rank
     model = ToyModelWithTiedAndFrozen()
     reference = copy.deepcopy(model)
@@ -21,6 +21,7 @@ def _compare(rank: int, world_size: int, late_group: bool) -> None:
     first = [model.fc1.weight, model.fc1.bias] if late_group else list(model.parameters())
     ref_first = [reference.fc1.weight, reference.fc1.bias] if late_group else list(reference.parameters())
     optimizer = get_sharded_optimizer(first, torch.optim.AdamW, **kwargs)
+    optimizer.gather_bucket_mb = gather_bucket_mb
     ref_optimizer = torch.optim.AdamW(ref_first, **kwargs)
     data = torch.Generator().manual_seed(3)
     for step in range(10):
@@ -53,9 +54,37 @@ def _compare(rank: int, world_size: int, late_group: bool) -> None:
         fresh.load_state_dict(bad)
 
 
+# 64 MiB: every shard in one all-gather; 0.0001 MiB (26 floats): chunks that cut parameters, and
+# ranks whose streams end at different chunks (padding).
+@pytest.mark.parametrize("gather_bucket_mb", [64, 0.0001])
 @pytest.mark.parametrize("late_group", [False, True])
-def test_sharded_adamw_equals_adamw(late_group):
-    run_distributed(_compare, 2, late_group)
+def test_sharded_adamw_equals_adamw(late_group, gather_bucket_mb):
+    run_distributed(_compare, 2, late_group, gather_bucket_mb)
+
+
+def _mixed_dtypes(rank: int, world_size: int) -> None:
+    """Parameters of two dtypes (one stream each, gathered in chunks that cut them), against AdamW."""
+    generator = torch.Generator().manual_seed(11)
+    shapes = [((7, 3), torch.float32), ((5,), torch.float64), ((11,), torch.float32), ((2, 2), torch.float64),
+              ((0,), torch.float32), ((9, 4), torch.float64)]
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype)) for shape, dtype in shapes]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = ShardedOptimizer(params, torch.optim.AdamW, gather_bucket_mb=0.00005, lr=0.1)
+    ref_optimizer = torch.optim.AdamW(reference, lr=0.1)
+    targets = [torch.randn(shape, generator=generator, dtype=dtype) for shape, dtype in shapes]
+    for _ in range(4):
+        for ps, opt in ((params, optimizer), (reference, ref_optimizer)):
+            opt.zero_grad()
+            sum(((p - t) ** 2 * (1 + p)).sum() for p, t in zip(ps, targets)).backward()
+            opt.step()
+    assert 0 < len(optimizer.owned_parameters()) < len(params)
+    for p, q in zip(params, reference):
+        assert p.dtype == q.dtype
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_sharded_adamw_mixed_dtypes():
+    run_distributed(_mixed_dtypes, 2)
 
 
 def _with_ddp(rank: int, world_size: int) -> None:
@@ -82,6 +111,17 @@ def _with_ddp(rank: int, world_size: int) -> None:
 
 def test_sharded_optimizer_with_ddp():
     run_distributed(_with_ddp, 2)
+
+
+def _bad_arguments(rank: int, world_size: int) -> None:
+    with pytest.raises(ValueError, match="gather_bucket_mb must be positive, got 0"):
+        ShardedOptimizer([torch.nn.Parameter(torch.zeros(3))], torch.optim.AdamW, gather_bucket_mb=0)
+    with pytest.raises(ValueError, match=r"contiguous parameters; one of shape \(3, 4\)"):
+        ShardedOptimizer([torch.nn.Parameter(torch.zeros(4, 3).t())], torch.optim.AdamW)
+
+
+def test_bad_arguments():
+    run_distributed(_bad_arguments, 2)
 
 
 def test_needs_a_process_group():

@@ -2,11 +2,13 @@
 
 Parameters are packed, in reverse order of `module.parameters()` (roughly the order in which their
 gradients become ready), into buckets of at most `bucket_size_mb` MiB (None: one bucket). When a
-gradient is ready its hook copies it into the bucket's flat buffer; when the last gradient of a
-bucket has arrived — in whatever order the hooks fired — one asynchronous all-reduce is launched
-for the whole bucket. `finish_gradient_synchronization()` launches any bucket still incomplete
-(parameters that got no gradient this step count as zero), waits, averages and copies the results
-back into each `.grad`. As in `DDPIndividualParameters`, `background_issue=True` issues the all-reduces
+gradient is ready its hook copies it into the bucket's flat buffer and makes `.grad` a view of that
+buffer, so that the gradients live in the buckets and are not held twice (torch DDP's
+`gradient_as_bucket_view`; once `.grad` is the view, later backward passes accumulate straight into
+it). When the last gradient of a bucket has arrived — in whatever order the hooks fired — one
+asynchronous all-reduce, in place, is launched for the whole bucket. `finish_gradient_synchronization()`
+launches any bucket still incomplete (parameters that got no gradient this step count as zero) and
+waits; the averaged gradients are then already in `.grad`. As in `DDPIndividualParameters`, `background_issue=True` issues the all-reduces
 from a worker thread instead of the hooks (see `AsyncAllReduce`).
 """
 
@@ -85,7 +87,10 @@ class DDPBucketed(nn.Module):
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, i = self._where[id(param)]
-        bucket.view(i).copy_(param.grad)
+        view = bucket.view(i)
+        if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad(set_to_none=True))
+            view.copy_(param.grad)
+            param.grad = view
         bucket.arrived.add(i)
         if len(bucket.arrived) == len(bucket.params):
             self._launch(bucket)
@@ -109,8 +114,4 @@ class DDPBucketed(nn.Module):
                         bucket.view(i).zero_()
                 self._launch(bucket)
         self._all_reduce.wait()
-        for bucket in self.buckets:
-            for i, p in enumerate(bucket.params):
-                if p.grad is not None:
-                    p.grad.copy_(bucket.view(i))
         self.reset()

@@ -4,15 +4,22 @@ Every rank keeps the full parameters and gradients but the optimizer state of on
 parameters are assigned to ranks greedily by size as groups are added (the same on every rank,
 since every rank sees the same parameters in the same order). A step runs in two phases:
   1. update: the wrapped optimizer (built over this rank's shard only) steps its parameters;
-  2. all-gather: each rank broadcasts the parameters it owns, packed into one flat tensor per dtype,
-     so every rank ends the step with all parameters updated.
+  2. all-gather: every rank ends the step with all parameters updated. Each rank's owned parameters,
+     read in order, form one flat stream per dtype; the streams are cut into chunks of at most
+     `gather_bucket_mb` MiB, and chunk k of every rank's stream is exchanged by one all-gather (padded
+     where a rank's stream is shorter), through two staging buffers used in turn, so that packing
+     and unpacking one chunk overlap the transfer of the other. An all-gather moves every rank's
+     shard at once (on two GPUs, both directions of the link), where one broadcast per owner sends
+     them one after the other; and the staging memory is bounded, a few chunks, instead of a copy
+     of a whole shard.
 Gradients are expected to be synchronised already (e.g. by a DDP wrapper). With one rank it is the
 wrapped optimizer.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import math
+from collections import defaultdict, deque
 from typing import Any
 
 import torch
@@ -23,8 +30,11 @@ from cs336_systems.distributed.common import require_process_group
 
 
 class ShardedOptimizer(Optimizer):
-    def __init__(self, params, optimizer_cls: type[Optimizer], **kwargs: Any):
+    def __init__(self, params, optimizer_cls: type[Optimizer], *, gather_bucket_mb: float = 64.0, **kwargs: Any):
         self.rank, self.world_size = require_process_group(type(self).__name__)
+        if not gather_bucket_mb > 0:
+            raise ValueError(f"gather_bucket_mb must be positive, got {gather_bucket_mb}")
+        self.gather_bucket_mb = gather_bucket_mb
         self._optimizer_cls = optimizer_cls
         self._kwargs = kwargs
         self._load = [0] * self.world_size  # elements owned per rank
@@ -38,6 +48,9 @@ class ShardedOptimizer(Optimizer):
         group = self.param_groups[-1]
         mine = []
         for p in group["params"]:
+            if not p.is_contiguous():
+                raise ValueError(f"ShardedOptimizer needs contiguous parameters; one of shape {tuple(p.shape)} "
+                                 f"has strides {p.stride()}")
             rank = min(range(self.world_size), key=lambda r: (self._load[r], r))  # least loaded, ties to low rank
             self._owner[p] = rank
             self._load[rank] += p.numel()
@@ -58,20 +71,56 @@ class ShardedOptimizer(Optimizer):
             self._gather_parameters()  # 2. every rank receives the others' updated shards
         return loss
 
+    def _plan_gather(self) -> list[tuple[list[list[torch.Tensor]], int, int]]:
+        """One entry per all-gather: for every rank the flat pieces of its parameters that the chunk
+        holds, in stream order; the elements each rank sends (the longest stream's share of this
+        chunk); and the stream's chunk size, which sizes its staging buffers."""
+        streams: dict[tuple, list[list[torch.Tensor]]] = defaultdict(lambda: [[] for _ in range(self.world_size)])
+        for group in self.param_groups:
+            for p in group["params"]:
+                streams[(p.dtype, p.device)][self._owner[p]].append(p.detach().view(-1))
+        plan = []
+        for (dtype, _), per_rank in streams.items():
+            longest = max(sum(t.numel() for t in flats) for flats in per_rank)
+            chunk = max(1, min(longest, int(self.gather_bucket_mb * 2**20) // dtype.itemsize))
+            pieces = [_cut(flats, chunk) for flats in per_rank]
+            for k in range(math.ceil(longest / chunk)):
+                plan.append(([ranks[k] if k < len(ranks) else [] for ranks in pieces],
+                             min(chunk, longest - k * chunk), chunk))
+        return plan
+
     @torch.no_grad()
     def _gather_parameters(self) -> None:
-        for owner in range(self.world_size):
-            by_dtype: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if self._owner[p] == owner:
-                        by_dtype[(p.dtype, p.device)].append(p)
-            for params in by_dtype.values():
-                flat = torch.cat([p.reshape(-1) for p in params])
-                dist.broadcast(flat, src=owner)
-                if owner != self.rank:
-                    for p, part in zip(params, flat.split([p.numel() for p in params])):
-                        p.copy_(part.view_as(p))
+        staging: dict[tuple, list] = {}  # (dtype, device, chunk) -> two (input, output) buffer pairs
+        in_flight: deque = deque()
+        for k, (pieces, length, chunk) in enumerate(self._plan_gather()):
+            sample = next(piece for ranks in pieces for piece in ranks)
+            key = (sample.dtype, sample.device, chunk)
+            if key not in staging:
+                staging[key] = [(sample.new_empty(chunk), sample.new_empty(self.world_size * chunk)) for _ in range(2)]
+            if len(in_flight) == 2:  # the older chunk's buffers are needed again
+                self._unpack(*in_flight.popleft())
+            send, receive = staging[key][k % 2]
+            send, receive = send[:length], receive[: self.world_size * length]
+            mine = pieces[self.rank]
+            if mine:
+                torch.cat(mine, out=send[: sum(piece.numel() for piece in mine)])
+            work = dist.all_gather_into_tensor(receive, send, async_op=True)
+            in_flight.append((work, pieces, receive, length))
+        while in_flight:
+            self._unpack(*in_flight.popleft())
+
+    def _unpack(self, work: dist.Work, pieces: list[list[torch.Tensor]], receive: torch.Tensor, length: int) -> None:
+        work.wait()
+        targets, sources = [], []
+        for rank, ranks in enumerate(pieces):
+            if rank == self.rank or not ranks:
+                continue
+            sizes = [piece.numel() for piece in ranks]
+            targets += ranks
+            sources += receive[rank * length: rank * length + sum(sizes)].split(sizes)
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def owned_parameters(self) -> list[torch.Tensor]:
         return [p for group in self.local_optimizer.param_groups for p in group["params"]]
@@ -85,3 +134,20 @@ class ShardedOptimizer(Optimizer):
             raise ValueError(f"state of rank {state_dict['rank']} of {state_dict['world_size']} cannot be loaded "
                              f"on rank {self.rank} of {self.world_size}")
         self.local_optimizer.load_state_dict(state_dict["local"])
+
+
+def _cut(flats: list[torch.Tensor], chunk: int) -> list[list[torch.Tensor]]:
+    """Split the concatenation of 1-D tensors into chunks of `chunk` elements (the last may be shorter),
+    each a list of views into the tensors."""
+    total = sum(t.numel() for t in flats)
+    chunks: list[list[torch.Tensor]] = [[] for _ in range(math.ceil(total / chunk))]
+    start = 0  # of the current tensor in the stream
+    for t in flats:
+        offset = 0
+        while offset < t.numel():
+            k = (start + offset) // chunk
+            take = min(t.numel() - offset, (k + 1) * chunk - (start + offset))
+            chunks[k].append(t[offset: offset + take])
+            offset += take
+        start += t.numel()
+    return chunks
