@@ -688,11 +688,13 @@ def render_sharding(ctx: Context) -> str:
             zero = ok.loc[(precision, "torch_ddp+zero")]
             compared.append(zero)
             text += (f" torch's ZeroRedundancyOptimizer over torch DDP peaks at {zero['peak_after_step_mib']:.0f} MiB "
-                     f"(torch DDP keeps its own gradient buckets besides the gradients). Step time (median): "
+                     f"(torch DDP keeps its own gradient buckets besides the gradients; our bucketed wrapper "
+                     f"makes the gradients views of its buckets). Step time (median): "
                      f"{sharded['step_median_ms']:.1f} ms for ours, {zero['step_median_ms']:.1f} ms for torch's "
                      f"({sharded['step_median_ms'] / zero['step_median_ms']:.2f}×), "
                      f"{plain['step_median_ms']:.1f} ms without sharding. The optimizer phase, where sharding acts "
-                     f"(each rank updates its shard, then the updated parameters are broadcast), takes "
+                     f"(each rank updates its shard; ours then all-gathers the updated shards in chunks, torch's "
+                     f"broadcasts each parameter from its owner), takes "
                      f"{sharded['optimizer_ms']:.1f} ms for ours, {zero['optimizer_ms']:.1f} ms for torch's and "
                      f"{plain['optimizer_ms']:.1f} ms unsharded.")
         else:
@@ -726,10 +728,12 @@ def render_sharding(ctx: Context) -> str:
     parts.append(
         "3(c): ours shards only the optimizer state (ZeRO stage 1): every rank still holds all parameters and "
         "all gradients, all-reduces full gradients (DDP) instead of reduce-scattering them, updates its shard "
-        "and then broadcasts each owner's parameters, where ZeRO-1 as described by Rajbhandari et al. (2020) "
-        "reduce-scatters gradients and all-gathers updated parameters, so its communication volume equals "
-        "plain data parallelism's. Shards here are whole parameters assigned greedily by size, not equal "
-        "slices of a flat buffer, so they balance only approximately.")
+        "and then all-gathers the updated shards (in chunks of at most 256 MiB through two staging buffers), "
+        "where ZeRO-1 as described by Rajbhandari et al. (2020) reduce-scatters gradients before the update, so "
+        "that its communication volume equals plain data parallelism's; ours moves the gradients' volume twice "
+        "(all-reduce) and the parameters' once. Shards here are whole parameters assigned greedily by size, not "
+        "equal slices of a flat buffer, so they balance only approximately and the shorter shard is padded "
+        "in the all-gather.")
     return "\n\n".join([*parts, ctx.table("sharding")])
 
 
