@@ -14,8 +14,9 @@ thread instead of the hooks (see `AsyncAllReduce`).
 
 Measured on 2 x H200 (xl, fp32, compiled blocks, our sharded optimizer; 0e37d19): 22.6 GiB allocated
 before the optimizer step, as with the per-parameter wrapper, where copying back into separate
-gradients held 30.1 GiB (d6bb1ab). The peak during forward and backward, though, stayed 7.4 GiB (one
-gradient's worth) above the per-parameter wrapper's; we have not found what holds that memory.
+gradients held 30.1 GiB (d6bb1ab). The peak, though, stays 7.4 GiB (the gradients' size) above the
+per-parameter wrapper's: the buckets stay allocated between steps, where `zero_grad(set_to_none=True)`
+frees separate gradients before the next forward (results/diagnosis/bucket_memory.log).
 """
 
 from __future__ import annotations
