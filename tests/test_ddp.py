@@ -62,11 +62,16 @@ def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gl
         if name.startswith("bucketed"):
             ddp_bucketed_on_train_batch_start(ddp, optimizer)
         optimizer.zero_grad(set_to_none=step % 2 == 0)  # fresh gradients, or ones kept and zeroed in place
+        kept = [p.grad.data_ptr() if p.grad is not None else None for p in model.parameters()]
         F.mse_loss(ddp(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()
         after_backward(ddp, optimizer)
-        if name.startswith("bucketed"):  # the gradients live in the buckets, not beside them
+        if name.startswith("bucketed") and step % 2:  # kept gradients are synchronised where they are
+            assert kept == [p.grad.data_ptr() if p.grad is not None else None for p in model.parameters()]
+        if name.startswith("bucketed"):  # each bucket's gradients are consecutive views of one buffer
             for bucket in ddp.buckets:
-                assert all(p.grad.data_ptr() == bucket.view(i).data_ptr() for i, p in enumerate(bucket.params))
+                first = bucket.params[0].grad
+                assert all(p.grad._base is first._base is not None and p.grad.data_ptr() == first.data_ptr()
+                           + offset * p.element_size() for p, offset in zip(bucket.params, bucket.offsets))
         optimizer.step()
         ref_optimizer.zero_grad()
         F.mse_loss(reference(x), y).backward()

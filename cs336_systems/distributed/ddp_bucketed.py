@@ -3,20 +3,17 @@
 Parameters are packed, in reverse order of `module.parameters()` (roughly the order in which their
 gradients become ready), into buckets of at most `bucket_size_mb` MiB (None: one bucket). When a
 gradient is ready its hook copies it into the bucket's flat buffer and makes `.grad` a view of that
-buffer, so that between steps the gradients live in the buckets only (torch DDP's
-`gradient_as_bucket_view`; once `.grad` is the view, later backward passes accumulate straight into
-it). When the last gradient of a bucket has arrived — in whatever order the hooks fired — one
-asynchronous all-reduce, in place, is launched for the whole bucket.
+buffer, so that the gradients are not held twice (torch DDP's `gradient_as_bucket_view`; once `.grad`
+is the view, later backward passes accumulate straight into it). A bucket lets go of its buffer once
+the step is synchronised: from then on only the gradients hold it, and `zero_grad(set_to_none=True)`
+frees it before the next forward, as it would free separate gradients; the next step's first
+gradient brings a new buffer, or the old one if the gradients were kept. When the last gradient of
+a bucket has arrived — in whatever order the hooks fired — one asynchronous all-reduce, in place, is
+launched for the whole bucket.
 `finish_gradient_synchronization()` launches any bucket still incomplete (parameters that got no
 gradient this step count as zero) and waits; the averaged gradients are then already in `.grad`.
 As in `DDPIndividualParameters`, `background_issue=True` issues the all-reduces from a worker
 thread instead of the hooks (see `AsyncAllReduce`).
-
-Measured on 2 x H200 (xl, fp32, compiled blocks, our sharded optimizer; 0e37d19): 22.6 GiB allocated
-before the optimizer step, as with the per-parameter wrapper, where copying back into separate
-gradients held 30.1 GiB (d6bb1ab). The peak, though, stays 7.4 GiB (the gradients' size) above the
-per-parameter wrapper's: the buckets stay allocated between steps, where `zero_grad(set_to_none=True)`
-frees separate gradients before the next forward (results/diagnosis/bucket_memory.log).
 """
 
 from __future__ import annotations
@@ -38,14 +35,28 @@ from cs336_systems.distributed.common import (
 @dataclass
 class Bucket:
     params: list[nn.Parameter]
-    buffer: torch.Tensor  # flat, the concatenation of the params' gradients
     offsets: list[int]
+    numel: int
+    # flat, the concatenation of the params' gradients; held from the step's first gradient to the end
+    # of its synchronisation, after which only the gradients (views of it) keep it alive
+    buffer: torch.Tensor | None = None
     launched: bool = False
     arrived: set[int] = field(default_factory=set)
 
     def view(self, i: int) -> torch.Tensor:
         p = self.params[i]
         return self.buffer[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+
+    def take_buffer(self, grad: torch.Tensor | None, i: int) -> None:
+        """The step's buffer: the one the parameters' gradients are still views of (they were kept,
+        zeroed in place or accumulated into), else a new one."""
+        base = None if grad is None else grad._base
+        if (base is not None and base.dim() == 1 and base.numel() == self.numel
+                and grad.data_ptr() == base.data_ptr() + self.offsets[i] * grad.element_size()):
+            self.buffer = base
+        else:
+            p = self.params[0]
+            self.buffer = torch.empty(self.numel, dtype=p.dtype, device=p.device)
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
@@ -81,8 +92,7 @@ class DDPBucketed(nn.Module):
             offsets = [0]
             for p in params[:-1]:
                 offsets.append(offsets[-1] + p.numel())
-            buffer = torch.zeros(offsets[-1] + params[-1].numel(), dtype=params[0].dtype, device=params[0].device)
-            bucket = Bucket(params, buffer, offsets)
+            bucket = Bucket(params, offsets, offsets[-1] + params[-1].numel())
             self.buckets.append(bucket)
             for i, p in enumerate(params):
                 self._where[id(p)] = (bucket, i)
@@ -94,6 +104,8 @@ class DDPBucketed(nn.Module):
     @torch.no_grad()
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         bucket, i = self._where[id(param)]
+        if bucket.buffer is None:
+            bucket.take_buffer(param.grad, i)
         view = bucket.view(i)
         if param.grad.data_ptr() != view.data_ptr():  # a fresh gradient (after zero_grad(set_to_none=True))
             view.copy_(param.grad)
@@ -107,15 +119,19 @@ class DDPBucketed(nn.Module):
         bucket.launched = True
 
     def reset(self) -> None:
-        """Forget the previous step's bookkeeping (called by finish; harmless to call again)."""
+        """Forget the previous step's bookkeeping and let go of its buffers (called by finish;
+        harmless to call again)."""
         for bucket in self.buckets:
             bucket.arrived.clear()
             bucket.launched = False
+            bucket.buffer = None
 
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         for bucket in self.buckets:
             if not bucket.launched:  # some parameters got no gradient this step
+                if bucket.buffer is None:  # none at all: this rank contributes zeros
+                    bucket.take_buffer(None, 0)
                 for i in range(len(bucket.params)):
                     if i not in bucket.arrived:
                         bucket.view(i).zero_()
