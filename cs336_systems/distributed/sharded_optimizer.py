@@ -32,8 +32,12 @@ from torch.optim import Optimizer
 from cs336_systems.distributed.common import require_process_group
 
 
+GATHER_BUCKET_MB = 256.0  # default all-gather chunk; the report's 3(c) quotes it
+
+
 class ShardedOptimizer(Optimizer):
-    def __init__(self, params, optimizer_cls: type[Optimizer], *, gather_bucket_mb: float = 256.0, **kwargs: Any):
+    def __init__(self, params, optimizer_cls: type[Optimizer], *, gather_bucket_mb: float = GATHER_BUCKET_MB,
+                 **kwargs: Any):
         self.rank, self.world_size = require_process_group(type(self).__name__)
         if not gather_bucket_mb > 0:
             raise ValueError(f"gather_bucket_mb must be positive, got {gather_bucket_mb}")
@@ -74,21 +78,21 @@ class ShardedOptimizer(Optimizer):
             self._gather_parameters()  # 2. every rank receives the others' updated shards
         return loss
 
-    def _plan_gather(self) -> list[tuple[list[list[torch.Tensor]], int, int]]:
-        """One entry per all-gather: for every rank the flat pieces of its parameters that the chunk
-        holds, in stream order; the elements each rank sends (the longest stream's share of this
-        chunk); and the stream's chunk size, which sizes its staging buffers."""
+    def _plan_gather(self) -> list[tuple[tuple, list[list[torch.Tensor]], int, int]]:
+        """One entry per all-gather: the stream's (dtype, device); for every rank the flat pieces of its
+        parameters that the chunk holds, in stream order; the elements each rank sends (the longest
+        stream's share of this chunk); and the stream's chunk size, which sizes its staging buffers."""
         streams: dict[tuple, list[list[torch.Tensor]]] = defaultdict(lambda: [[] for _ in range(self.world_size)])
         for group in self.param_groups:
             for p in group["params"]:
                 streams[(p.dtype, p.device)][self._owner[p]].append(p.detach().view(-1))
         plan = []
-        for (dtype, _), per_rank in streams.items():
+        for (dtype, device), per_rank in streams.items():
             longest = max(sum(t.numel() for t in flats) for flats in per_rank)
             chunk = max(1, min(longest, int(self.gather_bucket_mb * 2**20) // dtype.itemsize))
             pieces = [_cut(flats, chunk) for flats in per_rank]
             for k in range(math.ceil(longest / chunk)):
-                plan.append(([ranks[k] if k < len(ranks) else [] for ranks in pieces],
+                plan.append(((dtype, device), [ranks[k] if k < len(ranks) else [] for ranks in pieces],
                              min(chunk, longest - k * chunk), chunk))
         return plan
 
@@ -96,11 +100,11 @@ class ShardedOptimizer(Optimizer):
     def _gather_parameters(self) -> None:
         staging: dict[tuple, list] = {}  # (dtype, device, chunk) -> two (input, output) buffer pairs
         in_flight: deque = deque()
-        for k, (pieces, length, chunk) in enumerate(self._plan_gather()):
-            sample = next(piece for ranks in pieces for piece in ranks)
-            key = (sample.dtype, sample.device, chunk)
+        for k, ((dtype, device), pieces, length, chunk) in enumerate(self._plan_gather()):
+            key = (dtype, device, chunk)
             if key not in staging:
-                staging[key] = [(sample.new_empty(chunk), sample.new_empty(self.world_size * chunk)) for _ in range(2)]
+                staging[key] = [(torch.empty(chunk, dtype=dtype, device=device),
+                                 torch.empty(self.world_size * chunk, dtype=dtype, device=device)) for _ in range(2)]
             if len(in_flight) == 2:  # the older chunk's buffers are needed again
                 self._unpack(*in_flight.popleft())
             send, receive = staging[key][k % 2]

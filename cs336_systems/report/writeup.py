@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 import yaml
 
+from cs336_systems.distributed.sharded_optimizer import GATHER_BUCKET_MB
 from cs336_systems.model import forward_flops, get_config
 from cs336_systems.report.tables import SIZE_ORDER, compile_scope, round_medians
 
@@ -728,7 +729,8 @@ def render_sharding(ctx: Context) -> str:
     parts.append(
         "3(c): ours shards only the optimizer state (ZeRO stage 1): every rank still holds all parameters and "
         "all gradients, all-reduces full gradients (DDP) instead of reduce-scattering them, updates its shard "
-        "and then all-gathers the updated shards (in chunks of at most 256 MiB through two staging buffers), "
+        f"and then all-gathers the updated shards (in chunks of at most {GATHER_BUCKET_MB:.0f} MiB through two "
+        "staging buffers), "
         "where ZeRO-1 as described by Rajbhandari et al. (2020) reduce-scatters gradients before the update, so "
         "that its communication volume equals plain data parallelism's; ours moves the gradients' volume twice "
         "(all-reduce) and the parameters' once. Shards here are whole parameters assigned greedily by size, not "
