@@ -1,11 +1,16 @@
-"""All-reduce latency and bandwidth on one node (handout 2.1), one rank per process under torchrun.
+"""Collective latency and bandwidth on one node (handout 2.1; all-gather and reduce-scatter for the
+2026 handout's section 8 ring model), one rank per process under torchrun.
 
     torchrun --nproc_per_node 4 -m cs336_systems.bench.allreduce --backend gloo --out gloo_4.csv
+    torchrun ... --ops all_reduce all_gather reduce_scatter
 
-For each size, float32 tensors of that many MB are all-reduced `--warmup` times untimed and
-`--iters` times timed; each timed call is bracketed by a barrier and a device synchronize, and an
-iteration's time is the slowest rank's. Rank 0 writes one row per size: mean/std/median ms,
-algorithm bandwidth (bytes per rank / time) and bus bandwidth (× 2(n−1)/n, what a ring moves).
+For each op and size, a float32 tensor of that many MB (S, the full tensor: all-reduce's input and
+output, all-gather's output, reduce-scatter's input; each rank's shard is S/n) goes through the op
+`--warmup` times untimed and `--iters` times timed; each timed call is bracketed by a barrier and a
+device synchronize, and an iteration's time is the slowest rank's. Rank 0 writes one row per op and
+size: mean/std/median ms, algorithm bandwidth (S / time) and bus bandwidth (× what a ring moves per
+rank relative to S: 2(n−1)/n for all-reduce, (n−1)/n for all-gather and reduce-scatter, as
+nccl-tests reports it). An op the backend does not implement gives a row with status=unsupported.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import statistics
 import sys
 import timeit
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,19 +30,73 @@ from cs336_systems.bench.timing import synchronize
 from cs336_systems.distributed.launch import init_from_env, shutdown
 
 
-def time_allreduce(numel: int, device: torch.device, warmup: int, iters: int) -> list[float]:
-    data = torch.randn(numel, device=device)
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def ring_factor(op: str, world: int) -> float:
+    """Bytes a ring sends per rank, as a multiple of the full tensor size S (bus/algorithm bandwidth)."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+    return (2 if op == "all_reduce" else 1) * (world - 1) / world
+
+
+def collective(op: str, numel: int, world: int, device: torch.device) -> Callable[[], object]:
+    """A call running `op` on a tensor of numel float32 values in all (numel divisible by world)."""
+    if op == "all_reduce":
+        data = torch.randn(numel, device=device)
+        return lambda: dist.all_reduce(data)
+    full, shard = torch.randn(numel, device=device), torch.empty(numel // world, device=device)
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, shard)
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(shard, full)
+    raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+
+
+def time_collective(call: Callable[[], object], device: torch.device, warmup: int, iters: int) -> list[float]:
     for _ in range(warmup):
-        dist.all_reduce(data)
+        call()
     synchronize(device)
     times = []
     for _ in range(iters):
         dist.barrier()
         start = timeit.default_timer()
-        dist.all_reduce(data)
+        call()
         synchronize(device)
         times.append((timeit.default_timer() - start) * 1e3)
     return times
+
+
+def measure(ops: list[str], sizes_mb: list[float], warmup: int, iters: int, backend: str,
+            device: torch.device) -> list[dict]:
+    """Every op at every size in the current process group; rows on rank 0, [] on the others."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for op in ops:
+        for size_mb in sizes_mb:
+            numel = int(size_mb * 2**20) // 4 // world * world  # every rank's shard the same size
+            row = {"op": op, "backend": backend, "device_type": device.type, "world_size": world, "size_mb": size_mb,
+                   "iters": iters, **provenance(device)}
+            call = collective(op, numel, world, device)
+            try:
+                call()  # a backend without the op says so here, on every rank alike
+            except (RuntimeError, NotImplementedError) as error:
+                if rank == 0:
+                    rows.append({**row, "status": "unsupported", "error": str(error).splitlines()[0][:200]})
+                    print(f"{backend} x{world} {op}: unsupported ({error})", file=sys.stderr, flush=True)
+                continue
+            gathered: list[list[float]] = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(gathered, time_collective(call, device, warmup, iters))
+            slowest = [max(per_rank) for per_rank in zip(*gathered)]
+            if rank == 0:
+                median = statistics.median(slowest)
+                algbw = numel * 4 / (median / 1e3) / 1e9
+                rows.append({**row, "mean_ms": statistics.fmean(slowest), "std_ms": statistics.pstdev(slowest),
+                             "median_ms": median, "algbw_gbps": algbw, "busbw_gbps": algbw * ring_factor(op, world),
+                             "status": "ok"})
+                print(f"{backend} x{world} {op} {size_mb:g} MB: {median:.3f} ms, {algbw:.2f} GB/s", file=sys.stderr,
+                      flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,27 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1000])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=["all_reduce"],
+                        help="collectives to time (all-gather and reduce-scatter check the ring model of section 8)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if any(size <= 0 for size in args.sizes_mb):
         parser.error(f"--sizes-mb must be positive, got {args.sizes_mb}")
     rank, world, device = init_from_env(args.backend)
-    rows = []
-    for size_mb in args.sizes_mb:
-        numel = int(size_mb * 2**20) // 4
-        local = time_allreduce(numel, device, args.warmup, args.iters)
-        gathered: list[list[float]] = [None] * world  # type: ignore[list-item]
-        dist.all_gather_object(gathered, local)
-        slowest = [max(per_rank) for per_rank in zip(*gathered)]
-        if rank == 0:
-            median = statistics.median(slowest)
-            algbw = numel * 4 / (median / 1e3) / 1e9
-            rows.append({"backend": args.backend, "device_type": device.type, "world_size": world,
-                         "size_mb": size_mb, "mean_ms": statistics.fmean(slowest), "std_ms": statistics.pstdev(slowest),
-                         "median_ms": median, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world,
-                         "iters": args.iters, "status": "ok", **provenance(device)})
-            print(f"{args.backend} x{world} {size_mb:g} MB: {median:.3f} ms, {algbw:.2f} GB/s", file=sys.stderr,
-                  flush=True)
+    rows = measure(args.ops, args.sizes_mb, args.warmup, args.iters, args.backend, device)
     if rank == 0:
         write_rows(rows, args.out)
     shutdown()

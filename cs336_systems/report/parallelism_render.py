@@ -1,0 +1,185 @@
+"""Section 8 of the 2026 handout as Markdown: the derived answers (report.parallelism), evaluated for
+concrete machines and layer shapes, and the ring model checked against measured collective times.
+
+Machines (C in FLOP/s, W in egress bytes/s; each constant's source is carried with it):
+- TPU v5p: the handout's own numbers for this analysis. The 2026 handout's section 8 is symbolic and
+  points to the TPU Scaling Book; the 2025 handout (section 2.4, communication_accounting (c)) gives
+  the Scaling Book's v5p values, W_ici = 2·9e10 B/s and C = 4.6e14 FLOP/s.
+- B200: the course's GPU. C = 2500 TFLOP/s BF16 is the 2026 handout's (section 2.1.5, quoting the B200
+  spec sheet); the handout gives no link bandwidth, so W = 900 GB/s each way is NVIDIA's (DGX/HGX B200
+  datasheet: NVLink 5, 1.8 TB/s per GPU counting both directions).
+- 2 × H200, ours: C = 989 TFLOP/s dense BF16 (NVIDIA H200 datasheet: 1,979 TFLOPS BF16 "with
+  sparsity", half of it dense; the H100 SXM has the same) and W = the NCCL all-reduce bandwidth fitted
+  from our measurement (report.collectives), beside the datasheet's 450 GB/s each way (900 GB/s NVLink).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pandas as pd
+import sympy as sp
+
+from cs336_systems.model import get_config
+from cs336_systems.report import parallelism as par
+from cs336_systems.report.collectives import measured_bandwidth, ring_model_table
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    flops: float  # C, FLOP/s per device
+    bandwidth: float  # W, egress bytes/s per device
+    source: str
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    tokens: int  # B: rows of x, the global batch in tokens
+    d_model: int  # D
+    d_ff: int  # D_FF
+    source: str
+
+
+TPU_V5P = Machine("TPU v5p", 4.6e14, 2 * 9e10, "C and W_ici from the 2025 handout 2.4 (c), after the Scaling Book")
+B200 = Machine("B200", 2.5e15, 9e11, "C: 2026 handout 2.1.5 (B200 spec sheet, BF16); W: NVIDIA B200 datasheet, "
+               "NVLink 5 1.8 TB/s both ways")
+H200_FLOPS = 989e12  # NVIDIA H200 datasheet: BF16 Tensor Core 1,979 TFLOPS with sparsity -> 989 dense
+H200_NVLINK = 450e9  # NVIDIA H200 datasheet: NVLink 900 GB/s, counting both directions
+
+
+def layers() -> list[Layer]:
+    xl = get_config("xl")
+    return [
+        # Our DDP runs (config.yaml `ddp`): 2 ranks x batch 4 x 512 tokens of the xl model.
+        Layer("xl FFN, our DDP batch", 2 * 4 * 512, xl.d_model, xl.d_ff, "get_config('xl'); config.yaml ddp"),
+        # The 2026 leaderboard model (handout section 9): d_model 4096, d_ff 11008, batch 2 x 32,768.
+        Layer("8B FFN, leaderboard batch", 2 * 32768, 4096, 11008, "2026 handout section 9 Config"),
+    ]
+
+
+def machines(allreduce_csv: pd.DataFrame | None) -> list[Machine]:
+    found = [TPU_V5P, B200]
+    measured = measured_bandwidth(allreduce_csv, "nccl", 2)
+    if measured is not None:
+        found.append(Machine("2 × H200 (measured W)", H200_FLOPS, measured,
+                             "C: NVIDIA H200 datasheet (dense BF16); W: NCCL all-reduce fit, results/allreduce.csv"))
+    found.append(Machine("H200 (datasheet W)", H200_FLOPS, H200_NVLINK, "NVIDIA H200 datasheet: C dense BF16, "
+                         "NVLink 900 GB/s both ways"))
+    return found
+
+
+def _subs(machine: Machine, layer: Layer) -> dict:
+    return {par.B: layer.tokens, par.D: layer.d_model, par.F: layer.d_ff, par.C: machine.flops, par.W: machine.bandwidth}
+
+
+def evaluate(expr: sp.Basic, machine: Machine, layer: Layer, **devices: float) -> float:
+    """An answer's expression (or a bound's right side) as a number; devices gives N_DP=..., N_TP=..."""
+    expr = expr.rhs if isinstance(expr, sp.core.relational.Relational) else expr
+    values = _subs(machine, layer) | {getattr(par, k): v for k, v in devices.items()}
+    result = expr.subs(values)
+    if result.free_symbols:
+        raise ValueError(f"{expr} still has {sorted(map(str, result.free_symbols))} free; pass them as devices")
+    return float(result)
+
+
+BOUNDS = {"N_DP (DP)": "data_parallel_calcs.c", "N_FSDP, forward": "fsdp_calcs.c.forward",
+          "N_FSDP, backward": "fsdp_calcs.c.backward", "N_TP, forward": "tp_calcs.d.forward",
+          "N_TP, backward": "tp_calcs.d.backward", "N = N_FSDP·N_TP, overlapped": "fsdp_tp_calcs.c",
+          "N = N_FSDP·N_TP, one network": "fsdp_tp_calcs.d"}
+
+
+def bounds_table(allreduce_csv: pd.DataFrame | None) -> pd.DataFrame:
+    """Largest device counts before communication-bound, exact ring factors, per machine and layer."""
+    answers = par.derive()
+    rows = []
+    for layer in layers():
+        for machine in machines(allreduce_csv):
+            row = {"layer": layer.name, "machine": machine.name, "C (TFLOP/s)": machine.flops / 1e12,
+                   "W (GB/s)": machine.bandwidth / 1e9}
+            rows.append(row | {name: evaluate(answers[key].expr, machine, layer) for name, key in BOUNDS.items()})
+    return pd.DataFrame(rows)
+
+
+# Answer keys summed for a forward + backward step: (compute FLOPs, communication seconds). DP's forward
+# FLOPs are FSDP's (both run the batch-sharded forward on full weights).
+STEP = {"DP": (["fsdp_calcs.a.forward", "data_parallel_calcs.a"], ["data_parallel_calcs.b"]),
+        "FSDP": (["fsdp_calcs.a.forward", "fsdp_calcs.a.backward"], ["fsdp_calcs.b.forward", "fsdp_calcs.b.backward"]),
+        "TP": (["tp_calcs.b.forward", "tp_calcs.b.backward"], ["tp_calcs.c.forward", "tp_calcs.c.backward"])}
+
+
+def step_times(machine: Machine, layer: Layer, n: int = 2) -> pd.DataFrame:
+    """Compute and communication time (ms) per FFN step on n devices for DP, FSDP and TP, forward plus
+    backward, and which one bounds the step when the two overlap."""
+    answers, axes = par.derive(), {"N_DP": n, "N_FSDP": n, "N_TP": n}
+    rows = []
+    for strategy, (compute_keys, comm_keys) in STEP.items():
+        compute = sum(evaluate(answers[k].expr, machine, layer, **axes) for k in compute_keys) / machine.flops
+        comm = sum(evaluate(answers[k].expr, machine, layer, **axes) for k in comm_keys)
+        rows.append({"strategy": strategy, "devices": n, "compute_ms": compute * 1e3, "communication_ms": comm * 1e3,
+                     "bound": "compute" if compute >= comm else "communication"})
+    return pd.DataFrame(rows)
+
+
+def _expr(expr: sp.Basic) -> str:
+    return f"`{sp.sstr(expr)}`"
+
+
+def _answer_block(key: str) -> str:
+    exact, approx = par.derive()[key], par.derive(large_n=True)[key]
+    line = f"- {exact.quantity}: {_expr(exact.expr)}"
+    if sp.simplify(exact.expr.rhs - approx.expr.rhs if isinstance(exact.expr, sp.core.relational.Relational)
+                   else exact.expr - approx.expr) != 0:
+        line += f" (large N: {_expr(approx.expr)})"
+    return f"{line}\n  — {exact.justification}"
+
+
+PROBLEMS = {
+    "alternate_ring_all_reduce": "Alternate ring all-reduce (8.1)",
+    "data_parallel_calcs": "Data parallel calculations (8.2)",
+    "fsdp_calcs": "Fully sharded data parallel calculations (8.3)",
+    "tp_calcs": "Tensor parallel calculations (8.4)",
+    "fsdp_tp_calcs": "2D parallelism calculations (8.5)",
+}
+
+
+def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
+    """Markdown for section 8 of the 2026 handout; allreduce_csv is results/allreduce.csv (or None)."""
+    answers = par.derive()
+    out = ["Answers to section 8 of the 2026 handout (\"Analyzing Parallelism Strategies\"), derived in sympy by "
+           "`cs336_systems.report.parallelism`: FLOPs from the matmuls each device runs, communication from the "
+           "ring times of 8.1 (all-gather and reduce-scatter (N−1)/N·S/W, all-reduce 2(N−1)/N·S/W), bounds as the "
+           "root of compute time = communication time. B is the batch in tokens, FP16 values (2 bytes); "
+           "`large N` replaces (N−1)/N by 1.\n"]
+    for problem, title in PROBLEMS.items():
+        out.append(f"### {problem} — {title}\n")
+        if problem == "tp_calcs":
+            out.append("(a) The backward pass of the column/row-parallel FFN, per device i:\n\n```\n"
+                       f"{par.TP_BACKWARD}```\n\n{answers['tp_calcs.a'].justification} "
+                       "(`parallelism.tp_backward` runs these equations on simulated shards; the tests check them "
+                       "against autograd.)\n")
+        keys = [k for k in answers if k.split(".")[0] == problem and k != "tp_calcs.a"]
+        out.append("\n".join(_answer_block(k) for k in keys) + "\n")
+    memory = par.weights_per_device()
+    out.append("### Memory per device and numbers\n")
+    out.append("FFN weight bytes each device holds between uses: "
+               + ", ".join(f"{k} {_expr(v)}" for k, v in memory.items()) + ".\n")
+    out.append("Machines: " + "; ".join(f"**{m.name}** — {m.source}" for m in machines(allreduce_csv)) + ".\n")
+    if measured_bandwidth(allreduce_csv, "nccl", 2) is None:
+        out.append("No NCCL 2-rank all-reduce in the results yet: the measured-W row is left out.\n")
+    out.append("Largest device counts before the step is communication-bound (exact ring factors; round down):\n")
+    out.append(bounds_table(allreduce_csv).to_markdown(index=False, floatfmt=",.1f") + "\n")
+    h200 = next(m for m in machines(allreduce_csv) if "H200" in m.name)  # measured W where there is one
+    for machine in (h200,):
+        for layer in layers():
+            out.append(f"Per-step FFN times on {machine.name}, {layer.name} (B = {layer.tokens}, D = {layer.d_model}, "
+                       f"D_FF = {layer.d_ff}), forward + backward:\n")
+            out.append(step_times(machine, layer).to_markdown(index=False, floatfmt=",.3f") + "\n")
+    if allreduce_csv is not None:
+        out.append("### Ring model against measured collectives\n")
+        out.append("Each op's time at its largest size against the ring prediction from the all-reduce fit of the "
+                   "same backend and world size (t = α + factor·S/W, factor 2(N−1)/N for all-reduce and (N−1)/N "
+                   "for all-gather and reduce-scatter); `fitted_w_gbps` is each op's own fit of W:\n")
+        out.append(ring_model_table(allreduce_csv).to_markdown(index=False, floatfmt=",.3f") + "\n")
+    return "\n".join(out)
