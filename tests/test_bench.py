@@ -3,6 +3,7 @@
 import dataclasses
 import sqlite3
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -225,3 +226,57 @@ def test_compile_scope_decides_what_is_compiled(scope):
     assert whole == (scope != "blocks") and all(blocks) == (scope == "blocks")
     with pytest.raises(ValueError, match="'layers'"):
         e2e.build_model(dataclasses.replace(spec, compile_scope="layers"), torch.device("cpu"))
+
+
+# --- the collective bench (all-reduce, all-gather, reduce-scatter) on gloo with two ranks ---
+
+
+def _collectives_rank(rank: int, world_size: int, out: str, out_unsupported: str) -> None:
+    import torch.distributed as dist
+
+    from cs336_systems.bench import allreduce
+
+    def measure(ops):
+        rows = allreduce.measure(ops, [0.001, 0.01], warmup=1, iters=2, backend="gloo", device=torch.device("cpu"))
+        assert (rows == []) == (rank != 0)
+        return rows
+
+    rows = measure(list(allreduce.OPS))
+
+    def unsupported(*args, **kwargs):  # what a backend without the op does: raise on every rank at once
+        raise RuntimeError("reduce_scatter is not supported by this backend")
+
+    dist.reduce_scatter_tensor = unsupported
+    rows_unsupported = measure(["reduce_scatter", "all_reduce"])
+    if rank == 0:
+        write_rows(rows, out)
+        write_rows(rows_unsupported, out_unsupported)
+
+
+def test_collective_bench_times_each_op_and_records_unsupported_ones(tmp_path):
+    """One spawn (starting ranks is the slow part): all three ops, then reduce-scatter made unsupported."""
+    from cs336_systems.bench.allreduce import ring_factor
+    from tests.distributed_helpers import run_distributed
+
+    out, out_unsupported = tmp_path / "collectives.csv", tmp_path / "unsupported.csv"
+    run_distributed(_collectives_rank, 2, str(out), str(out_unsupported))
+    rows = pd.read_csv(out)
+    assert sorted(rows["op"]) == ["all_gather"] * 2 + ["all_reduce"] * 2 + ["reduce_scatter"] * 2
+    assert (rows["world_size"] == 2).all() and (rows["status"] == "ok").all() and (rows["median_ms"] > 0).all()
+    factors = np.array([ring_factor(op, 2) for op in rows["op"]])
+    np.testing.assert_allclose(rows["busbw_gbps"], rows["algbw_gbps"] * factors)
+    np.testing.assert_allclose(factors, np.where(rows["op"] == "all_reduce", 1.0, 0.5))
+    after = pd.read_csv(out_unsupported)
+    assert list(zip(after["op"], after["status"])) == [("reduce_scatter", "unsupported")] * 2 + [("all_reduce", "ok")] * 2
+    assert after["error"].iloc[0] == "reduce_scatter is not supported by this backend"
+
+
+def test_collective_bench_rejects_bad_input(tmp_path):
+    from cs336_systems.bench import allreduce
+
+    with pytest.raises(SystemExit):
+        allreduce.main(["--backend", "gloo", "--sizes-mb", "-1", "--out", str(tmp_path / "x.csv")])
+    with pytest.raises(SystemExit):
+        allreduce.main(["--backend", "gloo", "--ops", "broadcast", "--out", str(tmp_path / "x.csv")])
+    with pytest.raises(ValueError, match="broadcast"):
+        allreduce.ring_factor("broadcast", 2)

@@ -75,6 +75,8 @@ def measure(ops: list[str], sizes_mb: list[float], warmup: int, iters: int, back
     for op in ops:
         for size_mb in sizes_mb:
             numel = int(size_mb * 2**20) // 4 // world * world  # every rank's shard the same size
+            if numel < world:
+                raise ValueError(f"--sizes-mb {size_mb:g} holds fewer float32 values than the {world} ranks")
             row = {"op": op, "backend": backend, "device_type": device.type, "world_size": world, "size_mb": size_mb,
                    "iters": iters, **provenance(device)}
             call = collective(op, numel, world, device)

@@ -20,7 +20,7 @@ import pandas as pd
 
 from cs336_systems.bench.allreduce import OPS, ring_factor
 
-__all__ = ["OPS", "alternate_ring_all_reduce_time", "fit_ring_model", "measured_bandwidth", "ring_factor",
+__all__ = ["OPS", "all_reduce_rows", "alternate_ring_all_reduce_time", "fit_ring_model", "measured_bandwidth", "ring_factor",
            "ring_model_table", "ring_time"]
 
 GROUP = ["backend", "device_type", "world_size", "op"]
@@ -34,6 +34,12 @@ def ring_time(op: str, size_bytes, world, bandwidth):
 def alternate_ring_all_reduce_time(size_bytes, world, bandwidth):
     """The handout's alternate all-reduce: N-1 steps, each forwarding one whole S-byte input."""
     return (world - 1) * size_bytes / bandwidth
+
+
+def all_reduce_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The all-reduce rows of a collective-bench CSV (all of them in files written before the `op`
+    column): what the section 2.1 tables, figure and the DDP overhead model should read."""
+    return frame if "op" not in frame else frame[frame["op"].fillna("all_reduce") == "all_reduce"]
 
 
 def _ok_rows(frame: pd.DataFrame) -> pd.DataFrame:

@@ -22,10 +22,11 @@ rule allreduce_point:
     params:
         sizes=join(S["allreduce"]["sizes_mb"]),
         iters=S["allreduce"]["iters"],
+        ops=join(S["allreduce"].get("ops", ["all_reduce"])),
     shell:
         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
         " --nproc_per_node {wildcards.world} -m cs336_systems.bench.allreduce"
-        " --backend {wildcards.backend} --sizes-mb {params.sizes} --iters {params.iters}"
+        " --backend {wildcards.backend} --sizes-mb {params.sizes} --iters {params.iters} --ops {params.ops}"
         " --out {output} 2> {log}"
 
 
