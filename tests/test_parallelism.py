@@ -14,8 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from cs336_systems.model import AdamW, TransformerLM, get_config
 from cs336_systems.model.transformer import Embedding, Linear, RMSNorm
 from cs336_systems.report import parallelism as par
-from cs336_systems.report.collectives import (all_reduce_rows, alternate_ring_all_reduce_time, fit_ring_model, measured_bandwidth,
-                                              ring_model_table, ring_time)
+from cs336_systems.report.collectives import (all_reduce_rows, alternate_ring_all_reduce_time, fit_ring_model,
+                                              measured_bandwidth, ring_model_table, ring_time)
 from cs336_systems.report.fsdp_accounting import (accounting_table, predicted_peaks, render_fsdp_accounting,
                                                   state_bytes, units)
 from cs336_systems.report.parallelism_render import B200, Layer, Machine, evaluate, render_parallelism
@@ -332,6 +332,15 @@ def test_render_parallelism_answers_every_problem():
     assert "2 × H200 (measured W)" in text and "Ring model against measured collectives" in text
     without = render_parallelism(None)
     assert "measured W)" not in without and "left out" in without
+
+
+def test_parallelism_cli_writes_both_sections(tmp_path):
+    from cs336_systems.report.parallelism_render import main
+
+    out = tmp_path / "parallelism.md"
+    main(["--out", str(out)])
+    text = out.read_text()
+    assert "### fsdp_accounting (a)" in text and "### fsdp_tp_calcs" in text
 
 
 def test_bounds_reject_a_ratio_that_does_not_grow_and_evaluate_names_free_symbols():

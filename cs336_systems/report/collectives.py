@@ -20,8 +20,8 @@ import pandas as pd
 
 from cs336_systems.bench.allreduce import OPS, ring_factor
 
-__all__ = ["OPS", "all_reduce_rows", "alternate_ring_all_reduce_time", "fit_ring_model", "measured_bandwidth", "ring_factor",
-           "ring_model_table", "ring_time"]
+__all__ = ["OPS", "all_reduce_rows", "alternate_ring_all_reduce_time", "fit_ring_model", "measured_bandwidth",
+           "ring_factor", "ring_model_table", "ring_time"]
 
 GROUP = ["backend", "device_type", "world_size", "op"]
 

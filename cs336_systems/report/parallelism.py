@@ -140,6 +140,9 @@ dW1(i) = x^T · dx1(i)                       (D, D_FF/N_TP)
 u(i)   = dx1(i) · W1(i)^T + dx2(i) · W2(i)^T  (B, D)         partial sum over this device's D_FF slice
 dx     = all-reduce({u(i)} for i = 0 .. N_TP-1)
 """
+TP_BACKWARD_WHY = ("dy is replicated after the forward's all-reduce, so each device back-propagates through its "
+                   "own D_FF slice with no communication until dx, which is a sum over the slices and needs one "
+                   "all-reduce; the weight gradients are already complete on their shards.")
 
 
 def silu(v: np.ndarray) -> np.ndarray:
@@ -176,10 +179,6 @@ def _tensor_parallel(large_n: bool) -> list[Answer]:
     activation = B * D * FP16
     comm = _ring("all_reduce", activation, N_TP, large_n)
     return [
-        Answer("tp_calcs.a", "backward pass equations", sp.Integer(0),
-               "dy is replicated after the forward's all-reduce, so each device back-propagates through its own "
-               "D_FF slice with no communication until dx, which is a sum over the slices and needs one "
-               "all-reduce; the weight gradients are already complete on their shards."),
         Answer("tp_calcs.b.forward", "forward FLOPs per device", compute_fwd,
                "Each device runs the three forward matmuls on the whole batch against its D_FF/N_TP slice: "
                "3 · 2·B·D·D_FF/N_TP."),

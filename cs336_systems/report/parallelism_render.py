@@ -71,7 +71,8 @@ def machines(allreduce_csv: pd.DataFrame | None) -> list[Machine]:
 
 
 def _subs(machine: Machine, layer: Layer) -> dict:
-    return {par.B: layer.tokens, par.D: layer.d_model, par.F: layer.d_ff, par.C: machine.flops, par.W: machine.bandwidth}
+    return {par.B: layer.tokens, par.D: layer.d_model, par.F: layer.d_ff,
+            par.C: machine.flops, par.W: machine.bandwidth}
 
 
 def evaluate(expr: sp.Basic, machine: Machine, layer: Layer, **devices: float) -> float:
@@ -149,17 +150,18 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
     answers = par.derive()
     out = ["Answers to section 8 of the 2026 handout (\"Analyzing Parallelism Strategies\"), derived in sympy by "
            "`cs336_systems.report.parallelism`: FLOPs from the matmuls each device runs, communication from the "
-           "ring times of 8.1 (all-gather and reduce-scatter (N−1)/N·S/W, all-reduce 2(N−1)/N·S/W), bounds as the "
+           "ring times of 8.1 (all-gather and reduce-scatter (N−1)/N·S/W, all-reduce 2(N−1)/N·S/W), bounds as "
+           "the "
            "root of compute time = communication time. B is the batch in tokens, FP16 values (2 bytes); "
            "`large N` replaces (N−1)/N by 1.\n"]
     for problem, title in PROBLEMS.items():
         out.append(f"### {problem} — {title}\n")
         if problem == "tp_calcs":
             out.append("(a) The backward pass of the column/row-parallel FFN, per device i:\n\n```\n"
-                       f"{par.TP_BACKWARD}```\n\n{answers['tp_calcs.a'].justification} "
+                       f"{par.TP_BACKWARD}```\n\n{par.TP_BACKWARD_WHY} "
                        "(`parallelism.tp_backward` runs these equations on simulated shards; the tests check them "
                        "against autograd.)\n")
-        keys = [k for k in answers if k.split(".")[0] == problem and k != "tp_calcs.a"]
+        keys = [k for k in answers if k.split(".")[0] == problem]
         out.append("\n".join(_answer_block(k) for k in keys) + "\n")
     memory = par.weights_per_device()
     out.append("### Memory per device and numbers\n")
@@ -183,3 +185,26 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
                    "for all-gather and reduce-scatter); `fitted_w_gbps` is each op's own fit of W:\n")
         out.append(ring_model_table(allreduce_csv).to_markdown(index=False, floatfmt=",.3f") + "\n")
     return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m cs336_systems.report.parallelism_render --allreduce results/allreduce.csv
+    --sharding results/sharding.csv --out results/parallelism.md (both inputs optional)."""
+    import argparse
+    from pathlib import Path
+
+    from cs336_systems.report.fsdp_accounting import render_fsdp_accounting
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--allreduce", help="collective bench CSV (cs336_systems.bench.allreduce)")
+    parser.add_argument("--sharding", help="measured DDP/ZeRO-1 peaks (results/sharding.csv)")
+    parser.add_argument("--out", required=True, help="Markdown file with fsdp_accounting (a) and section 8")
+    args = parser.parse_args(argv)
+    read = lambda path: pd.read_csv(path) if path else None  # noqa: E731
+    text = render_fsdp_accounting(read(args.sharding)) + "\n" + render_parallelism(read(args.allreduce))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
