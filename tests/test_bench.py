@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.bench import attention_sweep, e2e, flash_bench, profile
+from cs336_systems.bench import (allreduce, attention_sweep, e2e, flash_bench, flash_check, memory,
+                                  mixed_precision, profile)
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import oom_row
 from cs336_systems.model import ADAMW_IMPLEMENTATIONS
@@ -185,6 +186,43 @@ def test_profile_records_an_oom_row(monkeypatch):
 def test_other_clis_name_the_bad_value(tmp_path, capsys, module, argv, message):
     with pytest.raises(SystemExit):
         module.main([*argv, "--device", "cpu", "--out", str(tmp_path / "x.csv")])
+    assert message in capsys.readouterr().err
+
+
+def test_allreduce_and_mixed_precision_write_their_rows(tmp_path, monkeypatch):
+    """A one-process gloo group runs the all-reduce timing end to end; the handout's 1.1.5 experiments
+    run on the CPU (with CPU autocast)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for the process group's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "allreduce.csv"
+    allreduce.main(["--backend", "gloo", "--sizes-mb", "0.01", "0.1", "--warmup", "0", "--iters", "2",
+                    "--out", str(out)])
+    rows = pd.read_csv(out)
+    assert rows["size_mb"].tolist() == [0.01, 0.1] and (rows["world_size"] == 1).all()
+    assert (rows["median_ms"] > 0).all() and (rows["status"] == "ok").all()
+    out = tmp_path / "mixed.csv"
+    mixed_precision.main(["--device", "cpu", "--out", str(out)])
+    rows = pd.read_csv(out)
+    loops = rows[rows["kind"] == "accumulation"].set_index("item")["value"]
+    assert loops["fp32 += fp32"] == pytest.approx(10.0, abs=1e-3) and abs(loops["fp16 += fp16"] - 10) > 0.01
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    (allreduce, ["--backend", "gloo", "--iters", "0"], "must be a positive integer, got 0"),
+    (allreduce, ["--backend", "gloo", "--sizes-mb", "1", "0"], "must be positive, got 0"),
+    (allreduce, ["--backend", "mpi"], "invalid choice: 'mpi'"),
+    (flash_check, ["--workers", "0"], "must be a positive integer, got 0"),
+    (memory, ["--snapshot-dir", "snaps", "--size", "huge", "--device", "cpu"], "unknown model size 'huge'"),
+    (memory, ["--snapshot-dir", "snaps", "--device", "cpu"], "memory snapshots need a CUDA device, got device 'cpu'"),
+])
+def test_distributed_and_check_clis_name_the_bad_value(tmp_path, capsys, module, argv, message):
+    with pytest.raises(SystemExit):
+        module.main([*argv, "--out", str(tmp_path / "x.csv")])
     assert message in capsys.readouterr().err
 
 

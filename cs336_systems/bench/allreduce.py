@@ -30,7 +30,21 @@ from cs336_systems.distributed.launch import init_from_env, shutdown
 
 
 def time_allreduce(numel: int, device: torch.device, warmup: int, iters: int) -> list[float]:
-    data = torch.randn(numel, devicBACKENDS = ("gloo", "nccl")
+    data = torch.randn(numel, device=device)
+    for _ in range(warmup):
+        dist.all_reduce(data)
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        start = timeit.default_timer()
+        dist.all_reduce(data)
+        synchronize(device)
+        times.append((timeit.default_timer() - start) * 1e3)
+    return times
+
+
+BACKENDS = ("gloo", "nccl")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,10 @@ def run_tests(ids: list[str], workers: int, tmp: Path, cwd: Path) -> list[ET.Ele
         return list(ET.parse(xml).getroot().iter("testcase")) if xml.exists() else []
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return [case for cases in pool.mapdef flash_check_rows(device: str, workers: int = 1, tests: Path = TESTS) -> list[dict]:
+        return [case for cases in pool.map(one, range(len(ids)), ids) for case in cases]
+
+
+def flash_check_rows(device: str, workers: int = 1, tests: Path = TESTS) -> list[dict]:
     """One row per test of `tests` (outcome, seconds, provenance naming `device`); a SystemExit when a
     test failed or reported no outcome, so a failed check never becomes a results file."""
     if workers < 1:
