@@ -226,6 +226,37 @@ def test_distributed_and_check_clis_name_the_bad_value(tmp_path, capsys, module,
     assert message in capsys.readouterr().err
 
 
+CLIS = ["e2e", "profile", "memory", "mixed_precision", "attention_sweep", "flash_bench", "flash_check",
+        "kernel_resources", "allreduce", "merge"]  # bench.ddp joins once its flags have help text
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_every_flag_has_help_text(name, monkeypatch):
+    """Each command line's parser, caught as it parses: every option and positional says what it is for.
+    argparse lists a parser's arguments only in its `_actions` (there is no public accessor)."""
+    import argparse
+    import importlib
+
+    parsers = []
+
+    def catch(parser, *args, **kwargs):
+        parsers.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"cs336_systems.bench.{name}").main([])
+    (parser,) = parsers
+    undocumented, pending = [], [parser]
+    while pending:
+        for action in pending.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending += list(action.choices.values())
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                undocumented.append(action.option_strings or action.dest)
+    assert not undocumented
+
+
 def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
     monkeypatch.setattr(e2e, "measure", lambda spec: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
