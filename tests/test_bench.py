@@ -2,15 +2,20 @@
 
 import dataclasses
 import sqlite3
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.bench import e2e
+from cs336_systems.bench import (allreduce, attention_sweep, e2e, flash_bench, flash_check, memory,
+                                  mixed_precision, profile)
 from cs336_systems.bench.results import write_rows
+from cs336_systems.bench.timing import oom_row
 from cs336_systems.model import ADAMW_IMPLEMENTATIONS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = ["--context-length", "16", "--batch-size", "2", "--warmup", "1", "--steps", "2", "--device", "cpu"]
 
@@ -58,7 +63,7 @@ def test_each_mode_runs_on_cpu(tmp_path, mode, phases):
 
 def test_train_step_optimizers_change_parameters_alike():
     """Our two AdamW paths and torch's fused AdamW each update the model, and to the same values."""
-    spec = e2e.RunSpec(size="tiny", mode="train_step", precision="fp32", attention="naive", compile=False,
+    spec = e2e.RunSpec(size="tiny", mode="train_step", precision="fp32", attention="naive",
                        batch_size=2, context_length=8, warmup=0, steps=1, device="cpu")
     torch.manual_seed(0)
     before = e2e.build_model(spec, torch.device("cpu")).state_dict()
@@ -81,19 +86,32 @@ def test_train_step_optimizers_change_parameters_alike():
             torch.testing.assert_close(states[name][key], states["foreach"][key], rtol=1e-5, atol=1e-6)
 
 
-def test_optimizer_and_compile_scope_grids(tmp_path):
-    parser = e2e.build_parser()
-    args = parser.parse_args(["--sizes", "tiny", "--modes", "forward", "train_step", "--optimizers", "foreach",
-                              "torch_fused", "--out", str(tmp_path / "x.csv"), *COMMON])
-    specs = e2e.specs_from_args(args, parser)
+def test_optimizer_and_compile_scope_grids():
+    grid = dict(sizes=("tiny",), context_length=16, batch_size=2, steps=2, device="cpu")
+    specs = e2e.Sweep(**grid, modes=("forward", "train_step"), optimizers=("foreach", "torch_fused")).specs()
     assert [(s.mode, s.optimizer) for s in specs] == [("forward", "none"), ("train_step", "foreach"),
                                                       ("train_step", "torch_fused")]
-    args = parser.parse_args(["--sizes", "tiny", "--compile", "off", "on", "--compile-scopes", "blocks", "model",
-                              "--out", str(tmp_path / "x.csv"), *COMMON])
-    assert [(s.compile, s.compile_scope) for s in e2e.specs_from_args(args, parser)] == [
-        (False, "none"), (True, "blocks"), (True, "model")]
+    specs = e2e.Sweep(**grid, compile_scopes=("none", "blocks", "model")).specs()
+    assert [s.compile_scope for s in specs] == ["none", "blocks", "model"]
     with pytest.raises(ValueError, match="'sgd'"):
         e2e.make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(1))])
+    with pytest.raises(ValueError, match="unknown compile scope 'layers'"):
+        e2e.Sweep(**grid, compile_scopes=("layers",))
+
+
+def test_compile_columns_keep_the_committed_layout(tmp_path, monkeypatch):
+    """Rows carry `compile` (a bool, false for eager) beside `compile_scope`, in the column order of the
+    committed results files that the report reads."""
+    monkeypatch.setattr(e2e, "measure", lambda spec: {"forward": [1.0, 3.0]})  # the layout, not the timing
+    out = tmp_path / "rows.csv"
+    e2e.main(["--sizes", "tiny", "--modes", "forward", "--compile-scopes", "none", "blocks", "--out", str(out),
+              *COMMON])
+    rows = pd.read_csv(out)
+    assert rows.drop_duplicates("compile_scope")[["compile", "compile_scope"]].values.tolist() == [
+        [False, "none"], [True, "blocks"]]
+    committed = pd.read_csv(ROOT / "results" / "e2e_compile.csv", nrows=0).columns
+    shared = [c for c in rows.columns if c in committed]
+    assert shared == [c for c in committed if c in rows.columns] and len(shared) == len(committed)
 
 
 def test_out_of_memory_becomes_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
@@ -113,6 +131,133 @@ def test_out_of_memory_becomes_a_row_and_the_sweep_goes_on(tmp_path, monkeypatch
     assert (rows[rows["size"] == "tiny"]["status"] == "ok").all()
 
 
+OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def test_oom_row_reads_the_same_everywhere():
+    row = oom_row({"size": "xl", "phase": "step"}, OOM)
+    assert row == {"size": "xl", "phase": "step", "status": "oom",
+                   "error": "CUDA out of memory. Tried to allocate 20.00 GiB"}
+    assert oom_row({}, RuntimeError("CUDA error: out of memory\nmore"), message_column="note") == {
+        "status": "oom", "note": "CUDA error: out of memory"}
+    with pytest.raises(ValueError, match="not an out-of-memory error: RuntimeError: shape mismatch"):
+        oom_row({}, RuntimeError("shape mismatch"))
+
+
+def _raise_oom(*args, **kwargs):
+    raise OOM
+
+
+def test_attention_sweep_records_oom_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(attention_sweep, "measure", _raise_oom)
+    out = tmp_path / "rows.csv"
+    attention_sweep.main(["--head-dims", "16", "--seqs", "32", "--batch-size", "2", "--iters", "1", "--device", "cpu",
+                          "--out", str(out)])
+    rows = pd.read_csv(out)
+    assert rows["phase"].tolist() == ["forward", "backward"] and (rows["status"] == "oom").all()
+    assert rows["error"].str.contains("out of memory").all()
+
+
+def test_flash_sweep_records_oom_rows(monkeypatch):
+    monkeypatch.setattr(flash_bench, "time_passes", _raise_oom)
+    config = flash_bench.SweepConfig(seqs=(32,), head_dims=(16,), dtypes=("fp32",), providers=("naive",),
+                                     device="cpu")
+    (rows,) = list(flash_bench.sweep(config))
+    assert [r["pass"] for r in rows] == ["forward", "backward", "forward_backward"]
+    assert all(r["status"] == "oom" and "out of memory" in r["note"] for r in rows)
+
+
+def test_profile_records_an_oom_row(monkeypatch):
+    monkeypatch.setattr(profile, "profile_point", _raise_oom)
+    rows = profile.profile_rows(profile.ProfileConfig(sizes=("tiny",), context_lengths=(16,), device="cpu",
+                                                      tool="torch"))
+    assert len(rows) == 1 and rows[0]["kind"] == "point" and rows[0]["status"] == "oom"
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    (attention_sweep, ["--seqs", "0"], "must be a positive integer, got 0"),
+    (attention_sweep, ["--warmup", "-2"], "must be >= 0, got -2"),
+    (attention_sweep, ["--impls", "jit"], "invalid choice: 'jit'"),
+    (flash_bench, ["sweep", "--head-dims", "-16"], "must be a positive integer, got -16"),
+    (flash_bench, ["leaderboard", "--rep-ms", "0"], "must be a positive integer, got 0"),
+    (profile, ["--sizes", "huge"], "unknown model size 'huge'"),
+    (profile, ["--sizes", "tiny", "--context-lengths", "4096"], "context length 4096 exceeds"),
+    (profile, ["--warmup", "-1"], "must be >= 0, got -1"),
+])
+def test_other_clis_name_the_bad_value(tmp_path, capsys, module, argv, message):
+    with pytest.raises(SystemExit):
+        module.main([*argv, "--device", "cpu", "--out", str(tmp_path / "x.csv")])
+    assert message in capsys.readouterr().err
+
+
+def test_allreduce_and_mixed_precision_write_their_rows(tmp_path, monkeypatch):
+    """A one-process gloo group runs the all-reduce timing end to end; the handout's 1.1.5 experiments
+    run on the CPU (with CPU autocast)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port for the process group's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(key, value)
+    out = tmp_path / "allreduce.csv"
+    allreduce.main(["--backend", "gloo", "--sizes-mb", "0.01", "0.1", "--warmup", "0", "--iters", "2",
+                    "--out", str(out)])
+    rows = pd.read_csv(out)
+    assert rows["size_mb"].tolist() == [0.01, 0.1] and (rows["world_size"] == 1).all()
+    assert (rows["median_ms"] > 0).all() and (rows["status"] == "ok").all()
+    out = tmp_path / "mixed.csv"
+    mixed_precision.main(["--device", "cpu", "--out", str(out)])
+    rows = pd.read_csv(out)
+    loops = rows[rows["kind"] == "accumulation"].set_index("item")["value"]
+    assert loops["fp32 += fp32"] == pytest.approx(10.0, abs=1e-3) and abs(loops["fp16 += fp16"] - 10) > 0.01
+
+
+@pytest.mark.parametrize("module,argv,message", [
+    (allreduce, ["--backend", "gloo", "--iters", "0"], "must be a positive integer, got 0"),
+    (allreduce, ["--backend", "gloo", "--sizes-mb", "1", "0"], "must be positive, got 0"),
+    (allreduce, ["--backend", "mpi"], "invalid choice: 'mpi'"),
+    (flash_check, ["--workers", "0"], "must be a positive integer, got 0"),
+    (memory, ["--snapshot-dir", "snaps", "--size", "huge", "--device", "cpu"], "unknown model size 'huge'"),
+    (memory, ["--snapshot-dir", "snaps", "--device", "cpu"], "memory snapshots need a CUDA device, got device 'cpu'"),
+])
+def test_distributed_and_check_clis_name_the_bad_value(tmp_path, capsys, module, argv, message):
+    with pytest.raises(SystemExit):
+        module.main([*argv, "--out", str(tmp_path / "x.csv")])
+    assert message in capsys.readouterr().err
+
+
+CLIS = ["e2e", "profile", "memory", "mixed_precision", "attention_sweep", "flash_bench", "flash_check",
+        "kernel_resources", "allreduce", "merge"]  # bench.ddp joins once its flags have help text
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_every_flag_has_help_text(name, monkeypatch):
+    """Each command line's parser, caught as it parses: every option and positional says what it is for.
+    argparse lists a parser's arguments only in its `_actions` (there is no public accessor)."""
+    import argparse
+    import importlib
+
+    parsers = []
+
+    def catch(parser, *args, **kwargs):
+        parsers.append(parser)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"cs336_systems.bench.{name}").main([])
+    (parser,) = parsers
+    undocumented, pending = [], [parser]
+    while pending:
+        for action in pending.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                pending += list(action.choices.values())
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                undocumented.append(action.option_strings or action.dest)
+    assert not undocumented
+
+
 def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
     monkeypatch.setattr(e2e, "measure", lambda spec: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
@@ -123,7 +268,9 @@ def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
     (["--sizes", "huge"], "unknown model size 'huge'"),
     (["--steps", "0"], "must be a positive integer, got 0"),
     (["--warmup", "-1"], "must be >= 0, got -1"),
-    (["--context-length", "4096"], "--context-length 4096 exceeds"),
+    (["--context-length", "4096"], "context length 4096 exceeds the 1024 tokens size 'tiny' supports"),
+    (["--batch-size", "0"], "must be a positive integer, got 0"),
+    (["--compile-scopes", "layers"], "invalid choice: 'layers'"),
     (["--precisions", "fp8"], "unknown precision 'fp8'"),
     (["--attention", "magic"], "unknown attention backend 'magic'"),
 ])
@@ -145,7 +292,7 @@ def test_memory_snapshot_needs_cuda(tmp_path, capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--sizes", "tiny", "--device", "cpu", "--memory-snapshot", "x.pickle",
                   "--out", str(tmp_path / "x.csv")])
-    assert "--memory-snapshot needs a CUDA device" in capsys.readouterr().err
+    assert "memory snapshot needs a CUDA device, got device 'cpu'" in capsys.readouterr().err
 
 
 def test_interrupted_write_keeps_the_earlier_result(tmp_path, monkeypatch):
@@ -203,8 +350,6 @@ def test_nsys_report_is_summarized_by_window_and_launch(tmp_path):
 
 
 def test_profile_tool_choice_and_nsys_child_rows(tmp_path):
-    from cs336_systems.bench import profile
-
     out = tmp_path / "child.csv"
     args = ["--sizes", "tiny", "--context-lengths", "16", "--batch-size", "2", "--warmup", "1", "--steps", "1",
             "--device", "cpu"]
@@ -218,12 +363,13 @@ def test_profile_tool_choice_and_nsys_child_rows(tmp_path):
 
 @pytest.mark.parametrize("scope", e2e.COMPILE_SCOPES)
 def test_compile_scope_decides_what_is_compiled(scope):
-    spec = e2e.RunSpec(size="tiny", mode="forward", precision="fp32", attention="naive", compile=True,
+    spec = e2e.RunSpec(size="tiny", mode="forward", precision="fp32", attention="naive",
                        batch_size=2, context_length=8, warmup=0, steps=1, device="cpu", compile_scope=scope)
     model = e2e.build_model(spec, torch.device("cpu"))
     whole = getattr(model, "_compiled_call_impl", None) is not None
     blocks = [getattr(layer, "_compiled_call_impl", None) is not None for layer in model.layers]
-    assert whole == (scope != "blocks") and all(blocks) == (scope == "blocks")
+    assert whole == scope.startswith("model")
+    assert all(blocks) == (scope == "blocks") and any(blocks) == (scope == "blocks")
     with pytest.raises(ValueError, match="'layers'"):
         e2e.build_model(dataclasses.replace(spec, compile_scope="layers"), torch.device("cpu"))
 

@@ -1,6 +1,8 @@
 """The Snakemake workflow: dry runs at both scales and on the Slurm profile, lint, formatting, and
 that every deliverable the writeup names has a producing rule."""
 
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -72,3 +74,62 @@ def test_committed_writeup_is_what_the_code_makes_of_the_committed_results(monke
     anchors = yaml.safe_load((ROOT / "config.yaml").read_text())["anchors"]
     ctx = Context(Path("results"), Path("figures"), Path("results"), anchors)
     assert build(ctx, "full", "cuda") == (ROOT / "results" / "writeup.md").read_text()
+
+
+# Where the project suggests snakemake commands: fenced blocks and `inline code` of these documents, and
+# `#   snakemake ...` comment lines of these workflow files.
+DOCUMENTS = ["README.md", "results/README.md"]
+COMMENTED = ["workflow/Snakefile", "workflow/profiles/slurm/config.yaml"]
+
+
+def _commands_in(text: str) -> list[str]:
+    """The `snakemake ...` commands in a shell fragment: continuation lines joined, `&&` chains split."""
+    commands = []
+    for line in text.replace("\\\n", " ").splitlines():
+        commands += [part.strip() for part in line.split("&&") if part.strip().startswith("snakemake ")]
+    return commands
+
+
+def suggested_commands() -> list[tuple[str, list[str]]]:
+    """(file, argv) of every snakemake command the documentation and the workflow's comments suggest."""
+    found = []
+    for name in DOCUMENTS:
+        text = (ROOT / name).read_text()
+        fence = re.compile(r"^```[^\n]*\n(.*?)^```", flags=re.S | re.M)
+        for block in fence.findall(text):
+            found += [(name, command) for command in _commands_in(block)]
+        found += [(name, span) for span in re.findall(r"`(snakemake [^`]*)`", fence.sub("", text))]
+    for name in COMMENTED:
+        for line in (ROOT / name).read_text().splitlines():
+            match = re.match(r"#\s+(snakemake .*)", line)
+            if match:
+                found.append((name, match.group(1)))
+    return [(name, shlex.split(command, comments=True)) for name, command in found]
+
+
+SUGGESTED = suggested_commands()
+DISTINCT: dict[tuple[str, ...], str] = {}  # each command once (the Snakefile repeats the README's), its first source
+for _source, _argv in SUGGESTED:
+    DISTINCT.setdefault(tuple(_argv), _source)
+
+
+def test_commands_are_found_in_every_source():
+    assert {name for name, _ in SUGGESTED} == {*DOCUMENTS, *COMMENTED}
+    assert len(SUGGESTED) >= 8, SUGGESTED
+
+
+@pytest.mark.parametrize("source,argv", [(source, list(argv)) for argv, source in DISTINCT.items()],
+                         ids=[" ".join(argv) for argv in DISTINCT])
+def test_suggested_snakemake_command_dry_runs(source, argv):
+    """Each suggested command as written, with --dry-run: a target placed after --resources or --config
+    (read as a resource or config entry) or an unknown option fails here."""
+    assert argv[0] == "snakemake"
+    result = snakemake(*argv[1:], "--dry-run")
+    assert result.returncode == 0, f"{source}: {' '.join(argv)}\n{result.stdout}{result.stderr}"
+
+
+@pytest.mark.parametrize("argv", [["--cores", "1", "--resources", "gpu=2", "results/ddp_bucketed.csv"],
+                                  ["--cores", "2", "--config", "scale=smoke", "writeup"]])
+def test_a_target_after_a_many_valued_option_fails_the_dry_run(argv):
+    """The malformed forms the documents once suggested: the check above can fail."""
+    assert snakemake(*argv, "--dry-run").returncode != 0

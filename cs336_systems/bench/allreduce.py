@@ -20,10 +20,13 @@ import statistics
 import sys
 import timeit
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
+from cs336_systems.bench.cli import config_or_usage_error, non_negative_int, positive_float, positive_int
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import synchronize
@@ -101,23 +104,53 @@ def measure(ops: list[str], sizes_mb: list[float], warmup: int, iters: int, back
     return rows
 
 
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class AllReduceConfig:
+    backend: str
+    sizes_mb: tuple[float, ...] = (1, 10, 100, 1000)
+    warmup: int = 5
+    iters: int = 20
+    ops: tuple[str, ...] = ("all_reduce",)
+
+    def __post_init__(self):
+        check_known("backend", [self.backend], BACKENDS)
+        check_not_empty("sizes_mb", self.sizes_mb)
+        check_positive("tensor size (MB)", *self.sizes_mb)
+        check_non_negative("warm-up calls", self.warmup)
+        check_positive("timed calls", self.iters)
+        check_not_empty("ops", self.ops)
+        check_known("collective", list(self.ops), OPS)
+
+
+def allreduce_rows(config: AllReduceConfig) -> list[dict]:
+    """Start the process group from torchrun's environment, time every op and size, shut the group
+    down; rank 0 returns one row per op and size, the other ranks none."""
+    _, _, device = init_from_env(config.backend)
+    rows = measure(list(config.ops), list(config.sizes_mb), config.warmup, config.iters, config.backend, device)
+    shutdown()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", required=True, choices=["gloo", "nccl"])
-    parser.add_argument("--sizes-mb", nargs="+", type=float, default=[1, 10, 100, 1000])
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--backend", required=True, choices=BACKENDS, help="gloo (CPU tensors) or nccl (GPUs)")
+    parser.add_argument("--sizes-mb", nargs="+", type=positive_float, default=[1, 10, 100, 1000],
+                        help="float32 tensor sizes in MB, one row each")
+    parser.add_argument("--warmup", type=non_negative_int, default=5, help="untimed calls per op and size")
+    parser.add_argument("--iters", type=positive_int, default=20, help="timed calls per op and size")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=["all_reduce"],
-                        help="collectives to time (all-gather and reduce-scatter check the ring model of section 8)")
-    parser.add_argument("--out", required=True)
+                        help="collectives to time (all-gather and reduce-scatter check the ring model of the "
+                             "2026 handout's section 8)")
+    parser.add_argument("--out", required=True, help="CSV file for the rows (written by rank 0)")
     args = parser.parse_args(argv)
-    if any(size <= 0 for size in args.sizes_mb):
-        parser.error(f"--sizes-mb must be positive, got {args.sizes_mb}")
-    rank, world, device = init_from_env(args.backend)
-    rows = measure(args.ops, args.sizes_mb, args.warmup, args.iters, args.backend, device)
-    if rank == 0:
+    config = config_or_usage_error(parser, AllReduceConfig, backend=args.backend, sizes_mb=tuple(args.sizes_mb),
+                                   warmup=args.warmup, iters=args.iters, ops=tuple(args.ops))
+    rows = allreduce_rows(config)
+    if rows:
         write_rows(rows, args.out)
-    shutdown()
 
 
 if __name__ == "__main__":

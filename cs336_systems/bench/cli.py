@@ -10,6 +10,7 @@ from cs336_systems.bench.timing import resolve_device
 
 
 def positive_int(text: str) -> int:
+    """An argparse type: an integer > 0."""
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
@@ -17,6 +18,7 @@ def positive_int(text: str) -> int:
 
 
 def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
@@ -33,4 +35,21 @@ def device_from_args(parser: argparse.ArgumentParser, device: str) -> torch.devi
     try:
         return resolve_device(device)
     except RuntimeError as error:
+        parser.error(str(error))
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def config_or_usage_error(parser: argparse.ArgumentParser, make, **fields):
+    """`make(**fields)` (a config dataclass), its ValueError or RuntimeError (bad value, no GPU) reported
+    as a usage error of the CLI."""
+    try:
+        return make(**fields)
+    except (ValueError, RuntimeError) as error:
         parser.error(str(error))

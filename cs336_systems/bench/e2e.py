@@ -1,12 +1,15 @@
 """End-to-end benchmark of the Transformer LM (handout 1.1.3, 1.1.5(c), 1.1.6, 1.3.1(b)).
 
-For every point of the grid (size x mode x precision x attention x compile [x scope] [x optimizer]) it
-builds the model, runs `warmup` untimed steps and `steps` timed ones, synchronizing around each phase,
+For every point of the grid (size x mode x precision x attention x compile scope x warm-up [x optimizer])
+it builds the model, runs `warmup` untimed steps and `steps` timed ones, synchronizing around each phase,
 and writes one tidy row per phase (forward, backward, optimizer, step) with mean/std/median, tokens/s,
 MFU and peak memory. Out-of-memory becomes a row with status=oom and the sweep goes on.
 
     python -m cs336_systems.bench.e2e --sizes small xl --modes forward forward_backward \
         --precisions fp32 bf16 --device cuda --out results/e2e.csv
+
+As a library: `sweep(Sweep(sizes=("small",), device="cuda"), "e2e.csv")`, or `run(RunSpec(...))` for the
+rows of one point.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ import argparse
 import functools
 import itertools
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from cs336_systems.bench.cli import add_device_argument, non_negative_int, positive_int
+from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
+from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.bench.provenance import device_name, provenance
 from cs336_systems.bench.results import PartialRows
 from cs336_systems.bench.timing import (
@@ -27,7 +32,7 @@ from cs336_systems.bench.timing import (
     autocast,
     check_precision,
     is_oom,
-    oom_message,
+    oom_row,
     peak_flops,
     peak_memory_mib,
     reset_memory,
@@ -51,11 +56,11 @@ from cs336_systems.model import (
 )
 
 MODES = ("forward", "forward_backward", "train_step")
-# What `--compile on` compiles: each Transformer block (regional compilation: the blocks share one graph,
-# so compile time does not grow with depth), the whole model, or the whole model with CUDA graphs
-# (torch.compile's "reduce-overhead" mode, which replays each step's kernels without launching them
-# one by one from the host).
-COMPILE_SCOPES = ("blocks", "model", "model-cudagraphs")
+# What is compiled: nothing (eager), each Transformer block (regional compilation: the blocks share one
+# graph, so compile time does not grow with depth), the whole model, or the whole model with CUDA graphs
+# (torch.compile's "reduce-overhead" mode, which replays each step's kernels without launching them one
+# by one from the host).
+COMPILE_SCOPES = ("none", "blocks", "model", "model-cudagraphs")
 PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
           "train_step": ("forward", "backward", "optimizer")}
 
@@ -65,33 +70,40 @@ register_attention("naive_annotated", functools.partial(naive_attention, section
 
 @dataclass(frozen=True)
 class RunSpec:
+    """One point of the grid."""
+
     size: str
     mode: str
     precision: str
     attention: str
-    compile: bool
     batch_size: int
     context_length: int
     warmup: int
     steps: int
     device: str
     memory_snapshot: str | None = None
-    optimizer: str = "foreach"  # train_step only: one of ADAMW_IMPLEMENTATIONS (the CLI records "none" otherwise)
-    compile_scope: str = "blocks"  # with compile only: one of COMPILE_SCOPES (the CLI records "none" otherwise)
+    optimizer: str = "foreach"  # train_step only: one of ADAMW_IMPLEMENTATIONS ("none" in rows of other modes)
+    compile_scope: str = "none"  # one of COMPILE_SCOPES; "none" runs eagerly
+
+    def columns(self) -> dict:
+        """The point's columns in a results row. `compile` (true unless the scope is "none") is kept beside
+        `compile_scope`, in the order of the committed results files, which the report reads."""
+        return {"size": self.size, "mode": self.mode, "precision": self.precision, "attention": self.attention,
+                "compile": self.compile_scope != "none", "batch_size": self.batch_size,
+                "context_length": self.context_length, "warmup": self.warmup, "steps": self.steps,
+                "device": self.device, "memory_snapshot": self.memory_snapshot, "optimizer": self.optimizer,
+                "compile_scope": self.compile_scope}
 
 
 def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
     config = get_config(spec.size, attention=spec.attention, context_length=max(spec.context_length, 1))
+    check_known("compile scope", [spec.compile_scope], COMPILE_SCOPES)
     with device:  # initialise on the device: a 2.7B model's init on the CPU takes longer than its benchmark
         model = TransformerLM(config)
-    if not spec.compile:
-        return model
     if spec.compile_scope == "blocks":
         model.compile_blocks()
     elif spec.compile_scope in ("model", "model-cudagraphs"):
         model.compile(mode="reduce-overhead" if spec.compile_scope == "model-cudagraphs" else None)
-    else:
-        raise ValueError(f"unknown compile scope {spec.compile_scope!r}; known: {', '.join(COMPILE_SCOPES)}")
     return model
 
 
@@ -127,7 +139,7 @@ def measure(spec: RunSpec) -> dict[str, list[float]]:
         if measured and step == spec.warmup and spec.memory_snapshot:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         with annotate("measured_step" if measured else "warmup_step"):
-            if spec.compile and spec.compile_scope == "model-cudagraphs":
+            if spec.compile_scope == "model-cudagraphs":
                 torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier outputs may be overwritten
             model.zero_grad(set_to_none=True)
             for phase in samples:
@@ -146,7 +158,7 @@ def run(spec: RunSpec) -> list[dict]:
     """Rows for one grid point; an out-of-memory failure becomes a single status=oom row."""
     device = resolve_device(spec.device)
     config = get_config(spec.size)
-    base = {**asdict(spec), "d_model": config.d_model, "d_ff": config.d_ff, "num_layers": config.num_layers,
+    base = {**spec.columns(), "d_model": config.d_model, "d_ff": config.d_ff, "num_layers": config.num_layers,
             "num_heads": config.num_heads}
     # Each grid point compiles afresh: without this, recompiles for earlier points exhaust dynamo's cache
     # limit and later points silently run eagerly. The compiled code refers to the previous point's model,
@@ -161,7 +173,7 @@ def run(spec: RunSpec) -> list[dict]:
         if spec.memory_snapshot:
             torch.cuda.memory._record_memory_history(enabled=None)
         reset_memory(device)
-        return [{**base, "phase": "step", "status": "oom", "error": oom_message(error)}]
+        return [oom_row({**base, "phase": "step"}, error)]
     peak_mib = peak_memory_mib(device)
     step_ms = [sum(parts) for parts in zip(*samples.values())]
     # Matmul FLOPs only; the optimizer's elementwise work is not counted, as usual for MFU.
@@ -180,6 +192,83 @@ def run(spec: RunSpec) -> list[dict]:
     return rows
 
 
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A grid of points: every combination of the tuple fields (optimizers apply to train_step only).
+    Checked on construction: unknown names, counts out of range, a context longer than a size supports,
+    a precision or a memory snapshot the device cannot do, and a GPU asked for where there is none all
+    raise a ValueError (RuntimeError for the missing GPU) naming the value."""
+
+    sizes: tuple[str, ...] = ("small",)
+    modes: tuple[str, ...] = ("forward_backward",)
+    precisions: tuple[str, ...] = ("fp32",)
+    attention: tuple[str, ...] = ("naive",)
+    compile_scopes: tuple[str, ...] = ("none",)
+    warmups: tuple[int, ...] = (5,)
+    optimizers: tuple[str, ...] = ("foreach",)
+    batch_size: int = 4
+    context_length: int = 512
+    steps: int = 10
+    device: str = field(default_factory=_default_device)
+    memory_snapshot: str | None = None
+
+    def __post_init__(self):
+        for name in ("sizes", "modes", "precisions", "attention", "compile_scopes", "warmups", "optimizers"):
+            check_not_empty(name, getattr(self, name))
+        check_known("model size", self.sizes, MODEL_SIZES)
+        check_known("mode", self.modes, MODES)
+        check_known("compile scope", self.compile_scopes, COMPILE_SCOPES)
+        check_known("AdamW implementation", self.optimizers, ADAMW_IMPLEMENTATIONS)
+        check_positive("batch size", self.batch_size)
+        check_positive("context length", self.context_length)
+        check_positive("measured steps", self.steps)
+        check_non_negative("warm-up steps", *self.warmups)
+        for size in self.sizes:
+            limit = MODEL_SIZES[size].context_length
+            if self.context_length > limit:
+                raise ValueError(f"context length {self.context_length} exceeds the {limit} tokens size {size!r} "
+                                 "supports")
+        device = resolve_device(self.device)
+        for precision in self.precisions:
+            check_precision(precision, device)
+        for name in self.attention:
+            get_attention(name)
+        if self.memory_snapshot and device.type != "cuda":
+            raise ValueError(f"a memory snapshot needs a CUDA device, got device {self.device!r}")
+
+    def specs(self) -> list[RunSpec]:
+        grid = itertools.product(self.sizes, self.modes, self.precisions, self.attention, self.compile_scopes,
+                                 self.warmups)
+        return [
+            RunSpec(size=size, mode=mode, precision=precision, attention=attention, batch_size=self.batch_size,
+                    context_length=self.context_length, warmup=warmup, steps=self.steps, device=self.device,
+                    memory_snapshot=self.memory_snapshot, optimizer=optimizer, compile_scope=scope)
+            for size, mode, precision, attention, scope, warmup in grid
+            for optimizer in (self.optimizers if mode == "train_step" else ["none"])
+        ]
+
+
+def sweep(config: Sweep, out: str | Path) -> None:
+    """Run every point of the grid and write its rows, with provenance, to `out`. The points finished so
+    far are kept in OUT.partial as the sweep goes, so a cut run leaves them beside an earlier OUT."""
+    specs = config.specs()
+    prov = provenance(config.device)
+    rows = PartialRows(out)
+    for i, spec in enumerate(specs, 1):
+        spec_rows = run(spec)
+        rows.add({**row, **prov} for row in spec_rows)
+        last = spec_rows[-1]
+        shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
+        print(f"[{i}/{len(specs)}] {spec.size} {spec.mode} {spec.precision} {spec.attention} "
+              f"compile={spec.compile_scope} warmup={spec.warmup} optimizer={spec.optimizer}: {shown}",
+              file=sys.stderr, flush=True)
+    rows.finish()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["small"], help=f"model sizes: {', '.join(MODEL_SIZES)}")
@@ -188,14 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precisions", nargs="+", default=["fp32"], help="fp32 | bf16 | fp16 (autocast)")
     parser.add_argument("--attention", nargs="+", default=["naive"],
                         help="attention backends: naive, naive_annotated, sdpa, flash_pytorch, flash_triton")
-    parser.add_argument("--compile", nargs="+", default=["off"], choices=["off", "on"],
-                        help="run eagerly (off) and/or with each block torch.compile'd (on)")
-    parser.add_argument("--compile-scopes", nargs="+", default=["blocks"], choices=COMPILE_SCOPES,
-                        help="with --compile on: each block (regional), the whole model, or the whole model "
-                             "with CUDA graphs (mode reduce-overhead)")
-    parser.add_argument("--batch-size", type=positive_int, default=4)
-    parser.add_argument("--context-length", type=positive_int, default=512)
-    parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5], help="untimed warm-up steps")
+    parser.add_argument("--compile-scopes", nargs="+", default=["none"], choices=COMPILE_SCOPES,
+                        help="what torch.compile compiles: none (eager), each block (regional), the whole model, "
+                             "or the whole model with CUDA graphs (mode reduce-overhead)")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
+    parser.add_argument("--context-length", type=positive_int, default=512,
+                        help="tokens per sequence (at most the size's context length)")
+    parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5],
+                        help="untimed warm-up steps (several values: one point each)")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
     add_device_argument(parser)
     parser.add_argument("--optimizers", nargs="+", default=["foreach"], choices=ADAMW_IMPLEMENTATIONS,
@@ -207,51 +296,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def specs_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[RunSpec]:
-    for size in args.sizes:
-        if size not in MODEL_SIZES:
-            parser.error(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
-        limit = MODEL_SIZES[size].context_length
-        if args.context_length > limit:
-            parser.error(f"--context-length {args.context_length} exceeds the {limit} tokens size {size!r} supports")
-    try:
-        device = resolve_device(args.device)
-        for precision in args.precisions:
-            check_precision(precision, device)
-        for name in args.attention:
-            get_attention(name)
-    except (ValueError, RuntimeError) as error:
-        parser.error(str(error))
-    if args.memory_snapshot and device.type != "cuda":
-        parser.error(f"--memory-snapshot needs a CUDA device, got --device {args.device}")
-    grid = itertools.product(args.sizes, args.modes, args.precisions, args.attention, args.compile, args.warmup)
-    return [
-        RunSpec(size=size, mode=mode, precision=precision, attention=attention, compile=compile_ == "on",
-                batch_size=args.batch_size, context_length=args.context_length, warmup=warmup,
-                steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot, optimizer=optimizer,
-                compile_scope=scope)
-        for size, mode, precision, attention, compile_, warmup in grid
-        for scope in (args.compile_scopes if compile_ == "on" else ["none"])
-        for optimizer in (args.optimizers if mode == "train_step" else ["none"])
-    ]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    specs = specs_from_args(args, parser)
-    prov = provenance(args.device)
-    rows = PartialRows(args.out)  # a cut run keeps its finished points in OUT.partial
-    for i, spec in enumerate(specs, 1):
-        spec_rows = run(spec)
-        rows.add({**row, **prov} for row in spec_rows)
-        last = spec_rows[-1]
-        shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
-        print(f"[{i}/{len(specs)}] {spec.size} {spec.mode} {spec.precision} {spec.attention} "
-              f"compile={spec.compile} scope={spec.compile_scope} warmup={spec.warmup} "
-              f"optimizer={spec.optimizer}: {shown}",
-              file=sys.stderr, flush=True)
-    rows.finish()
+    config = config_or_usage_error(
+        parser, Sweep, sizes=tuple(args.sizes), modes=tuple(args.modes), precisions=tuple(args.precisions),
+        attention=tuple(args.attention), compile_scopes=tuple(args.compile_scopes), warmups=tuple(args.warmup),
+        optimizers=tuple(args.optimizers), batch_size=args.batch_size, context_length=args.context_length,
+        steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot)
+    sweep(config, args.out)
 
 
 if __name__ == "__main__":

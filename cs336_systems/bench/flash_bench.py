@@ -9,6 +9,12 @@ memory, gives a row with that status.
 `leaderboard`: the handout's timing test exactly — q, k, v of shape (16, 16384, 64) bf16,
 `torch.compile(FlashAttention2.apply)`, `o.sum().backward()`, `do_bench(rep=10000, warmup=1000)` —
 for our Triton FA2 and, timed the same way in the same run, the SDPA flash and cuDNN backends.
+
+    python -m cs336_systems.bench.flash_bench sweep --dtypes bf16 --head-dims 64 --out flash_sweep.csv
+    python -m cs336_systems.bench.flash_bench leaderboard --out flash_leaderboard.csv
+
+As a library: `sweep(SweepConfig(...))` yields each point's rows, `leaderboard(LeaderboardConfig())`
+returns the leaderboard rows (provenance is added by `main`).
 """
 
 from __future__ import annotations
@@ -17,14 +23,17 @@ import argparse
 import itertools
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
+from cs336_systems.bench.cli import config_or_usage_error, positive_int
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import PartialRows
-from cs336_systems.bench.timing import DTYPES, bench_ms, is_oom, resolve_device
+from cs336_systems.bench.timing import DTYPES, bench_ms, is_oom, oom_message, oom_row, resolve_device
 from cs336_systems.kernels import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.model.attention import naive_attention
 
@@ -90,35 +99,90 @@ def supported(provider: str, dtype: torch.dtype, seq: int, device: torch.device,
     return None
 
 
-def sweep(args: argparse.Namespace) -> Iterator[list[dict]]:
+@dataclass(frozen=True)
+class SweepConfig:
+    """The latency grid: every (dtype, head dim, sequence length, provider), batch 1, causal."""
+
+    seqs: tuple[int, ...] = tuple(2**i for i in range(7, 17))
+    head_dims: tuple[int, ...] = (16, 32, 64, 128)
+    dtypes: tuple[str, ...] = ("bf16", "fp32")
+    providers: tuple[str, ...] = tuple(PROVIDERS)
+    pytorch_max_seq: int = 4096  # longest sequence for the PyTorch FA2 (its tile loop is Python)
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    device: str = "cuda"
+
+    def __post_init__(self):
+        for name in ("seqs", "head_dims", "dtypes", "providers"):
+            check_not_empty(name, getattr(self, name))
+        check_known("dtype", self.dtypes, DTYPES)
+        check_known("provider", self.providers, PROVIDERS)
+        check_positive("sequence length", *self.seqs)
+        check_positive("head dim", *self.head_dims)
+        check_positive("PyTorch FA2 longest sequence", self.pytorch_max_seq)
+        check_positive("warm-up time (ms)", self.warmup_ms)
+        check_positive("repetition time (ms)", self.rep_ms)
+        resolve_device(self.device)
+
+
+@dataclass(frozen=True)
+class LeaderboardConfig:
+    """The handout's leaderboard case (its sizes are the defaults), for each provider; `compile` runs our
+    Functions through torch.compile as the handout's test does."""
+
+    providers: tuple[str, ...] = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+    heads: int = 16
+    seq_len: int = 16384
+    head_dim: int = 64
+    dtype: str = "bf16"
+    compile: bool = True
+    warmup_ms: int = 1000
+    rep_ms: int = 10000
+    device: str = "cuda"
+
+    def __post_init__(self):
+        check_not_empty("providers", self.providers)
+        check_known("provider", self.providers, PROVIDERS)
+        check_known("dtype", [self.dtype], DTYPES)
+        check_positive("heads", self.heads)
+        check_positive("sequence length", self.seq_len)
+        check_positive("head dim", self.head_dim)
+        check_positive("warm-up time (ms)", self.warmup_ms)
+        check_positive("repetition time (ms)", self.rep_ms)
+        resolve_device(self.device)
+
+
+def sweep(config: SweepConfig) -> Iterator[list[dict]]:
     """Each grid point's rows in turn: its three passes, or three rows that say why it did not run."""
-    device = resolve_device(args.device)
-    grid = list(itertools.product(args.dtypes, args.head_dims, args.seqs, args.providers))
+    device = resolve_device(config.device)
+    passes = ("forward", "backward", "forward_backward")
+    grid = list(itertools.product(config.dtypes, config.head_dims, config.seqs, config.providers))
     for i, (dtype_name, head_dim, seq, provider) in enumerate(grid, 1):
         dtype = DTYPES[dtype_name]
         base = {"benchmark": "flash_sweep", "provider": provider, "dtype": dtype_name, "head_dim": head_dim,
                 "seq_len": seq, "batch": 1, "causal": True}
-        reason = supported(provider, dtype, seq, device, args.pytorch_max_seq)
+        reason = supported(provider, dtype, seq, device, config.pytorch_max_seq)
         if reason:
-            yield [{**base, "pass": p, "status": reason.split(":")[0], "note": reason}
-                   for p in ("forward", "backward", "forward_backward")]
+            yield [{**base, "pass": p, "status": reason.split(":")[0], "note": reason} for p in passes]
             continue
         torch.cuda.empty_cache()
-        times, failure = None, None
+        times, failed = None, None
         try:
             q, k, v = (torch.randn(1, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
                        for _ in range(3))
-            times = time_passes(PROVIDERS[provider], q, k, v, True, args.warmup_ms, args.rep_ms)
+            times = time_passes(PROVIDERS[provider], q, k, v, True, config.warmup_ms, config.rep_ms)
         except (torch.OutOfMemoryError, RuntimeError) as error:
-            if not is_oom(error) and "No available kernel" not in str(error):
+            if is_oom(error):
+                failed = [oom_row({**base, "pass": p}, error, message_column="note") for p in passes]
+            elif "No available kernel" in str(error):  # an SDPA backend that does not take this case
+                failed = [{**base, "pass": p, "status": "unsupported", "note": oom_message(error)} for p in passes]
+            else:
                 raise
-            failure = ("oom" if is_oom(error) else "unsupported", str(error).splitlines()[0][:160])
         finally:
             q = k = v = None
-        if failure:
-            print(f"[{i}/{len(grid)}] {base}: {failure[0]}", file=sys.stderr, flush=True)
-            yield [{**base, "pass": p, "status": failure[0], "note": failure[1]}
-                   for p in ("forward", "backward", "forward_backward")]
+        if failed:
+            print(f"[{i}/{len(grid)}] {base}: {failed[0]['status']}", file=sys.stderr, flush=True)
+            yield failed
             continue
         print(f"[{i}/{len(grid)}] {provider} {dtype_name} d={head_dim} n={seq}: "
               + " ".join(f"{p}={t:.3f}ms" for p, t in times.items()), file=sys.stderr, flush=True)
@@ -126,17 +190,17 @@ def sweep(args: argparse.Namespace) -> Iterator[list[dict]]:
                 "tflops": attention_flops(1, seq, head_dim, True, pass_) / ms / 1e9} for pass_, ms in times.items()]
 
 
-def leaderboard(args: argparse.Namespace) -> list[dict]:
+def leaderboard(config: LeaderboardConfig) -> list[dict]:
     """The handout's leaderboard test, verbatim in substance, per provider (defaults: its sizes)."""
-    device = resolve_device(args.device)
-    n_heads, d_head, seq = args.heads, args.head_dim, args.seq_len
+    device = resolve_device(config.device)
+    n_heads, d_head, seq = config.heads, config.head_dim, config.seq_len
     rows = []
-    for provider in args.providers:
+    for provider in config.providers:
         torch.manual_seed(0)
-        q, k, v = torch.randn(3, n_heads, seq, d_head, device=device, dtype=DTYPES[args.dtype], requires_grad=True)
+        q, k, v = torch.randn(3, n_heads, seq, d_head, device=device, dtype=DTYPES[config.dtype], requires_grad=True)
         fn = PROVIDERS[provider]
         # As the handout's test: our Functions go through torch.compile; SDPA is called as it is.
-        flash = torch.compile(fn) if provider.startswith("flash") and args.compile == "on" else fn
+        flash = torch.compile(fn) if provider.startswith("flash") and config.compile else fn
 
         def flash_forward_backward():
             o = flash(q, k, v, True)
@@ -156,14 +220,14 @@ def leaderboard(args: argparse.Namespace) -> list[dict]:
             note = f"torch.compile failed ({type(error).__name__}: {str(error).splitlines()[0][:120]}); eager"
             flash = fn
         for pass_, call in (("forward_backward", flash_forward_backward), ("forward", flash_forward)):
-            ms = bench_ms(call, device, args.warmup_ms, args.rep_ms) if device.type != "cuda" else \
-                triton.testing.do_bench(call, rep=args.rep_ms, warmup=args.warmup_ms)  # the handout's call: mean
+            ms = bench_ms(call, device, config.warmup_ms, config.rep_ms) if device.type != "cuda" else \
+                triton.testing.do_bench(call, rep=config.rep_ms, warmup=config.warmup_ms)  # the handout's call: mean
             flops = attention_flops(n_heads, seq, d_head, True, pass_)
-            rows.append({"benchmark": "leaderboard", "provider": provider, "dtype": args.dtype, "head_dim": d_head,
+            rows.append({"benchmark": "leaderboard", "provider": provider, "dtype": config.dtype, "head_dim": d_head,
                          "seq_len": seq, "batch": 1, "heads": n_heads, "causal": True, "pass": pass_,
                          "compiled": flash is not fn,
-                         "mean_ms": ms, "tflops": flops / ms / 1e9, "rep_ms": args.rep_ms,
-                         "warmup_ms": args.warmup_ms, "status": "ok", "note": note})
+                         "mean_ms": ms, "tflops": flops / ms / 1e9, "rep_ms": config.rep_ms,
+                         "warmup_ms": config.warmup_ms, "status": "ok", "note": note})
             print(f"leaderboard {provider} {pass_}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)",
                   file=sys.stderr, flush=True)
     return rows
@@ -173,36 +237,46 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sw = sub.add_parser("sweep", help="latency grid over sequence length, head dim and dtype")
-    sw.add_argument("--seqs", nargs="+", type=int, default=[2**i for i in range(7, 17)])
-    sw.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128])
-    sw.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
-    sw.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
-    sw.add_argument("--pytorch-max-seq", type=int, default=4096, help="longest sequence for the PyTorch FA2")
-    sw.add_argument("--warmup-ms", type=int, default=25)
-    sw.add_argument("--rep-ms", type=int, default=100)
+    sw.add_argument("--seqs", nargs="+", type=positive_int, default=[2**i for i in range(7, 17)],
+                    help="sequence lengths, one point each")
+    sw.add_argument("--head-dims", nargs="+", type=positive_int, default=[16, 32, 64, 128],
+                    help="head dimensions, one point each")
+    sw.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES), help="input dtypes")
+    sw.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS),
+                    help="attention implementations to time")
+    sw.add_argument("--pytorch-max-seq", type=positive_int, default=4096,
+                    help="longest sequence for the PyTorch FA2")
+    sw.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up time per pass")
+    sw.add_argument("--rep-ms", type=positive_int, default=100, help="do_bench measuring time per pass")
     lb = sub.add_parser("leaderboard", help="the handout's leaderboard timing test")
     lb.add_argument("--providers", nargs="+", default=["flash_triton", "sdpa_flash", "sdpa_cudnn"],
-                    choices=list(PROVIDERS))
-    lb.add_argument("--heads", type=int, default=16)
-    lb.add_argument("--seq-len", type=int, default=16384)
-    lb.add_argument("--head-dim", type=int, default=64)
-    lb.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+                    choices=list(PROVIDERS), help="attention implementations to time")
+    lb.add_argument("--heads", type=positive_int, default=16, help="attention heads (the batch of the case)")
+    lb.add_argument("--seq-len", type=positive_int, default=16384, help="sequence length")
+    lb.add_argument("--head-dim", type=positive_int, default=64, help="head dimension")
+    lb.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype")
     lb.add_argument("--compile", default="on", choices=["on", "off"], help="torch.compile our Functions")
-    lb.add_argument("--warmup-ms", type=int, default=1000)
-    lb.add_argument("--rep-ms", type=int, default=10000)
+    lb.add_argument("--warmup-ms", type=positive_int, default=1000, help="do_bench warm-up time per pass")
+    lb.add_argument("--rep-ms", type=positive_int, default=10000, help="do_bench measuring time per pass")
     for p in (sw, lb):
-        p.add_argument("--device", default="cuda")
-        p.add_argument("--out", required=True)
+        p.add_argument("--device", default="cuda", help="cuda (the benchmark's device) or cpu (a smoke run)")
+        p.add_argument("--out", required=True, help="CSV file for the rows")
     args = parser.parse_args(argv)
-    try:
-        resolve_device(args.device)
-    except RuntimeError as error:
-        parser.error(str(error))
+    if args.command == "sweep":
+        config = config_or_usage_error(
+            parser, SweepConfig, seqs=tuple(args.seqs), head_dims=tuple(args.head_dims), dtypes=tuple(args.dtypes),
+            providers=tuple(args.providers), pytorch_max_seq=args.pytorch_max_seq, warmup_ms=args.warmup_ms,
+            rep_ms=args.rep_ms, device=args.device)
+    else:
+        config = config_or_usage_error(
+            parser, LeaderboardConfig, providers=tuple(args.providers), heads=args.heads, seq_len=args.seq_len,
+            head_dim=args.head_dim, dtype=args.dtype, compile=args.compile == "on", warmup_ms=args.warmup_ms,
+            rep_ms=args.rep_ms, device=args.device)
     from cs336_systems.kernels.flash_triton import FLOAT32_DOT  # after the device check (it imports triton)
 
     prov = {**provenance(args.device), "float32_dot": FLOAT32_DOT}  # how our kernels multiplied float32 inputs
     rows = PartialRows(args.out)  # a cut sweep keeps its finished points in OUT.partial
-    for point in sweep(args) if args.command == "sweep" else [leaderboard(args)]:
+    for point in sweep(config) if args.command == "sweep" else [leaderboard(config)]:
         rows.add({**row, **prov} for row in point)
     rows.finish()
 

@@ -19,6 +19,7 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from cs336_systems.bench.cli import positive_int
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 
@@ -50,18 +51,15 @@ def run_tests(ids: list[str], workers: int, tmp: Path, cwd: Path) -> list[ET.Ele
         return [case for cases in pool.map(one, range(len(ids)), ids) for case in cases]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="device named in the provenance columns")
-    parser.add_argument("--workers", type=int, default=1, help="concurrent pytest processes")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error(f"--workers must be at least 1, got {args.workers}")
-    ids = collect(TESTS)
+def flash_check_rows(device: str, workers: int = 1, tests: Path = TESTS) -> list[dict]:
+    """One row per test of `tests` (outcome, seconds, provenance naming `device`); a SystemExit when a
+    test failed or reported no outcome, so a failed check never becomes a results file."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    ids = collect(tests)
     with tempfile.TemporaryDirectory() as tmp:
-        cases = run_tests(ids, args.workers, Path(tmp), TESTS.parents[1])
-    prov = provenance(args.device)
+        cases = run_tests(ids, workers, Path(tmp), tests.parents[1])
+    prov = provenance(device)
     rows = []
     for case in cases:
         outcome = next((OUTCOME[tag] for tag in OUTCOME if case.find(tag) is not None), "passed")
@@ -70,7 +68,16 @@ def main(argv: list[str] | None = None) -> None:
     failed = [r["test"] for r in rows if r["outcome"] in ("failed", "error")]
     if failed or missing:
         raise SystemExit(f"flash tests failed: {failed}; {missing} of {len(ids)} tests reported no outcome")
-    write_rows(rows, args.out)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="device named in the provenance columns")
+    parser.add_argument("--workers", type=positive_int, default=1, help="concurrent pytest processes")
+    parser.add_argument("--out", required=True, help="CSV file for the rows")
+    args = parser.parse_args(argv)
+    write_rows(flash_check_rows(args.device, args.workers), args.out)
 
 
 if __name__ == "__main__":

@@ -158,16 +158,21 @@ def parse_tile(text: str) -> tuple[int, int, int, int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 and H200)")
-    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
-    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(POINTER_DTYPES))
-    parser.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128])
+    parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS),
+                        help="kernels to compile: forward, backward_dkdv, backward_dq")
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(POINTER_DTYPES),
+                        help="input dtypes")
+    parser.add_argument("--head-dims", nargs="+", type=int, default=[16, 32, 64, 128],
+                        help="head dims (16, 32, 64, 128)")
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                         help="tiles to compile instead of each kernel's autotuning list, as outer,inner,warps,stages")
     parser.add_argument("--float32-dots", nargs="+", default=None, choices=["tf32x3", "ieee"],
                         help="float32 dot precisions to compile (default: the kernels' FLOAT32_DOT)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="CSV file for the rows")
     args = parser.parse_args(argv)
     use_compiler()
+    if args.arch < 70:  # Triton's NVIDIA backend compiles for Volta (sm_70) and later
+        parser.error(f"--arch {args.arch}: give a compute capability x 10 of at least 70 (90: H100)")
     for d in args.head_dims:
         if d not in (16, 32, 64, 128):
             parser.error(f"--head-dims {d}: the kernels take head dims 16, 32, 64 and 128")

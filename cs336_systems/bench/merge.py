@@ -7,8 +7,8 @@ from cs336_systems.bench.results import read_rows, write_rows
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("inputs", nargs="+")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("inputs", nargs="+", help="CSV files to concatenate, in order")
+    parser.add_argument("--out", required=True, help="CSV file for all their rows")
     args = parser.parse_args(argv)
     write_rows(read_rows(*args.inputs).to_dict("records"), args.out)
 

@@ -81,15 +81,20 @@ def autocast_dtypes(device: torch.device) -> list[dict]:
     return [{"kind": "dtype", "item": item, "dtype": str(dtype)} for item, dtype in seen.items()]
 
 
+def mixed_precision_rows(device: str | torch.device) -> list[dict]:
+    """Both experiments' rows, with the device type and provenance."""
+    device = torch.device(device)
+    rows = [*accumulation_loops(), *autocast_dtypes(device)]
+    return [{**row, "device_type": device.type, **provenance(device)} for row in rows]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_device_argument(parser)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True, help="CSV file for the rows")
     args = parser.parse_args(argv)
     device = device_from_args(parser, args.device)
-    prov = provenance(device)
-    rows = [*accumulation_loops(), *autocast_dtypes(device)]
-    write_rows([{**row, "device_type": device.type, **prov} for row in rows], args.out)
+    write_rows(mixed_precision_rows(device), args.out)
 
 
 if __name__ == "__main__":

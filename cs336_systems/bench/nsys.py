@@ -19,6 +19,7 @@ it has not yet read a real report.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import sqlite3
 import subprocess
@@ -38,8 +39,9 @@ def window(phase: str) -> str:
     return f"measured:{phase}"
 
 
+@functools.cache
 def nsys_works() -> bool:
-    """Whether `nsys` is installed and writes a report for a trivial program."""
+    """Whether `nsys` is installed and writes a report for a trivial program (probed once per process)."""
     if shutil.which("nsys") is None:
         return False
     with tempfile.TemporaryDirectory() as tmp:

@@ -11,6 +11,8 @@ phase in the same process. On CUDA the "kernels" are GPU kernels; on a CPU, ATen
 time (the `tool` column says which). Out-of-memory is a row.
 
     python -m cs336_systems.bench.profile --sizes small xl --context-lengths 128 256 512 1024 --out prof.csv
+
+As a library: `profile_rows(ProfileConfig(sizes=("small",), device="cuda"))`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import itertools
 import shutil
 import sys
 import tempfile
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
@@ -28,15 +31,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench import nsys
 from cs336_systems.bench.e2e import RunSpec, build_model
-from cs336_systems.bench.cli import add_device_argument, device_from_args, positive_int
+from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
+from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import (
     annotate,
     autocast,
+    DTYPES,
     is_oom,
-    oom_message,
+    oom_row,
     reset_memory,
+    resolve_device,
     synchronize,
     timed,
 )
@@ -69,22 +75,73 @@ def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tup
     return kernels, stages
 
 
-def profile_point(size: str, context_length: int, args, device: torch.device) -> list[dict]:
-    """Rows of one (size, context) point. Under `--nsys-child` each measured call runs in an NVTX window
+TOOLS = ("auto", "torch", "nsys")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """What to profile: every (size, context length) point, `warmup` unprofiled steps then `steps`
+    profiled ones. `tool` is torch (torch.profiler), nsys (Nsight Systems) or auto (nsys where it writes
+    reports, on CUDA; torch elsewhere). `nsys_child` marks the child process of the nsys path."""
+
+    sizes: tuple[str, ...] = ("small",)
+    context_lengths: tuple[int, ...] = (128, 256, 512, 1024)
+    batch_size: int = 4
+    precision: str = "fp32"
+    warmup: int = 2
+    steps: int = 2
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+    tool: str = "auto"
+    nsys_reports: Path | None = None
+    nsys_child: bool = False
+
+    def __post_init__(self):
+        check_not_empty("sizes", self.sizes)
+        check_not_empty("context lengths", self.context_lengths)
+        check_known("model size", self.sizes, MODEL_SIZES)
+        check_known("precision", [self.precision], DTYPES)
+        check_known("profiling tool", [self.tool], TOOLS)
+        check_positive("context length", *self.context_lengths)
+        check_positive("batch size", self.batch_size)
+        check_positive("profiled steps", self.steps)
+        check_non_negative("warm-up steps", self.warmup)
+        for size in self.sizes:
+            limit = MODEL_SIZES[size].context_length
+            for context_length in self.context_lengths:
+                if context_length > limit:
+                    raise ValueError(f"context length {context_length} exceeds the {limit} tokens size {size!r} "
+                                     "supports")
+        resolve_device(self.device)
+
+
+def resolve_tool(config: ProfileConfig) -> str:
+    """The tool that `auto` stands for here; a ValueError when nsys is asked for and cannot work."""
+    if config.tool == "torch" or config.nsys_child:
+        return "torch"
+    works = resolve_device(config.device).type == "cuda" and nsys.nsys_works()
+    if config.tool == "nsys" and not works:
+        installed = "installed" if shutil.which("nsys") else "not installed"
+        raise ValueError(f"tool 'nsys' needs a CUDA device and an Nsight Systems that writes reports "
+                         f"(device {config.device!r}; nsys {installed})")
+    return "nsys" if works else "torch"
+
+
+def profile_point(size: str, context_length: int, config: ProfileConfig, device: torch.device) -> list[dict]:
+    """Rows of one (size, context) point. In the nsys child each measured call runs in an NVTX window
     (`nsys.window`) instead of a torch.profiler session, and only the harness rows come back: the
     parent reads the kernels from the Nsight report."""
-    spec = RunSpec(size=size, mode="train_step", precision=args.precision, attention="naive_annotated",
-                   compile=False, batch_size=args.batch_size, context_length=context_length, warmup=args.warmup,
-                   steps=args.steps, device=str(device))
+    spec = RunSpec(size=size, mode="train_step", precision=config.precision, attention="naive_annotated",
+                   batch_size=config.batch_size, context_length=context_length, warmup=config.warmup,
+                   steps=config.steps, device=str(device))
     torch.manual_seed(0)
     model = build_model(spec, device)
     optimizer = AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(model.config.vocab_size, (args.batch_size, context_length + 1), device=device)
+    tokens = torch.randint(model.config.vocab_size, (config.batch_size, context_length + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     state = {}
 
     def forward():
-        with annotate("forward"), autocast(args.precision, device):
+        with annotate("forward"), autocast(config.precision, device):
             state["loss"] = cross_entropy(model(inputs), targets)
 
     def backward():
@@ -96,7 +153,7 @@ def profile_point(size: str, context_length: int, args, device: torch.device) ->
             optimizer.step()
 
     def inference():
-        with annotate("inference"), torch.no_grad(), autocast(args.precision, device):
+        with annotate("inference"), torch.no_grad(), autocast(config.precision, device):
             model(inputs)
 
     phases = {"forward": forward, "backward": backward, "optimizer": step, "inference": inference}
@@ -104,8 +161,8 @@ def profile_point(size: str, context_length: int, args, device: torch.device) ->
     harness = {name: [] for name in phases}
     kernels: dict[tuple[str, str], list] = {}
     stage_rows: dict[tuple[str, str], list] = {}
-    for i in range(args.warmup + args.steps):
-        measured = i >= args.warmup
+    for i in range(config.warmup + config.steps):
+        measured = i >= config.warmup
         optimizer.zero_grad(set_to_none=True)
         for name, fn in phases.items():
             if not measured:
@@ -114,7 +171,7 @@ def profile_point(size: str, context_length: int, args, device: torch.device) ->
             harness[name].append(timed(fn, device))  # the harness's time, unprofiled
             if name == "backward":  # backward needs a fresh graph to be profiled
                 forward()
-            if args.nsys_child:
+            if config.nsys_child:
                 synchronize(device)
                 with annotate(nsys.window(name)):
                     fn()
@@ -135,88 +192,92 @@ def profile_point(size: str, context_length: int, args, device: torch.device) ->
     harness_rows = [{"kind": "harness", "phase": name, "name": "synchronized wall time", "calls_per_step": 1,
                      "ms_per_step": sum(times) / len(times), "tool": "timeit + synchronize"}
                     for name, times in harness.items()]
-    if args.nsys_child:
+    if config.nsys_child:
         return harness_rows
     tool = "torch.profiler: CUDA kernels" if device.type == "cuda" else "torch.profiler: ATen ops (CPU self time)"
-    rows = [{"kind": "kernel", "phase": phase, "name": kernel, "calls_per_step": calls / args.steps,
-             "ms_per_step": total / args.steps, "tool": tool} for (phase, kernel), (calls, total) in kernels.items()]
-    rows += [{"kind": "attention_stage", "phase": phase, "name": stage, "calls_per_step": calls / args.steps,
-              "ms_per_step": total / args.steps, "tool": tool} for (phase, stage), (calls, total) in stage_rows.items()]
+    steps = config.steps
+    rows = [{"kind": "kernel", "phase": phase, "name": kernel, "calls_per_step": calls / steps,
+             "ms_per_step": total / steps, "tool": tool} for (phase, kernel), (calls, total) in kernels.items()]
+    rows += [{"kind": "attention_stage", "phase": phase, "name": stage, "calls_per_step": calls / steps,
+              "ms_per_step": total / steps, "tool": tool} for (phase, stage), (calls, total) in stage_rows.items()]
     return rows + harness_rows
 
 
-def profile_point_nsys(size: str, context_length: int, args, reports: Path) -> list[dict]:
+def profile_point_nsys(size: str, context_length: int, config: ProfileConfig, reports: Path) -> list[dict]:
     """The point in a child process under Nsight Systems; its harness (or OOM) rows plus the kernel
     rows read from the report, which stays in `reports`."""
     stem = reports / f"{size}_{context_length}"
     child_csv = stem.with_suffix(".harness.csv")
-    argv = ["--sizes", size, "--context-lengths", str(context_length), "--batch-size", str(args.batch_size),
-            "--precision", args.precision, "--warmup", str(args.warmup), "--steps", str(args.steps),
-            "--device", args.device, "--nsys-child", "--out", str(child_csv)]
+    argv = ["--sizes", size, "--context-lengths", str(context_length), "--batch-size", str(config.batch_size),
+            "--precision", config.precision, "--warmup", str(config.warmup), "--steps", str(config.steps),
+            "--device", config.device, "--nsys-child", "--out", str(child_csv)]
     report = nsys.profile_under_nsys(stem, argv)
     rows = pd.read_csv(child_csv).to_dict("records")
     if rows[0]["status"] != "ok":
         return rows
     kernels, ranges = nsys.read_report(nsys.export_sqlite(report))
-    found = nsys.summarize_report(kernels, ranges, args.steps, ATTENTION_STAGES)
+    found = nsys.summarize_report(kernels, ranges, config.steps, ATTENTION_STAGES)
     if not found:
         raise RuntimeError(f"no kernels of a measured window in {report}")
     shared = {k: v for k, v in rows[0].items() if k not in found[0] and k not in ("kind", "phase", "tool")}
     return rows + [{**shared, **row} for row in found]
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["small"])
-    parser.add_argument("--context-lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
-    parser.add_argument("--batch-size", type=positive_int, default=4)
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=positive_int, default=2, help="profiled steps")
-    parser.add_argument("--tool", default="auto", choices=["auto", "torch", "nsys"],
-                        help="kernel summaries from torch.profiler or Nsight Systems; auto: nsys where it writes "
-                             "reports (on CUDA), else torch.profiler")
-    parser.add_argument("--nsys-reports", type=Path, help="keep the Nsight reports here (with --tool nsys)")
-    parser.add_argument("--nsys-child", action="store_true", help=argparse.SUPPRESS)  # set by the nsys path
-    add_device_argument(parser)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    for size in args.sizes:
-        if size not in MODEL_SIZES:
-            parser.error(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
-    device = device_from_args(parser, args.device)
-    if args.tool != "torch" and not args.nsys_child:
-        works = device.type == "cuda" and nsys.nsys_works()
-        if args.tool == "nsys" and not works:
-            installed = "installed" if shutil.which("nsys") else "not installed"
-            parser.error(f"--tool nsys needs a CUDA device and an Nsight Systems that writes reports "
-                         f"(device {device}; nsys {installed})")
-        args.tool = "nsys" if works else "torch"
-    if args.tool == "nsys" and not args.nsys_child:
+def profile_rows(config: ProfileConfig) -> list[dict]:
+    """Every point's rows, with provenance; a point that runs out of memory is one status=oom row."""
+    if resolve_tool(config) == "nsys":
         with tempfile.TemporaryDirectory() as tmp:
-            reports = args.nsys_reports or Path(tmp)
-            rows = [row for size, context_length in itertools.product(args.sizes, args.context_lengths)
-                    for row in profile_point_nsys(size, context_length, args, reports)]
-            write_rows(rows, args.out)
-        return
+            reports = config.nsys_reports or Path(tmp)
+            return [row for size, context_length in itertools.product(config.sizes, config.context_lengths)
+                    for row in profile_point_nsys(size, context_length, config, reports)]
+    device = resolve_device(config.device)
     prov = provenance(device)
     rows = []
-    for size, context_length in itertools.product(args.sizes, args.context_lengths):
-        base = {"size": size, "context_length": context_length, "batch_size": args.batch_size,
-                "precision": args.precision, "steps": args.steps}
+    for size, context_length in itertools.product(config.sizes, config.context_lengths):
+        base = {"size": size, "context_length": context_length, "batch_size": config.batch_size,
+                "precision": config.precision, "steps": config.steps}
         reset_memory(device)
         try:
-            point = profile_point(size, context_length, args, device)
+            point = profile_point(size, context_length, config, device)
             rows += [{**base, **row, "status": "ok", **prov} for row in point]
             status = "ok"
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if not is_oom(error):
                 raise
-            rows.append({**base, "kind": "point", "status": "oom", "error": oom_message(error), **prov})
+            rows.append({**oom_row({**base, "kind": "point"}, error), **prov})
             status = "oom"
         reset_memory(device)
         print(f"{size} ctx={context_length}: {status}", file=sys.stderr, flush=True)
-    write_rows(rows, args.out)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["small"], help=f"model sizes: {', '.join(MODEL_SIZES)}")
+    parser.add_argument("--context-lengths", nargs="+", type=positive_int, default=[128, 256, 512, 1024],
+                        help="tokens per sequence, one point each")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="fp32, or autocast to bf16 / fp16")
+    parser.add_argument("--warmup", type=non_negative_int, default=2, help="unprofiled warm-up steps")
+    parser.add_argument("--steps", type=positive_int, default=2, help="profiled steps")
+    parser.add_argument("--tool", default="auto", choices=TOOLS,
+                        help="kernel summaries from torch.profiler or Nsight Systems; auto: nsys where it writes "
+                             "reports (on CUDA), else torch.profiler")
+    parser.add_argument("--nsys-reports", type=Path, help="keep the Nsight reports here (with --tool nsys)")
+    parser.add_argument("--nsys-child", action="store_true", help=argparse.SUPPRESS)  # set by the nsys path
+    add_device_argument(parser)
+    parser.add_argument("--out", required=True, help="CSV file for the rows")
+    args = parser.parse_args(argv)
+    config = config_or_usage_error(
+        parser, ProfileConfig, sizes=tuple(args.sizes), context_lengths=tuple(args.context_lengths),
+        batch_size=args.batch_size, precision=args.precision, warmup=args.warmup, steps=args.steps,
+        device=args.device, tool=args.tool, nsys_reports=args.nsys_reports, nsys_child=args.nsys_child)
+    try:
+        config = replace(config, tool=resolve_tool(config))
+    except ValueError as error:
+        parser.error(str(error))
+    write_rows(profile_rows(config), args.out)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import contextlib
 import gc
 import statistics
 import timeit
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -98,6 +98,16 @@ def oom_message(error: BaseException) -> str:
     """The first line of an out-of-memory error, long enough to keep the allocator's own account
     (how much PyTorch had allocated and how much was reserved but free)."""
     return str(error).splitlines()[0][:500]
+
+
+def oom_row(base: Mapping, error: BaseException, message_column: str = "error") -> dict:
+    """The results row that records a point which ran out of memory: `base` (the point's own columns),
+    status=oom, and the error's first line under `message_column`. Every benchmark's sweep catches
+    `torch.OutOfMemoryError` / `RuntimeError`, re-raises what `is_oom` rejects, and records the rest
+    with this, so an OOM row reads the same in every results file and the sweep goes on."""
+    if not is_oom(error):
+        raise ValueError(f"not an out-of-memory error: {type(error).__name__}: {error}")
+    return {**base, "status": "oom", message_column: oom_message(error)}
 
 
 def reset_memory(device: torch.device) -> None:

@@ -32,7 +32,6 @@ import triton.language as tl
 from cs336_systems.kernels.common import flash_function
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # How float32 inputs are multiplied. "tf32x3" (the default) splits each operand into a TF32 high part
 # and a TF32 remainder and sums three tensor-core products (hi·hi + hi·lo + lo·hi), which keeps about

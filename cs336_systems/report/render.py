@@ -7,9 +7,6 @@ from pathlib import Path
 
 import pandas as pd
 
-PROVENANCE_COLUMNS = ["device_name", "torch_version", "triton_version", "git_commit", "timestamp"]
-
-
 def mean_std(mean: float, std: float, digits: int = 2) -> str:
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "—"

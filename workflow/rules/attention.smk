@@ -66,7 +66,8 @@ rule flash_benchmark_point:
         " --rep-ms {params.rep_ms} --out {output} 2> {log}"
 
 
-# One job per (dtype, head dim): a float32 sweep over every head dim outlasted a 200 s slot.
+# One job per (dtype, head dim): a float32 sweep over every head dim in one job outlasted the time a
+# GPU job was given, and a job cut short keeps only its own points.
 rule flash_benchmark:
     input:
         expand(

@@ -78,7 +78,7 @@ rule compile_timing_size:
     shell:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {wildcards.size}"
         " --modes forward train_step --precisions {params.precision} --attention {params.attention}"
-        " --compile off on --compile-scopes {params.scopes} --optimizers {params.optimizer}"
+        " --compile-scopes {params.scopes} --optimizers {params.optimizer}"
         " --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
 
 
