@@ -9,7 +9,7 @@ import torch
 
 from cs336_systems.bench import e2e
 from cs336_systems.bench.results import write_rows
-from cs336_systems.model import ADAMW_IMPLEMENTATIONS
+from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
 
 COMMON = ["--context-length", "16", "--batch-size", "2", "--warmup", "1", "--steps", "2", "--device", "cpu"]
 
