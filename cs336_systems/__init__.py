@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from cs336_systems.model import MODEL_SIZES  # noqa: E402, AdamW, ModelConfig, TransformerLM, get_config
+from cs336_systems.model import MODEL_SIZES, ModelConfig, TransformerLM, get_config  # noqa: E402
+from cs336_systems.optim import AdamW  # noqa: E402
 
 __all__ = ["MODEL_SIZES", "AdamW", "ModelConfig", "TransformerLM", "get_config"]

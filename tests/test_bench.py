@@ -13,7 +13,7 @@ from cs336_systems.bench import (allreduce, attention_sweep, e2e, flash_bench, f
                                   mixed_precision, profile)
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import oom_row
-from cs336_systems.model import ADAMW_IMPLEMENTATIONS
+from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,16 +18,20 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.kernels.common import attention_ref
-from cs336_systems.kernels import flash_triton
-from cs336_systems.kernels.flash_triton import (
+from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.flash_triton import TUNED_KERNELS, pinned_tiles
+from cs336_systems.kernels.flash_tuning import (
     BWD_TILES,
+    FLOAT32_DOTS,
     FLOAT32_TILES,
     FWD_TILES,
-    INTERPRET,
     MAX_FLOAT32_STAGES,
-    pinned_tiles,
+    announcing_prune,
+    prune_configs,
+    tile_config,
+    tile_configs,
 )
+from cs336_systems.model.attention import attention_scores, naive_attention
 from tests.adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
 
 IMPLS = {"pytorch": get_flashattention_autograd_function_pytorch(), "triton": get_flashattention_autograd_function_triton()}
@@ -74,9 +78,9 @@ def _run(fn, q, k, v, do, causal):
 
 
 def _reference(q, k, v, do, causal):
-    """float64 autograd through the textbook formulas."""
+    """float64 autograd through the model's naive attention; L = logsumexp of its scores."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = attention_ref(q, k, v, causal)
+    out, lse = naive_attention(q, k, v, causal), torch.logsumexp(attention_scores(q, k, causal), dim=-1)
     out.backward(do.double())
     return out, lse, q.grad, k.grad, v.grad
 
@@ -110,7 +114,7 @@ def _check_against_reference(apply, q_shape, k_shape, causal, dtype, device, see
     q, k, v, do = _inputs(q_shape, k_shape, dtype, device, seed)
     got = _run(apply, q, k, v, do, causal)
     ref = _reference(q, k, v, do, causal)
-    torch_own = _run(lambda *a: attention_ref(*a)[0], q, k, v, do, causal) if dtype != torch.float32 else None
+    torch_own = _run(naive_attention, q, k, v, do, causal) if dtype != torch.float32 else None
     for i, name in ((0, "O"), (2, "dQ"), (3, "dK"), (4, "dV")):
         err = _rel_err(got[i], ref[i])
         limit = 1e-4 if torch_own is None else 2 * _rel_err(torch_own[i], ref[i]) + 2e-3
@@ -147,7 +151,7 @@ def test_sum_backward_with_stride_zero_grad(impl, device):
     """o.sum().backward() hands the kernel an expanded (stride-0) dO."""
     q, k, v, _ = _inputs((2, 3, 45, 32), (2, 3, 45, 32), torch.float32, device, 7)
     grads = []
-    for fn in (IMPLS[impl].apply, lambda *a: attention_ref(*a)[0]):
+    for fn in (IMPLS[impl].apply, naive_attention):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         fn(*leaves, True).sum().backward()
         grads.append([t.grad for t in leaves])
@@ -162,7 +166,7 @@ def test_compiled_function_matches_reference(impl, device):
     compiled = torch.compile(IMPLS[impl].apply)
     q, k, v, _ = _inputs((2, 2, 37, 16), (2, 2, 37, 16), torch.float32, device, 11)
     results = []
-    for fn in (compiled, lambda *a: attention_ref(*a)[0]):
+    for fn in (compiled, naive_attention):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves, True)
         out.sum().backward()
@@ -246,26 +250,51 @@ def test_every_float32_tile_config(tile):
 def test_float32_only_tiles_are_pruned_by_precision():
     """16-bit inputs never tune over the float32-only tiles; float32 inputs tune over them and over
     the kernel's own tiles of at most MAX_FLOAT32_STAGES stages."""
-    configs = flash_triton._tile_configs(FWD_TILES, "BLOCK_M", "BLOCK_N")
+    configs = tile_configs(FWD_TILES, "BLOCK_M", "BLOCK_N")
     sizes = {"SEQ_KEY_Q": 4096, "SEQ_KEY_K": 4096}
 
     def tiles(precision):
-        kept = flash_triton._prune_configs(configs, {}, PRECISION=precision, **sizes)
+        kept = prune_configs(configs, {}, PRECISION=precision, **sizes)
         return {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
 
     assert tiles("tf32") == set(FWD_TILES)
-    for precision in flash_triton.FLOAT32_DOTS:
+    for precision in FLOAT32_DOTS:
         assert tiles(precision) == {t for t in FWD_TILES if t[3] <= MAX_FLOAT32_STAGES} | set(FLOAT32_TILES)
+
+
+def test_autotuning_is_announced_once_per_shape_bucket(capsys):
+    """Tuning a new shape bucket takes tens of seconds on a GPU: the pruning step, which Triton runs just
+    before it, says on stderr what is tuned, once per bucket and kernel, and prunes as `prune_configs`."""
+    prune = announcing_prune("forward")
+    configs = tile_configs(FWD_TILES, "BLOCK_M", "BLOCK_N")
+    bf16 = {"Q": torch.empty(0, dtype=torch.bfloat16)}
+    bucket = {"SEQ_KEY_Q": 1024, "SEQ_KEY_K": 2048, "BLOCK_D": 64, "IS_CAUSAL": True, "PRECISION": "tf32"}
+    for _ in range(2):
+        assert prune(configs, bf16, **bucket) == prune_configs(configs, {}, **bucket)
+    captured = capsys.readouterr()
+    kept = len(prune_configs(configs, {}, **bucket))
+    assert captured.out == "" and captured.err.splitlines() == [
+        f"flash_triton: autotuning the forward kernel over {kept} of {len(configs)} tile configs for 513-1024 "
+        "queries, 1025-2048 keys, head dim <= 64, causal, bfloat16 (once per shape bucket)"]
+    prune(configs, {"Q": torch.empty(0)}, **{**bucket, "PRECISION": "ieee"})  # float32: another bucket
+    prune(configs, bf16, **{**bucket, "SEQ_KEY_Q": 1})
+    prune(configs, bf16, **bucket)
+    new = capsys.readouterr().err.splitlines()
+    assert len(new) == 2 and "float32, ieee dots" in new[0] and "for 1 queries" in new[1]
 
 
 @pytest.mark.autotuned
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the autotuner runs on the GPU only")
-def test_autotuned_path():
-    """The kernels as the benchmarks run them: autotuned, with pruning by length and precision."""
-    assert len(flash_triton._flash_fwd_kernel.configs) == len(FWD_TILES) + len(FLOAT32_TILES)
+def test_autotuned_path(capsys):
+    """The kernels as the benchmarks run them: autotuned, with pruning by length and precision; tuning
+    a bucket is announced on stderr."""
+    assert len(TUNED_KERNELS["forward"].configs) == len(FWD_TILES) + len(FLOAT32_TILES)
     for dtype in (torch.bfloat16, torch.float32):
         _check_against_reference(IMPLS["triton"].apply, (1, 4, 1000, 64), (1, 4, 1000, 64), True, dtype,
                                  "cuda", 5, "autotuned")
+    announced = capsys.readouterr().err
+    for kernel in TUNED_KERNELS:
+        assert f"autotuning the {kernel} kernel" in announced, announced
     # float32 at d=128: only the float32-only tiles fit in shared memory (a sweep failed here without them)
     _check_against_reference(IMPLS["triton"].apply, (1, 2, 700, 128), (1, 2, 700, 128), True, torch.float32,
                              "cuda", 6, "autotuned d=128")
@@ -273,7 +302,7 @@ def test_autotuned_path():
 
 def test_pinned_tiles_run_the_given_tile_and_restore():
     """A tile other than the default on CPU too (the interpreter runs any tile, slowly)."""
-    kernel = flash_triton._flash_fwd_kernel
+    kernel = TUNED_KERNELS["forward"]
     before = kernel.configs
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not INTERPRET:
@@ -291,7 +320,7 @@ def test_tile_lists_keep_the_causal_split_exact():
     tile that breaks this is refused by name."""
     assert all(outer % inner == 0 for outer, inner, *_ in FWD_TILES + BWD_TILES + FLOAT32_TILES)
     with pytest.raises(ValueError, match=r"\(32, 64, 4, 2\)"):
-        flash_triton._config((32, 64, 4, 2), "BLOCK_M", "BLOCK_N")
+        tile_config((32, 64, 4, 2), "BLOCK_M", "BLOCK_N")
 
 
 def test_kernel_resources_see_the_float32_spills(tmp_path):

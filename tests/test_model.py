@@ -7,7 +7,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from cs336_systems.model import (
     MODEL_SIZES,
-    AdamW,
     ModelConfig,
     TransformerLM,
     cross_entropy,
@@ -17,6 +16,7 @@ from cs336_systems.model import (
 )
 from cs336_systems.model.attention import naive_attention, sdpa_attention
 from cs336_systems.model.transformer import RotaryEmbedding
+from cs336_systems.optim import AdamW
 
 TINY = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, vocab_size=97, context_length=64)
 

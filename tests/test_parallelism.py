@@ -11,7 +11,8 @@ import sympy as sp
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from cs336_systems.model import AdamW, TransformerLM, get_config
+from cs336_systems.model import TransformerLM, get_config
+from cs336_systems.optim import AdamW
 from cs336_systems.model.transformer import Embedding, Linear, RMSNorm
 from cs336_systems.report import parallelism as par
 from cs336_systems.report.collectives import (all_reduce_rows, alternate_ring_all_reduce_time, fit_ring_model,

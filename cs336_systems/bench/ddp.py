@@ -39,13 +39,12 @@ from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, oom_m
 from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, DDPNaive, ShardedOptimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import (
-    ADAMW_IMPLEMENTATIONS,
     MODEL_SIZES,
     TransformerLM,
-    adamw_implementation,
     cross_entropy,
     get_config,
 )
+from cs336_systems.optim import ADAMW_IMPLEMENTATIONS, adamw_implementation
 
 
 def parse_config(text: str) -> tuple[str, float | None, str]:

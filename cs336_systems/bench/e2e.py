@@ -43,17 +43,15 @@ from cs336_systems.bench.timing import (
 )
 from cs336_systems.model import (
     MODEL_SIZES,
-    ADAMW_IMPLEMENTATIONS,
     TransformerLM,
-    adamw_implementation,
     cross_entropy,
     forward_flops,
     get_attention,
     get_config,
     naive_attention,
-    register_attention,
     train_step_flops,
 )
+from cs336_systems.optim import ADAMW_IMPLEMENTATIONS, adamw_implementation
 
 MODES = ("forward", "forward_backward", "train_step")
 # What is compiled: nothing (eager), each Transformer block (regional compilation: the blocks share one
@@ -64,8 +62,9 @@ COMPILE_SCOPES = ("none", "blocks", "model", "model-cudagraphs")
 PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
           "train_step": ("forward", "backward", "optimizer")}
 
-# The naive backend with NVTX / record_function ranges around its three stages, for profiling.
-register_attention("naive_annotated", functools.partial(naive_attention, section=annotate))
+# The naive backend with NVTX / record_function ranges around its three stages, for profiling: the
+# model's registry names it `naive_annotated` (cs336_systems.model.attention).
+naive_annotated_attention = functools.partial(naive_attention, section=annotate)
 
 
 @dataclass(frozen=True)

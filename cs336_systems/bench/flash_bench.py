@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
             parser, LeaderboardConfig, providers=tuple(args.providers), heads=args.heads, seq_len=args.seq_len,
             head_dim=args.head_dim, dtype=args.dtype, compile=args.compile == "on", warmup_ms=args.warmup_ms,
             rep_ms=args.rep_ms, device=args.device)
-    from cs336_systems.kernels.flash_triton import FLOAT32_DOT  # after the device check (it imports triton)
+    from cs336_systems.kernels.flash_tuning import FLOAT32_DOT  # after the device check (it imports triton)
 
     prov = {**provenance(args.device), "float32_dot": FLOAT32_DOT}  # how our kernels multiplied float32 inputs
     rows = PartialRows(args.out)  # a cut sweep keeps its finished points in OUT.partial

@@ -27,10 +27,9 @@ from pathlib import Path
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 
-# kernel name: (attribute of flash_triton, its tile list, names of its outer and inner tile sizes)
-KERNELS = {"forward": ("_flash_fwd_kernel", "FWD_TILES", ("BLOCK_M", "BLOCK_N")),
-           "backward_dkdv": ("_flash_bwd_dkdv_kernel", "BWD_TILES", ("BLOCK_N", "BLOCK_M")),
-           "backward_dq": ("_flash_bwd_dq_kernel", "BWD_TILES", ("BLOCK_M", "BLOCK_N"))}
+# The kernels by their names in flash_triton.TUNED_KERNELS and flash_tuning.TILINGS, spelled out here
+# because those modules import Triton, which must wait for `use_compiler`.
+KERNELS = ("forward", "backward_dkdv", "backward_dq")
 POINTER_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 TENSORS = {"Q", "K", "V", "O", "DO", "DQ", "DK", "DV"}
 FLOAT32_TENSORS = {"L", "DELTA"}  # the logsumexp and rowsum(dO * O) are float32 whatever the inputs
@@ -122,8 +121,10 @@ def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, i
     import triton
     from triton.backends.compiler import GPUTarget
 
-    attribute, _, (outer_name, inner_name) = KERNELS[kernel_name]
-    kernel = getattr(flash_module(), attribute)
+    kernel = flash_module().TUNED_KERNELS[kernel_name]
+    from cs336_systems.kernels.flash_tuning import TILINGS
+
+    outer_name, inner_name = TILINGS[kernel_name].outer, TILINGS[kernel_name].inner
     outer, inner, warps, stages = tile
     row = {"kernel": kernel_name, "dtype": dtype, "dot": _dot_precision(dtype, float32_dot), "head_dim": head_dim,
            "outer": outer, "inner": inner,
@@ -141,10 +142,13 @@ def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, i
 def tiles_for(kernel_name: str, dtype: str) -> list[tuple[int, int, int, int]]:
     """The kernel's tiles as the autotuner sees them for this dtype (long sequences): its own pruning
     of the tile list plus the float32-only tiles."""
-    module = flash_module()
-    _, tile_list, (outer, inner) = KERNELS[kernel_name]
-    configs = module._tile_configs(getattr(module, tile_list), outer, inner)
-    kept = module._prune_configs(configs, {}, PRECISION=_dot_precision(dtype), SEQ_KEY_Q=2**16, SEQ_KEY_K=2**16)
+    flash_module()  # the check that Triton compiles in this process
+    from cs336_systems.kernels.flash_tuning import TILINGS, prune_configs, tile_configs
+
+    tiling = TILINGS[kernel_name]
+    outer, inner = tiling.outer, tiling.inner
+    configs = tile_configs(tiling.tiles, outer, inner)
+    kept = prune_configs(configs, {}, PRECISION=_dot_precision(dtype), SEQ_KEY_Q=2**16, SEQ_KEY_K=2**16)
     return [(c.kwargs[outer], c.kwargs[inner], c.num_warps, c.num_stages) for c in kept]
 
 

@@ -46,7 +46,8 @@ from cs336_systems.bench.timing import (
     synchronize,
     timed,
 )
-from cs336_systems.model import MODEL_SIZES, AdamW, cross_entropy
+from cs336_systems.model import MODEL_SIZES, cross_entropy
+from cs336_systems.optim import AdamW
 
 ATTENTION_STAGES = ("scores", "softmax", "final matmul")
 OWN_RANGES = {"forward", "backward", "optimizer", "inference", *ATTENTION_STAGES}

@@ -1,11 +1,10 @@
-"""FlashAttention-2 kernels; importing this package registers them as attention backends
-`flash_pytorch` and `flash_triton` of the model."""
+"""FlashAttention-2 kernels in plain PyTorch and in Triton (and `adamw_triton`, the fused AdamW step).
+
+The model names the attention ones as its backends `flash_pytorch` and `flash_triton`
+(`cs336_systems.model.attention`); importing this package registers nothing.
+"""
 
 from cs336_systems.kernels.flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
 from cs336_systems.kernels.flash_triton import FlashAttentionTriton, flash_attention_triton
-from cs336_systems.model.attention import register_attention
-
-register_attention("flash_pytorch", flash_attention_pytorch)
-register_attention("flash_triton", flash_attention_triton)
 
 __all__ = ["FlashAttentionPytorch", "FlashAttentionTriton", "flash_attention_pytorch", "flash_attention_triton"]

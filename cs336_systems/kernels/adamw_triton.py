@@ -3,7 +3,7 @@
 The multi-tensor (`torch._foreach_*`) update makes eight passes over memory (weight decay, first
 moment, second moment twice, square root, two for the denominator, the update); this kernel reads the
 parameter, gradient and both moments once and writes the parameter and moments once: 7 tensor
-passes instead of about 20. The arithmetic follows torch.optim.AdamW's order (see model/optimizer.py).
+passes instead of about 20. The arithmetic follows torch.optim.AdamW's order (see cs336_systems/optim.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.flash_triton import INTERPRET
+from cs336_systems.kernels.common import INTERPRET
 
 BLOCK = 1024
 

@@ -1,13 +1,19 @@
-"""Input checks and the plain-PyTorch reference shared by both FlashAttention-2 implementations."""
+"""What both FlashAttention-2 implementations share: their input checks, and whether Triton kernels
+run under Triton's CPU interpreter in this process.
+
+The plain-PyTorch reference they are checked against is the model's `naive_attention` (with
+`attention_scores` for the logsumexp), in `cs336_systems.model.attention`.
+"""
 
 from __future__ import annotations
 
-import math
+import os
 
 import torch
 
-from cs336_systems.model.attention import causal_mask
-
+# `import cs336_systems` sets TRITON_INTERPRET=1 where there is no GPU; Triton reads it when a kernel
+# is defined, so it holds for the whole process.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
 
@@ -30,58 +36,3 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str) -
         raise ValueError(f"{name}: head dim {d} is not supported (1..{MAX_HEAD_DIM})")
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         raise ValueError(f"{name}: empty sequence (n_queries={q.shape[-2]}, n_keys={k.shape[-2]})")
-
-
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference O and logsumexp L (natural log) by the textbook formulas, in the inputs' dtype.
-
-    Causal masking aligns queries and keys at the start: query i sees keys 0..i.
-    """
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    if is_causal:
-        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    return torch.softmax(scores, dim=-1) @ v, lse
-
-
-def flash_backward_math(q, k, v, o, lse, do, is_causal: bool):
-    """dQ, dK, dV by recomputation from L (handout equations 13–19), in float32.
-
-    P = exp(S − L), dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O), dS = P ∘ (dP − D), dQ = dS K / √d,
-    dK = dSᵀ Q / √d. Materialises the (n_q, n_k) matrices: the readable reference, not the fast path.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, o, do))
-    s = qf @ kf.transpose(-2, -1) * scale
-    if is_causal:
-        s = s.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), float("-inf"))
-    p = torch.exp(s - lse.unsqueeze(-1))
-    dv = p.transpose(-2, -1) @ dof
-    dp = dof @ vf.transpose(-2, -1)
-    delta = (dof * of).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = ds @ kf * scale
-    dk = ds.transpose(-2, -1) @ qf * scale
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def flash_function(name: str, forward, backward) -> type[torch.autograd.Function]:
-    """A FlashAttention-2 `autograd.Function` from a forward (q, k, v, is_causal) -> (O, L) and a backward
-    (q, k, v, O, L, dO, is_causal) -> (dQ, dK, dV). Forward saves L (shape q.shape[:-1]), Q, K, V and O;
-    called as `Cls.apply(q, k, v, is_causal)`."""
-
-    def forward_(ctx, q, k, v, is_causal=False):
-        check_inputs(q, k, v, name)
-        out, lse = forward(q, k, v, is_causal)
-        ctx.save_for_backward(lse, q, k, v, out)
-        ctx.is_causal = is_causal
-        return out
-
-    def backward_(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward_), "backward": staticmethod(backward_),
-                                                    "__doc__": flash_function.__doc__})

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from cs336_systems.kernels.common import flash_backward_math, flash_function
+from cs336_systems.kernels.common import check_inputs
+from cs336_systems.model.attention import attention_scores
 
 TILE_Q = 64
 TILE_K = 64
@@ -53,16 +54,47 @@ def flash_forward_pytorch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_
     return out, lse
 
 
+def flash_backward_math(q, k, v, o, lse, do, is_causal: bool):
+    """dQ, dK, dV by recomputation from L (handout equations 13–19), in float32.
+
+    P = exp(S − L), dV = Pᵀ dO, dP = dO Vᵀ, D = rowsum(dO ∘ O), dS = P ∘ (dP − D), dQ = dS K / √d,
+    dK = dSᵀ Q / √d. Materialises the (n_q, n_k) matrices: the readable backward, not a fast one.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qf, kf, vf, of, dof = (t.float() for t in (q, k, v, o, do))
+    p = torch.exp(attention_scores(qf, kf, is_causal) - lse.unsqueeze(-1))  # (..., n_q, n_k)
+    dv = p.transpose(-2, -1) @ dof
+    dp = dof @ vf.transpose(-2, -1)
+    delta = (dof * of).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dq = ds @ kf * scale
+    dk = ds.transpose(-2, -1) @ qf * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 @functools.cache
 def _compiled_backward():
     return torch.compile(flash_backward_math, dynamic=True)
 
 
-def _backward(q, k, v, out, lse, grad_out, is_causal):
-    return _compiled_backward()(q, k, v, out, lse, grad_out, is_causal)
+class FlashAttentionPytorch(torch.autograd.Function):
+    """FlashAttention-2 with the tiled forward above and the compiled recomputation backward, called as
+    `FlashAttentionPytorch.apply(q, k, v, is_causal)`: q (..., n_q, d), k and v (..., n_k, d), with one
+    or two leading dims. Saves L (shape q.shape[:-1], float32), Q, K, V and O for the backward."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        check_inputs(q, k, v, "FlashAttentionPytorch")
+        out, lse = flash_forward_pytorch(q, k, v, is_causal)
+        ctx.save_for_backward(lse, q, k, v, out)
+        ctx.is_causal = is_causal
+        return out
 
-FlashAttentionPytorch = flash_function("FlashAttentionPytorch", flash_forward_pytorch, _backward)
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = _compiled_backward()(q, k, v, out, lse, grad_out, ctx.is_causal)
+        return dq, dk, dv, None
 
 
 def flash_attention_pytorch(q, k, v, is_causal: bool = False) -> torch.Tensor:

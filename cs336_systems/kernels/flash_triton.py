@@ -15,33 +15,36 @@ on the diagonal build a mask. Heavy query tiles are scheduled first.
 
 Caveats: head dim up to 128 (padded to a power of two ≥ 16 inside the kernel); any sequence
 lengths (ragged last tiles are masked; EVEN_* heuristics drop the masks when lengths divide the
-tiles); float32 dots use `FLOAT32_DOT` (below), never plain TF32, so float32 results match a float32
-reference. Pointer arithmetic only (no block pointers, which Triton 3.9 removed). Without a GPU the
-kernels run under Triton's interpreter, which `import cs336_systems` switches on when CUDA is absent.
+tiles); float32 dots use `FLOAT32_DOT` (flash_tuning.py), never plain TF32, so float32 results match
+a float32 reference. Pointer arithmetic only (no block pointers, which Triton 3.9 removed). Without a
+GPU the kernels run under Triton's interpreter, which `import cs336_systems` switches on when CUDA is
+absent. The tile configs and their autotuning are in flash_tuning.py; `pinned_tiles` (below) replaces
+the autotuning by one config per kernel.
+
+Longer than our usual ~400 lines: the three kernels share their jit helpers, and the file reads top
+to bottom as one story (helpers, kernels, launchers, autograd.Function), as Triton's tutorial does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.common import flash_function
+from cs336_systems.kernels.common import INTERPRET, check_inputs
+from cs336_systems.kernels.flash_tuning import (
+    FLOAT32_DOT,
+    TILINGS,
+    TUNING_KEY,
+    announcing_prune,
+    autotune_configs,
+    tile_config,
+    tuning_bench,
+)
 
 LOG2E = 1.4426950408889634
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# How float32 inputs are multiplied. "tf32x3" (the default) splits each operand into a TF32 high part
-# and a TF32 remainder and sums three tensor-core products (hi·hi + hi·lo + lo·hi), which keeps about
-# float32's accuracy; "ieee" multiplies on the CUDA cores, keeping the operands in registers, where
-# every tile of the 16-bit lists spills at d >= 64 (results/flash_resources.csv). Plain "tf32" (10-bit mantissa) is not
-# offered: it fails float32 checks. Chosen once per process: CS336_FLASH_FLOAT32_DOT=ieee.
-FLOAT32_DOTS = ("tf32x3", "ieee")
-FLOAT32_DOT = os.environ.get("CS336_FLASH_FLOAT32_DOT", "tf32x3")
-if FLOAT32_DOT not in FLOAT32_DOTS:
-    raise ValueError(f"CS336_FLASH_FLOAT32_DOT={FLOAT32_DOT!r}: choose one of {', '.join(FLOAT32_DOTS)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,89 +110,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
 # ----------------------------------------------------------------------------------------------
 # forward kernel
 # ----------------------------------------------------------------------------------------------
-# Tile configs as (outer tile, inner tile, warps, stages). The outer tile is the one a program keeps
-# (queries in the forward and dQ kernels, keys in the dK/dV kernel); the inner one is streamed.
-# Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
-# twice the shared memory: `_prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
-# dots no float32 config of these lists fits in the H100's 227 KiB of shared memory (the smallest
-# asks 256 KiB), so FLOAT32_TILES adds smaller, 2-stage tiles for float32 inputs only (52-192 KiB at
-# d=128, compiled for sm_90 by bench/kernel_resources.py).
-FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-             (128, 64, 4, 4), (128, 128, 8, 4)]
-BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
-             (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5)]
-FLOAT32_TILES = [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2)]
-MAX_FLOAT32_STAGES = 3
-
-
-def _config(tile, outer: str, inner: str) -> triton.Config:
-    o, i, warps, stages = tile
-    if o % i:
-        # The causal kernels stream the unmasked tiles up to the start of the outer tile in inner-tile
-        # steps; an inner tile that does not divide the outer one would run past it without the mask
-        # (a (32, 64) tile did, on the H100).
-        raise ValueError(f"tile {tile}: the outer tile {o} must be a multiple of the inner tile {i}")
-    return triton.Config({outer: o, inner: i}, num_warps=warps, num_stages=stages)
-
-
-def _tile_configs(tiles, outer: str, inner: str) -> list[triton.Config]:
-    """The kernel's tiles, then the float32-only ones (marked for `_prune_configs`)."""
-    float32_only = [_config(tile, outer, inner) for tile in FLOAT32_TILES]
-    for config in float32_only:
-        config.float32_only = True
-    return [_config(tile, outer, inner) for tile in tiles] + float32_only
-
-
-def _configs(tiles, outer: str, inner: str):
-    if INTERPRET:  # the interpreter runs any tile slowly: the smallest one keeps CPU tests quick
-        return [_config((16, 16, 4, 1), outer, inner)]
-    return _tile_configs(tiles, outer, inner)
-
-
 def _even(name: str, block: str):
     return lambda args: args[name] % args[block] == 0
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose query or key tile is longer than the (power-of-two rounded) sequence, so a
-    short problem is not tuned over tiles it cannot fill; for float32, deep pipelines; for 16-bit
-    inputs, the float32-only tiles. Keep at least the smallest."""
-    args = {**named_args, **kwargs}  # the launcher passes the sizes by keyword
-    max_m, max_n = args["SEQ_KEY_Q"], args["SEQ_KEY_K"]
-    float32 = args["PRECISION"] in FLOAT32_DOTS
-    kept = [c for c in configs
-            if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)
-            and (c.num_stages <= MAX_FLOAT32_STAGES if float32 else not getattr(c, "float32_only", False))]
-    return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
-
-
-def _tuning_bench(fn, quantiles):
-    """Autotuning needs a ranking, not a precise time: short warm-up and repetition."""
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
-
-# Tuning is keyed on the head dim, causality, precision and the sequence lengths rounded up to powers
-# of two (SEQ_KEY_*), so a sweep over many lengths tunes once per bucket.
-TUNING_KEY = ["SEQ_KEY_Q", "SEQ_KEY_K", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
-
-
-def _tuned(tiles, outer: str, inner: str):
-    """Autotuning over `tiles` (outer tile kept by a program, inner tile streamed), and the EVEN_*
+def _tuned(kernel: str):
+    """Autotuning over the tiles of `kernel` (a name in flash_tuning.TILINGS), and the EVEN_*
     heuristics that drop masks where the lengths and head dim fill the tiles."""
-    autotune = triton.autotune(configs=_configs(tiles, outer, inner), key=TUNING_KEY,
-                               prune_configs_by={"early_config_prune": _prune_configs}, do_bench=_tuning_bench)
+    autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=TUNING_KEY,
+                               prune_configs_by={"early_config_prune": announcing_prune(kernel)},
+                               do_bench=tuning_bench)
     heuristics = triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
                                     "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
-
-    def decorate(kernel):
-        tuned = autotune(heuristics(kernel))
-        tuned.tile_names = (outer, inner)  # for pinned_tiles
-        return tuned
-
-    return decorate
+    return lambda fn: autotune(heuristics(fn))
 
 
-@_tuned(FWD_TILES, "BLOCK_M", "BLOCK_N")
+@_tuned("forward")
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, L,
@@ -308,7 +244,7 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
     tl.store(DELTA + bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
-@_tuned(BWD_TILES, "BLOCK_N", "BLOCK_M")
+@_tuned("backward_dkdv")
 @triton.jit
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, L, DELTA, DK, DV,
@@ -357,7 +293,7 @@ def _flash_bwd_dkdv_kernel(
                 stride_dvn, stride_dvd, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
 
 
-@_tuned(BWD_TILES, "BLOCK_M", "BLOCK_N")
+@_tuned("backward_dq")
 @triton.jit
 def _flash_bwd_dq_kernel(
     Q, K, V, DO, L, DELTA, DQ,
@@ -400,20 +336,26 @@ def _flash_bwd_dq_kernel(
                 stride_dqn, stride_dqd, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
 
 
+# The autotuned kernels by their names in flash_tuning.TILINGS, for pinned_tiles and bench/kernel_resources.py.
+TUNED_KERNELS = {"forward": _flash_fwd_kernel, "backward_dkdv": _flash_bwd_dkdv_kernel,
+                 "backward_dq": _flash_bwd_dq_kernel}
+
+
 @contextlib.contextmanager
 def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, int, int]):
-    """Run the kernels with one tile config each, (outer, inner, warps, stages) as in FWD_TILES and
-    BWD_TILES, instead of autotuning: a single config skips Triton's pruning and benchmarking. For
-    checking every tile config, and for quick GPU test runs, where autotuning every test shape
-    compiles each config once per specialization (minutes)."""
-    roles = ((_flash_fwd_kernel, forward), (_flash_bwd_dkdv_kernel, backward), (_flash_bwd_dq_kernel, backward))
-    saved = [(kernel.configs, kernel.cache) for kernel, _ in roles]
+    """Run the kernels with one tile config each, (outer, inner, warps, stages) as in
+    flash_tuning's FWD_TILES and BWD_TILES, instead of autotuning: a single config skips Triton's pruning
+    and benchmarking. For checking every tile config, and for quick GPU test runs, where autotuning every
+    test shape compiles each config once per specialization (minutes)."""
+    roles = [(TUNED_KERNELS[name], TILINGS[name], forward if name == "forward" else backward)
+             for name in TUNED_KERNELS]
+    saved = [(kernel.configs, kernel.cache) for kernel, _, _ in roles]
     try:
-        for kernel, tile in roles:
-            kernel.configs, kernel.cache = [_config(tile, *kernel.tile_names)], {}
+        for kernel, tiling, tile in roles:
+            kernel.configs, kernel.cache = [tile_config(tile, tiling.outer, tiling.inner)], {}
         yield
     finally:
-        for (kernel, _), (configs, cache) in zip(roles, saved):
+        for (kernel, _, _), (configs, cache) in zip(roles, saved):
             kernel.configs, kernel.cache = configs, cache
 
 
@@ -506,7 +448,24 @@ def _(q, k, v, out, lse, grad_out, is_causal):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-FlashAttentionTriton = flash_function("FlashAttentionTriton", _forward_op, _backward_op)
+class FlashAttentionTriton(torch.autograd.Function):
+    """FlashAttention-2 forward and backward in the Triton kernels above, called as
+    `FlashAttentionTriton.apply(q, k, v, is_causal)`: q (..., n_q, d), k and v (..., n_k, d), with one or
+    two leading dims. Saves L (shape q.shape[:-1], float32), Q, K, V and O for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        check_inputs(q, k, v, "FlashAttentionTriton")
+        out, lse = _forward_op(q, k, v, is_causal)
+        ctx.save_for_backward(lse, q, k, v, out)
+        ctx.is_causal = is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = _backward_op(q, k, v, out, lse, grad_out, ctx.is_causal)
+        return dq, dk, dv, None
 
 
 def flash_attention_triton(q, k, v, is_causal: bool = False) -> torch.Tensor:

@@ -1,19 +1,15 @@
-"""Our Transformer LM, its configurations, attention backends, AdamW and accounting."""
+"""Our Transformer LM, its configurations, attention backends and accounting (AdamW: `cs336_systems.optim`)."""
 
 from cs336_systems.model.attention import ATTENTION_BACKENDS, get_attention, naive_attention, register_attention
 from cs336_systems.model.config import MODEL_SIZES, ModelConfig, get_config
 from cs336_systems.model.functional import cross_entropy, forward_flops, parameter_count, train_step_flops
-from cs336_systems.model.optimizer import ADAMW_IMPLEMENTATIONS, AdamW, adamw_implementation
 from cs336_systems.model.transformer import TransformerLM
 
 __all__ = [
-    "ADAMW_IMPLEMENTATIONS",
     "ATTENTION_BACKENDS",
     "MODEL_SIZES",
-    "AdamW",
     "ModelConfig",
     "TransformerLM",
-    "adamw_implementation",
     "cross_entropy",
     "forward_flops",
     "get_attention",

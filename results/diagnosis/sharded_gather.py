@@ -12,7 +12,8 @@ sys.path.insert(0, ".")
 from sharded_old import ShardedOptimizer as OldSharded
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from cs336_systems.distributed import ShardedOptimizer
-from cs336_systems.model import TransformerLM, get_config, adamw_implementation
+from cs336_systems.model import TransformerLM, get_config
+from cs336_systems.optim import adamw_implementation
 gpu = torch.cuda.is_available()
 dist.init_process_group("nccl" if gpu else "gloo")
 rank = dist.get_rank(); dev = torch.device("cuda", rank) if gpu else torch.device("cpu")

@@ -1,4 +1,9 @@
-"""AdamW (Loshchilov & Hutter, 2019), written to match torch.optim.AdamW step for step."""
+"""AdamW (Loshchilov & Hutter, 2019), written to match torch.optim.AdamW step for step, and the choice
+between our two update paths and torch's fused AdamW that the benchmarks make.
+
+A training utility beside the model, not part of it: with `fused=True` it launches a Triton kernel
+(`kernels/adamw_triton.py`), imported when a fused step first runs, so that `import cs336_systems`
+does not import Triton (bench/kernel_resources.py configures Triton before importing it)."""
 
 from __future__ import annotations
 
@@ -74,7 +79,7 @@ class AdamW(torch.optim.Optimizer):
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         t = self.state[params[0]]["step"]
         if group["fused"]:
-            from cs336_systems.kernels.adamw_triton import adamw_step_
+            from cs336_systems.kernels.adamw_triton import adamw_step_  # here: see the module's docstring
 
             (p,) = params
             adamw_step_(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], lr=lr, beta1=beta1,
