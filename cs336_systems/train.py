@@ -119,15 +119,18 @@ def save_checkpoint(root: Path, step: int, state: dict, rank: int, world: int, k
 def load_checkpoint(root: Path, rank: int, world: int, device: torch.device) -> dict | None:
     """This rank's state at the newest step that every rank saved (rank 0 decides, so all ranks
     load the same step), or None when there is none."""
-    choice = [saved_steps(root)[-1] if rank == 0 and saved_steps(root) else None]
+    choice = [None, None]  # (step, error), decided by rank 0 and sent to all, so that all fail alike
+    if rank == 0 and saved_steps(root):
+        choice[0] = saved_steps(root)[-1]
+        saved_world = json.loads((step_dir(root, choice[0]) / COMPLETE).read_text())["world_size"]
+        if saved_world != world:
+            choice[1] = f"checkpoint {step_dir(root, choice[0])} was saved by {saved_world} ranks; this run has {world}"
     dist.broadcast_object_list(choice, src=0)
+    if choice[1]:
+        raise ValueError(choice[1])
     if choice[0] is None:
         return None
     folder = step_dir(root, choice[0])
-    if rank == 0:
-        saved_world = json.loads((folder / COMPLETE).read_text())["world_size"]
-        if saved_world != world:
-            raise ValueError(f"checkpoint {folder} was saved by {saved_world} ranks; this run has {world}")
     return torch.load(folder / f"rank{rank}.pt", map_location=device)
 
 

@@ -144,3 +144,16 @@ def _every_kind_matches_single_process(rank: int, world: int) -> None:
 
 def test_apply_data_parallel_for_every_kind_matches_single_process():
     run_distributed(_every_kind_matches_single_process, 2)
+
+
+def test_benchmark_cli_names_a_bad_config(capsys):
+    from cs336_systems.bench.ddp import DDPBenchConfig, main
+
+    with pytest.raises(SystemExit):
+        main(["--configs", "naive", "bucketed:0", "--out", "unused.csv"])
+    assert "bad data-parallel spec 'bucketed:0'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--configs", "individual", "individual+adamw", "--out", "unused.csv"])
+    assert "each once; got individual, individual" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--warmup must be at least 0, got -1"):
+        DDPBenchConfig(specs=(DataParallelSpec(),), out="unused.csv", warmup=-1)

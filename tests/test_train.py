@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from cs336_systems.model import get_config
-from cs336_systems.train import COMPLETE, build_parser, load_tokens, main, saved_steps, step_dir, train
+from cs336_systems.train import (
+    COMPLETE,
+    build_parser,
+    load_checkpoint,
+    load_tokens,
+    main,
+    saved_steps,
+    step_dir,
+    train,
+)
 from tests.distributed_helpers import run_distributed
 
 COMMON = ["--size", "tiny", "--context-length", "16", "--batch-size", "2", "--precision", "fp32",
@@ -138,3 +147,15 @@ def test_bad_arguments(tmp_path, capsys):
     used = tmp_path / "ckpt"
     step_dir(used, 3).mkdir(parents=True)
     assert "already holds checkpoints: pass --resume" in _error(capsys, ["--checkpoint-dir", str(used)])
+
+
+def _resume_with_another_world_size(rank, world, root):
+    folder = step_dir(root, 5)
+    folder.mkdir(parents=True)
+    (folder / COMPLETE).write_text(json.dumps({"step": 5, "world_size": 2}))
+    with pytest.raises(ValueError, match=f"checkpoint {folder} was saved by 2 ranks; this run has 1"):
+        load_checkpoint(root, rank, world, torch.device("cpu"))
+
+
+def test_resume_refuses_a_checkpoint_of_another_world_size(tmp_path):
+    run_distributed(_resume_with_another_world_size, 1, tmp_path / "ckpt")
