@@ -35,6 +35,7 @@ from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import DTYPES, autocast, peak_memory_mib, timed
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
+from cs336_systems.distributed.parallelize import KINDS
 from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
 
 TOKEN_DTYPE = np.uint16
@@ -226,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=list(MODEL_SIZES), help="model size")
     parser.add_argument("--wrapper", type=_spec, default=DataParallelSpec.parse("bucketed:25"),
-                        help="data-parallel spec KIND[:BUCKET_MB][+sharded|+zero], KIND one of none, naive, flat, "
-                             "individual, bucketed, torch_ddp (default: bucketed:25)")
+                        help=f"data-parallel spec KIND[:BUCKET_MB][+sharded|+zero], KIND one of {', '.join(KINDS)} "
+                             "(default: bucketed:25)")
     parser.add_argument("--sharded-optimizer", action="store_true", help="ZeRO-1: shard AdamW's state (= +sharded)")
     parser.add_argument("--attention", default="sdpa", help="attention backend (naive, sdpa, flash_pytorch, ...)")
     parser.add_argument("--batch-size", type=_at_least(1), default=4, help="sequences per rank and step")

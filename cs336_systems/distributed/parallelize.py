@@ -168,7 +168,8 @@ def apply_data_parallel(model: nn.Module, spec: DataParallelSpec, device: torch.
     return _WRAPPERS[spec.kind](model, spec, device)
 
 
-def build_optimizer(model: nn.Module, spec: DataParallelSpec, lr: float, adamw: str = "foreach") -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, spec: DataParallelSpec, lr: float,
+                    adamw: str = "foreach") -> torch.optim.Optimizer:
     """AdamW over model's parameters (pass the wrapped model: a wrapper that owns its parameters then
     gets its own), sharded as spec says; every variant updates with the same AdamW implementation
     (one of model.ADAMW_IMPLEMENTATIONS), so sharded and unsharded steps differ only in the sharding."""
