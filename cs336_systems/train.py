@@ -1,13 +1,18 @@
-"""Train the Transformer LM on one GPU or data-parallel with our wrappers (or torch's), started with torchrun.
+"""Train the Transformer LM, as one process or data-parallel with our wrappers (or torch's) under torchrun.
 
-    torchrun --nproc_per_node 2 -m cs336_systems.train --size small --wrapper bucketed:25 \
-        --sharded-optimizer --data tokens.bin --steps 1000 --checkpoint-dir ckpt --loss-log train.csv
+    python -m cs336_systems.train --size tiny --wrapper none --steps 20
+    torchrun --nproc_per_node 2 -m cs336_systems.train --size small --wrapper bucketed:25+sharded \
+        --data tokens.bin --steps 1000 --checkpoint-dir ckpt --loss-log train.csv
 
+`--wrapper` is a data-parallel spec, KIND[:BUCKET_MB][+SHARDING] (see
+cs336_systems.distributed.parallelize); started without torchrun, the run is one rank.
 Data: `--data` names a flat file of uint16 token ids (read through np.memmap); without it, random
 tokens. Every step draws a global batch of `batch_size * world` windows from one seeded generator;
 rank r takes rows r, r+world, ... so ranks see disjoint data and the run does not depend on timing.
-Checkpoints hold the model, the step and each rank's optimizer state (one file per rank: with the
-sharded optimizer each rank owns a different shard); `--resume` continues from the latest.
+Checkpoints: one folder per saved step (`step_000100/rank0.pt`, one file per rank since with a sharded
+optimizer each rank owns a different shard), marked complete by rank 0 (`COMPLETE`) only once every
+rank has written its file; `--resume` continues from the newest complete step, so a run killed between
+two ranks' saves resumes from the previous step, not from a mix. The last `--keep-checkpoints` stay.
 The loss of every step is written by rank 0 (`--loss-log`), so runs can be compared curve against curve,
 with the step's wall time (synchronized), the run's settings, its peak memory and provenance on each row.
 """
@@ -15,20 +20,48 @@ with the step's wall time (synchronized), the run's settings, its peak memory an
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench.ddp import make_optimizer, parse_config, wrap
 from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import DTYPES, autocast, peak_memory_mib, timed
-from cs336_systems.distributed import DDPBucketed
+from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_config
+from cs336_systems.distributed.parallelize import KINDS
+from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
+
+TOKEN_DTYPE = np.uint16
+COMPLETE = "COMPLETE"  # the marker file of a step every rank has saved
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+def load_tokens(path: str | Path, vocab_size: int, context_length: int) -> np.ndarray:
+    """The token file as a read-only memmap, checked up front: at least one window of context_length
+    inputs plus one target, and every id below vocab_size (a ValueError naming the file otherwise)."""
+    nbytes = os.path.getsize(path)
+    itemsize = np.dtype(TOKEN_DTYPE).itemsize
+    if nbytes % itemsize:
+        raise ValueError(f"--data {str(path)!r} has {nbytes} bytes, not a whole number of {TOKEN_DTYPE.__name__} "
+                         "token ids")
+    needed = context_length + 1
+    if nbytes // itemsize < needed:
+        raise ValueError(f"--data {str(path)!r} holds {nbytes // itemsize} tokens, fewer than one training window "
+                         f"needs: {needed} (--context-length {context_length} inputs, then one more target)")
+    data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    largest = int(data.max())
+    if largest >= vocab_size:
+        raise ValueError(f"--data {str(path)!r} holds token id {largest}, beyond the model's vocabulary of "
+                         f"{vocab_size} ids (0..{vocab_size - 1})")
+    return data
 
 
 def batches(data: np.ndarray | None, vocab: int, batch: int, context: int, world: int, rank: int, seed: int, step: int):
@@ -36,33 +69,105 @@ def batches(data: np.ndarray | None, vocab: int, batch: int, context: int, world
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     if data is None:
         tokens = torch.randint(vocab, (batch * world, context + 1), generator=gen)
-    else:
-        starts = torch.randint(len(data) - context - 1, (batch * world,), generator=gen).tolist()
+    else:  # a window is context + 1 tokens: the last start is len - context - 1
+        starts = torch.randint(len(data) - context, (batch * world,), generator=gen).tolist()
         tokens = torch.from_numpy(np.stack([data[s: s + context + 1] for s in starts]).astype(np.int64))
     mine = tokens[rank::world]
     return mine[:, :-1], mine[:, 1:]
 
 
-def checkpoint_path(directory: Path, rank: int) -> Path:
-    return directory / f"rank{rank}.pt"
+# ---- checkpoints ------------------------------------------------------------------------------
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+def saved_steps(root: Path, complete_only: bool = True) -> list[int]:
+    """Steps with a folder under root, oldest first (only those marked complete, by default)."""
+    steps = []
+    for path in root.glob("step_*"):
+        number = path.name.removeprefix("step_")
+        if path.is_dir() and number.isdigit() and (not complete_only or (path / COMPLETE).exists()):
+            steps.append(int(number))
+    return sorted(steps)
+
+
+def _atomic_write(write, path: Path) -> None:
+    """write(tmp) then rename over path: a save killed midway leaves no half-written file under path."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(root: Path, step: int, state: dict, rank: int, world: int, keep: int) -> None:
+    """Every rank writes its file of the step; once all have (a barrier), rank 0 marks the step
+    complete and deletes the older steps beyond the newest `keep` complete ones."""
+    folder = step_dir(root, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic_write(lambda tmp: torch.save(state, tmp), folder / f"rank{rank}.pt")
+    dist.barrier()
+    if rank != 0:
+        return
+    _atomic_write(lambda tmp: tmp.write_text(json.dumps({"step": step, "world_size": world})), folder / COMPLETE)
+    kept = set(saved_steps(root)[-keep:])
+    # Only older steps: nothing there is being written (every rank is past them), and a partial
+    # folder left by a killed run is cleared once a newer step is complete.
+    for old in saved_steps(root, complete_only=False):
+        if old < step and old not in kept:
+            shutil.rmtree(step_dir(root, old), ignore_errors=True)
+
+
+def load_checkpoint(root: Path, rank: int, world: int, device: torch.device) -> dict | None:
+    """This rank's state at the newest step that every rank saved (rank 0 decides, so all ranks
+    load the same step), or None when there is none."""
+    choice = [None, None]  # (step, error), decided by rank 0 and sent to all, so that all fail alike
+    if rank == 0 and saved_steps(root):
+        choice[0] = saved_steps(root)[-1]
+        saved_world = json.loads((step_dir(root, choice[0]) / COMPLETE).read_text())["world_size"]
+        if saved_world != world:
+            choice[1] = f"checkpoint {step_dir(root, choice[0])} was saved by {saved_world} ranks; this run has {world}"
+    dist.broadcast_object_list(choice, src=0)
+    if choice[1]:
+        raise ValueError(choice[1])
+    if choice[0] is None:
+        return None
+    folder = step_dir(root, choice[0])
+    return torch.load(folder / f"rank{rank}.pt", map_location=device)
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+def data_parallel_spec(args: argparse.Namespace) -> DataParallelSpec:
+    """--wrapper with --sharded-optimizer folded in (the flag is short for +sharded)."""
+    spec = args.wrapper
+    if args.sharded_optimizer:
+        if spec.optimizer_sharding not in ("none", "sharded"):
+            raise ValueError(f"--sharded-optimizer contradicts --wrapper {spec} (optimizer sharding "
+                             f"{spec.optimizer_sharding!r})")
+        spec = replace(spec, optimizer_sharding="sharded")
+    return spec
 
 
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
+    """Run (or continue) the training of args, one rank of world; the rows of the steps it ran."""
+    spec = data_parallel_spec(args)
     torch.manual_seed(args.seed + rank)  # ranks start apart: the wrappers broadcast rank 0's weights
     with device:
         model = TransformerLM(get_config(args.size, context_length=args.context_length, attention=args.attention))
-    wrapper, bucket_mb, _ = parse_config(args.wrapper)
-    ddp = wrap(model, wrapper, bucket_mb, device) if world > 1 else model
-    optimizer = make_optimizer("sharded" if args.sharded_optimizer else "adamw", model, args.lr)
+    data = load_tokens(args.data, model.config.vocab_size, args.context_length) if args.data else None
+    ddp = apply_data_parallel(model, spec, device)
+    optimizer = build_optimizer(ddp, spec, args.lr)
     start = 0
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
-    if args.resume and ckpt_dir and checkpoint_path(ckpt_dir, rank).exists():
-        state = torch.load(checkpoint_path(ckpt_dir, rank), map_location=device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["step"]
-    data = np.memmap(args.data, dtype=np.uint16, mode="r") if args.data else None
-    sync = getattr(ddp, "finish_gradient_synchronization", lambda: None)
+    if args.resume and ckpt_dir:
+        state = load_checkpoint(ckpt_dir, rank, world, device)
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            start = state["step"]
+        if rank == 0:
+            print(f"resuming after step {start}" if state else f"no complete checkpoint in {ckpt_dir}: from scratch",
+                  flush=True)
     log = []
     for step in range(start, args.steps):
         inputs, targets = batches(data, model.config.vocab_size, args.batch_size, args.context_length, world, rank,
@@ -70,72 +175,113 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         inputs, targets = inputs.to(device), targets.to(device)
 
         def train_step():
-            if isinstance(ddp, DDPBucketed):
-                ddp.reset()
+            ddp.on_train_batch_start()
             optimizer.zero_grad(set_to_none=True)
             with autocast(args.precision, device):
                 loss = cross_entropy(ddp(inputs), targets)
             loss.backward()
-            sync()
+            ddp.finish_gradient_synchronization()
             optimizer.step()
             return loss
 
         losses = []
         step_ms = timed(lambda: losses.append(train_step()), device)
         mean_loss = losses[0].detach().clone()
-        if world > 1:
-            dist.all_reduce(mean_loss)
-            mean_loss /= world
+        dist.all_reduce(mean_loss)
+        mean_loss /= world
         log.append({"step": step + 1, "loss": float(mean_loss), "step_ms": step_ms})
         if rank == 0 and (step + 1) % args.log_every == 0:
             print(f"step {step + 1}: loss {float(mean_loss):.4f}", flush=True)
         if ckpt_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            ckpt_dir.mkdir(parents=True, exist_ok=True)
-            tmp = checkpoint_path(ckpt_dir, rank).with_suffix(".tmp")
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}, tmp)
-            os.replace(tmp, checkpoint_path(ckpt_dir, rank))  # an interrupted save keeps the previous one
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
+            save_checkpoint(ckpt_dir, step + 1, state, rank, world, args.keep_checkpoints)
     return log
+
+
+# ---- command line -----------------------------------------------------------------------------
+
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _spec(text: str) -> DataParallelSpec:
+    try:
+        return DataParallelSpec.parse(text)
+    except ValueError as error:  # argparse shows only an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="small", choices=list(MODEL_SIZES))
-    parser.add_argument("--wrapper", default="bucketed:25",
-                        help="none | naive | flat | individual | bucketed:MB | torch_ddp (with 2+ ranks)")
-    parser.add_argument("--sharded-optimizer", action="store_true", help="ZeRO-1: shard AdamW's state")
-    parser.add_argument("--attention", default="sdpa")
-    parser.add_argument("--batch-size", type=int, default=4, help="per rank")
-    parser.add_argument("--context-length", type=int, default=256)
-    parser.add_argument("--precision", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--size", default="small", choices=list(MODEL_SIZES), help="model size")
+    parser.add_argument("--wrapper", type=_spec, default=DataParallelSpec.parse("bucketed:25"),
+                        help=f"data-parallel spec KIND[:BUCKET_MB][+sharded|+zero], KIND one of {', '.join(KINDS)} "
+                             "(default: bucketed:25)")
+    parser.add_argument("--sharded-optimizer", action="store_true", help="ZeRO-1: shard AdamW's state (= +sharded)")
+    parser.add_argument("--attention", default="sdpa", help="attention backend (naive, sdpa, flash_pytorch, ...)")
+    parser.add_argument("--batch-size", type=_at_least(1), default=4, help="sequences per rank and step")
+    parser.add_argument("--context-length", type=_at_least(1), default=256, help="tokens per sequence")
+    parser.add_argument("--precision", default="bf16", choices=sorted(DTYPES), help="autocast dtype (fp32: none)")
+    parser.add_argument("--lr", type=_positive_float, default=3e-4, help="AdamW learning rate")
+    parser.add_argument("--steps", type=_at_least(1), default=100, help="train until this step (resumed runs too)")
+    parser.add_argument("--seed", type=_at_least(0), default=0, help="seed of the weights and the batches")
     parser.add_argument("--data", default=None, help="uint16 token file (np.memmap); default: random tokens")
-    parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--checkpoint-every", type=int, default=100)
-    parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--checkpoint-dir", default=None, help="folder of the per-step checkpoints")
+    parser.add_argument("--checkpoint-every", type=_at_least(1), default=100,
+                        help="save every this many steps (and after the last)")
+    parser.add_argument("--keep-checkpoints", type=_at_least(1), default=2, help="complete checkpoints kept")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
+    parser.add_argument("--log-every", type=_at_least(1), default=10, help="print the loss every this many steps")
     parser.add_argument("--loss-log", default=None, help="CSV of the loss per step (rank 0)")
-    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo",
+                        choices=["nccl", "gloo"], help="torch.distributed backend (default: nccl with a GPU)")
     return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Errors argparse's per-flag checks cannot see, raised as ValueError before any rank starts."""
+    data_parallel_spec(args)
+    get_attention(args.attention)
+    if args.resume and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir")
+    if args.checkpoint_dir and not args.resume and saved_steps(Path(args.checkpoint_dir), complete_only=False):
+        # a fresh run would mix its checkpoints with the old run's newer ones
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints: pass --resume to "
+                         "continue that run, or name an empty folder")
+    if args.data:
+        if not Path(args.data).is_file():
+            raise ValueError(f"--data {args.data!r} does not exist")
+        load_tokens(args.data, get_config(args.size).vocab_size, args.context_length)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        parse_config(args.wrapper)
+        check_args(args)
     except ValueError as error:
         parser.error(str(error))
-    if args.data and not Path(args.data).exists():
-        parser.error(f"--data {args.data!r} does not exist")
+    spec = data_parallel_spec(args)
     rank, world, device = init_from_env(args.backend)
     log = train(args, rank, world, device)
     if rank == 0 and args.loss_log:
-        run = {"size": args.size, "attention": args.attention, "wrapper": args.wrapper if world > 1 else "none",
-               "sharded_optimizer": args.sharded_optimizer, "world_size": world, "batch_per_rank": args.batch_size,
-               "context_length": args.context_length, "precision": args.precision, "backend": args.backend,
-               "tokens_per_step": args.batch_size * world * args.context_length,
+        run = {"size": args.size, "attention": args.attention, "wrapper": str(spec.wrapper),
+               "sharded_optimizer": spec.optimizer_sharding != "none", **spec.to_columns(), "world_size": world,
+               "batch_per_rank": args.batch_size, "context_length": args.context_length, "precision": args.precision,
+               "backend": args.backend, "tokens_per_step": args.batch_size * world * args.context_length,
                "peak_memory_mib": peak_memory_mib(device), **provenance(device)}
         write_rows([{**row, **run} for row in log], args.loss_log)
     shutdown()

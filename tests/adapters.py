@@ -25,6 +25,15 @@ def get_flashattention_autograd_function_triton() -> Type:
 from cs336_systems.distributed import DDPBucketed, DDPIndividualParameters, ShardedOptimizer  # noqa: E402
 
 
+def get_ddp(module: torch.nn.Module) -> torch.nn.Module:
+    """The 2026 name of the overlapped per-parameter DDP (each gradient all-reduced as it is ready)."""
+    return DDPIndividualParameters(module)
+
+
+def ddp_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    ddp_model.finish_gradient_synchronization()
+
+
 def get_ddp_individual_parameters(module: torch.nn.Module) -> torch.nn.Module:
     return DDPIndividualParameters(module)
 
@@ -42,7 +51,7 @@ def ddp_bucketed_on_after_backward(ddp_model: torch.nn.Module, optimizer: torch.
 
 
 def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    ddp_model.reset()
+    ddp_model.on_train_batch_start()
 
 
 def get_sharded_optimizer(params, optimizer_cls: Type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:

@@ -19,8 +19,10 @@ from cs336_systems.distributed.common import AsyncAllReduce, trainable_parameter
 from cs336_systems.distributed.ddp_bucketed import plan_buckets
 from tests.adapters import (
     ddp_bucketed_on_after_backward,
+    ddp_on_after_backward,
     ddp_bucketed_on_train_batch_start,
     ddp_individual_parameters_on_after_backward,
+    get_ddp,
     get_ddp_bucketed,
     get_ddp_individual_parameters,
 )
@@ -30,6 +32,7 @@ WRAPPERS = {
     "naive": (lambda m: DDPNaive(m), lambda ddp, opt: ddp.finish_gradient_synchronization()),
     "flat": (lambda m: DDPNaive(m, flat=True), lambda ddp, opt: ddp.finish_gradient_synchronization()),
     "individual": (get_ddp_individual_parameters, ddp_individual_parameters_on_after_backward),
+    "individual-2026-names": (get_ddp, ddp_on_after_backward),
     # the collectives issued from a worker thread instead of by the hooks on autograd's thread
     "individual-thread": (lambda m: DDPIndividualParameters(m, background_issue=True),
                           ddp_individual_parameters_on_after_backward),
@@ -185,20 +188,6 @@ def test_parameters_on_mixed_devices_are_an_error():
         trainable_parameters(model)
 
 
-def test_benchmark_config_strings():
-    from cs336_systems.bench.ddp import parse_config
-
-    assert parse_config("none") == ("none", None, "adamw")
-    assert parse_config("bucketed:100+sharded") == ("bucketed", 100.0, "sharded")
-    assert parse_config("bucketed-thread:1") == ("bucketed-thread", 1.0, "adamw")
-    with pytest.raises(ValueError, match="unknown wrapper 'fsdp'"):
-        parse_config("fsdp")
-    with pytest.raises(ValueError, match="unknown optimizer 'lamb'"):
-        parse_config("naive+lamb")
-    with pytest.raises(ValueError, match="bucket size must be positive, got 0"):
-        parse_config("bucketed:0")
-
-
 def test_benchmark_with_compiled_blocks_and_one_adamw_for_every_optimizer(tmp_path):
     """The DDP benchmark as the full-scale pipeline runs it (blocks compiled, one AdamW implementation for
     plain, sharded and ZeRO optimizers), on two CPU ranks: every data-parallel config trains the same
@@ -219,6 +208,9 @@ def test_benchmark_with_compiled_blocks_and_one_adamw_for_every_optimizer(tmp_pa
                    check=True, capture_output=True, timeout=600)
     rows = pd.read_csv(out)
     assert rows["config"].tolist() == configs
+    assert rows["dp_kind"].tolist() == ["none", "individual", "bucketed", "torch_ddp", "torch_ddp"]
+    assert rows["optimizer_sharding"].tolist() == ["none", "none", "sharded", "zero", "none"]
+    assert rows["bucket_mb"].tolist()[2] == 0.01 and rows["bucket_mb"].drop(index=2).isna().all()
     assert (rows["status"] == "ok").all()
     assert (rows["compile"] == "blocks").all() and (rows["adamw"] == "torch_fused").all()
     loss = rows.set_index("config")["final_loss"]

@@ -1,17 +1,32 @@
-"""The training CLI end to end on CPU (gloo, 2 ranks): our wrappers give torch DDP's loss curve,
-checkpoints resume exactly, and token files are read."""
+"""The training CLI end to end on CPU: as one plain process, and on 2 gloo ranks, where our wrappers
+give torch DDP's loss curve, checkpoints resume exactly (also after a kill between two ranks'
+saves), and token files are read and checked."""
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from cs336_systems.train import build_parser, train
+from cs336_systems.model import get_config
+from cs336_systems.train import (
+    COMPLETE,
+    build_parser,
+    load_checkpoint,
+    load_tokens,
+    main,
+    saved_steps,
+    step_dir,
+    train,
+)
 from tests.distributed_helpers import run_distributed
 
 COMMON = ["--size", "tiny", "--context-length", "16", "--batch-size", "2", "--precision", "fp32",
           "--attention", "naive", "--lr", "1e-2", "--backend", "gloo"]
+VOCAB = get_config("tiny").vocab_size
 
 
 def _run(rank, world, argv, out):
@@ -37,27 +52,110 @@ def test_wrappers_follow_torch_ddp_loss_curve(tmp_path):
     np.testing.assert_allclose(sharded, reference, rtol=1e-5)
 
 
-def test_resume_continues_exactly(tmp_path):
-    full = _losses(tmp_path, "full", "--wrapper", "individual", "--sharded-optimizer", "--steps", "6")
-    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3"]
-    first = _losses(tmp_path, "first", "--wrapper", "individual", "--sharded-optimizer", "--steps", "3", *ckpt)
-    rest = _losses(tmp_path, "rest", "--wrapper", "individual", "--sharded-optimizer", "--steps", "6", "--resume", *ckpt)
-    np.testing.assert_allclose(first + rest, full, rtol=1e-6)
+def test_one_plain_process_without_torchrun(tmp_path):
+    """No RANK or WORLD_SIZE in the environment: one rank, the default wrapper, a loss log."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    log = tmp_path / "loss.csv"
+    subprocess.run([sys.executable, "-m", "cs336_systems.train", "--size", "tiny", "--steps", "2",
+                    "--context-length", "16", "--batch-size", "2", "--precision", "fp32", "--loss-log", str(log)],
+                   check=True, capture_output=True, timeout=300, env=env)
+    import pandas as pd
+
+    rows = pd.read_csv(log)
+    assert rows["step"].tolist() == [1, 2] and np.isfinite(rows["loss"]).all()
+    assert (rows["world_size"] == 1).all() and (rows["config"] == "bucketed:25").all()
+    assert (rows["dp_kind"] == "bucketed").all() and (rows["bucket_mb"] == 25).all()
+    assert (rows["optimizer_sharding"] == "none").all()
+
+
+def test_resume_after_a_kill_between_two_ranks_saves(tmp_path):
+    """Checkpoints every 2 steps, the last 2 kept; then step 6 is made to look as if rank 1 was killed
+    before saving it (rank 0's file there, rank 1's missing, no COMPLETE marker). The resumed run must
+    ignore step 6, continue from step 4, and give the uninterrupted run's losses."""
+    args = ["--wrapper", "individual", "--sharded-optimizer"]
+    full = _losses(tmp_path, "full", *args, "--steps", "6")
+    ckpt = tmp_path / "ckpt"
+    saving = [*args, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--keep-checkpoints", "2"]
+    first = _losses(tmp_path, "first", *saving, "--steps", "6")
+    np.testing.assert_allclose(first, full, rtol=1e-6)
+    assert saved_steps(ckpt) == [4, 6] and saved_steps(ckpt, complete_only=False) == [4, 6]  # 2 pruned
+
+    (step_dir(ckpt, 6) / COMPLETE).unlink()
+    (step_dir(ckpt, 6) / "rank1.pt").unlink()
+    assert saved_steps(ckpt) == [4]
+    rest = _losses(tmp_path, "rest", *saving, "--steps", "6", "--resume")
+    np.testing.assert_allclose(rest, full[4:], rtol=1e-6)
+    assert saved_steps(ckpt) == [4, 6]
+    assert {p.name for p in step_dir(ckpt, 6).iterdir()} == {"rank0.pt", "rank1.pt", COMPLETE}
+    assert json.loads((step_dir(ckpt, 6) / COMPLETE).read_text()) == {"step": 6, "world_size": 2}
 
 
 def test_token_file(tmp_path):
     data = tmp_path / "tokens.bin"
-    np.random.default_rng(0).integers(0, 10_000, 5_000, dtype=np.uint16).tofile(data)
+    np.random.default_rng(0).integers(0, VOCAB, 5_000, dtype=np.uint16).tofile(data)
     losses = _losses(tmp_path, "file", "--wrapper", "flat", "--steps", "3", "--data", str(data))
     assert len(losses) == 3 and all(np.isfinite(losses))
 
 
-def test_bad_arguments(capsys):
-    from cs336_systems.train import main
+def test_token_file_of_exactly_one_window_is_enough(tmp_path):
+    data = tmp_path / "tokens.bin"
+    ids = np.arange(17, dtype=np.uint16)  # context 16 + 1 target: one window, at offset 0
+    ids.tofile(data)
+    loaded = load_tokens(data, VOCAB, context_length=16)
+    assert np.array_equal(loaded, ids)
 
+
+def _error(capsys, argv) -> str:
     with pytest.raises(SystemExit):
-        main(["--wrapper", "fsdp"])
-    assert "unknown wrapper 'fsdp'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["--data", "/no/such/file"])
-    assert "does not exist" in capsys.readouterr().err
+        main(argv)
+    return capsys.readouterr().err
+
+
+def test_bad_token_files_are_clear_errors_up_front(tmp_path, capsys):
+    short = tmp_path / "short.bin"
+    np.arange(16, dtype=np.uint16).tofile(short)
+    err = _error(capsys, [*COMMON, "--data", str(short)])
+    assert f"--data '{short}' holds 16 tokens, fewer than one training window needs: 17" in err
+    big = tmp_path / "big.bin"
+    ids = np.zeros(100, dtype=np.uint16)
+    ids[37] = VOCAB + 5
+    ids.tofile(big)
+    err = _error(capsys, [*COMMON, "--data", str(big)])
+    assert f"--data '{big}' holds token id {VOCAB + 5}, beyond the model's vocabulary of {VOCAB} ids" in err
+    ids[37] = VOCAB - 1  # the largest valid id is fine
+    ids.tofile(big)
+    assert load_tokens(big, VOCAB, 16).max() == VOCAB - 1
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x00" * 41)
+    assert "has 41 bytes, not a whole number of uint16" in _error(capsys, [*COMMON, "--data", str(odd)])
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    assert "holds 0 tokens" in _error(capsys, [*COMMON, "--data", str(empty)])
+
+
+def test_bad_arguments(tmp_path, capsys):
+    assert "unknown data-parallel kind 'ring'" in _error(capsys, ["--wrapper", "ring"])
+    assert "bucket size must be positive and finite, got 0.0" in _error(capsys, ["--wrapper", "bucketed:0"])
+    assert "--sharded-optimizer contradicts --wrapper torch_ddp+zero" in _error(
+        capsys, ["--wrapper", "torch_ddp+zero", "--sharded-optimizer"])
+    assert "does not exist" in _error(capsys, ["--data", "/no/such/file"])
+    assert "--resume needs --checkpoint-dir" in _error(capsys, ["--resume"])
+    assert "must be at least 1, got 0" in _error(capsys, ["--steps", "0"])
+    assert "must be at least 1, got 0" in _error(capsys, ["--keep-checkpoints", "0"])
+    assert "must be positive, got -1" in _error(capsys, ["--lr", "-1"])
+    assert "unknown attention backend 'nope'" in _error(capsys, ["--attention", "nope"])
+    used = tmp_path / "ckpt"
+    step_dir(used, 3).mkdir(parents=True)
+    assert "already holds checkpoints: pass --resume" in _error(capsys, ["--checkpoint-dir", str(used)])
+
+
+def _resume_with_another_world_size(rank, world, root):
+    folder = step_dir(root, 5)
+    folder.mkdir(parents=True)
+    (folder / COMPLETE).write_text(json.dumps({"step": 5, "world_size": 2}))
+    with pytest.raises(ValueError, match=f"checkpoint {folder} was saved by 2 ranks; this run has 1"):
+        load_checkpoint(root, rank, world, torch.device("cpu"))
+
+
+def test_resume_refuses_a_checkpoint_of_another_world_size(tmp_path):
+    run_distributed(_resume_with_another_world_size, 1, tmp_path / "ckpt")

@@ -123,6 +123,11 @@ class DDPBucketed(nn.Module):
         self._all_reduce.submit(bucket.buffer)
         bucket.launched = True
 
+    def on_train_batch_start(self) -> None:
+        """Start a step from clean bookkeeping (finish already did; this covers a step that was abandoned
+        between its backward pass and its synchronisation)."""
+        self.reset()
+
     def reset(self) -> None:
         """Forget the previous step's bookkeeping and let go of its buffers (called by finish;
         harmless to call again)."""

@@ -41,5 +41,9 @@ class DDPIndividualParameters(nn.Module):
     def _reduce(self, param: torch.Tensor) -> None:
         self._all_reduce.submit(param.grad)
 
+    def on_train_batch_start(self) -> None:
+        """Nothing to prepare: each hook reduces its gradient whenever it is ready."""
+
     def finish_gradient_synchronization(self) -> None:
+        """Wait for the all-reduces the hooks issued; the averaged gradients are then in `.grad`."""
         self._all_reduce.wait()

@@ -27,6 +27,9 @@ class DDPNaive(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def on_train_batch_start(self) -> None:
+        """Nothing to prepare: all the work happens after the backward pass."""
+
     @torch.no_grad()
     def finish_gradient_synchronization(self) -> None:
         """Average the gradients over ranks (parameters without a gradient are left alone)."""

@@ -16,7 +16,11 @@ SAFE_NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 
 
 def init_from_env(backend: str, timeout_s: float = 300, init_method: str = "env://") -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes; each NCCL rank takes the GPU of its local rank."""
+    """Join the process group torchrun describes; each NCCL rank takes the GPU of its local rank.
+
+    Started as one plain process (no RANK and WORLD_SIZE in the environment, and the default
+    init_method), it makes a group of one, rank 0, over an in-memory store: the same code then runs
+    with or without torchrun (collectives over one rank return at once)."""
     for key, value in SAFE_NCCL_ENV.items():
         os.environ.setdefault(key, value)
     if backend == "nccl":
@@ -30,8 +34,16 @@ def init_from_env(backend: str, timeout_s: float = 300, init_method: str = "env:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=init_method, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    launched = [key for key in ("RANK", "WORLD_SIZE") if key in os.environ]
+    if init_method == "env://" and not launched:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif len(launched) < 2:
+        raise RuntimeError(f"only {launched} of RANK and WORLD_SIZE are set in the environment; start the ranks with "
+                           "torchrun, or set neither to run as one process")
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), device
 
 

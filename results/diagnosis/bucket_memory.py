@@ -6,9 +6,8 @@ and the optimizer step (peak reset before each phase), and what is allocated aft
 import os
 
 import torch
-from cs336_systems.bench.ddp import wrap, make_optimizer, parse_config
 from cs336_systems.bench.timing import autocast, reset_memory
-from cs336_systems.distributed import DDPBucketed
+from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.launch import init_from_env
 from cs336_systems.model import TransformerLM, get_config, cross_entropy
 gpu = torch.cuda.is_available()
@@ -20,18 +19,17 @@ def mem():
 for text, compile_ in [("individual+sharded", True), ("bucketed:1000+sharded", True), ("bucketed:1000+sharded", False),
                        ("bucketed:1000", True)]:
     reset_memory(device)
-    wrapper, bucket_mb, opt_name = parse_config(text)
+    spec = DataParallelSpec.parse(text)
     with device:
         model = TransformerLM(get_config(size, context_length=512))
     if compile_:
         model.compile_blocks()
-    ddp = wrap(model, wrapper, bucket_mb, device)
-    optimizer = make_optimizer(opt_name, model, 1e-4, "fused" if gpu else "foreach")
+    ddp = apply_data_parallel(model, spec, device)
+    optimizer = build_optimizer(ddp, spec, 1e-4, "fused" if gpu else "foreach")
     data = torch.Generator().manual_seed(0)
     for step in range(4):
         tokens = torch.randint(10000, (4, 513), generator=data).to(device)
-        if isinstance(ddp, DDPBucketed):
-            ddp.reset()
+        ddp.on_train_batch_start()
         optimizer.zero_grad(set_to_none=True)
         out = []
         def phase(name, fn):
@@ -44,7 +42,7 @@ for text, compile_ in [("individual+sharded", True), ("bucketed:1000+sharded", T
             loss = phase("fwd", lambda: cross_entropy(ddp(tokens[:, :-1]), tokens[:, 1:]))
         phase("bwd", loss.backward)
         del loss
-        phase("sync", getattr(ddp, "finish_gradient_synchronization", lambda: None))
+        phase("sync", ddp.finish_gradient_synchronization)
         phase("opt", optimizer.step)
         if rank == 0:
             print(f"{text} compile={compile_} step {step}: " + "; ".join(out), flush=True)

@@ -111,6 +111,8 @@ rule ddp_overlap:
 TRAIN = S["train_matrix"]
 
 
+# The wrapper wildcard is a data-parallel spec from config.yaml, passed verbatim (train.py parses it);
+# `none` is the single-GPU run: one process on the whole global batch, so every run sees the same tokens.
 rule train_point:
     output:
         temp(f"{R}/raw/train/{{attention}}_{{wrapper}}.csv"),
@@ -118,7 +120,7 @@ rule train_point:
         f"{LOGS}/train/{{attention}}_{{wrapper}}.log",
     wildcard_constraints:
         attention="naive|sdpa|flash_pytorch|flash_triton",
-        wrapper=r"single|naive|flat|individual|torch_ddp|bucketed-[0-9.]+",
+        wrapper="|".join(re.escape(w) for w in TRAIN["wrappers"]),
     conda:
         ENV
     # Every point reserves all the matrix's GPUs, the single-GPU runs too: Snakemake counts GPUs but
@@ -127,17 +129,13 @@ rule train_point:
         gpu=TRAIN["gpus"],
     params:
         t=TRAIN,
-        nproc=lambda wc: 1 if wc.wrapper == "single" else TRAIN["world_size"],
-        wrapper=lambda wc: (
-            "none" if wc.wrapper == "single" else wc.wrapper.replace("-", ":")
-        ),
-        # the single-GPU run takes the global batch, so every run sees the same tokens per step
+        nproc=lambda wc: 1 if wc.wrapper == "none" else TRAIN["world_size"],
         batch=lambda wc: TRAIN["batch_size"]
-        * (TRAIN["world_size"] if wc.wrapper == "single" else 1),
+        * (TRAIN["world_size"] if wc.wrapper == "none" else 1),
     shell:
         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
         " --nproc_per_node {params.nproc} -m cs336_systems.train --size {params.t[size]}"
-        " --wrapper {params.wrapper} --attention {wildcards.attention} --batch-size {params.batch}"
+        " --wrapper {wildcards.wrapper} --attention {wildcards.attention} --batch-size {params.batch}"
         " --context-length {params.t[context_length]} --precision {params.t[precision]}"
         " --steps {params.t[steps]} --backend {params.t[backend]} --log-every 1000000"
         " --loss-log {output} > {log} 2>&1"

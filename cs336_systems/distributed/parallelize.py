@@ -1,0 +1,181 @@
+"""Data parallelism as data: a spec of the setup, and the functions that apply it to a built model.
+
+    spec = DataParallelSpec.parse("bucketed:25+sharded")        # once, at the command line
+    ddp = apply_data_parallel(model, spec, device)             # the model, wrapped
+    optimizer = build_optimizer(ddp, spec, lr=3e-4)
+    for batch in batches:
+        ddp.on_train_batch_start()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(ddp(batch)).backward()
+        ddp.finish_gradient_synchronization()                  # no-op where the backward already did it
+        optimizer.step()
+
+Text form (one spelling, `str(spec)` gives it back): KIND[:BUCKET_MB][+SHARDING]
+  KIND       none (each rank trains alone), naive, flat, individual, bucketed, torch_ddp, and the
+             individual-thread / bucketed-thread variants that issue their all-reduces from a worker thread;
+  BUCKET_MB  bucket size in MiB, for bucketed, bucketed-thread (absent: one bucket) and torch_ddp
+             (absent: torch's default of 25);
+  SHARDING   sharded (our ZeRO-1 ShardedOptimizer) or zero (torch's ZeroRedundancyOptimizer);
+             absent, or `+adamw` on input, means no optimizer-state sharding.
+Every wrapper, "none" included, offers `on_train_batch_start()` and `finish_gradient_synchronization()`,
+so a training loop calls both unconditionally. A new kind is one entry in `_WRAPPERS` (and in
+`BUCKETED_KINDS` if it takes a bucket size).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from cs336_systems.distributed.ddp_bucketed import DDPBucketed
+from cs336_systems.distributed.ddp_individual import DDPIndividualParameters
+from cs336_systems.distributed.ddp_naive import DDPNaive
+from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+from cs336_systems.optim import adamw_implementation
+
+TORCH_DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's own bucket_cap_mb default, used when the spec names none
+
+
+class DataParallel(Protocol):
+    """What a training loop may call on any wrapped model (besides calling it)."""
+
+    module: nn.Module
+
+    def on_train_batch_start(self) -> None: ...
+
+    def finish_gradient_synchronization(self) -> None: ...
+
+
+class NoDataParallel(nn.Module):
+    """Kind "none": the model as it is (each rank trains alone, on its own data); the hooks do nothing."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def on_train_batch_start(self) -> None:
+        pass
+
+    def finish_gradient_synchronization(self) -> None:
+        pass
+
+
+class TorchDDP(DistributedDataParallel):
+    """torch's DistributedDataParallel with the loop hooks of our wrappers: it averages the gradients
+    during the backward pass itself, so both do nothing."""
+
+    def on_train_batch_start(self) -> None:
+        pass
+
+    def finish_gradient_synchronization(self) -> None:
+        pass
+
+
+def _torch_ddp(model: nn.Module, spec: DataParallelSpec, device: torch.device) -> nn.Module:
+    return TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    bucket_cap_mb=spec.bucket_mb or TORCH_DDP_DEFAULT_BUCKET_MB)
+
+
+_Builder = Callable[[nn.Module, "DataParallelSpec", torch.device], nn.Module]
+_WRAPPERS: dict[str, _Builder] = {
+    "none": lambda model, spec, device: NoDataParallel(model),
+    "naive": lambda model, spec, device: DDPNaive(model),
+    "flat": lambda model, spec, device: DDPNaive(model, flat=True),
+    "individual": lambda model, spec, device: DDPIndividualParameters(model),
+    "individual-thread": lambda model, spec, device: DDPIndividualParameters(model, background_issue=True),
+    "bucketed": lambda model, spec, device: DDPBucketed(model, spec.bucket_mb),
+    "bucketed-thread": lambda model, spec, device: DDPBucketed(model, spec.bucket_mb, background_issue=True),
+    "torch_ddp": _torch_ddp,
+}
+KINDS = tuple(_WRAPPERS)
+BUCKETED_KINDS = ("bucketed", "bucketed-thread", "torch_ddp")  # the kinds that take a bucket size
+SHARDINGS = ("none", "sharded", "zero")
+
+
+@dataclass(frozen=True)
+class DataParallelSpec:
+    """How a model is trained data-parallel: the wrapper kind, its bucket size in MiB (None: the
+    kind's default, see the module docstring), and the optimizer-state sharding."""
+
+    kind: str = "none"
+    bucket_mb: float | None = None
+    optimizer_sharding: str = "none"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown data-parallel kind {self.kind!r}; known: {', '.join(KINDS)}")
+        if self.optimizer_sharding not in SHARDINGS:
+            raise ValueError(f"unknown optimizer sharding {self.optimizer_sharding!r}; known: {', '.join(SHARDINGS)}")
+        if self.bucket_mb is not None:
+            if self.kind not in BUCKETED_KINDS:
+                raise ValueError(f"a bucket size ({self.bucket_mb} MiB) was given for {self.kind!r}, which has no "
+                                 f"buckets; only {', '.join(BUCKETED_KINDS)} take one")
+            if not 0 < self.bucket_mb < math.inf:  # also refuses NaN
+                raise ValueError(f"bucket size must be positive and finite, got {self.bucket_mb}")
+            object.__setattr__(self, "bucket_mb", float(self.bucket_mb))
+
+    @classmethod
+    def parse(cls, text: str) -> DataParallelSpec:
+        """The spec of `KIND[:BUCKET_MB][+SHARDING]`; a ValueError naming the bad part and the whole text."""
+        wrapper, plus, sharding = text.strip().partition("+")
+        kind, colon, bucket = wrapper.partition(":")
+        if not plus or sharding == "adamw":  # "+adamw" is the old spelling of no sharding
+            sharding = "none"
+        bucket_mb = None
+        if colon:
+            try:
+                bucket_mb = float(bucket)
+            except ValueError:
+                raise ValueError(f"bad data-parallel spec {text!r}: bucket size {bucket!r} is not a number "
+                                 "(expected e.g. bucketed:25)") from None
+        try:
+            return cls(kind, bucket_mb, sharding)
+        except ValueError as error:
+            raise ValueError(f"bad data-parallel spec {text!r}: {error}") from None
+
+    def __str__(self) -> str:
+        text = self.kind
+        if self.bucket_mb is not None:
+            text += ":" + str(self.bucket_mb).removesuffix(".0")  # repr of the float: parses back exactly
+        if self.optimizer_sharding != "none":
+            text += "+" + self.optimizer_sharding
+        return text
+
+    @property
+    def wrapper(self) -> DataParallelSpec:
+        """The same spec without optimizer sharding (the wrapper alone)."""
+        return replace(self, optimizer_sharding="none")
+
+    def to_columns(self) -> dict[str, object]:
+        """The columns a result row carries: the text form (`config`) and each field on its own."""
+        return {"config": str(self), "dp_kind": self.kind, "bucket_mb": self.bucket_mb,
+                "optimizer_sharding": self.optimizer_sharding}
+
+
+def apply_data_parallel(model: nn.Module, spec: DataParallelSpec, device: torch.device) -> nn.Module:
+    """The model wrapped as spec.kind says (an initialised process group is needed; rank 0's weights
+    are broadcast). The result offers `.module` and the two loop hooks of `DataParallel`."""
+    return _WRAPPERS[spec.kind](model, spec, device)
+
+
+def build_optimizer(model: nn.Module, spec: DataParallelSpec, lr: float,
+                    adamw: str = "foreach") -> torch.optim.Optimizer:
+    """AdamW over model's parameters (pass the wrapped model: a wrapper that owns its parameters then
+    gets its own), sharded as spec says; every variant updates with the same AdamW implementation
+    (one of optim.ADAMW_IMPLEMENTATIONS), so sharded and unsharded steps differ only in the sharding."""
+    optimizer_class, extra = adamw_implementation(adamw)
+    if spec.optimizer_sharding == "sharded":
+        return ShardedOptimizer(model.parameters(), optimizer_class, lr=lr, **extra)
+    if spec.optimizer_sharding == "zero":
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=lr, **extra)
+    return optimizer_class(model.parameters(), lr=lr, **extra)
