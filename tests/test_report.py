@@ -289,3 +289,14 @@ def test_prose_check_on_a_known_table():
     assert unquoted(replace(section, checked=[good.replace("28.4%", "28.4")]))  # 28.4 is no cell; 0.284 is
     assert unquoted(replace(section, checked=[good + " It ran 3 times."]))  # a number the table does not hold
     assert unquoted(replace(section, checked=[good + " It ran 3 times."], wording=("3",))) == []
+
+
+def test_ddp_config_strings():
+    from cs336_systems.report.sections.distributed import DdpConfig, ddp_config
+
+    assert ddp_config("bucketed:100+sharded") == DdpConfig("bucketed", 100.0, "sharded")
+    assert ddp_config("bucketed:0.5") == DdpConfig("bucketed", 0.5, None)
+    assert ddp_config("torch_ddp+zero") == DdpConfig("torch_ddp", None, "zero")
+    assert ddp_config("individual-thread") == DdpConfig("individual-thread", None, None)
+    assert ddp_config("bucketed:1000+sharded").wrapper == "bucketed:1000"
+    assert ddp_config("torch_ddp:1").wrapper == "torch_ddp:1"

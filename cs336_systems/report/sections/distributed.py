@@ -4,6 +4,7 @@ bucketed DDP, their profiler traces, the communication accounting and optimizer-
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
@@ -34,6 +35,28 @@ def render_allreduce(ctx: Context) -> Section:
         "2(n−1)/n of the data) is the figure to compare across process counts.")]
     return Section([*checked, ctx.table("allreduce"), ctx.figure("allreduce", "all-reduce")], table, checked,
                    wording=("2", "1"))
+
+
+@dataclass(frozen=True)
+class DdpConfig:
+    """What a DDP results row's `config` names: the data-parallel wrapper (`kind`: none, naive, flat,
+    individual[-thread|-inline], bucketed, torch_ddp), its bucket size in MB (bucketed DDP; torch DDP's
+    bucket_cap_mb), and how the optimizer state is sharded (None, 'sharded' for ours, 'zero' for torch's)."""
+    kind: str
+    bucket_mb: float | None
+    optimizer_sharding: str | None
+
+    @property
+    def wrapper(self) -> str:
+        return self.kind if self.bucket_mb is None else f"{self.kind}:{self.bucket_mb:g}"
+
+
+def ddp_config(config: str) -> DdpConfig:
+    """The one place the report reads a config string: 'bucketed:100+sharded' -> bucketed, 100 MB, sharded.
+    (The rows' dp_kind, bucket_mb and optimizer_sharding columns can replace it once every file has them.)"""
+    wrapper, _, sharding = config.partition("+")
+    kind, _, bucket = wrapper.partition(":")
+    return DdpConfig(kind, float(bucket) if bucket else None, sharding or None)
 
 
 def _ddp_steps(frame: pd.DataFrame) -> pd.DataFrame:
@@ -195,11 +218,12 @@ def render_ddp_bucketed(ctx: Context) -> str:
     steps, stds = ok_steps["step_ms"], ok_steps["step_std_ms"]
     best_mb = {}
     for precision in sorted(set(frame["precision"])):
-        bucketed = {c: steps[(precision, c)] for c in configs if c.startswith("bucketed") and (precision, c) in steps}
+        bucketed = {c: steps[(precision, c)] for c in configs
+                    if ddp_config(c).kind == "bucketed" and (precision, c) in steps}
         if bucketed and (precision, "torch_ddp") in steps:
             best = min(bucketed, key=bucketed.get)
-            best_mb[precision] = float(best.split(":")[1])
-            text = (f"{precision}: the best bucket size is {best.split(':')[1]} MB, "
+            best_mb[precision] = ddp_config(best).bucket_mb
+            text = (f"{precision}: the best bucket size is {best_mb[precision]:g} MB, "
                     f"{bucketed[best] / steps[(precision, 'torch_ddp')]:.2f}× torch DDP's step time.")
             if abs(bucketed[best] - steps[(precision, "torch_ddp")]) < max(stds[(precision, best)],
                                                                          stds[(precision, "torch_ddp")]):
@@ -267,19 +291,19 @@ def render_sharding(ctx: Context) -> str:
         else:
             text += (f" Step time (median) {plain['step_median_ms']:.1f} ms without and "
                      f"{sharded['step_median_ms']:.1f} ms with sharding.")
-        for config in sorted(c for p, c in ok.index if p == precision and c.endswith("+sharded")
+        for config in sorted(c for p, c in ok.index if p == precision and ddp_config(c).optimizer_sharding == "sharded"
                              and c != "individual+sharded"):
             other = ok.loc[(precision, config)]
             compared.append(other)
             versus = ok.loc[(precision, "torch_ddp+zero")] if (precision, "torch_ddp+zero") in ok.index else None
-            text += (f" With {config.split('+')[0]} DDP under our sharded optimizer: {other['step_median_ms']:.1f} ms"
+            text += (f" With {ddp_config(config).wrapper} DDP under our sharded optimizer: {other['step_median_ms']:.1f} ms"
                      + (f" ({other['step_median_ms'] / versus['step_median_ms']:.2f}× torch's)" if versus is not None
                         else "") + f", peak {other['peak_after_step_mib']:.0f} MiB.")
         if "step_round_median_min_ms" in ok:
             # ours against torch's (or against no sharding): apart only if their per-round medians are
             zero_key = (precision, "torch_ddp+zero")
             reference = ok.loc[zero_key] if zero_key in ok.index else plain
-            apart = [row.name[1] for row in compared if row.name[1].endswith("+sharded") and (
+            apart = [row.name[1] for row in compared if ddp_config(row.name[1]).optimizer_sharding == "sharded" and (
                 row["step_round_median_min_ms"] > reference["step_round_median_max_ms"]
                 or row["step_round_median_max_ms"] < reference["step_round_median_min_ms"])]
             text += (f" Against {reference.name[1]}, the per-round medians of "
