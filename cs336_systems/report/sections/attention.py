@@ -64,24 +64,33 @@ def render_attention(ctx: Context) -> Section:
                    checked, q.derived)
 
 
-def render_attention_compile(ctx: Context) -> str:
+def render_attention_compile(ctx: Context) -> Section:
     frame = ctx.frame("attention")
-    ok = frame[frame["status"] == "ok"].pivot_table(index=["head_dim", "seq_len", "phase"], columns="impl",
-                                                    values="mean_ms")
-    ok = ok.dropna()
-    speedup = ok["eager"] / ok["compiled"]
-    fwd, bwd = speedup.xs("forward", level="phase"), speedup.xs("backward", level="phase")
+    table = tables.attention_compile(frame)
+    q = Quotes(table)
+
+    def speedup(phase: str):
+        def ratios(t: pd.DataFrame) -> pd.Series:
+            return (column_values(t, f"{phase} eager (ms)") / column_values(t, f"{phase} compiled (ms)")).dropna()
+        return ratios
+
+    fwd, bwd = speedup("forward"), speedup("backward")
     oom = frame[frame["status"] == "oom"].groupby("impl")[["head_dim", "seq_len"]].apply(
         lambda g: set(map(tuple, g.values)))
     text = (f"Speed-up of torch.compile over eager (eager time ÷ compiled time): forward "
-            f"{fwd.min():.2f}–{fwd.max():.2f}× (median {fwd.median():.2f}×), backward {bwd.min():.2f}–{bwd.max():.2f}× "
-            f"(median {bwd.median():.2f}×). The compiler fuses the scaling, the softmax and its gradient into "
-            f"generated kernels; the matrix products stay cuBLAS calls and the seq² matrices are still stored.")
+            f"{q.derive(lambda t: fwd(t).min(), '.2f', 'least forward speed-up')}–"
+            f"{q.derive(lambda t: fwd(t).max(), '.2f', 'largest forward speed-up')}× "
+            f"(median {q.derive(lambda t: fwd(t).median(), '.2f', 'median forward speed-up')}×), backward "
+            f"{q.derive(lambda t: bwd(t).min(), '.2f', 'least backward speed-up')}–"
+            f"{q.derive(lambda t: bwd(t).max(), '.2f', 'largest backward speed-up')}× "
+            f"(median {q.derive(lambda t: bwd(t).median(), '.2f', 'median backward speed-up')}×). The compiler fuses "
+            f"the scaling, the softmax and its gradient into generated kernels; the matrix products stay cuBLAS calls "
+            f"and the seq² matrices are still stored.")
     if len(oom):
         same = oom.get("eager", set()) == oom.get("compiled", set())
         text += (" The same configurations run out of memory with and without compilation." if same else
                  f" Out of memory: eager {sorted(oom.get('eager', set()))}, compiled {sorted(oom.get('compiled', set()))}.")
-    return "\n\n".join([text, ctx.table("attention_compile")])
+    return Section([text, ctx.table("attention_compile")], table, [text], q.derived)
 
 
 def render_flash_correctness(ctx: Context) -> str:
