@@ -13,7 +13,7 @@ import torch
 from cs336_systems.distributed.sharded_optimizer import GATHER_BUCKET_MB
 from cs336_systems.model import TransformerLM, get_config
 from cs336_systems.report import figures, tables
-from cs336_systems.report.section import Context, Deliverable, Figure, Section, Table
+from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.tables import round_medians
 
 
@@ -63,7 +63,9 @@ def _ddp_steps(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[frame["status"] == "ok"].set_index(["precision", "config"])
 
 
-def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
+def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> list[str]:
+    """The setup paragraph (from the rows' arguments), then one line per precision quoting the table's
+    step medians, round ranges, communication waits and step-to-step deviations."""
     steps = _ddp_steps(frame)
     rounds = int(frame["rounds"].max()) if "rounds" in frame and frame["rounds"].notna().any() else 1
     lines = []
@@ -87,7 +89,7 @@ def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> str:
              f"{first['context_length']}, {repeats}. "
              f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
              f"(torch DDP synchronises inside backward, so its wait is part of its forward+backward time).")
-    return setup + "\n\n" + "\n\n".join(lines)
+    return [setup, *lines]
 
 
 # How the DDP rows' `adamw` column reads in the text (rows measured before the column existed used `foreach`).
@@ -110,9 +112,11 @@ def gradient_tensors(size: str) -> int:
         return sum(p.requires_grad for p in TransformerLM(get_config(size)).parameters())
 
 
-def render_ddp_naive(ctx: Context) -> str:
+def render_ddp_naive(ctx: Context) -> Section:
     frame = ctx.frame("ddp_naive")
-    parts = [_ddp_summary(frame, ["none", "naive", "flat", "torch_ddp"])]
+    table = tables.ddp(frame)
+    parts = _ddp_summary(frame, ["none", "naive", "flat", "torch_ddp"])
+    checked = parts[1:]
     steps = _ddp_steps(frame)
     cost = allreduce_cost(ctx.frame("allreduce"))
     ok = frame[frame["status"] == "ok"]
@@ -129,21 +133,22 @@ def render_ddp_naive(ctx: Context) -> str:
             f"gradients should take {(o + grad_bytes / w) * 1e3:.1f} ms, and {tensors} separate ones "
             f"{(tensors * o + grad_bytes / w) * 1e3:.1f} ms if each paid o in full. Measured waits: {waits}. "
             f"Flat DDP also copies every gradient into one buffer and back, which the prediction leaves out.")
-    shares = {p: steps.loc[(p, "naive"), "communication_ms"] / steps.loc[(p, "naive"), "step_ms"]
-              for p in sorted(set(ok["precision"])) if (p, "naive") in steps.index}
+    share = (column_values(table, "comm share") / 100).set_axis(pd.MultiIndex.from_frame(table[["precision", "config"]]))
+    shares = {p: share[(p, "naive")] for p in sorted(set(ok["precision"])) if (p, "naive") in share.index}
     if shares:
         text = "Communication is " + ", ".join(f"{share:.0%} of naive DDP's step in {p}" for p, share in shares.items())
         if shares.get("bf16", 0) > shares.get("fp32", 1):
             text += (": the faster the computation, the larger the share of the step that waits for gradients, "
                      "which is what overlapping communication with backward (2.3) recovers")
         parts.append(text + ".")
-    return "\n\n".join([*parts, ctx.table("ddp_naive")])
+        checked.append(parts[-1])
+    return Section([*parts, ctx.table("ddp_naive")], table, checked, wording=("2.3",))
 
 
 def render_ddp_individual(ctx: Context) -> str:
     frame = ctx.frame("ddp_individual")
     steps = _ddp_steps(frame)
-    parts = [_ddp_summary(frame, ["individual", "naive", "torch_ddp"])]
+    parts = _ddp_summary(frame, ["individual", "naive", "torch_ddp"])
     for precision in sorted(set(frame["precision"])):
         if not {(precision, c) for c in ("individual", "naive", "torch_ddp")} <= set(steps.index):
             continue
@@ -208,14 +213,21 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: di
     return text
 
 
-def render_ddp_bucketed(ctx: Context) -> str:
+def render_ddp_bucketed(ctx: Context) -> Section:
     frame = ctx.frame("ddp_bucketed")
+    table = tables.ddp(frame)
+    q = Quotes(table)
     configs = list(dict.fromkeys(frame["config"]))
     ok = frame[frame["status"] == "ok"]
     model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
-    parts = [_ddp_summary(frame, configs)]
-    ok_steps = _ddp_steps(frame)
-    steps, stds = ok_steps["step_ms"], ok_steps["step_std_ms"]
+    parts = _ddp_summary(frame, configs)
+    checked = parts[1:]
+    stds = _ddp_steps(frame)["step_std_ms"]
+
+    def step_means(t: pd.DataFrame) -> pd.Series:  # the mean of the table's 'mean ± std' step cells
+        return column_values(t, "step (ms)").set_axis(pd.MultiIndex.from_frame(t[["precision", "config"]]))
+
+    steps = step_means(table).dropna()
     best_mb = {}
     for precision in sorted(set(frame["precision"])):
         bucketed = {c: steps[(precision, c)] for c in configs
@@ -223,14 +235,17 @@ def render_ddp_bucketed(ctx: Context) -> str:
         if bucketed and (precision, "torch_ddp") in steps:
             best = min(bucketed, key=bucketed.get)
             best_mb[precision] = ddp_config(best).bucket_mb
-            text = (f"{precision}: the best bucket size is {best_mb[precision]:g} MB, "
-                    f"{bucketed[best] / steps[(precision, 'torch_ddp')]:.2f}× torch DDP's step time.")
+            ratio = q.derive(lambda t, p=precision, b=best: step_means(t)[(p, b)] / step_means(t)[(p, "torch_ddp")],
+                             ".2f", f"{precision} best bucketed over torch DDP")
+            text = f"{precision}: the best bucket size is {best_mb[precision]:g} MB, {ratio}× torch DDP's step time."
             if abs(bucketed[best] - steps[(precision, "torch_ddp")]) < max(stds[(precision, best)],
                                                                          stds[(precision, "torch_ddp")]):
                 text += " The gap is smaller than the larger of the two step-to-step standard deviations."
             parts.append(text)
+            checked.append(text)
     parts.append(bucket_model(ctx.frame("allreduce"), model_bytes, best_mb))
-    return "\n\n".join([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")])
+    return Section([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")], table, checked,
+                   q.derived)
 
 
 def render_traces(ctx: Context) -> str:
