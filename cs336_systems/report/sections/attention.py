@@ -93,18 +93,23 @@ def render_attention_compile(ctx: Context) -> Section:
     return Section([text, ctx.table("attention_compile")], table, [text], q.derived)
 
 
-def render_flash_correctness(ctx: Context) -> str:
+def render_flash_correctness(ctx: Context) -> Section:
     frame = ctx.frame("flash_correctness")
-    passed = int((frame["outcome"] == "passed").sum())
-    skipped = frame.loc[frame["outcome"] == "skipped", "test"]
-    aside = f" ({len(skipped)} skipped: {', '.join(skipped)})" if len(skipped) else ""
-    text = (f"{passed} of {len(frame)} tests of `tests/test_flash.py` passed{aside} on "
+    table = tables.flash_correctness(frame)
+    q = Quotes(table)
+    skipped = table.loc[table["outcome"] == "skipped", "test"]
+    count = q.derive(lambda t: (t["outcome"] == "skipped").sum(), "d", "tests skipped")
+    aside = f" ({count} skipped: {', '.join(skipped)})" if len(skipped) else ""
+    text = (f"{q.derive(lambda t: (t['outcome'] == 'passed').sum(), 'd', 'tests passed')} of "
+            f"{q.derive(len, 'd', 'tests run')} tests of `tests/test_flash.py` passed{aside} on "
             f"{frame['device_name'].iloc[0]}: "
             "O, L, dQ, dK and dV of both implementations against a float64 reference, causal and not, lengths "
             "from 1 to 100 (up to 1000 on a GPU) and rectangular cases, with and without a heads dimension, float32 "
             "(relative error < 1e-4) and 16-bit (error within 2× of PyTorch's own attention in the same dtype; "
             "bfloat16 on a GPU only).")
-    return "\n\n".join([text, ctx.table("flash_correctness")])
+    # what the test file covers is its own wording, not results
+    return Section([text, ctx.table("flash_correctness")], table, [text], q.derived,
+                   wording=("1", "100", "1000", "1e-4", "16", "2"))
 
 
 def render_flash_sweep(ctx: Context) -> str:

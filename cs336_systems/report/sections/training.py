@@ -4,14 +4,14 @@ backend and data-parallel wrapper, their speed and whether their loss curves agr
 from __future__ import annotations
 
 from cs336_systems.report import figures
-from cs336_systems.report.section import Context, Deliverable, Figure, Table
+from cs336_systems.report.section import Context, Deliverable, Figure, Section, Table
 from cs336_systems.report.tables import train_matrix
 
 # Same seed, same global batch: runs may differ only by float rounding in reductions of another order.
 LOSS_AGREEMENT = 1e-3
 
 
-def render_train_matrix(ctx: Context) -> str:
+def render_train_matrix(ctx: Context) -> Section:
     frame = ctx.frame("train_matrix")
     summary = train_matrix(frame)
     first, ddp = frame.iloc[0], frame[frame["world_size"] > 1]
@@ -41,7 +41,9 @@ def render_train_matrix(ctx: Context) -> str:
     if len(fastest) > 1:
         parts.append("The fastest wrapper changes with the attention backend, so these short runs of a small model "
                      "do not rank the wrappers; the xl measurements of 2.2–2.3 do.")
-    return "\n\n".join([*parts, ctx.figure("train_matrix", "loss curves"), ctx.table("train_matrix")])
+    # the first paragraph states the runs' arguments; the rest quotes the table
+    return Section([*parts, ctx.figure("train_matrix", "loss curves"), ctx.table("train_matrix")], summary,
+                   parts[1:], wording=("2.2", "2.3", f"{LOSS_AGREEMENT}"))
 
 
 DELIVERABLES = [
