@@ -133,7 +133,8 @@ def render_ddp_naive(ctx: Context) -> Section:
             f"gradients should take {(o + grad_bytes / w) * 1e3:.1f} ms, and {tensors} separate ones "
             f"{(tensors * o + grad_bytes / w) * 1e3:.1f} ms if each paid o in full. Measured waits: {waits}. "
             f"Flat DDP also copies every gradient into one buffer and back, which the prediction leaves out.")
-    share = (column_values(table, "comm share") / 100).set_axis(pd.MultiIndex.from_frame(table[["precision", "config"]]))
+    keys = pd.MultiIndex.from_frame(table[["precision", "config"]])
+    share = (column_values(table, "comm share") / 100).set_axis(keys)
     shares = {p: share[(p, "naive")] for p in sorted(set(ok["precision"])) if (p, "naive") in share.index}
     if shares:
         text = "Communication is " + ", ".join(f"{share:.0%} of naive DDP's step in {p}" for p, share in shares.items())
@@ -145,29 +146,45 @@ def render_ddp_naive(ctx: Context) -> Section:
     return Section([*parts, ctx.table("ddp_naive")], table, checked, wording=("2.3",))
 
 
-def render_ddp_individual(ctx: Context) -> str:
+def render_ddp_individual(ctx: Context) -> Section:
     frame = ctx.frame("ddp_individual")
-    steps = _ddp_steps(frame)
+    table = tables.ddp(frame)
+    q = Quotes(table)
+
+    def cell(t: pd.DataFrame, precision: str, config: str, column: str) -> float:
+        return column_values(t, column, lambda t: (t["precision"] == precision) & (t["config"] == config)).iloc[0]
+
+    def over_torch(precision: str, config: str):
+        return q.derive(lambda t: cell(t, precision, config, "step median (ms)")
+                        / cell(t, precision, "torch_ddp", "step median (ms)"), ".2f",
+                        f"{precision} {config} over torch DDP")
+
+    ok = table[table["step (ms)"].astype(str).str.contains("±")]
+    present = set(zip(ok["precision"], ok["config"]))
     parts = _ddp_summary(frame, ["individual", "naive", "torch_ddp"])
+    checked = parts[1:]
     for precision in sorted(set(frame["precision"])):
-        if not {(precision, c) for c in ("individual", "naive", "torch_ddp")} <= set(steps.index):
+        if not {(precision, c) for c in ("individual", "naive", "torch_ddp")} <= present:
             continue
-        ours, naive, torch_ddp = (steps.loc[(precision, c)] for c in ("individual", "naive", "torch_ddp"))
-        parts.append(
-            f"{precision}: overlapped-individual takes {ours['step_median_ms'] / torch_ddp['step_median_ms']:.2f}× "
-            f"torch DDP's step. Its communication wait is {ours['communication_ms']:.1f} ms against naive's "
-            f"{naive['communication_ms']:.1f} ms, but its forward+backward takes {ours['forward_backward_ms']:.1f} ms "
-            f"against naive's {naive['forward_backward_ms']:.1f} ms (which communicates nothing during backward): "
-            f"overlapping one all-reduce per gradient with the backward pass changes it by "
-            f"{ours['forward_backward_ms'] - naive['forward_backward_ms']:+.1f} ms.")
-        variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if (precision, c) in steps.index]
+        ours, naive = ({column: cell(table, precision, c, column) for column in
+                        ("communication wait (ms)", "forward+backward (ms)")} for c in ("individual", "naive"))
+        change = q.derive(lambda t, p=precision: cell(t, p, "individual", "forward+backward (ms)")
+                          - cell(t, p, "naive", "forward+backward (ms)"), "+.1f", f"{precision} overlap's change")
+        checked.append(
+            f"{precision}: overlapped-individual takes {over_torch(precision, 'individual')}× "
+            f"torch DDP's step. Its communication wait is {ours['communication wait (ms)']:.1f} ms against naive's "
+            f"{naive['communication wait (ms)']:.1f} ms, but its forward+backward takes "
+            f"{ours['forward+backward (ms)']:.1f} ms against naive's {naive['forward+backward (ms)']:.1f} ms (which "
+            f"communicates nothing during backward): overlapping one all-reduce per gradient with the backward pass "
+            f"changes it by {change} ms.")
+        variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if (precision, c) in present]
         if variants:
-            parts.append(f"{precision}, in the same run: " + "; ".join(
-                f"{label}: step {steps.loc[(precision, c), 'step_median_ms']:.1f} ms "
-                f"({steps.loc[(precision, c), 'step_median_ms'] / torch_ddp['step_median_ms']:.2f}× torch DDP's), "
-                f"forward+backward "
-                f"{steps.loc[(precision, c), 'forward_backward_ms']:.1f} ms" for c, label in variants) + ".")
-    return "\n\n".join([*parts, ctx.table("ddp_individual")])
+            checked.append(f"{precision}, in the same run: " + "; ".join(
+                f"{label}: step {cell(table, precision, c, 'step median (ms)'):.1f} ms "
+                f"({over_torch(precision, c)}× torch DDP's), forward+backward "
+                f"{cell(table, precision, c, 'forward+backward (ms)'):.1f} ms" for c, label in variants) + ".")
+    return Section([parts[0], *checked, ctx.table("ddp_individual")], table, checked, q.derived,
+                   wording=("1",))  # torch DDP's 1 MB buckets, named in a variant's label
 
 
 # Configs that tell where overlapped-individual's time goes: the same all-reduces issued from another
