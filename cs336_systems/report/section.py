@@ -118,10 +118,6 @@ class Quotes:
         self.table = table
         self.derived: list[Derived] = []
 
-    def column(self, column: str, rows: Callable[[pd.DataFrame], pd.Series] | None = None) -> pd.Series:
-        """A column's cells as numbers (NaN where the cell holds none), optionally for some rows only."""
-        return column_values(self.table, column, rows)
-
     def derive(self, formula: Callable[[pd.DataFrame], float], fmt: str, what: str) -> str:
         """`formula(table)` formatted for the prose, remembered so the test can recompute it."""
         text = format(formula(self.table), fmt)

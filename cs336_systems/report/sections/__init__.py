@@ -11,9 +11,10 @@ import math
 import re
 
 from cs336_systems.report.section import Deliverable, Figure, Table
-from cs336_systems.report.sections import attention, benchmarking, distributed, memory, profiling, training
+from cs336_systems.report.sections import (attention, benchmarking, distributed, memory, profiling, sharding,
+                                           training)
 
-PARTS = (benchmarking, profiling, memory, attention, distributed, training)
+PARTS = (benchmarking, profiling, memory, attention, distributed, sharding, training)
 
 
 def handout_order(item: Deliverable) -> tuple[tuple[float, ...], str]:
