@@ -325,3 +325,33 @@ def test_sections_without_data_say_pending_naming_their_rule(tmp_path):
             assert body.startswith("not measured at this scale, which runs on the cpu"), item.section
         elif item.data:
             assert body.startswith(f"pending: rule `{item.rule}` has not produced {tmp_path / item.data[0]}.csv"), body
+
+
+def test_each_section_embeds_only_the_tables_and_figures_it_owns():
+    """The registry's tables and figures (which the workflow builds) are the ones the sections embed."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections import FIGURES
+
+    class Recording(Context):
+        def table(self, name):
+            self.embedded.append(("table", name))
+            return super().table(name)
+
+        def figure(self, name, caption):
+            self.embedded.append(("figure", name))
+            return super().figure(name, caption)
+
+    anchors = yaml.safe_load((ROOT / "config.yaml").read_text())["anchors"]
+    here = Path.cwd()
+    os.chdir(ROOT)
+    try:
+        for item in DELIVERABLES:
+            ctx = Recording(Path("results"), Path("figures"), Path("results"), anchors)
+            ctx.embedded = []
+            item.render(ctx)
+            tables = {name for kind, name in ctx.embedded if kind == "table"}
+            figures = {name for kind, name in ctx.embedded if kind == "figure" and name in FIGURES}
+            assert tables == {t.name for t in item.tables}, item.section
+            assert figures == {f.name for f in item.figures}, item.section
+    finally:
+        os.chdir(here)
