@@ -1,11 +1,19 @@
 """Report helpers on synthetic inputs with known answers: allocator snapshots (real ones need CUDA),
 profiler traces and the training-matrix table."""
 
+import os
 import pickle
+import re
+from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
+import pytest
+import yaml
 
 from cs336_systems.report import memory
+from cs336_systems.report.section import Quotes, Section, column_values
+from cs336_systems.report.sections import DELIVERABLES
 
 MiB = 2**20
 
@@ -112,7 +120,7 @@ def test_writeup_html_keeps_tables_and_figure_links(tmp_path):
 
 
 def test_kernel_labels_name_the_operation():
-    from cs336_systems.report.tables import kernel_label
+    from cs336_systems.report.profile_tables import kernel_label
 
     mul = ("void at::native::vectorized_elementwise_kernel<4, at::native::BinaryFunctor<float, float, float, "
            "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 3ul> >(int, at::native::BinaryFunctor"
@@ -129,7 +137,7 @@ def test_kernel_labels_name_the_operation():
 
 def test_profile_kernels_drop_ranges_and_merge_instances():
     """torch.optim's `Optimizer.step#AdamW.step` range shows up on the GPU timeline; it is not a kernel."""
-    from cs336_systems.report.tables import profile_kernels_of
+    from cs336_systems.report.profile_tables import profile_kernels_of
 
     rows = pd.DataFrame({
         "kind": ["kernel"] * 4 + ["harness"], "phase": ["optimizer"] * 3 + ["forward"] * 2,
@@ -158,3 +166,192 @@ def test_optimizer_table_bandwidth_and_oom():
     assert table.loc["small", "optimizer step (ms)"] == "2.00 ± 0.10"
     assert table.loc["2.7B", "optimizer step (ms)"] == "OOM"
     assert pd.isna(table.loc["2.7B", "GB/s at 28 B/param"])
+
+
+# --- Each section's prose quotes the table it embeds --------------------------------------------------------
+
+NUMBER = re.compile(r"(?<![\w.])[-+−]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?![\w])(%?)")
+
+
+def prose_numbers(paragraph: str) -> list[tuple[str, bool]]:
+    """The numbers a paragraph states, each with whether it is a percentage (code spans are names, not data)."""
+    text = re.sub(r"`[^`]*`", " ", paragraph)
+    return [(found[0].removesuffix("%"), bool(found[1])) for found in NUMBER.finditer(text)]
+
+
+def printed(token: str) -> str:
+    return token.replace(",", "").replace("−", "-").lstrip("+")
+
+
+def in_table(token: str, percent: bool, table: pd.DataFrame) -> bool:
+    """Whether some number the table prints is `token` at the token's precision (a prose 125.7 quotes a
+    cell 125.72 ± 18.51), or, for a percentage, a fraction the table prints."""
+    target = printed(token)
+    if "e" in target:  # a number printed in scientific notation: compare its significant digits
+        mantissa = target.split("e")[0].lstrip("-")
+        significant = len(mantissa.replace(".", "").lstrip("0"))
+        return any(f"{v:.{significant - 1}e}" == f"{abs(float(target)):.{significant - 1}e}"
+                   for v in table_numbers(table))
+    digits = len(token.split(".")[1]) if "." in token else 0
+    for value in table_numbers(table):
+        candidates = (value, value * 100) if percent else (value,)
+        if any(f"{abs(v):.{digits}f}" == target.lstrip("-") for v in candidates):
+            return True
+    return False
+
+
+def table_numbers(table: pd.DataFrame) -> list[float]:
+    """Every number the table's cells print (both of 'mean ± std'), as magnitudes."""
+    return [abs(float(v.replace(",", "").replace("−", "-"))) for cell in table.to_numpy().ravel()
+            for v in re.findall(r"[-−]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", str(cell))]
+
+
+def unquoted(section: Section) -> list[str]:
+    """What in a section's checked prose is not its table's: numbers that are neither a cell nor a declared
+    derived value nor wording, and derived values the table no longer gives."""
+    problems = [f"{d.what}: the prose says {d.text}, the table gives {format(d.formula(section.table), d.fmt)}"
+                for d in section.derived if format(d.formula(section.table), d.fmt) != d.text]
+    declared = {printed(d.text).lstrip("-") for d in section.derived} | {printed(w) for w in section.wording}
+    for paragraph in section.checked:
+        for token, percent in prose_numbers(paragraph):
+            if printed(token).lstrip("-") not in declared and not in_table(token, percent, section.table):
+                problems.append(f"{token}{'%' if percent else ''} in: {paragraph[:100]}…")
+    return problems
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def committed(request):
+    """The sections rendered from the committed GPU results (as results/writeup.md is)."""
+    from cs336_systems.report.section import Context
+
+    anchors = yaml.safe_load((ROOT / "config.yaml").read_text())["anchors"]
+    here = Path.cwd()
+    os.chdir(ROOT)  # figure links are relative to the working directory
+    try:
+        ctx = Context(Path("results"), Path("figures"), Path("results"), anchors)
+        yield {item.section: item.render(ctx) for item in DELIVERABLES}
+    finally:
+        os.chdir(here)
+
+
+# The sections whose prose is picked from the table they embed; the others still compute their text
+# from the results rows (each is a Section once converted, and is then checked below).
+QUOTING = ["1.1.5 (c)", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile", "1.3.2 flash_forward", "1.3.3", "2.1",
+            "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end"]
+
+
+@pytest.mark.parametrize("section", [item.section for item in DELIVERABLES])
+def test_section_prose_quotes_the_table_it_embeds(committed, section):
+    body = committed[section]
+    if not isinstance(body, Section):
+        assert not section.startswith(tuple(QUOTING))
+        item = next(item for item in DELIVERABLES if item.section == section)
+        pytest.skip("embeds no table" if not item.tables else
+                    "prose computed from the results rows, not yet from its table")
+    # the table checked is the one shown: the embedded Markdown is this frame's
+    assert body.table.to_markdown(index=False) in body.markdown()
+    assert body.checked and all(paragraph in body.parts for paragraph in body.checked)
+    assert unquoted(body) == []
+    embeds = ("|", "_", "![")
+    others = [p for p in body.parts if p not in body.checked and not p.lstrip().startswith(embeds)]
+    print(f"{section}: {len(body.checked)} paragraphs checked; from other data:", *others, sep="\n  ")
+
+
+def test_every_quoting_section_is_a_section(committed):
+    quoting = [s for s in committed if s.startswith(tuple(QUOTING))]
+    assert len(quoting) == len(QUOTING) and all(isinstance(committed[s], Section) for s in quoting)
+
+
+def test_compile_prose_states_the_block_speedup_column(committed):
+    """The compile section quotes its table's 'speed-up, blocks' range, and a changed number is caught."""
+    body = committed["1.3.1 (b) torch_compile: compiled versus vanilla Transformer"]
+    speedups = column_values(body.table, "speed-up, blocks").dropna()
+    lead = body.checked[0]
+    assert f"{speedups.min():.2f}–{speedups.max():.2f}×" in lead
+    assert f"median {speedups.median():.2f}×" in lead
+
+    wrong = f"{speedups.max() + 0.07:.2f}"  # e.g. a range copied from another scope or an earlier run
+    perturbed = replace(body, checked=[lead.replace(f"{speedups.max():.2f}", wrong), *body.checked[1:]])
+    assert any(problem.startswith(wrong) for problem in unquoted(perturbed))
+
+
+def test_a_table_that_no_longer_gives_a_derived_number_is_caught(committed):
+    body = committed["1.3.1 (b) torch_compile: compiled versus vanilla Transformer"]
+    table = body.table.copy()
+    table["speed-up, blocks"] = [f"{v * 1.1:.2f}" for v in column_values(table, "speed-up, blocks")]
+    problems = unquoted(replace(body, table=table))
+    assert any("block-compiled speed-up" in problem for problem in problems)
+
+
+def test_prose_check_on_a_known_table():
+    """Cells match at the prose's precision, derived numbers are recomputed, anything else is reported."""
+    table = pd.DataFrame({"size": ["small", "xl"], "step (ms)": ["20.84 ± 0.28", "125.72 ± 18.51"],
+                          "MFU": [0.205, 0.284]})
+    quotes = Quotes(table)
+    ratio = quotes.derive(lambda t: column_values(t, "step (ms)").iloc[1] / column_values(t, "step (ms)").iloc[0],
+                          ".2f", "xl over small")
+    good = f"xl takes 125.7 ms (std 18.5), {ratio}× small's 20.84 ms, at 28.4% MFU; `nvjet_sm90_128x64` is a name."
+    section = Section([good], table, [good], quotes.derived)
+    assert unquoted(section) == []
+    assert unquoted(replace(section, checked=[good.replace("125.7", "125.9")])) == ["125.9 in: " + good.replace(
+        "125.7", "125.9")[:100] + "…"]
+    assert unquoted(replace(section, checked=[good.replace("28.4%", "28.4")]))  # 28.4 is no cell; 0.284 is
+    assert unquoted(replace(section, checked=[good + " It ran 3 times."]))  # a number the table does not hold
+    assert unquoted(replace(section, checked=[good + " It ran 3 times."], wording=("3",))) == []
+
+
+def test_ddp_config_strings():
+    from cs336_systems.report.sections.distributed import DdpConfig, ddp_config
+
+    assert ddp_config("bucketed:100+sharded") == DdpConfig("bucketed", 100.0, "sharded")
+    assert ddp_config("bucketed:0.5") == DdpConfig("bucketed", 0.5, None)
+    assert ddp_config("torch_ddp+zero") == DdpConfig("torch_ddp", None, "zero")
+    assert ddp_config("individual-thread") == DdpConfig("individual-thread", None, None)
+    assert ddp_config("bucketed:1000+sharded").wrapper == "bucketed:1000"
+    assert ddp_config("torch_ddp:1").wrapper == "torch_ddp:1"
+
+
+def test_sections_without_data_say_pending_naming_their_rule(tmp_path):
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.writeup import render
+
+    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    for item in DELIVERABLES:
+        body = render(item, ctx, device="cpu")
+        if item.data and item.cuda_only:
+            assert body.startswith("not measured at this scale, which runs on the cpu"), item.section
+        elif item.data:
+            assert body.startswith(f"pending: rule `{item.rule}` has not produced {tmp_path / item.data[0]}.csv"), body
+
+
+def test_each_section_embeds_only_the_tables_and_figures_it_owns():
+    """The registry's tables and figures (which the workflow builds) are the ones the sections embed."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections import FIGURES
+
+    class Recording(Context):
+        def table(self, name):
+            self.embedded.append(("table", name))
+            return super().table(name)
+
+        def figure(self, name, caption):
+            self.embedded.append(("figure", name))
+            return super().figure(name, caption)
+
+    anchors = yaml.safe_load((ROOT / "config.yaml").read_text())["anchors"]
+    here = Path.cwd()
+    os.chdir(ROOT)
+    try:
+        for item in DELIVERABLES:
+            ctx = Recording(Path("results"), Path("figures"), Path("results"), anchors)
+            ctx.embedded = []
+            item.render(ctx)
+            tables = {name for kind, name in ctx.embedded if kind == "table"}
+            figures = {name for kind, name in ctx.embedded if kind == "figure" and name in FIGURES}
+            assert tables == {t.name for t in item.tables}, item.section
+            assert figures == {f.name for f in item.figures}, item.section
+    finally:
+        os.chdir(here)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 
 from cs336_systems.bench.results import read_rows
-from cs336_systems.report.figures import FIGURES
 from cs336_systems.report.render import provenance_line, save_table
-from cs336_systems.report.tables import TABLES
+from cs336_systems.report.sections import FIGURES, TABLES
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,10 +24,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     frame = read_rows(*args.inputs)
     if args.kind == "table":
-        build, caption = TABLES[args.name]
-        save_table(build(frame), args.md, args.tex, f"{caption}. {provenance_line(frame)}")
+        table = TABLES[args.name]
+        save_table(table.build(frame), args.md, args.tex, f"{table.caption}. {provenance_line(frame)}")
     else:
-        FIGURES[args.name](frame, args.out)
+        FIGURES[args.name].draw(frame, args.out)
 
 
 if __name__ == "__main__":

@@ -58,8 +58,6 @@ def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
     save_figure(grid.figure, path, "Eager versus torch.compile")
 
 
-FIGURES = {"e2e_timing": e2e_timing, "e2e_warmup": e2e_warmup, "compile_timing": compile_timing}
-
 
 def attention_memory(frame: pd.DataFrame, path: str | Path) -> None:
     """Memory in use before backward versus sequence length (1.2.1), with the formula's prediction."""
@@ -98,8 +96,6 @@ def flash_tflops(frame: pd.DataFrame, path: str | Path) -> None:
     _flash_panels(frame, path, "tflops", "TFLOP/s (forward+backward)", "Causal attention, achieved TFLOP/s")
 
 
-FIGURES.update({"attention_memory": attention_memory, "flash_latency": flash_latency, "flash_tflops": flash_tflops})
-
 
 def allreduce(frame: pd.DataFrame, path: str | Path) -> None:
     rows = frame.copy()
@@ -130,5 +126,3 @@ def train_matrix(frame: pd.DataFrame, path: str | Path) -> None:
     sns.move_legend(grid, "upper left", bbox_to_anchor=(1.0, 0.9))  # beside the panels, not over the last one
     save_figure(grid.figure, path, "Training loss by data-parallel wrapper (same seed and global batch)")
 
-
-FIGURES.update({"allreduce": allreduce, "ddp_bucketed": ddp_bucketed, "train_matrix": train_matrix})

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pandas as pd
 
 from cs336_systems.bench.e2e import COMPILE_SCOPES
@@ -13,7 +11,7 @@ from cs336_systems.report.render import mean_std
 SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
 
 
-def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
+def ordered_by_size(frame: pd.DataFrame) -> pd.DataFrame:
     frame = frame.copy()
     frame["size"] = pd.Categorical(frame["size"], [s for s in SIZE_ORDER if s in set(frame["size"])], ordered=True)
     return frame.sort_values("size")
@@ -33,7 +31,7 @@ def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]
     """One row per model size; for each named column filter (e.g. precision=fp32) and phase, the cell
     'mean ± std' in ms (or OOM). An OOM row has phase 'step', so it is looked up under any phase."""
     out = []
-    for size, rows in _ordered(frame).groupby("size", observed=True, sort=True):
+    for size, rows in ordered_by_size(frame).groupby("size", observed=True, sort=True):
         record = {"size": size}
         for label, where in columns.items():
             selected = rows
@@ -85,25 +83,33 @@ def compile_scope(frame: pd.DataFrame) -> pd.Series:
 
 def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
     """1.3.1(b): eager versus compiled (per compile scope), forward-only and full training step, per attention
-    backend; the speed-up and MFU are the fastest compiled scope's."""
+    backend; per scope the speed-up over eager (eager median ÷ that scope's median), and the MFU of the
+    fastest compiled scope."""
     out = []
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
     scopes = [s for s in COMPILE_SCOPES if s in set(steps["scope"])]
-    for (size, attention, mode), rows in _ordered(steps).groupby(["size", "attention", "mode"], observed=True):
+    for (size, attention, mode), rows in ordered_by_size(steps).groupby(["size", "attention", "mode"], observed=True):
         eager = rows[rows["scope"] == "none"]
+        eager_ok = len(eager) and eager["status"].eq("ok").all()
         record = {"size": size, "attention": attention, "mode": mode, "eager (ms)": _cell(eager)}
-        best = None
+        best, speedups = None, {}
         for scope in scopes:
             compiled = rows[rows["scope"] == scope]
-            record["compiled (ms)" if len(scopes) == 1 else f"compiled, {scope} (ms)"] = _cell(compiled)
-            if len(compiled) and compiled["status"].eq("ok").all() and (
-                    best is None or compiled["median_ms"].iloc[0] < best["median_ms"].iloc[0]):
+            record[compile_column("compiled", scope, scopes) + " (ms)"] = _cell(compiled)
+            ok = len(compiled) and compiled["status"].eq("ok").all()
+            speedups[compile_column("speed-up", scope, scopes)] = (  # a dash, not nan, where a scope did not run
+                f"{eager['median_ms'].iloc[0] / compiled['median_ms'].iloc[0]:.2f}" if ok and eager_ok else "—")
+            if ok and (best is None or compiled["median_ms"].iloc[0] < best["median_ms"].iloc[0]):
                 best = compiled
-        ok = best is not None and len(eager) and eager["status"].eq("ok").all()
-        record["speed-up"] = round(eager["median_ms"].iloc[0] / best["median_ms"].iloc[0], 2) if ok else None
+        record.update(speedups)
         record["compiled MFU"] = round(best["mfu"].iloc[0], 3) if best is not None else None
         out.append(record)
     return pd.DataFrame(out)
+
+
+def compile_column(what: str, scope: str, scopes: list[str]) -> str:
+    """'compiled' / 'speed-up' for a run of one compile scope, else named by scope ('speed-up, blocks')."""
+    return what if len(scopes) == 1 else f"{what}, {scope}"
 
 
 # AdamW's least memory traffic per fp32 parameter: read parameter, gradient and both moments, write
@@ -115,7 +121,7 @@ def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
     """The optimizer phase of a training step per size and optimizer, with the bandwidth it would take to
     move AdamW's least traffic in that time."""
     out = []
-    for (size, optimizer), rows in _ordered(frame).groupby(["size", "optimizer"], observed=True, sort=True):
+    for (size, optimizer), rows in ordered_by_size(frame).groupby(["size", "optimizer"], observed=True, sort=True):
         phase = rows[rows["phase"].eq("optimizer") | rows["status"].ne("ok")]
         step = rows[rows["phase"].eq("step") | rows["status"].ne("ok")]
         params = parameter_count(get_config(str(size)))
@@ -126,17 +132,6 @@ def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
         record["GB/s at 28 B/param"] = round(params * ADAMW_BYTES_PER_PARAM / seconds / 1e9) if ok else None
         out.append(record)
     return pd.DataFrame(out)
-
-
-TABLES = {
-    "e2e_timing": (e2e_timing, "Forward and backward time per step (mean ± std over measured steps), fp32"),
-    "e2e_warmup": (e2e_warmup, "Forward+backward step time by number of warm-up steps, fp32"),
-    "mixed_precision": (mixed_precision, "Forward and backward time, fp32 versus bf16 autocast"),
-    "compile_timing": (compile_timing, "Eager versus torch.compile'd model: ms per step, mean ± std; speed-up "
-                                        "and MFU from the medians; bf16 autocast"),
-    "optimizer": (optimizer_timing, "AdamW's step alone, eager training steps: ms per step, mean ± std; the "
-                                    "bandwidth is AdamW's least traffic over the median time"),
-}
 
 
 def _ms(rows: pd.DataFrame) -> str:
@@ -214,18 +209,6 @@ def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
                         ).fillna("—").reset_index()
 
 
-TABLES.update({
-    "attention": (attention, "Naive attention (batch 8, one head, float32): mean ms over 100 passes"),
-    "attention_compile": (attention_compile, "Naive attention, eager versus torch.compile (mean ms over 100 passes)"),
-    "flash_sweep": (flash_sweep, "FlashAttention-2 benchmark, batch 1, causal: median ms (triton.testing.do_bench)"),
-    "flash_leaderboard": (flash_leaderboard, "Leaderboard case: 16 heads x 16384 x 64, bf16, causal"),
-    "flash_correctness": (flash_correctness, "FlashAttention-2 tests (tests/test_flash.py) run on the device"),
-    "flash_resources": (flash_resources, "Our FA2 Triton kernels compiled for the GPU: registers / bytes spilled "
-                                         "per thread (ptxas -v), causal, each tile the autotuner may pick for that "
-                                         "dtype (— : not tried, e.g. deep pipelines for fp32)"),
-})
-
-
 def allreduce(frame: pd.DataFrame) -> pd.DataFrame:
     """2.1: all-reduce time and bandwidth per backend, process count and size."""
     rows = frame.sort_values(["backend", "world_size", "size_mb"])
@@ -284,15 +267,6 @@ def sharding(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-TABLES.update({
-    "allreduce": (allreduce, "All-reduce of float32 tensors on one node (slowest rank per iteration)"),
-    "ddp_naive": (ddp, "Naive and flat DDP versus single GPU and torch DDP"),
-    "ddp_individual": (ddp, "DDP overlapping per-parameter all-reduces with backward"),
-    "ddp_bucketed": (ddp, "Bucketed DDP by bucket size, torch DDP in the same run"),
-    "sharding": (sharding, "Memory and step time with and without optimizer-state sharding"),
-})
-
-
 def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
     """Training runs by attention backend and wrapper: speed over the second half of the steps (the
     first half includes warm-up and, for flash_triton, autotuning), memory, and how far each loss
@@ -312,92 +286,3 @@ def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
                     "final loss": round(run["loss"].iloc[-1], 4),
                     "max |loss − torch DDP|": float(f"{drift:.2g}")})
     return pd.DataFrame(out)
-
-
-TABLES["train_matrix"] = (train_matrix, "Short training runs: attention backend × data-parallel wrapper, same seed "
-                                        "and global batch")
-
-
-# Recent cuBLAS names its Hopper GEMMs nvjet_* (e.g. nvjet_sm90_hss_320x128).
-MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
-
-
-# Wrapper functors of ATen's elementwise and multi-tensor kernels; the operation is a template argument inside.
-_GENERIC_FUNCTORS = {"BinaryFunctor", "BUnaryFunctor", "AUnaryFunctor", "UnaryFunctor", "BinaryOpScalarFunctor",
-                     "PointwiseOpScalarFunctor", "TernaryOpScalarFunctor", "UnaryOpFunctor",
-                     "BinaryOpListAlphaFunctor", "BinaryOpScalarTensorFunctor"}
-_STD_OPS = {"multiplies", "divides", "plus", "minus", "Sqrt"}
-
-
-def kernel_label(name: str) -> str:
-    """A readable kernel name: ATen's templated kernels as `kernel<operation>` (e.g.
-    `vectorized_elementwise_kernel<MulFunctor>`), others without `void` and their argument list."""
-    if "at::native::" in name:
-        words = re.findall(r"[A-Za-z_]\w*", name.removeprefix("void "))
-        base = next(w for w in words if w not in {"at", "native", "anonymous", "namespace"})
-        ops = [w for w in words if w != base and w not in _GENERIC_FUNCTORS
-               and (w.endswith(("Functor", "_kernel", "_kernel_cuda")) or "Functor_" in w or w in _STD_OPS)]
-        return f"{base}<{ops[0]}>" if ops else base
-    if name.startswith("void "):  # a C++ signature: drop the argument list
-        return re.sub(r"\((?:[^()]|\([^()]*\))*\)$", "", name.removeprefix("void "))
-    return name
-
-
-def profile_kernels_of(rows: pd.DataFrame) -> pd.DataFrame:
-    """The kernel rows of profile results, labelled with `kernel_label` (instantiations that share a
-    label are summed) and without the ranges the profiler also reports on the GPU timeline."""
-    from cs336_systems.bench.profile import is_annotation
-
-    kernels = rows[(rows["kind"] == "kernel") & ~rows["name"].map(is_annotation)].assign(
-        name=lambda f: f["name"].map(kernel_label))
-    keys = [c for c in kernels.columns if c not in ("name", "calls_per_step", "ms_per_step")]
-    grouped = kernels.groupby([*keys, "name"], as_index=False, dropna=False, observed=True)
-    return grouped[["calls_per_step", "ms_per_step"]].sum()
-
-
-def profile_point(frame: pd.DataFrame) -> tuple[str, int]:
-    """The configuration the profiling discussion is about: xl at 512 tokens if it ran, else the
-    largest size at the longest context (up to 512) that ran."""
-    ok = frame[frame["status"] == "ok"]
-    if ((ok["size"] == "xl") & (ok["context_length"] == 512)).any():
-        return "xl", 512
-    ok = ok[ok["context_length"] <= 512]
-    size = [s for s in SIZE_ORDER if s in set(ok["size"])][-1]
-    return size, int(ok[ok["size"] == size]["context_length"].max())
-
-
-def profile_kernels(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.1.4: the top kernels of forward, backward and the optimizer step at the discussed configuration."""
-    size, ctx = profile_point(frame)
-    rows = profile_kernels_of(frame[(frame["size"] == size) & (frame["context_length"] == ctx)])
-    out = []
-    for phase in ("forward", "backward", "optimizer", "inference"):
-        part = rows[rows["phase"] == phase].sort_values("ms_per_step", ascending=False)
-        total = part["ms_per_step"].sum()
-        for _, row in part.head(8).iterrows():
-            out.append({"size": size, "context": ctx, "phase": phase, "kernel": row["name"][:70],
-                        "calls per step": round(row["calls_per_step"], 1), "ms per step": round(row["ms_per_step"], 3),
-                        "share of phase": f"{row['ms_per_step'] / total:.1%}"})
-    return pd.DataFrame(out)
-
-
-def profile_grid(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.1.4: kernel time per phase for every size and context length (or OOM)."""
-    out = []
-    for (size, ctx), rows in _ordered(frame).groupby(["size", "context_length"], observed=True):
-        if (rows["status"] != "ok").any():
-            out.append({"size": size, "context": ctx, "status": "OOM"})
-            continue
-        kernels = profile_kernels_of(rows).groupby("phase")["ms_per_step"].sum()
-        harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
-        out.append({"size": size, "context": ctx, "status": "ok",
-                    **{f"{p} kernels (ms)": round(kernels.get(p, float("nan")), 2)
-                       for p in ("forward", "backward", "optimizer")},
-                    "forward harness (ms)": round(harness.get("forward", float("nan")), 2)})
-    return pd.DataFrame(out)
-
-
-TABLES.update({
-    "profile_kernels": (profile_kernels, "Top kernels per phase (PyTorch profiler), per training step"),
-    "profile_grid": (profile_grid, "Kernel time per phase for every size and context length (PyTorch profiler)"),
-})

@@ -1,37 +1,11 @@
 # Tables (Markdown + LaTeX), figures (PNG) and the writeup, all computed from results files.
 
-TABLE_INPUTS = {
-    "e2e_timing": f"{R}/e2e.csv",
-    "e2e_warmup": f"{R}/e2e_warmup.csv",
-    "mixed_precision": f"{R}/e2e.csv",
-    "compile_timing": f"{R}/e2e_compile.csv",
-    "optimizer": f"{R}/optimizer.csv",
-    "attention": f"{R}/attention.csv",
-    "attention_compile": f"{R}/attention.csv",
-    "flash_sweep": f"{R}/flash_sweep.csv",
-    "flash_leaderboard": f"{R}/flash_leaderboard.csv",
-    "flash_resources": f"{R}/flash_resources.csv",
-    "flash_correctness": f"{R}/flash_correctness.csv",
-    "profile_kernels": f"{R}/profile.csv",
-    "profile_grid": f"{R}/profile.csv",
-    "allreduce": f"{R}/allreduce.csv",
-    "ddp_naive": f"{R}/ddp_naive.csv",
-    "ddp_individual": f"{R}/ddp_individual.csv",
-    "ddp_bucketed": f"{R}/ddp_bucketed.csv",
-    "sharding": f"{R}/sharding.csv",
-    "train_matrix": f"{R}/train_matrix.csv",
-}
-FIGURE_INPUTS = {
-    "e2e_timing": f"{R}/e2e.csv",
-    "e2e_warmup": f"{R}/e2e_warmup.csv",
-    "compile_timing": f"{R}/e2e_compile.csv",
-    "attention_memory": f"{R}/attention.csv",
-    "flash_latency": f"{R}/flash_sweep.csv",
-    "flash_tflops": f"{R}/flash_sweep.csv",
-    "allreduce": f"{R}/allreduce.csv",
-    "ddp_bucketed": f"{R}/ddp_bucketed.csv",
-    "train_matrix": f"{R}/train_matrix.csv",
-}
+from cs336_systems.report.sections import figure_inputs, table_inputs
+
+# Which tables and figures exist, and the results file each is made from, is the deliverable registry's
+# (cs336_systems/report/sections): a section adds its own there.
+TABLE_INPUTS = table_inputs(R)
+FIGURE_INPUTS = figure_inputs(R)
 
 
 rule table:

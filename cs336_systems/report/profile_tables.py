@@ -1,0 +1,88 @@
+"""1.1.4's tables: kernel names made readable, the kernels of one profiled configuration, and kernel
+time per phase over the whole grid (profile rows in, display frames out)."""
+
+from __future__ import annotations
+
+import re
+
+import pandas as pd
+
+from cs336_systems.report.tables import SIZE_ORDER, ordered_by_size
+
+# Recent cuBLAS names its Hopper GEMMs nvjet_* (e.g. nvjet_sm90_hss_320x128).
+MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
+
+
+# Wrapper functors of ATen's elementwise and multi-tensor kernels; the operation is a template argument inside.
+_GENERIC_FUNCTORS = {"BinaryFunctor", "BUnaryFunctor", "AUnaryFunctor", "UnaryFunctor", "BinaryOpScalarFunctor",
+                     "PointwiseOpScalarFunctor", "TernaryOpScalarFunctor", "UnaryOpFunctor",
+                     "BinaryOpListAlphaFunctor", "BinaryOpScalarTensorFunctor"}
+_STD_OPS = {"multiplies", "divides", "plus", "minus", "Sqrt"}
+
+
+def kernel_label(name: str) -> str:
+    """A readable kernel name: ATen's templated kernels as `kernel<operation>` (e.g.
+    `vectorized_elementwise_kernel<MulFunctor>`), others without `void` and their argument list."""
+    if "at::native::" in name:
+        words = re.findall(r"[A-Za-z_]\w*", name.removeprefix("void "))
+        base = next(w for w in words if w not in {"at", "native", "anonymous", "namespace"})
+        ops = [w for w in words if w != base and w not in _GENERIC_FUNCTORS
+               and (w.endswith(("Functor", "_kernel", "_kernel_cuda")) or "Functor_" in w or w in _STD_OPS)]
+        return f"{base}<{ops[0]}>" if ops else base
+    if name.startswith("void "):  # a C++ signature: drop the argument list
+        return re.sub(r"\((?:[^()]|\([^()]*\))*\)$", "", name.removeprefix("void "))
+    return name
+
+
+def profile_kernels_of(rows: pd.DataFrame) -> pd.DataFrame:
+    """The kernel rows of profile results, labelled with `kernel_label` (instantiations that share a
+    label are summed) and without the ranges the profiler also reports on the GPU timeline."""
+    from cs336_systems.bench.profile import is_annotation
+
+    kernels = rows[(rows["kind"] == "kernel") & ~rows["name"].map(is_annotation)].assign(
+        name=lambda f: f["name"].map(kernel_label))
+    keys = [c for c in kernels.columns if c not in ("name", "calls_per_step", "ms_per_step")]
+    grouped = kernels.groupby([*keys, "name"], as_index=False, dropna=False, observed=True)
+    return grouped[["calls_per_step", "ms_per_step"]].sum()
+
+
+def profile_point(frame: pd.DataFrame) -> tuple[str, int]:
+    """The configuration the profiling discussion is about: xl at 512 tokens if it ran, else the
+    largest size at the longest context (up to 512) that ran."""
+    ok = frame[frame["status"] == "ok"]
+    if ((ok["size"] == "xl") & (ok["context_length"] == 512)).any():
+        return "xl", 512
+    ok = ok[ok["context_length"] <= 512]
+    size = [s for s in SIZE_ORDER if s in set(ok["size"])][-1]
+    return size, int(ok[ok["size"] == size]["context_length"].max())
+
+
+def profile_kernels(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.4: the top kernels of forward, backward and the optimizer step at the discussed configuration."""
+    size, ctx = profile_point(frame)
+    rows = profile_kernels_of(frame[(frame["size"] == size) & (frame["context_length"] == ctx)])
+    out = []
+    for phase in ("forward", "backward", "optimizer", "inference"):
+        part = rows[rows["phase"] == phase].sort_values("ms_per_step", ascending=False)
+        total = part["ms_per_step"].sum()
+        for _, row in part.head(8).iterrows():
+            out.append({"size": size, "context": ctx, "phase": phase, "kernel": row["name"][:70],
+                        "calls per step": round(row["calls_per_step"], 1), "ms per step": round(row["ms_per_step"], 3),
+                        "share of phase": f"{row['ms_per_step'] / total:.1%}"})
+    return pd.DataFrame(out)
+
+
+def profile_grid(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.4: kernel time per phase for every size and context length (or OOM)."""
+    out = []
+    for (size, ctx), rows in ordered_by_size(frame).groupby(["size", "context_length"], observed=True):
+        if (rows["status"] != "ok").any():
+            out.append({"size": size, "context": ctx, "status": "OOM"})
+            continue
+        kernels = profile_kernels_of(rows).groupby("phase")["ms_per_step"].sum()
+        harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
+        out.append({"size": size, "context": ctx, "status": "ok",
+                    **{f"{p} kernels (ms)": round(kernels.get(p, float("nan")), 2)
+                       for p in ("forward", "backward", "optimizer")},
+                    "forward harness (ms)": round(harness.get("forward", float("nan")), 2)})
+    return pd.DataFrame(out)

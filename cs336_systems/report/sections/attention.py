@@ -1,0 +1,292 @@
+"""Handout 1.2.1, 1.3.1 (a), 1.3.2 and 1.3.3 (workflow/rules/attention.smk): naive attention's time and
+memory, compiled attention, and our FlashAttention-2 kernels (correctness, benchmark, resources,
+leaderboard)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from cs336_systems.report import figures, tables
+from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
+
+
+def render_attention(ctx: Context) -> Section:
+    frame = ctx.frame("attention")
+    eager = frame[(frame["impl"] == "eager") & (frame["phase"] == "forward")]
+    ooms = eager[eager["status"] == "oom"].sort_values(["seq_len", "head_dim"])
+    ok = eager[eager["status"] == "ok"]
+    parts = []
+    if ooms.empty:
+        parts.append("No configuration of the grid ran out of memory on this device.")
+    else:
+        first = ooms.iloc[0]
+        square = first["square_matrix_bytes"] / 2**30
+        parts.append(
+            f"The smallest configuration that runs out of memory is d={first['head_dim']}, "
+            f"seq={first['seq_len']}. By the formulas (batch {first['batch']}, float32), each "
+            f"(batch, seq, seq) matrix takes {square:.1f} GiB: autograd keeps Q, K, V and the softmax output P "
+            f"for backward ({first['saved_for_backward_bytes'] / 2**30:.1f} GiB), the forward peaks with S and P "
+            f"alive together ({first['forward_peak_bytes'] / 2**30:.1f} GiB) and the backward with P, dP and dS "
+            f"({first['backward_peak_bytes'] / 2**30:.1f} GiB).")
+    table = tables.attention(frame)
+    q = Quotes(table)
+    memory = column_values(table, "memory before backward (MiB)")
+    measured = table[memory.notna() & (memory > 0)]  # measured on CUDA only
+    checked = []  # the out-of-memory paragraph above quotes the formulas' bytes, which the table does not show
+    if len(measured):
+        largest = measured.sort_values("seq").iloc[-1]
+        smaller = measured[(measured["d"] == largest["d"]) & (measured["seq"] < largest["seq"])]
+        if len(smaller):
+            prev = smaller.sort_values("seq").iloc[-1]
+            rows = [prev.name, largest.name]
+
+            def growth(t: pd.DataFrame) -> float:
+                before, after = column_values(t.loc[rows], "memory before backward (MiB)")
+                return after / before
+
+            def longer(t: pd.DataFrame) -> float:
+                before, after = t.loc[rows, "seq"]
+                return after / before
+
+            factor = q.derive(longer, ".0f", "growth of the sequence length")
+            checked.append(
+                f"Memory saved for backward grows quadratically: from seq {prev['seq']} to {largest['seq']} "
+                f"(×{factor}) the memory in use before backward grows "
+                f"×{q.derive(growth, '.1f', 'growth of memory before backward')} "
+                f"({prev['memory before backward (MiB)']:.0f} → {largest['memory before backward (MiB)']:.0f} MiB at "
+                f"d={largest['d']}), while the inputs grow only ×{factor}.")
+    parts += checked
+    parts.append(
+        "The seq² term disappears if the softmax matrix is never stored: FlashAttention-2 computes attention "
+        "tile by tile with an online softmax, keeps only the per-row logsumexp L (seq floats) for backward "
+        "and recomputes P from Q, K and L there, trading a second pass of matrix products for O(seq) memory.")
+    return Section([*parts, ctx.table("attention"), ctx.figure("attention_memory", "attention memory")], table,
+                   checked, q.derived)
+
+
+def render_attention_compile(ctx: Context) -> Section:
+    frame = ctx.frame("attention")
+    table = tables.attention_compile(frame)
+    q = Quotes(table)
+
+    def speedup(phase: str):
+        def ratios(t: pd.DataFrame) -> pd.Series:
+            return (column_values(t, f"{phase} eager (ms)") / column_values(t, f"{phase} compiled (ms)")).dropna()
+        return ratios
+
+    fwd, bwd = speedup("forward"), speedup("backward")
+    oom = frame[frame["status"] == "oom"].groupby("impl")[["head_dim", "seq_len"]].apply(
+        lambda g: set(map(tuple, g.values)))
+    text = (f"Speed-up of torch.compile over eager (eager time ÷ compiled time): forward "
+            f"{q.derive(lambda t: fwd(t).min(), '.2f', 'least forward speed-up')}–"
+            f"{q.derive(lambda t: fwd(t).max(), '.2f', 'largest forward speed-up')}× "
+            f"(median {q.derive(lambda t: fwd(t).median(), '.2f', 'median forward speed-up')}×), backward "
+            f"{q.derive(lambda t: bwd(t).min(), '.2f', 'least backward speed-up')}–"
+            f"{q.derive(lambda t: bwd(t).max(), '.2f', 'largest backward speed-up')}× "
+            f"(median {q.derive(lambda t: bwd(t).median(), '.2f', 'median backward speed-up')}×). The compiler fuses "
+            f"the scaling, the softmax and its gradient into generated kernels; the matrix products stay cuBLAS calls "
+            f"and the seq² matrices are still stored.")
+    if len(oom):
+        same = oom.get("eager", set()) == oom.get("compiled", set())
+        text += (" The same configurations run out of memory with and without compilation." if same else
+                 f" Out of memory: eager {sorted(oom.get('eager', set()))}, compiled {sorted(oom.get('compiled', set()))}.")
+    return Section([text, ctx.table("attention_compile")], table, [text], q.derived)
+
+
+def render_flash_correctness(ctx: Context) -> Section:
+    frame = ctx.frame("flash_correctness")
+    table = tables.flash_correctness(frame)
+    q = Quotes(table)
+    skipped = table.loc[table["outcome"] == "skipped", "test"]
+    count = q.derive(lambda t: (t["outcome"] == "skipped").sum(), "d", "tests skipped")
+    aside = f" ({count} skipped: {', '.join(skipped)})" if len(skipped) else ""
+    text = (f"{q.derive(lambda t: (t['outcome'] == 'passed').sum(), 'd', 'tests passed')} of "
+            f"{q.derive(len, 'd', 'tests run')} tests of `tests/test_flash.py` passed{aside} on "
+            f"{frame['device_name'].iloc[0]}: "
+            "O, L, dQ, dK and dV of both implementations against a float64 reference, causal and not, lengths "
+            "from 1 to 100 (up to 1000 on a GPU) and rectangular cases, with and without a heads dimension, float32 "
+            "(relative error < 1e-4) and 16-bit (error within 2× of PyTorch's own attention in the same dtype; "
+            "bfloat16 on a GPU only).")
+    # what the test file covers is its own wording, not results
+    return Section([text, ctx.table("flash_correctness")], table, [text], q.derived,
+                   wording=("1", "100", "1000", "1e-4", "16", "2"))
+
+
+def render_flash_sweep(ctx: Context) -> str:
+    frame = ctx.frame("flash_sweep")
+    ok = frame[(frame["status"] == "ok") & (frame["pass"] == "forward_backward")]
+    wide = ok.pivot_table(index=["dtype", "head_dim", "seq_len"], columns="provider", values="median_ms")
+    parts = []
+    if {"flash_triton", "naive"} <= set(wide.columns):
+        both = wide[["flash_triton", "naive"]].dropna()
+        ratio = both["naive"] / both["flash_triton"]
+        parts.append(f"Naive PyTorch attention takes {ratio.min():.3g}–{ratio.max():.3g}× the time of our Triton "
+                     f"FlashAttention-2 (forward+backward) where both run; naive attention runs out of "
+                     f"memory at {int((frame[(frame['provider'] == 'naive')]['status'] == 'oom').sum() // 3)} of the "
+                     f"grid's cases, ours at "
+                     f"{int((frame[(frame['provider'] == 'flash_triton')]['status'] == 'oom').sum() // 3)}.")
+    if {"flash_triton", "sdpa_flash"} <= set(wide.columns):
+        both = wide[["flash_triton", "sdpa_flash"]].dropna()
+        ratio = both["flash_triton"] / both["sdpa_flash"]
+        faster = int((ratio < 1).sum())
+        seqs = ratio.index.get_level_values("seq_len")
+        # The shortest length from which ours is faster at every longer length and head dim.
+        behind = seqs[ratio.values >= 1]
+        crossover = seqs[seqs > behind.max()].min() if len(behind) else seqs.min()
+        parts.append(f"Against PyTorch SDPA's flash backend (16-bit only) ours takes {ratio.min():.2f}–"
+                     f"{ratio.max():.2f}× its time (median {ratio.median():.2f}×) and is faster in {faster} of "
+                     f"{len(ratio)} cases.")
+        if crossover == crossover:  # not NaN: some length from which ours always wins
+            long = ratio[seqs >= crossover]
+            ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")]
+            short_backward = ours[(ours["pass"] == "backward") & (ours["seq_len"] <= 1024)]["median_ms"].median()
+            parts[-1] += (f" From {crossover} tokens on ours is faster at every head dim (median "
+                          f"{long.median():.2f}× SDPA flash's time). Below that, with batch 1 and one head, both "
+                          f"are bound by fixed per-call costs, and ours pays more of them: at ≤ 1024 tokens our "
+                          f"backward alone takes a median {short_backward:.2f} ms "
+                          f"(three launches through Triton's Python launcher, two of them autotuned, where SDPA "
+                          f"makes one call from C++).")
+        else:
+            parts[-1] += " Ours is not faster at every head dim at any length of the grid."
+    parts.append(_flash_float32(frame, wide))
+    parts.append(_flash_coverage(ctx, frame))
+    best = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")].sort_values("tflops").iloc[-1]
+    parts.append(f"Our best throughput is {best['tflops']:.0f} TFLOP/s ({best['pass']}, {best['dtype']}, "
+                 f"d={best['head_dim']}, seq={best['seq_len']}).")
+    return "\n\n".join([*parts, ctx.figure("flash_latency", "latency"), ctx.figure("flash_tflops", "TFLOP/s"),
+                         ctx.table("flash_sweep")])
+
+
+def _flash_float32(frame: pd.DataFrame, wide: pd.DataFrame) -> str:
+    """How ours does where PyTorch's fused backends do not run (float32), and its backward over forward."""
+    ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok") & (frame["seq_len"] >= 8192)]
+    by_pass = ours.pivot_table(index=["dtype", "head_dim", "seq_len"], columns="pass", values="median_ms")
+    text = []
+    if "fp32" in set(wide.index.get_level_values("dtype")) and {"flash_triton", "naive"} <= set(wide.columns):
+        both = wide.xs("fp32", level="dtype")[["flash_triton", "naive"]].dropna()
+        ratio = (both["naive"] / both["flash_triton"])[both.index.get_level_values("seq_len") >= 8192]
+        if len(ratio):
+            fp32 = frame[(frame["dtype"] == "fp32") & (frame["provider"] == "flash_triton")]
+            commits = ", ".join(sorted(fp32["git_commit"].str[:7].unique()))
+            dots = (", ".join(sorted(fp32["float32_dot"].dropna().unique())) if "float32_dot" in fp32 else "")
+            text.append(f"In float32 (our kernels at {commits}" + (f", {dots} dots" if dots else "")
+                        + f"; SDPA's flash and cuDNN backends take 16-bit inputs only) naive attention takes "
+                        f"{ratio.min():.2f}–{ratio.max():.2f}× our forward+backward time from 8192 tokens on.")
+    if {"forward", "backward"} <= set(by_pass.columns):
+        ratio = (by_pass["backward"] / by_pass["forward"]).groupby(level="dtype").median()
+        text.append("From 8192 tokens on our backward takes a median "
+                    + ", ".join(f"{r:.1f}× our forward in {dtype}" for dtype, r in ratio.items())
+                    + " (FlashAttention-2's backward does 2.5× the forward's matrix FLOPs: five products "
+                      "against two).")
+    return " ".join(text)
+
+
+def _flash_coverage(ctx: Context, frame: pd.DataFrame) -> str:
+    """Which (dtype, head dim) sweeps have rows, and where the missing ones' logs are."""
+    dims = frame.groupby("dtype")["head_dim"].unique()
+    every = sorted(frame["head_dim"].unique())
+    measured = (f"{dtype} at d = {', '.join(map(str, sorted(d)))}" for dtype, d in dims.items())
+    text = "Measured: " + "; ".join(measured) + "."
+    for dtype, present in dims.items():
+        for d in (d for d in every if d not in present):
+            name = f"flash_benchmark/{dtype}_d{d}"
+            text += f" {dtype} at d = {d} has no rows" + (
+                f": its run did not finish (`logs/{name}.log` shows how far it got)." if ctx.log(name) else ".")
+    return text
+
+
+def _fitting(rows: pd.DataFrame, limit: int = 232448) -> str:
+    """Which d=128 tiles fit in the H100's shared memory (227 KiB per block), per kernel."""
+    d128 = rows[rows["head_dim"] == 128]
+    return "; ".join(
+        f"{kernel} " + ", ".join(f"{r.outer}×{r.inner}/{r.warps}w/{r.stages}s" for r in group.itertuples()
+                                 if r.shared_bytes <= limit)
+        for kernel, group in d128.groupby("kernel", sort=False)) or "none measured"
+
+
+def render_flash_resources(ctx: Context) -> str:
+    frame = ctx.frame("flash_resources")
+    ok = frame[frame["status"] == "ok"]
+    parts = [f"Each kernel compiled by Triton {frame['triton_version'].iloc[0]} for {frame['arch'].iloc[0]} (H100 "
+             f"and H200) on a machine without a GPU; `ptxas -v` reports the registers per thread and the bytes a "
+             f"thread spills to local memory, which lives in DRAM behind the L1 cache. "
+             f"`python -m cs336_systems.bench.kernel_resources` compiles any other tile the same way."]
+    for (dtype, dot), rows in ok.groupby(["dtype", ok.get("dot", pd.Series("", index=ok.index))], sort=False):
+        spilled = rows[rows["spill_store_bytes"] > 0]
+        label = f"{dtype} ({dot} dots)" if dtype == "fp32" and dot else dtype
+        text = f"{label}: {len(spilled)} of {len(rows)} compiled configs spill"
+        if len(spilled):
+            worst = spilled.sort_values("spill_store_bytes").iloc[-1]
+            clean_dims = sorted(set(rows["head_dim"]) - set(spilled["head_dim"]))
+            text += (f", the most {worst['spill_store_bytes']:,} B per thread ({worst['kernel']}, "
+                     f"{worst['outer']}×{worst['inner']} with {worst['warps']} warps, d={worst['head_dim']})")
+            if clean_dims:
+                text += f"; none at d = {', '.join(map(str, clean_dims))}"
+        parts.append(text + ".")
+    if "dot" in ok and {"ieee", "tf32x3"} <= set(ok["dot"]):
+        fp32 = ok[ok["dtype"] == "fp32"]
+        spills = fp32.groupby("dot")["spill_store_bytes"]
+        parts.append(
+            f"Float32 with IEEE dots (FMAs on the CUDA cores, operands held in registers): "
+            f"{(spills.get_group('ieee') > 0).sum()} of {spills.get_group('ieee').size} configs spill, up to "
+            f"{spills.get_group('ieee').max():,} B per thread. With tf32x3 dots (three TF32 tensor-core products "
+            f"per dot, the kernels' float32 path now): {(spills.get_group('tf32x3') > 0).sum()} of "
+            f"{spills.get_group('tf32x3').size}, up to {spills.get_group('tf32x3').max():,} B. tf32x3 stages "
+            f"float32 operands in shared memory instead, so at d=128 only these float32 configs fit in the "
+            f"H100's 227 KiB per block (the 2-stage ones are the float32-only tiles): "
+            f"{_fitting(fp32[fp32['dot'] == 'tf32x3'])}.")
+    errors = frame[frame["status"] != "ok"]
+    if len(errors):
+        parts.append(f"{len(errors)} configs did not compile (rows with status=error).")
+    return "\n\n".join([*parts, ctx.table("flash_resources")])
+
+
+def render_leaderboard(ctx: Context) -> Section:
+    table = tables.flash_leaderboard(ctx.frame("flash_leaderboard"))
+    q = Quotes(table)
+    fb = table[table["pass"] == "forward_backward"].set_index("provider")["mean (ms)"]
+    checked = []
+    if "flash_triton" in fb:
+        text = f"Forward+backward of our Triton kernel: {fb['flash_triton']:.3f} ms"
+        if "sdpa_flash" in fb:
+            ratio = table.set_index(["pass", "provider"]).loc[("forward_backward", "flash_triton"), "÷ SDPA flash"]
+            text += f", {ratio:.3f}× SDPA flash ({fb['sdpa_flash']:.3f} ms)"
+        if "sdpa_cudnn" in fb:
+            def versus_cudnn(t: pd.DataFrame) -> float:
+                ms = t[t["pass"] == "forward_backward"].set_index("provider")["mean (ms)"]
+                return ms["flash_triton"] / ms["sdpa_cudnn"]
+            text += (f" and {q.derive(versus_cudnn, '.2f', 'ours over SDPA cuDNN')}× SDPA cuDNN "
+                     f"({fb['sdpa_cudnn']:.3f} ms)")
+        checked.append(text + ", all timed in the same run as the handout's test times them.")
+    return Section([*checked, ctx.table("flash_leaderboard")], table, checked, q.derived)
+
+
+DELIVERABLES = [
+    Deliverable("1.2.1 pytorch_attention: attention timings and memory", "attention_timing", render_attention,
+                ("attention",),
+                tables=(Table("attention", "attention", tables.attention,
+                              "Naive attention (batch 8, one head, float32): mean ms over 100 passes"),),
+                figures=(Figure("attention_memory", "attention", figures.attention_memory),)),
+    Deliverable("1.3.1 (a) torch_compile: compiled versus vanilla attention", "attention_timing",
+                render_attention_compile, ("attention",),
+                tables=(Table("attention_compile", "attention", tables.attention_compile,
+                              "Naive attention, eager versus torch.compile (mean ms over 100 passes)"),)),
+    Deliverable("1.3.2 flash_forward / flash_backward: correctness", "flash_correctness", render_flash_correctness,
+                ("flash_correctness",),
+                tables=(Table("flash_correctness", "flash_correctness", tables.flash_correctness,
+                              "FlashAttention-2 tests (tests/test_flash.py) run on the device"),)),
+    Deliverable("1.3.2 (e) flash_benchmarking", "flash_benchmark", render_flash_sweep, ("flash_sweep",),
+                tables=(Table("flash_sweep", "flash_sweep", tables.flash_sweep,
+                              "FlashAttention-2 benchmark, batch 1, causal: median ms (triton.testing.do_bench)"),),
+                figures=(Figure("flash_latency", "flash_sweep", figures.flash_latency),
+                         Figure("flash_tflops", "flash_sweep", figures.flash_tflops))),
+    Deliverable("1.3.2 (e), continued: registers and spills of our kernels per tile", "flash_resources",
+                render_flash_resources, ("flash_resources",),
+                tables=(Table("flash_resources", "flash_resources", tables.flash_resources,
+                              "Our FA2 Triton kernels compiled for the GPU: registers / bytes spilled per thread "
+                              "(ptxas -v), causal, each tile the autotuner may pick for that dtype (— : not tried, "
+                              "e.g. deep pipelines for fp32)"),)),
+    Deliverable("1.3.3 leaderboard case", "flash_leaderboard", render_leaderboard, ("flash_leaderboard",),
+                tables=(Table("flash_leaderboard", "flash_leaderboard", tables.flash_leaderboard,
+                              "Leaderboard case: 16 heads x 16384 x 64, bf16, causal"),)),
+]
