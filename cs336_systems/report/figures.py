@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from cs336_systems.report.collectives import all_reduce_rows  # noqa: E402
 from cs336_systems.report.tables import SIZE_ORDER  # noqa: E402
 
 
@@ -98,7 +99,7 @@ def flash_tflops(frame: pd.DataFrame, path: str | Path) -> None:
 
 
 def allreduce(frame: pd.DataFrame, path: str | Path) -> None:
-    rows = frame.copy()
+    rows = all_reduce_rows(frame).copy()
     rows["setting"] = rows["backend"] + " × " + rows["world_size"].astype(str)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     sns.lineplot(data=rows, x="size_mb", y="median_ms", hue="setting", marker="o", ax=axes[0])

@@ -6,6 +6,7 @@ import pandas as pd
 
 from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
+from cs336_systems.report.collectives import all_reduce_rows
 from cs336_systems.report.render import mean_std
 
 SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
@@ -211,7 +212,7 @@ def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
 
 def allreduce(frame: pd.DataFrame) -> pd.DataFrame:
     """2.1: all-reduce time and bandwidth per backend, process count and size."""
-    rows = frame.sort_values(["backend", "world_size", "size_mb"])
+    rows = all_reduce_rows(frame).sort_values(["backend", "world_size", "size_mb"])
     return pd.DataFrame({
         "backend": rows["backend"], "processes": rows["world_size"], "size (MB)": rows["size_mb"],
         "median (ms)": rows["median_ms"].round(3), "mean ± std (ms)": [

@@ -12,6 +12,7 @@ import torch
 
 from cs336_systems.model import TransformerLM, get_config
 from cs336_systems.report import figures, tables
+from cs336_systems.report.collectives import all_reduce_rows
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.tables import round_medians
 
@@ -50,12 +51,15 @@ class DdpConfig:
         return self.kind if self.bucket_mb is None else f"{self.kind}:{self.bucket_mb:g}"
 
 
-def ddp_config(config: str) -> DdpConfig:
-    """The one place the report reads a config string: 'bucketed:100+sharded' -> bucketed, 100 MB, sharded.
-    (The rows' dp_kind, bucket_mb and optimizer_sharding columns can replace it once every file has them.)"""
-    wrapper, _, sharding = config.partition("+")
-    kind, _, bucket = wrapper.partition(":")
-    return DdpConfig(kind, float(bucket) if bucket else None, sharding or None)
+def ddp_specs(frame: pd.DataFrame) -> dict[str, DdpConfig]:
+    """Each config of a DDP results file as its rows' dp_kind, bucket_mb and optimizer_sharding columns
+    say (written by the benchmark from its one parser, cs336_systems.distributed.DataParallelSpec)."""
+    specs = {}
+    for row in frame.drop_duplicates("config").itertuples():
+        bucket = None if pd.isna(row.bucket_mb) else float(row.bucket_mb)
+        sharding = None if pd.isna(row.optimizer_sharding) or row.optimizer_sharding == "none" else row.optimizer_sharding
+        specs[row.config] = DdpConfig(row.dp_kind, bucket, sharding)
+    return specs
 
 
 def _ddp_steps(frame: pd.DataFrame) -> pd.DataFrame:
@@ -202,6 +206,7 @@ def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None
     """(o seconds, w bytes/s) of t = o + bytes/w, fitted to the 2-rank NCCL all-reduce times of 2.1."""
     if allreduce is None:
         return None
+    allreduce = all_reduce_rows(allreduce)
     nccl = allreduce[(allreduce["backend"] == "nccl") & (allreduce["world_size"] == 2)]
     if len(nccl) < 2:
         return None
@@ -245,12 +250,13 @@ def render_ddp_bucketed(ctx: Context) -> Section:
 
     steps = step_means(table).dropna()
     best_mb = {}
+    specs = ddp_specs(frame)
     for precision in sorted(set(frame["precision"])):
         bucketed = {c: steps[(precision, c)] for c in configs
-                    if ddp_config(c).kind == "bucketed" and (precision, c) in steps}
+                    if c in specs and specs[c].kind == "bucketed" and (precision, c) in steps}
         if bucketed and (precision, "torch_ddp") in steps:
             best = min(bucketed, key=bucketed.get)
-            best_mb[precision] = ddp_config(best).bucket_mb
+            best_mb[precision] = specs[best].bucket_mb
             ratio = q.derive(lambda t, p=precision, b=best: step_means(t)[(p, b)] / step_means(t)[(p, "torch_ddp")],
                              ".2f", f"{precision} best bucketed over torch DDP")
             text = f"{precision}: the best bucket size is {best_mb[precision]:g} MB, {ratio}× torch DDP's step time."

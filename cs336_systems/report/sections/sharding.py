@@ -6,12 +6,13 @@ from __future__ import annotations
 from cs336_systems.distributed.sharded_optimizer import GATHER_BUCKET_MB
 from cs336_systems.report import tables
 from cs336_systems.report.section import Context, Deliverable, Table
-from cs336_systems.report.sections.distributed import ddp_config
+from cs336_systems.report.sections.distributed import ddp_specs
 
 
 def render_sharding(ctx: Context) -> str:
     frame = ctx.frame("sharding")
     ok = frame[frame["status"] == "ok"].set_index(["precision", "config"])
+    specs = ddp_specs(frame)
     parts = []
     for precision in sorted(set(frame["precision"])):
         if not {(precision, "individual"), (precision, "individual+sharded")} <= set(ok.index):
@@ -40,19 +41,19 @@ def render_sharding(ctx: Context) -> str:
         else:
             text += (f" Step time (median) {plain['step_median_ms']:.1f} ms without and "
                      f"{sharded['step_median_ms']:.1f} ms with sharding.")
-        for config in sorted(c for p, c in ok.index if p == precision and ddp_config(c).optimizer_sharding == "sharded"
+        for config in sorted(c for p, c in ok.index if p == precision and specs[c].optimizer_sharding == "sharded"
                              and c != "individual+sharded"):
             other = ok.loc[(precision, config)]
             compared.append(other)
             versus = ok.loc[(precision, "torch_ddp+zero")] if (precision, "torch_ddp+zero") in ok.index else None
-            text += (f" With {ddp_config(config).wrapper} DDP under our sharded optimizer: {other['step_median_ms']:.1f} ms"
+            text += (f" With {specs[config].wrapper} DDP under our sharded optimizer: {other['step_median_ms']:.1f} ms"
                      + (f" ({other['step_median_ms'] / versus['step_median_ms']:.2f}× torch's)" if versus is not None
                         else "") + f", peak {other['peak_after_step_mib']:.0f} MiB.")
         if "step_round_median_min_ms" in ok:
             # ours against torch's (or against no sharding): apart only if their per-round medians are
             zero_key = (precision, "torch_ddp+zero")
             reference = ok.loc[zero_key] if zero_key in ok.index else plain
-            apart = [row.name[1] for row in compared if ddp_config(row.name[1]).optimizer_sharding == "sharded" and (
+            apart = [row.name[1] for row in compared if specs[row.name[1]].optimizer_sharding == "sharded" and (
                 row["step_round_median_min_ms"] > reference["step_round_median_max_ms"]
                 or row["step_round_median_max_ms"] < reference["step_round_median_min_ms"])]
             text += (f" Against {reference.name[1]}, the per-round medians of "
