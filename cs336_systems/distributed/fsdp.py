@@ -142,11 +142,12 @@ class FSDP(nn.Module):
                 chosen[id(weight)] = weight
         for key, weight in chosen.items():
             layers = holders[key]
+            first = next(name for name, m, pname in layers if pname == "weight" and policy(m))
             for name, m, pname in layers:
                 if pname != "weight" or not policy(m):
-                    raise ValueError(f"the weight of {layers[0][0] or 'the model'} is also {name}.{pname}, "
+                    raise ValueError(f"the weight of {first or 'the model'} is also {name}.{pname}, "
                                      "which the shard policy does not shard; shard both or neither")
-            unit = ShardedWeight(layers[0][0], weight, self._comm, compute_dtype, reduce_dtype)
+            unit = ShardedWeight(first, weight, self._comm, compute_dtype, reduce_dtype)
             self.sharded_weights.append(unit)
             for _, m, _ in layers:
                 m.register_parameter("weight", unit.shard)
