@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
-from cs336_systems.distributed import FSDP, default_shard_policy, gather_full_params
+from cs336_systems.distributed import FSDP, default_shard_policy
 from cs336_systems.distributed.common import broadcast_from_rank0
 from cs336_systems.distributed.fsdp_shard import ShardedWeight
 from cs336_systems.model import AdamW, TransformerLM, get_config
@@ -134,7 +134,7 @@ OPTIMIZERS = {
 # inherit lr x that; the handout asks 1e-4 for fp16. AdamW cases are given FSDP's synchronised
 # gradients, so their updates must agree bitwise (Adam divides by |g|, so a gradient that nearly
 # cancels would turn rounding of the gradient into a large difference of the update).
-GRAD_TOLERANCE = {None: 1e-6, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # x the tensor's largest |gradient|
+GRAD_TOLERANCE = {None: 3e-6, torch.float16: 1e-2, torch.bfloat16: 5e-2}  # x the tensor's largest |gradient|
 PARAM_TOLERANCE = {None: dict(rtol=1e-6, atol=3e-7), torch.float16: dict(rtol=1e-4, atol=1e-4),
                    torch.bfloat16: dict(rtol=1e-3, atol=1e-3)}
 CASES = [  # (model, compute dtype, optimizer)
@@ -167,8 +167,14 @@ def _train_and_compare(rank: int, world: int, case: tuple, native: bool | None =
     model = make_model(kind, dtype)
     reference = copy.deepcopy(model)
     broadcast_from_rank0(reference)  # rank 0's weights, as FSDP starts from
-    fsdp = FSDP(model, compute_dtype=dtype, native_collectives=native)
+    if native is None:  # through the course's adapters
+        fsdp = get_fsdp(model, compute_dtype=dtype)
+    else:
+        fsdp = FSDP(model, compute_dtype=dtype, native_collectives=native)
     assert fsdp.module is model
+    for unit in fsdp.sharded_weights:  # each rank holds ceil(rows / world) rows of every sharded weight
+        assert unit.shard.shape == (-(-unit.rows // world), *unit.shape[1:])
+    assert {id(p) for p in fsdp.parameters()} >= {id(u.shard) for u in fsdp.sharded_weights}
     if kind == "extras":
         frozen_before = model.frozen.weight.detach().clone()
     if dtype is not None:
@@ -207,7 +213,7 @@ def _train_and_compare(rank: int, world: int, case: tuple, native: bool | None =
                 ref_params[name].grad = g.clone()
         optimizer.step()
         ref_optimizer.step()
-        full = gather_full_params(fsdp)
+        full = fsdp_gather_full_params(fsdp)
         assert set(full) == set(ref_params)
         for name, q in ref_params.items():
             assert full[name].shape == q.shape and full[name].dtype == torch.float32, name
@@ -245,10 +251,10 @@ def _gathers_keep_the_handout_bound(rank: int, world: int) -> None:
     try:
         model = make_model("transformer", None)
         fsdp = FSDP(model)
-        for layer in fsdp._unit_of:  # prepend: the layer's own start and end, not FSDP's hooks
+        for layer in fsdp.sharded_layers:  # prepend: the layer's own start and end, not FSDP's hooks
             layer.register_forward_pre_hook(lambda m, args: events.append(("start", m)), prepend=True)
             layer.register_forward_hook(lambda m, args, out: events.append(("end", m)), prepend=True)
-        uses = len(fsdp._unit_of)  # every layer runs once
+        uses = len(fsdp.sharded_layers)  # every layer runs once
         for step in range(3):
             events.clear()
             loss = fsdp(torch.randint(0, VOCAB, (2, CONTEXT))).float().square().mean()
@@ -273,7 +279,7 @@ def _gathers_keep_the_handout_bound(rank: int, world: int) -> None:
             assert all(alive <= 1 for _, alive in backward)
             names = [name for name, _ in backward]
             # every weight the backward needs, once, in reverse order; the embedding's is not needed
-            order = [fsdp._unit_of[m].name for kind, m, *_ in forward if kind == "start"]
+            order = [fsdp.sharded_layers[m].name for kind, m, *_ in forward if kind == "start"]
             assert names == [name for name in reversed(order) if name != "token_embeddings"]
     finally:
         ShardedWeight.start_gather = original

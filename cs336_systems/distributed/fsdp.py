@@ -31,6 +31,19 @@ asynchronous reduce-scatter (mean over ranks) gives each rank the gradient of it
 buffer go). `finish_gradient_synchronization()` waits for all of it; every trainable parameter's
 `.grad` then has its parameter's shape and dtype.
 
+Use (the same call order as the DDP wrappers):
+    model = FSDP(model, compute_dtype=torch.bfloat16)        # after init_process_group, before the optimizer
+    optimizer = AdamW(model.parameters(), ...)               # this rank's shards + replicated parameters
+    for batch in loader:                                      # each rank its own part of the batch
+        model.on_train_batch_start()                          # a no-op, for the common interface
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(batch)).backward()
+        model.finish_gradient_synchronization()               # after every backward, before step()
+        optimizer.step()
+    full = gather_full_params(model)                          # on every rank: a full state dict
+Gradient clipping over all parameters needs a global norm: sum the squared norms of the local shards
+and of the replicated gradients (the latter divided by the world size) and all-reduce the sum.
+
 Limits: the layer's forward must read its weight as `self.weight` (a weight used outside its layer's
 forward, e.g. `x @ model.emb.weight.T`, would see the shard); call the wrapper, not `.module`, or the
 full weights stay saved for the backward instead of being freed; the hooks run Python per layer,
@@ -92,6 +105,20 @@ class _SavedWeight:
 
 
 class FSDP(nn.Module):
+    """Wraps `module` (its parameters on one device, the process group initialised) in place.
+
+    compute_dtype: the dtype sharded weights are all-gathered and used in (None: their own). Only
+        they are cast; replicated parameters (norms, biases) and frozen weights stay as they are, so
+        the model must accept activations in the compute dtype (ours: the embedding sets it).
+    shard_policy: layer → whether its trainable `weight` is sharded (`default_shard_policy`).
+    reduce_dtype: the dtype gradients are summed and reduce-scattered in (None: the master weights',
+        fp32); the compute dtype halves the bytes reduced, at the cost of summing ranks in it.
+    max_inflight_reductions: reduce-scatters left in flight before the oldest is waited for; each
+        holds one full-size gradient of its weight.
+    native_collectives: None detects whether the backend has single-tensor all-gather and
+        reduce-scatter (NCCL does); False forces the fallbacks (tests).
+    """
+
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None, *,
                  shard_policy: Callable[[nn.Module], bool] = default_shard_policy,
                  reduce_dtype: torch.dtype | None = None, max_inflight_reductions: int = 2,
@@ -109,15 +136,15 @@ class FSDP(nn.Module):
         device = params[0].device if params else torch.device("cpu")
         broadcast_from_rank0(module)  # shards are cut from rank 0's weights
         self._comm = Collectives(device, native_collectives)
-        self.sharded_weights: list[ShardedWeight] = []
-        self._unit_of: dict[nn.Module, ShardedWeight] = {}
+        self.sharded_weights: list[ShardedWeight] = []  # one per sharded Parameter (a tied one once)
+        self.sharded_layers: dict[nn.Module, ShardedWeight] = {}  # every layer whose weight is sharded
         self._shard(shard_policy, compute_dtype, reduce_dtype)
         sharded = {id(u.shard) for u in self.sharded_weights}
         self._all_reduce = AsyncAllReduce(device)
         for p in trainable_parameters(module):
             if id(p) not in sharded:
                 p.register_post_accumulate_grad_hook(weak_hook(self._on_replicated_grad))
-        for layer in self._unit_of:
+        for layer in self.sharded_layers:
             layer.register_forward_pre_hook(self._pre_forward)
             layer.register_forward_hook(self._post_forward, always_call=True)
         self._reductions: deque[Pending] = deque()
@@ -151,7 +178,7 @@ class FSDP(nn.Module):
             self.sharded_weights.append(unit)
             for _, m, _ in layers:
                 m.register_parameter("weight", unit.shard)
-                self._unit_of[m] = unit
+                self.sharded_layers[m] = unit
 
     def _reset_step(self) -> None:
         self._next_use = 0
@@ -180,7 +207,7 @@ class FSDP(nn.Module):
         self._prefetched.clear()
 
     def _pre_forward(self, layer: nn.Module, args) -> None:
-        unit = self._unit_of[layer]
+        unit = self.sharded_layers[layer]
         if unit.current_use is not None:
             raise RuntimeError(f"{unit.name} runs inside its own forward; FSDP cannot hold its weight twice")
         use, self._next_use = self._next_use, self._next_use + 1
@@ -203,7 +230,7 @@ class FSDP(nn.Module):
         layer.__dict__["weight"] = full  # shadows the registered shard inside the layer's forward
 
     def _post_forward(self, layer: nn.Module, args, output) -> None:
-        unit = self._unit_of[layer]
+        unit = self.sharded_layers[layer]
         layer.__dict__.pop("weight", None)
         if unit.current_use is None:  # the pre-hook failed before taking the weight
             return
