@@ -11,6 +11,8 @@ Vocabulary 101 and d_ff 27 give uneven shards at every world size > 1.
 """
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -285,6 +287,25 @@ def _gathers_keep_the_handout_bound(rank: int, world: int) -> None:
         ShardedWeight.start_gather = original
 
 
+def _gradient_accumulation(rank: int, world: int) -> None:
+    """Two micro-batches, each backward followed by finish_gradient_synchronization(): the
+    gradients add up in .grad, as a single process's do over the two full micro-batches."""
+    torch.manual_seed(3)
+    model = make_model("extras", None)
+    reference = copy.deepcopy(model)
+    fsdp = get_fsdp(model)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for micro in range(2):
+        tokens = torch.randint(0, VOCAB, (BATCH, CONTEXT + 1), generator=torch.Generator().manual_seed(micro))
+        fsdp(tokens[:, :-1].chunk(world)[rank]).float().logsumexp(-1).mean().backward()
+        fsdp_on_after_backward(fsdp, None)
+        reference(tokens[:, :-1]).float().logsumexp(-1).mean().backward()
+    for name, g in _full_grads(fsdp, world).items():
+        expected = ref_params[name].grad
+        torch.testing.assert_close(g, expected, rtol=0, atol=GRAD_TOLERANCE[None] * expected.abs().max().item(),
+                                   msg=lambda m: f"accumulated grad {name}: {m}")
+
+
 def _world_cases(rank: int, world: int) -> None:
     torch.set_num_threads(1)  # ranks share a few cores: more threads each only oversubscribe them
     for case in CASES:
@@ -294,6 +315,7 @@ def _world_cases(rank: int, world: int) -> None:
                   f"grads {worst_grad:.3g} of the largest")
     if world == 2:
         _gathers_keep_the_handout_bound(rank, world)
+        _gradient_accumulation(rank, world)
     if world == 3:  # the fallbacks for backends without single-tensor collectives
         for case in CASES[:4]:
             _train_and_compare(rank, world, case, native=False)
@@ -320,7 +342,20 @@ def test_default_policy_matches_by_class_name():
     assert chosen == ["Embedding"] + ["Linear"] * 7 * 2 + ["Linear"]
 
 
-def _bad_arguments(rank: int, world: int) -> None:
+def _single_rank_checks(rank: int, world: int) -> None:
+    _bad_arguments()
+    # dropping the wrapper and its model frees both (no hook keeps them alive)
+    model = ToyLM()
+    fsdp = FSDP(model)
+    fsdp(torch.randint(0, VOCAB, (2, CONTEXT))).float().sum().backward()
+    fsdp.finish_gradient_synchronization()
+    alive = [weakref.ref(fsdp), weakref.ref(model)]
+    del fsdp, model
+    gc.collect()
+    assert [r() for r in alive] == [None, None], "the wrapper or its model outlived every reference"
+
+
+def _bad_arguments() -> None:
     with pytest.raises(ValueError, match="compute_dtype must be a floating-point torch.dtype or None, got torch.int32"):
         FSDP(ToyLM(), compute_dtype=torch.int32)
     with pytest.raises(ValueError, match="max_inflight_reductions must be at least 1, got 0"):
@@ -331,5 +366,5 @@ def _bad_arguments(rank: int, world: int) -> None:
         FSDP(model)
 
 
-def test_fsdp_rejects_bad_arguments():
-    run_distributed(_bad_arguments, 1)
+def test_fsdp_rejects_bad_arguments_and_lets_go_of_the_model():
+    run_distributed(_single_rank_checks, 1)
