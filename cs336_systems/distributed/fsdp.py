@@ -44,10 +44,16 @@ Use (the same call order as the DDP wrappers):
 Gradient clipping over all parameters needs a global norm: sum the squared norms of the local shards
 and of the replicated gradients (the latter divided by the world size) and all-reduce the sum.
 
-Limits: the layer's forward must read its weight as `self.weight` (a weight used outside its layer's
-forward, e.g. `x @ model.emb.weight.T`, would see the shard); call the wrapper, not `.module`, or the
-full weights stay saved for the backward instead of being freed; the hooks run Python per layer,
-so compiling regions that contain sharded layers is not supported.
+Limits: move the model to its device before wrapping (the broadcast and the shards use it; NCCL
+needs GPU tensors). The layer's forward must read its weight as `self.weight` (a weight used outside
+its layer's forward, e.g. `x @ model.emb.weight.T`, would see the shard). Call the wrapper, not
+`.module`, or the full weights stay saved for the backward instead of being freed. The hooks run
+Python per layer: compiling a region that contains sharded layers makes Dynamo trace them and
+recompile every step (the gathered weight is a new tensor each time) until its recompile limit,
+after which the region runs eagerly (seen on CPU with `compile_blocks(backend="aot_eager")`); compile
+only regions without sharded layers. Against single-process training on the full batch, fp32
+results agree to float32 rounding, not bitwise: each rank sums its part of the batch, and the sum
+of the parts rounds differently from one full-batch matmul (tests/test_fsdp.py gives the margins).
 """
 
 from __future__ import annotations
