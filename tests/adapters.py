@@ -56,3 +56,22 @@ def ddp_bucketed_on_train_batch_start(ddp_model: torch.nn.Module, optimizer: tor
 
 def get_sharded_optimizer(params, optimizer_cls: Type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
     return ShardedOptimizer(params, optimizer_cls, **kwargs)
+
+
+# ---- fully-sharded data parallelism (2026 edition) -------------------------------------------
+from cs336_systems.distributed import FSDP, gather_full_params  # noqa: E402
+
+
+def get_fsdp(module: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """Shards every Linear/Embedding weight (matched by class name); build the optimizer afterwards,
+    over the wrapper's parameters (this rank's shards and the replicated parameters)."""
+    return FSDP(module, compute_dtype=compute_dtype)
+
+
+def fsdp_on_after_backward(fsdp_model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    fsdp_model.finish_gradient_synchronization()
+
+
+def fsdp_gather_full_params(fsdp_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full parameters by the unwrapped module's names; a collective: call it on every rank."""
+    return gather_full_params(fsdp_model)

@@ -88,7 +88,7 @@ def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
     fastest compiled scope."""
     out = []
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
-    scopes = [s for s in COMPILE_SCOPES if s in set(steps["scope"])]
+    scopes = [s for s in COMPILE_SCOPES if s != "none" and s in set(steps["scope"])]  # "none" is the eager column
     for (size, attention, mode), rows in ordered_by_size(steps).groupby(["size", "attention", "mode"], observed=True):
         eager = rows[rows["scope"] == "none"]
         eager_ok = len(eager) and eager["status"].eq("ok").all()

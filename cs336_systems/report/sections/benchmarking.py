@@ -141,7 +141,7 @@ def render_compile(ctx: Context) -> Section:
     affected = set().union(*(recompile_limited(log) for log in logs))
     rows = rows[[(size, mode) not in affected for size, mode in zip(rows["size"], rows["mode"])]]
     rows = rows.assign(scope=compile_scope)
-    scopes = [s for s in COMPILE_SCOPES if s in set(frame.assign(scope=compile_scope)["scope"])]
+    scopes = [s for s in COMPILE_SCOPES if s != "none" and s in set(frame.assign(scope=compile_scope)["scope"])]
     blocks = compile_column("speed-up", "blocks", scopes)
 
     def kept(t: pd.DataFrame) -> pd.Series:  # the table's rows that ran without hitting the recompile limit
