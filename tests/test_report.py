@@ -72,6 +72,27 @@ def test_trace_lanes_and_overlap():
     assert traces.overlap_fraction(lanes["communication"], lanes["backward"]) == 0.5
 
 
+def test_trace_exposed_communication():
+    """Communication while no compute runs, overall and inside the forward / backward ranges; an
+    all-gather (gloo's CPU op name too) counts as communication."""
+    from cs336_systems.report import traces
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "forward", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "backward", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 0, "dur": 30},  # 0..20 exposed
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 20, "dur": 70},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum", "ts": 80, "dur": 40},  # 90..100, 100..120
+        {"ph": "X", "cat": "kernel", "name": "elementwise", "ts": 110, "dur": 5},  # covers 110..115
+    ]
+    lanes = traces.lanes(events)
+    assert lanes["forward"] == [(0.0, 100.0)] and len(lanes["communication"]) == 2
+    assert traces.exposed_ms(lanes["communication"], lanes["compute"]) == (20 + 10 + 15) / 1e3
+    assert traces.exposed_ms(lanes["communication"], lanes["compute"], lanes["forward"]) == (20 + 10) / 1e3
+    assert traces.exposed_ms(lanes["communication"], lanes["compute"], lanes["backward"]) == 15 / 1e3
+    assert traces.COMMUNICATION.search("c10d::allgather_") and traces.COMMUNICATION.search("ReduceScatter")
+
+
 def test_trace_host_side_of_backward():
     """Collectives called during backward are counted with their CPU time; GPU busy share of backward."""
     from cs336_systems.report import traces

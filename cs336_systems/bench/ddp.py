@@ -10,7 +10,10 @@ of the gradient hooks (for comparison); sharding none (default, AdamW), sharded 
 (torch's ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
 Per step it times forward+backward, the wait for gradient communication that did not overlap the
 backward pass (all of it for naive and flat), and the optimizer step, with synchronization around
-each; it records memory after initialisation and just before and after the optimizer step. With
+each; it records memory after initialisation, and the allocated memory and each phase's own peak
+(the peak statistics are reset before forward+backward and again before the optimizer step) just
+before and just after the optimizer step. Kinds fsdp (ours) and torch_fsdp2 (torch's fully_shard)
+shard parameters, gradients and optimizer state; under bf16 they gather and compute in bf16. With
 --rounds R the whole list of configs runs R times, interleaved, and each config's statistics pool its
 rounds (the spread of the per-round medians is in the row). Rank 0 writes one row per config;
 out-of-memory is a row.
@@ -36,6 +39,7 @@ from cs336_systems.bench.provenance import provenance
 from cs336_systems.bench.results import write_rows
 from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, timed
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
+from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_config
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
@@ -69,6 +73,17 @@ class DDPBenchConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
+        sharded = [str(spec) for spec in self.specs if spec.kind in FULLY_SHARDED_KINDS]
+        if self.compile == "blocks" and sharded:
+            # Our FSDP's per-layer hooks make Dynamo recompile every step (see distributed/fsdp.py), and
+            # torch's fully_shard hooks sit on the very blocks compile_blocks compiles in place.
+            raise ValueError(f"--compile blocks is not supported with {', '.join(sharded)}: measure the "
+                             "fully-sharded kinds with --compile none")
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def memory_mib(device: torch.device) -> tuple[float, float]:
@@ -102,9 +117,11 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
     at_start = torch.cuda.memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
     with device:
         model = TransformerLM(get_config(cfg.size, context_length=cfg.context_length, attention=cfg.attention))
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # the full model, before any sharding
     if cfg.compile == "blocks":  # before wrapping: the wrappers' gradient hooks sit on the parameters
         model.compile_blocks()
-    ddp = apply_data_parallel(model, spec, device)
+    compute_dtype = None if precision == "fp32" else DTYPES[precision]  # what the FSDP kinds gather in
+    ddp = apply_data_parallel(model, spec, device, compute_dtype)
     optimizer = build_optimizer(ddp, spec, cfg.lr, cfg.adamw)
     after_init = memory_mib(device)
     data = torch.Generator(device="cpu").manual_seed(1234)  # the same global batches on every rank
@@ -126,9 +143,13 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
 
         tracing = cfg.trace_dir and rank == 0 and step == cfg.warmup + cfg.steps - 1
         with trace_to(Path(cfg.trace_dir) / f"{spec}_{precision}.json" if tracing else None, device):
+            # Each phase's own peak: reset before forward+backward (and the wait for communication)
+            # and again before the optimizer step, so "peak after step" is the step's alone.
+            reset_peak(device)
             parts = {"forward_backward": timed(forward_backward, device),
                      "communication": timed(ddp.finish_gradient_synchronization, device)}
             before_step = memory_mib(device)
+            reset_peak(device)
             parts["optimizer"] = timed(optimizer.step, device)
             after_step = memory_mib(device)
         if step >= cfg.warmup:
@@ -136,7 +157,6 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
                 times[key].append(value)
             times["step"].append(sum(parts.values()))
             memory = {"after_init": after_init, "before_step": before_step, "after_step": after_step}
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
     loss = float(torch.stack(losses[-cfg.steps:]).mean())
     del ddp, optimizer, model
     return {"times": times, "memory": memory, "at_start": at_start, "loss": loss, "param_bytes": params}
@@ -166,11 +186,15 @@ def summarize(spec: DataParallelSpec, rounds: list[dict], world: int) -> dict:
     row["step_round_median_min_ms"], row["step_round_median_max_ms"] = min(round_medians), max(round_medians)
     for point, (current, peak) in last["memory"].items():
         row[f"mem_{point}_mib"], row[f"peak_{point}_mib"] = current, peak
+    row["peak_mib"] = max(row[f"peak_{point}_mib"] for point in last["memory"])
     # The accounting the measurements are compared with: float32 parameters, gradients, AdamW's two
-    # moments (divided among ranks when sharded).
+    # moments (the moments divided among ranks when sharded; all three under the FSDP kinds).
     params = last["param_bytes"]
-    shards = world if spec.optimizer_sharding != "none" else 1
-    row.update(param_mib=params / 2**20, grad_mib=params / 2**20, optimizer_state_mib=2 * params / shards / 2**20)
+    fully_sharded = spec.kind in FULLY_SHARDED_KINDS
+    shards = world if spec.optimizer_sharding != "none" or fully_sharded else 1
+    state_shards = world if fully_sharded else 1
+    row.update(param_mib=params / state_shards / 2**20, grad_mib=params / state_shards / 2**20,
+               optimizer_state_mib=2 * params / shards / 2**20)
     return row
 
 

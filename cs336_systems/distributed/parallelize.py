@@ -13,10 +13,16 @@
 Text form (one spelling, `str(spec)` gives it back): KIND[:BUCKET_MB][+SHARDING]
   KIND       none (each rank trains alone), naive, flat, individual, bucketed, torch_ddp, and the
              individual-thread / bucketed-thread variants that issue their all-reduces from a worker thread;
+             fsdp (ours, cs336_systems.distributed.fsdp) and torch_fsdp2 (torch's `fully_shard` on each
+             Transformer block and on the root), which shard parameters, gradients and optimizer state;
   BUCKET_MB  bucket size in MiB, for bucketed, bucketed-thread (absent: one bucket) and torch_ddp
              (absent: torch's default of 25);
   SHARDING   sharded (our ZeRO-1 ShardedOptimizer) or zero (torch's ZeroRedundancyOptimizer);
-             absent, or `+adamw` on input, means no optimizer-state sharding.
+             absent, or `+adamw` on input, means no optimizer-state sharding (the FSDP kinds take none:
+             their optimizer already sees only shards).
+`apply_data_parallel(..., compute_dtype=torch.bfloat16)` makes the FSDP kinds gather and compute in that
+dtype (master weights, gradients handed to the optimizer and the update stay fp32); the DDP kinds ignore
+it (their mixed precision is autocast's).
 Every wrapper, "none" included, offers `on_train_batch_start()` and `finish_gradient_synchronization()`,
 so a training loop calls both unconditionally. A new kind is one entry in `_WRAPPERS` (and in
 `BUCKETED_KINDS` if it takes a bucket size).
@@ -36,7 +42,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cs336_systems.distributed.ddp_bucketed import DDPBucketed
 from cs336_systems.distributed.ddp_individual import DDPIndividualParameters
+from cs336_systems.distributed.common import broadcast_from_rank0
 from cs336_systems.distributed.ddp_naive import DDPNaive
+from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 from cs336_systems.optim import adamw_implementation
 
@@ -81,24 +89,45 @@ class TorchDDP(DistributedDataParallel):
         pass
 
 
-def _torch_ddp(model: nn.Module, spec: DataParallelSpec, device: torch.device) -> nn.Module:
+class TorchFSDP2(NoDataParallel):
+    """torch's FSDP2 as a user sets it up (torchtitan's recipe): `fully_shard` on each Transformer block
+    (children of `module.layers`) and then on the root, with a mixed-precision policy that gathers and
+    computes in compute_dtype and reduces gradients in fp32; gradients are reduce-scattered during the
+    backward pass itself, so the loop hooks do nothing. Rank 0's weights are broadcast first, as our
+    wrappers do."""
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        broadcast_from_rank0(module)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+        for block in getattr(module, "layers", ()):
+            fully_shard(block, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
+        super().__init__(module)
+
+
+def _torch_ddp(model: nn.Module, spec: DataParallelSpec, device: torch.device, compute_dtype) -> nn.Module:
     return TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                     bucket_cap_mb=spec.bucket_mb or TORCH_DDP_DEFAULT_BUCKET_MB)
 
 
-_Builder = Callable[[nn.Module, "DataParallelSpec", torch.device], nn.Module]
+_Builder = Callable[[nn.Module, "DataParallelSpec", torch.device, "torch.dtype | None"], nn.Module]
 _WRAPPERS: dict[str, _Builder] = {
-    "none": lambda model, spec, device: NoDataParallel(model),
-    "naive": lambda model, spec, device: DDPNaive(model),
-    "flat": lambda model, spec, device: DDPNaive(model, flat=True),
-    "individual": lambda model, spec, device: DDPIndividualParameters(model),
-    "individual-thread": lambda model, spec, device: DDPIndividualParameters(model, background_issue=True),
-    "bucketed": lambda model, spec, device: DDPBucketed(model, spec.bucket_mb),
-    "bucketed-thread": lambda model, spec, device: DDPBucketed(model, spec.bucket_mb, background_issue=True),
+    "none": lambda model, spec, device, dtype: NoDataParallel(model),
+    "naive": lambda model, spec, device, dtype: DDPNaive(model),
+    "flat": lambda model, spec, device, dtype: DDPNaive(model, flat=True),
+    "individual": lambda model, spec, device, dtype: DDPIndividualParameters(model),
+    "individual-thread": lambda model, spec, device, dtype: DDPIndividualParameters(model, background_issue=True),
+    "bucketed": lambda model, spec, device, dtype: DDPBucketed(model, spec.bucket_mb),
+    "bucketed-thread": lambda model, spec, device, dtype: DDPBucketed(model, spec.bucket_mb, background_issue=True),
     "torch_ddp": _torch_ddp,
+    "fsdp": lambda model, spec, device, dtype: FSDP(model, compute_dtype=dtype),
+    "torch_fsdp2": lambda model, spec, device, dtype: TorchFSDP2(model, compute_dtype=dtype),
 }
 KINDS = tuple(_WRAPPERS)
 BUCKETED_KINDS = ("bucketed", "bucketed-thread", "torch_ddp")  # the kinds that take a bucket size
+FULLY_SHARDED_KINDS = ("fsdp", "torch_fsdp2")  # parameters, gradients and optimizer state sharded
 SHARDINGS = ("none", "sharded", "zero")
 
 
@@ -116,6 +145,9 @@ class DataParallelSpec:
             raise ValueError(f"unknown data-parallel kind {self.kind!r}; known: {', '.join(KINDS)}")
         if self.optimizer_sharding not in SHARDINGS:
             raise ValueError(f"unknown optimizer sharding {self.optimizer_sharding!r}; known: {', '.join(SHARDINGS)}")
+        if self.kind in FULLY_SHARDED_KINDS and self.optimizer_sharding != "none":
+            raise ValueError(f"{self.kind!r} already shards the optimizer state; it takes no "
+                             f"+{self.optimizer_sharding}")
         if self.bucket_mb is not None:
             if self.kind not in BUCKETED_KINDS:
                 raise ValueError(f"a bucket size ({self.bucket_mb} MiB) was given for {self.kind!r}, which has no "
@@ -162,10 +194,13 @@ class DataParallelSpec:
                 "optimizer_sharding": self.optimizer_sharding}
 
 
-def apply_data_parallel(model: nn.Module, spec: DataParallelSpec, device: torch.device) -> nn.Module:
+def apply_data_parallel(model: nn.Module, spec: DataParallelSpec, device: torch.device,
+                        compute_dtype: torch.dtype | None = None) -> nn.Module:
     """The model wrapped as spec.kind says (an initialised process group is needed; rank 0's weights
-    are broadcast). The result offers `.module` and the two loop hooks of `DataParallel`."""
-    return _WRAPPERS[spec.kind](model, spec, device)
+    are broadcast). The result offers `.module` and the two loop hooks of `DataParallel`. compute_dtype
+    (None: fp32) is the dtype the FSDP kinds gather and compute in. Build the optimizer afterwards, over
+    the wrapped model (the FSDP kinds replace the parameters by their shards)."""
+    return _WRAPPERS[spec.kind](model, spec, device, compute_dtype)
 
 
 def build_optimizer(model: nn.Module, spec: DataParallelSpec, lr: float,

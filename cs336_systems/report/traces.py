@@ -1,8 +1,11 @@
-"""Communication against backward in a profiler trace (handout 2.3 ddp_overlap_individual_parameters (b)).
+"""Communication against compute in a profiler trace (handout 2.3 ddp_overlap_individual_parameters (b);
+for FSDP, the 2026 handout's fsdp_accounting (b): do the all-gathers finish before their layers need them).
 
 Reads Chrome traces exported by `cs336_systems.bench.ddp --trace-dir`, draws each as a timeline with
-three lanes (the backward range, compute, communication) and measures how much of the communication
-time falls inside the backward pass. For the host side it also counts the collectives launched during
+lanes (the forward and backward ranges, compute, communication) and measures how much of the
+communication time falls inside the backward pass, and how much of it is exposed: communication while
+no compute kernel runs, in the forward, in the backward and in the whole step (a gather the compute
+has to wait for shows up as exposed time). For the host side it also counts the collectives launched during
 backward and the CPU time spent in those calls, and how much of the backward range the GPU is busy:
 a backward that the GPU leaves idle is bound by the host, where every launched collective costs.
 
@@ -21,7 +24,7 @@ import matplotlib.pyplot as plt
 from cs336_systems.bench.results import write_rows
 from cs336_systems.report.figures import save_figure  # also selects the Agg backend
 
-COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce", re.IGNORECASE)
+COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce|all_?gather|reduce_?scatter", re.IGNORECASE)
 CPU_COMPUTE = re.compile(r"^aten::(mm|addmm|bmm|matmul|_softmax|mul|add)")
 HOST_COLLECTIVE = re.compile(r"^c10d::")  # the CPU side of a collective call (c10d::allreduce_, ...)
 
@@ -32,11 +35,11 @@ def lanes(events: list[dict]) -> dict[str, list[Interval]]:
     """(start, end) in µs of the backward range, compute work and communication."""
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     kernels = [e for e in complete if e.get("cat") == "kernel"]
-    out: dict[str, list[Interval]] = {"backward": [], "compute": [], "communication": []}
+    out: dict[str, list[Interval]] = {"forward": [], "backward": [], "compute": [], "communication": []}
     for e in complete:
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        if e.get("cat") == "user_annotation" and e["name"] == "backward":
-            out["backward"].append(span)
+        if e.get("cat") == "user_annotation" and e["name"] in ("forward", "backward"):
+            out[e["name"]].append(span)
         elif COMMUNICATION.search(e["name"]) and (e.get("cat") == "kernel" or not kernels):
             out["communication"].append(span)
         elif (e.get("cat") == "kernel") if kernels else CPU_COMPUTE.match(e["name"]):
@@ -62,6 +65,16 @@ def overlap_fraction(communication: list[Interval], window: list[Interval]) -> f
     return inside / total if total else float("nan")
 
 
+def exposed_ms(communication: list[Interval], compute: list[Interval], window: list[Interval] | None = None) -> float:
+    """Milliseconds of communication during which no compute runs (inside window, if given)."""
+    comm = _union(communication)
+    if window is not None:
+        comm = _union([(max(s1, s2), min(e1, e2)) for s1, e1 in comm for s2, e2 in _union(window)
+                       if min(e1, e2) > max(s1, s2)])
+    covered = sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in comm for s2, e2 in _union(compute))
+    return (sum(end - start for start, end in comm) - covered) / 1e3
+
+
 def host_side(events: list[dict], backward: list[Interval]) -> dict[str, float]:
     """Collective calls made during backward, the CPU time inside them, and the share of the backward
     range covered by GPU kernels (NaN for a CPU-only trace)."""
@@ -79,7 +92,7 @@ def host_side(events: list[dict], backward: list[Interval]) -> dict[str, float]:
 def draw(lanes_: dict[str, list[Interval]], path: str | Path, title: str) -> None:
     origin = min(start for spans in lanes_.values() for start, _ in spans)
     fig, ax = plt.subplots(figsize=(10, 2.6))
-    colors = {"backward": "tab:gray", "compute": "tab:blue", "communication": "tab:red"}
+    colors = {"forward": "tab:green", "backward": "tab:gray", "compute": "tab:blue", "communication": "tab:red"}
     for row, (name, spans) in enumerate(lanes_.items()):
         ax.broken_barh([((s - origin) / 1e3, (e - s) / 1e3) for s, e in _union(spans)], (row - 0.4, 0.8),
                        color=colors[name])
@@ -99,9 +112,13 @@ def main(argv: list[str] | None = None) -> None:
         found = lanes(events)
         if not found["communication"]:
             raise SystemExit(f"{path}: no communication events found")
-        draw(found, Path(args.figures_dir) / f"{path.stem}.png", f"{path.stem}: backward, compute, communication")
+        draw(found, Path(args.figures_dir) / f"{path.stem}.png",
+             f"{path.stem}: forward, backward, compute, communication")
         rows.append({"trace": path.stem, "communication_ms": sum(e - s for s, e in _union(found["communication"])) / 1e3,
                      "overlap_with_backward": overlap_fraction(found["communication"], found["backward"]),
+                     "exposed_communication_ms": exposed_ms(found["communication"], found["compute"]),
+                     "exposed_in_forward_ms": exposed_ms(found["communication"], found["compute"], found["forward"]),
+                     "exposed_in_backward_ms": exposed_ms(found["communication"], found["compute"], found["backward"]),
                      **host_side(events, found["backward"])})
     write_rows(rows, args.out)
 

@@ -156,3 +156,86 @@ rule train_matrix:
         ENV
     shell:
         "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+
+
+# 2026 handout, section 7 (fsdp, fsdp_accounting): our FSDP against torch's FSDP2, our bucketed DDP and our
+# ZeRO-1, all in one run per model size (bench.ddp with the fully-sharded kinds), and a trace of one step.
+FSDP_CFG = S["fsdp"]
+
+
+rule fsdp_point:
+    output:
+        f"{R}/fsdp/{{size}}.csv",
+    log:
+        f"{LOGS}/fsdp/{{size}}.log",
+    wildcard_constraints:
+        size="|".join(re.escape(s) for s in FSDP_CFG["sizes"]),
+    conda:
+        ENV
+    resources:
+        gpu=FSDP_CFG["gpus"],
+    params:
+        f=FSDP_CFG,
+        configs=join(FSDP_CFG["configs"]),
+        precisions=join(FSDP_CFG["precisions"]),
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
+        " --nproc_per_node {params.f[world_size]} -m cs336_systems.bench.ddp"
+        " --backend {params.f[backend]} --size {wildcards.size} --batch-size {params.f[batch_size]}"
+        " --context-length {params.f[context_length]} --precisions {params.precisions}"
+        " --attention {params.f[attention]} --warmup {params.f[warmup]} --steps {params.f[steps]}"
+        " --compile none --adamw {params.f[adamw]} --rounds {params.f[rounds]}"
+        " --configs {params.configs} --out {output} 2> {log}"
+
+
+rule fsdp_benchmark:
+    input:
+        expand(f"{R}/fsdp/{{size}}.csv", size=FSDP_CFG["sizes"]),
+    output:
+        f"{R}/fsdp.csv",
+    log:
+        f"{LOGS}/fsdp.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+
+
+rule fsdp_traces:
+    output:
+        timings=f"{R}/fsdp_traces.csv",
+        traces=directory(f"{R}/fsdp_traces"),
+    log:
+        f"{LOGS}/fsdp_traces.log",
+    conda:
+        ENV
+    resources:
+        gpu=FSDP_CFG["gpus"],
+    params:
+        f=FSDP_CFG,
+        configs=join(FSDP_CFG["trace_configs"]),
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
+        " --nproc_per_node {params.f[world_size]} -m cs336_systems.bench.ddp"
+        " --backend {params.f[backend]} --size {params.f[trace_size]} --batch-size {params.f[batch_size]}"
+        " --context-length {params.f[context_length]} --precisions {params.f[trace_precision]}"
+        " --attention {params.f[attention]} --warmup {params.f[warmup]} --steps 2 --compile none"
+        " --adamw {params.f[adamw]} --configs {params.configs} --trace-dir {output.traces}"
+        " --out {output.timings} 2> {log}"
+
+
+# The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
+rule fsdp_overlap:
+    input:
+        wanted(f"{R}/fsdp_traces"),
+    output:
+        f"{R}/fsdp_overlap.csv",
+    log:
+        f"{LOGS}/fsdp_overlap.log",
+    conda:
+        ENV
+    params:
+        figures=f"{F}/fsdp_traces",
+    shell:
+        "python -m cs336_systems.report.traces {input}/*.json --figures-dir {params.figures}"
+        " --out {output} 2> {log}"
