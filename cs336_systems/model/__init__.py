@@ -1,7 +1,8 @@
 """Our Transformer LM, its configurations, attention backends, AdamW and accounting."""
 
 from cs336_systems.model.attention import ATTENTION_BACKENDS, get_attention, naive_attention, register_attention
-from cs336_systems.model.config import MODEL_SIZES, ModelConfig, get_config
+from cs336_systems.model.checkpointing import CheckpointPolicy, apply_activation_checkpointing, checkpoint_cost
+from cs336_systems.model.config import MODEL_SIZES, MODEL_SIZES_2026, SIZE_TABLES, ModelConfig, get_config
 from cs336_systems.model.functional import cross_entropy, forward_flops, parameter_count, train_step_flops
 from cs336_systems.model.optimizer import ADAMW_IMPLEMENTATIONS, AdamW, adamw_implementation
 from cs336_systems.model.transformer import TransformerLM
@@ -9,11 +10,16 @@ from cs336_systems.model.transformer import TransformerLM
 __all__ = [
     "ADAMW_IMPLEMENTATIONS",
     "ATTENTION_BACKENDS",
+    "CheckpointPolicy",
     "MODEL_SIZES",
+    "MODEL_SIZES_2026",
+    "SIZE_TABLES",
     "AdamW",
     "ModelConfig",
     "TransformerLM",
     "adamw_implementation",
+    "apply_activation_checkpointing",
+    "checkpoint_cost",
     "cross_entropy",
     "forward_flops",
     "get_attention",
