@@ -276,3 +276,13 @@ def test_unknown_edition_or_size_in_an_edition_is_an_error():
         get_config("xl", "2024")
     with pytest.raises(ValueError, match="'2.7B' in the 2026 table"):
         get_config("2.7B", "2026")
+
+
+def test_recursive_halving_peak_is_logarithmic():
+    """With a stored input weighing a block, each of the log2(N) levels holds at most two inputs, plus one
+    block's residuals at the bottom: 2 log2(N) + 1 blocks; each level reruns each block at most once."""
+    for m in (3, 5, 10):
+        n = 2**m
+        cost = checkpoint_cost(CheckpointPolicy.binary(n), n, 1.0, 1.0)
+        assert cost.peak_bytes == 2 * m + 1
+        assert n * 2 <= cost.block_forwards <= n * (1 + m)

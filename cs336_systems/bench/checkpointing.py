@@ -7,7 +7,8 @@ allocates the optimizer state) and `steps` timed ones, synchronizing around each
 step the allocator's peak is reset, so the peak is that of one steady-state step; it is read after the
 backward (peak_fwd_bwd_mib: the activations' peak) and after the optimizer step (peak_memory_mib).
 baseline_mib is what is allocated as the step starts (parameters and optimizer state; gradients are set
-to None). Out-of-memory becomes a row with status=oom and the sweep goes on. On a CPU the memory
+to None); fwd_bwd_above_baseline_mib = peak_fwd_bwd_mib - baseline_mib is the activations' peak plus
+the gradients allocated by then. Out-of-memory becomes a row with status=oom and the sweep goes on. On a CPU the memory
 columns are NaN (only the CUDA allocator keeps peak counts); run it there for smoke tests.
 
     python -m cs336_systems.bench.checkpointing --edition 2026 --size xl --batch-size 4 --context-length 2048 \\
@@ -104,7 +105,7 @@ def measure(spec: SweepSpec, policy: CheckpointPolicy) -> dict:
             baselines.append(baseline)
     peak_fwd_bwd = max(peaks_fwd_bwd[spec.warmup:])
     return {**summarize(samples), "peak_memory_mib": max(peaks), "peak_fwd_bwd_mib": peak_fwd_bwd,
-            "baseline_mib": max(baselines), "activation_peak_mib": peak_fwd_bwd - max(baselines)}
+            "baseline_mib": max(baselines), "fwd_bwd_above_baseline_mib": peak_fwd_bwd - max(baselines)}
 
 
 def run(spec: SweepSpec, policy: CheckpointPolicy) -> dict:
