@@ -179,7 +179,7 @@ def test_intermediate_results_are_activations():
 def test_rmsnorm_eager_matches_the_handouts_list():
     """Handout §3.1: eager RMSNorm saves x twice, rsqrt's result twice, x*rms and the weight."""
     s = Setting(batch_size=2, d_model=24, norm_context_length=5)
-    totals = measure_case("rmsnorm", "eager", s, torch.device("cpu"))
+    totals = saved_bytes(measure_case("rmsnorm", "eager", s, torch.device("cpu")))
     full, row = 2 * 5 * 24 * 4, 2 * 5 * 1 * 4
     assert totals["input"] == {"count": 2, "tensor_bytes": 2 * full, "storage_bytes": full}
     assert totals["activation"] == {"count": 3, "tensor_bytes": full + 2 * row, "storage_bytes": full + row}
@@ -189,7 +189,7 @@ def test_rmsnorm_eager_matches_the_handouts_list():
 def test_rmsnorm_compiled_saves_only_its_input_weight_and_rms():
     """Handout §3.1.1: fused by torch.compile, RMSNorm saves x, the weight and rms of shape (B, T, 1)."""
     s = Setting(batch_size=2, d_model=24, norm_context_length=5)
-    totals = measure_case("rmsnorm", "compiled", s, torch.device("cpu"))
+    totals = saved_bytes(measure_case("rmsnorm", "compiled", s, torch.device("cpu")))
     assert totals["input"]["tensor_bytes"] == 2 * 5 * 24 * 4
     assert totals["activation"]["tensor_bytes"] == 2 * 5 * 4
     assert totals["parameter"]["tensor_bytes"] == 24 * 4

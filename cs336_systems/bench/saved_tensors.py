@@ -121,8 +121,8 @@ def _two_blocks(x: torch.Tensor, block: nn.Module, rope: nn.Module, positions: t
     return block(block(x, rope, positions), rope, positions)
 
 
-def measure_case(case: str, mode: str, setting: Setting, device: torch.device) -> dict[str, dict[str, int]]:
-    """saved_bytes of one forward of the case; mode "compiled" wraps the module in torch.compile
+def measure_case(case: str, mode: str, setting: Setting, device: torch.device) -> list[SavedTensor]:
+    """The tensors one forward of the case saves for backward; mode "compiled" wraps the module in torch.compile
     (fullgraph, as the handout does) and runs it once before recording, so compilation is not recorded."""
     if case not in CASES:
         raise ValueError(f"unknown case {case!r}; known: {', '.join(CASES)}")
@@ -159,9 +159,8 @@ def measure_case(case: str, mode: str, setting: Setting, device: torch.device) -
         x.grad = None
     output, records = record_saved_tensors(forward, x, parameters=module.parameters())
     synchronize(device)
-    totals = saved_bytes(records)
     del output
-    return totals
+    return records
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -182,7 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--precision", default=defaults.precision, choices=list(DTYPES),
                         help="fp32, or autocast to bf16/fp16")
     add_device_argument(parser)
-    parser.add_argument("--out", required=True, help="CSV file for the rows")
+    parser.add_argument("--out", required=True, help="CSV file for the rows (one per case, mode and kind)")
+    parser.add_argument("--tensors-out", default=None,
+                        help="also write every saved tensor (shape, dtype, kind, grad_fn), one row each, here")
     return parser
 
 
@@ -200,10 +201,13 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     prov = provenance(device)
-    rows = []
+    rows, tensor_rows = [], []
     for case in args.cases:
         for mode in args.modes:
-            totals = measure_case(case, mode, setting, device)
+            records = measure_case(case, mode, setting, device)
+            totals = saved_bytes(records)
+            tensor_rows += [{"case": case, "mode": mode, "index": i, **vars(r), "storage": f"{r.storage[0]}:{r.storage[1]:#x}",
+                             "shape": "x".join(map(str, r.shape))} for i, r in enumerate(records)]
             seq = setting.norm_context_length if case == "rmsnorm" else setting.context_length
             for kind, t in totals.items():
                 rows.append({"case": case, "mode": mode, "kind": kind, **t,
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{case} {mode}: {handout / 2**20:.2f} MiB saved (inputs + activations, per tensor)",
                   file=sys.stderr, flush=True)
     write_rows(rows, args.out)
+    if args.tensors_out:
+        write_rows([{**row, **prov} for row in tensor_rows], args.tensors_out)
 
 
 if __name__ == "__main__":

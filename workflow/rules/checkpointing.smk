@@ -4,7 +4,8 @@
 
 rule saved_tensors:
     output:
-        f"{R}/saved_tensors.csv",
+        totals=f"{R}/saved_tensors.csv",
+        tensors=f"{R}/saved_tensors_list.csv",
     log:
         f"{LOGS}/saved_tensors.log",
     conda:
@@ -22,7 +23,8 @@ rule saved_tensors:
         " --d-ff {params.s[d_ff]} --num-heads {params.s[num_heads]}"
         " --context-length {params.s[context_length]}"
         " --norm-context-length {params.s[norm_context_length]}"
-        " --precision {params.s[precision]} --out {output} 2> {log}"
+        " --precision {params.s[precision]} --out {output.totals}"
+        " --tensors-out {output.tensors} 2> {log}"
 
 
 rule checkpoint_sweep:
