@@ -43,6 +43,7 @@ from cs336_systems.model import (
     CheckpointPolicy,
     TransformerLM,
     apply_activation_checkpointing,
+    checkpoint_cost,
     cross_entropy,
     get_attention,
     get_config,
@@ -115,7 +116,10 @@ def run(spec: SweepSpec, policy: CheckpointPolicy) -> dict:
     base = {**asdict(spec), "d_model": config.d_model, "d_ff": config.d_ff,
             "num_layers": config.num_layers, "num_heads": config.num_heads, "policy": str(policy),
             "policy_kind": policy.kind, "segment_blocks": policy.segments[0] if policy.segments else 0,
-            "levels": policy.levels, "block_forwards": config.num_layers * (1 + policy.levels)}
+            "levels": policy.levels,
+            # block forward passes per step, recomputation included (the cost model's count, which the tests
+            # check against the model's own calls)
+            "block_forwards": checkpoint_cost(policy, config.num_layers, 1.0, 1.0).block_forwards}
     torch.compiler.reset()  # each point compiles afresh (see bench.e2e.run)
     reset_memory(device)
     try:
