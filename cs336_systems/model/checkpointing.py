@@ -13,7 +13,9 @@ divide the count. `apply_activation_checkpointing(model, policy)` sets the polic
 
 Checkpoint calls use `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: in the forward a
 checkpointed segment keeps only its input; in the backward it reruns its forward (saving this time, so
-nested checkpoints inside it save their own inputs) and backpropagates through the rerun.
+nested checkpoints inside it save their own inputs) and backpropagates through the rerun. The rerun
+stops once everything the first forward saved is back (torch's early stop), so a nested level skips
+the blocks of its last inner segment; `checkpoint_cost` counts the reruns this way.
 """
 
 from __future__ import annotations
