@@ -24,7 +24,8 @@ from torch.nn.utils import parametrize
 from cs336_systems.distributed import FSDP, default_shard_policy
 from cs336_systems.distributed.common import broadcast_from_rank0
 from cs336_systems.distributed.fsdp_shard import ShardedWeight
-from cs336_systems.model import AdamW, TransformerLM, get_config
+from cs336_systems.model import TransformerLM, get_config
+from cs336_systems.optim import AdamW
 from tests.adapters import fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
 from tests.distributed_helpers import run_distributed
 

@@ -1,4 +1,4 @@
-"""Model configurations: the handout's Table 1 sizes plus two tiny sizes for CPU smoke runs."""
+"""Model configurations: Table 1 sizes of the 2025 and 2026 handouts plus two tiny sizes for CPU smoke runs."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Table 1 of the handout (vocabulary 10,000). tiny and mini exist for CPU smoke runs only.
+# Table 1 of the 2025 handout (vocabulary 10,000). tiny and mini exist for CPU smoke runs only.
 MODEL_SIZES: dict[str, ModelConfig] = {
     "tiny": ModelConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4),
     "mini": ModelConfig(d_model=128, d_ff=512, num_layers=3, num_heads=4),
@@ -46,9 +46,28 @@ MODEL_SIZES: dict[str, ModelConfig] = {
     "2.7B": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
 }
 
+# Table 1 of the 2026 handout (§2.1.2). Its `xl` is the 2025 `2.7B`, not the 2025 `xl`, so the two tables
+# are kept apart and every result records which one its size came from. tiny and mini are shared.
+MODEL_SIZES_2026: dict[str, ModelConfig] = {
+    "tiny": MODEL_SIZES["tiny"],
+    "mini": MODEL_SIZES["mini"],
+    "small": ModelConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": ModelConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    "10B": ModelConfig(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
+}
 
-def get_config(size: str, **overrides) -> ModelConfig:
-    """The named size with any field overridden (e.g. context_length, attention)."""
-    if size not in MODEL_SIZES:
-        raise ValueError(f"unknown model size {size!r}; known sizes: {', '.join(MODEL_SIZES)}")
-    return MODEL_SIZES[size].replace(**overrides)
+# The size tables by handout edition; 2025 is the default, which every 2025 deliverable relies on.
+SIZE_TABLES: dict[str, dict[str, ModelConfig]] = {"2025": MODEL_SIZES, "2026": MODEL_SIZES_2026}
+
+
+def get_config(size: str, edition: str = "2025", **overrides) -> ModelConfig:
+    """The named size of the given handout edition's table, with any field overridden (e.g.
+    context_length, attention)."""
+    if edition not in SIZE_TABLES:
+        raise ValueError(f"unknown handout edition {edition!r}; known editions: {', '.join(SIZE_TABLES)}")
+    table = SIZE_TABLES[edition]
+    if size not in table:
+        raise ValueError(f"unknown model size {size!r} in the {edition} table; known sizes: {', '.join(table)}")
+    return table[size].replace(**overrides)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from cs336_systems.model.attention import get_attention
+from cs336_systems.model.checkpointing import NO_CHECKPOINTING, run_blocks
 from cs336_systems.model.config import ModelConfig
 
 
@@ -130,6 +131,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.ln_final = RMSNorm(config.d_model)
         self.lm_head = Linear(config.d_model, config.vocab_size)
+        self.checkpoint_policy = NO_CHECKPOINTING  # set by model.checkpointing.apply_activation_checkpointing
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token_ids (B, T) int64 → logits (B, T, vocab_size)."""
@@ -138,8 +140,7 @@ class TransformerLM(nn.Module):
             raise ValueError(f"sequence length {T} exceeds the model's context_length {self.config.context_length}")
         positions = torch.arange(T, device=token_ids.device)
         x = self.token_embeddings(token_ids)  # (B, T, d_model)
-        for layer in self.layers:
-            x = layer(x, self.rope, positions)
+        x = run_blocks(self.layers, x, self.checkpoint_policy, self.rope, positions)
         return self.lm_head(self.ln_final(x))
 
     def compile_blocks(self, **kwargs) -> None:

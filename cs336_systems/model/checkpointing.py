@@ -1,0 +1,231 @@
+"""Activation checkpointing of the Transformer blocks (handout 2026, §3.2), and its cost model.
+
+A policy is data: the block counts of the checkpointed segments, outermost first.
+
+    CheckpointPolicy()              no checkpointing: every block keeps its residuals until backward
+    CheckpointPolicy.every(4)       blocks [0..3], [4..7], ... each run under one checkpoint call
+    CheckpointPolicy.nested(8, 2)   segments of 8 blocks, and inside each (when it is recomputed in the
+                                    backward) segments of 2 blocks, each again under a checkpoint call
+
+A segment at the end of the stack (or of its parent segment) may be shorter when the size does not
+divide the count. `apply_activation_checkpointing(model, policy)` sets the policy of a built
+`TransformerLM`; its forward runs the blocks through `run_blocks`, which with no policy is the plain loop.
+
+Checkpoint calls use `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: in the forward a
+checkpointed segment keeps only its input; in the backward it reruns its forward (saving this time, so
+nested checkpoints inside it save their own inputs) and backpropagates through the rerun. The rerun
+stops once everything the first forward saved is back (torch's early stop), so a nested level skips
+the blocks of its last inner segment; `checkpoint_cost` counts the reruns this way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Which blocks run under checkpoint calls. `segments` are block counts, outermost level first,
+    each smaller than the one before (an inner segment as large as its parent would checkpoint the same
+    blocks twice)."""
+
+    segments: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for size in self.segments:
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+                raise ValueError(f"checkpoint segment sizes must be positive integers, got {self.segments!r}")
+        for outer, inner in zip(self.segments, self.segments[1:]):
+            if inner >= outer:
+                raise ValueError(f"nested segment sizes must decrease from the outermost level, got {self.segments!r}")
+
+    @classmethod
+    def every(cls, blocks: int) -> CheckpointPolicy:
+        return cls((blocks,))
+
+    @classmethod
+    def nested(cls, *blocks: int) -> CheckpointPolicy:
+        return cls(tuple(blocks))
+
+    @classmethod
+    def sqrt(cls, num_layers: int) -> CheckpointPolicy:
+        """Two levels: segments of about N^(2/3) blocks, inner segments of about N^(1/3) blocks, so the
+        stored inputs at each level and the residuals of the innermost segment are all about N^(1/3)."""
+        outer = max(1, round(num_layers ** (2 / 3)))
+        inner = max(1, round(num_layers ** (1 / 3)))
+        return cls((outer, inner) if inner < outer else (outer,))
+
+    @classmethod
+    def binary(cls, num_layers: int) -> CheckpointPolicy:
+        """Recursive halving down to single blocks: about log2(N) levels, so O(log N) stored inputs and one
+        block's residuals at the peak, for O(N log N) recomputation."""
+        sizes = []
+        size = num_layers
+        while size > 1:
+            size = math.ceil(size / 2)
+            sizes.append(size)
+        return cls(tuple(sizes))
+
+    @classmethod
+    def parse(cls, text: str) -> CheckpointPolicy:
+        """'none', 'every:K' or 'nested:K1,K2,...' (the form `str` writes)."""
+        kind, _, sizes = text.partition(":")
+        try:
+            numbers = tuple(int(s) for s in sizes.split(",")) if sizes else ()
+        except ValueError:
+            raise ValueError(f"bad checkpoint policy {text!r}: sizes must be integers") from None
+        if kind == "none" and not numbers:
+            return cls()
+        if kind == "every" and len(numbers) == 1:
+            return cls.every(numbers[0])
+        if kind == "nested" and numbers:
+            return cls.nested(*numbers)
+        raise ValueError(f"bad checkpoint policy {text!r}; write none, every:K or nested:K1,K2,...")
+
+    @property
+    def kind(self) -> str:
+        return {0: "none", 1: "every"}.get(len(self.segments), "nested")
+
+    @property
+    def levels(self) -> int:
+        return len(self.segments)
+
+    def __str__(self) -> str:
+        return self.kind if not self.segments else f"{self.kind}:{','.join(map(str, self.segments))}"
+
+    def check(self, num_layers: int) -> None:
+        """Raise if the outermost segment is longer than the stack it would split."""
+        if self.segments and self.segments[0] > num_layers:
+            raise ValueError(f"checkpoint policy {self} has segments of {self.segments[0]} blocks, "
+                             f"more than the model's {num_layers} layers")
+
+
+NO_CHECKPOINTING = CheckpointPolicy()
+
+
+def _run_segment(blocks: Sequence[nn.Module], x: torch.Tensor, segments: tuple[int, ...], args: tuple) -> torch.Tensor:
+    if not segments:
+        for block in blocks:
+            x = block(x, *args)
+        return x
+    size, inner = segments[0], segments[1:]
+    for start in range(0, len(blocks), size):
+        x = checkpoint(_run_segment, blocks[start:start + size], x, inner, args, use_reentrant=False)
+    return x
+
+
+def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointPolicy, *args) -> torch.Tensor:
+    """x → blocks[-1](...blocks[0](x, *args)..., *args) under the policy's checkpoint calls.
+
+    Without autograd recording (inference, torch.no_grad) there is nothing to save, so the blocks run
+    plainly whatever the policy."""
+    if not torch.is_grad_enabled():
+        policy = NO_CHECKPOINTING
+    return _run_segment(list(blocks), x, policy.segments, args)
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: CheckpointPolicy) -> nn.Module:
+    """Set the checkpoint policy of a built TransformerLM (its `layers` are the blocks); returns the model.
+    Parameters and their names are unchanged, so this composes with compilation, DDP and optimizers."""
+    if not isinstance(policy, CheckpointPolicy):
+        raise TypeError(f"policy must be a CheckpointPolicy, got {policy!r}")
+    policy.check(len(model.layers))
+    model.checkpoint_policy = policy
+    return model
+
+
+# ---- cost model ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointCost:
+    peak_bytes: float  # activation memory at the peak of the backward (see checkpoint_cost)
+    stored_bytes: float  # what the forward leaves saved for the backward
+    block_forwards: int  # block forward passes in one training step: N plus the recomputation
+
+
+def _segment_sizes(n: int, size: int) -> list[int]:
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+def _peak(n: int, segments: tuple[int, ...], block_bytes: float, boundary_bytes: float) -> float:
+    if not segments:
+        return n * block_bytes
+    # The backward visits segments last to first; while segment j is recomputed and backpropagated,
+    # the inputs of segments 1..j are still stored.
+    sizes = _segment_sizes(n, segments[0])
+    return max(j * boundary_bytes + _peak(size, segments[1:], block_bytes, boundary_bytes)
+               for j, size in enumerate(sizes, 1))
+
+
+def _recompute_forwards(n: int, segments: tuple[int, ...]) -> int:
+    """Block forwards to recompute and backpropagate one checkpointed stretch of n blocks whose inner
+    levels are `segments`. Non-reentrant checkpoint stops a recomputation as soon as everything the
+    original forward saved is back (torch.utils.checkpoint's early stop, on by default): the last inner
+    segment's checkpoint saves only its input, so its blocks are not rerun at this level."""
+    if not segments:
+        return n
+    sizes = _segment_sizes(n, segments[0])
+    return n - sizes[-1] + sum(_recompute_forwards(size, segments[1:]) for size in sizes)
+
+
+def checkpoint_cost(policy: CheckpointPolicy, num_layers: int, block_bytes: float,
+                    boundary_bytes: float) -> CheckpointCost:
+    """Activation memory and recomputation of N identical blocks under a policy, mirroring `run_blocks`.
+
+    block_bytes: what one block run normally saves for backward (its residuals);
+    boundary_bytes: one tensor between blocks, which is what a checkpoint call keeps (its input).
+    Peak: the largest, over the backward, of the stored segment inputs of every level plus the residuals
+    of the innermost segment being backpropagated; for every-k that is ceil(N/k)*boundary + k*block, so
+    with boundary = block the optimum is k = sqrt(N). Compute: each level reruns each block at most once
+    (the last inner segment of a recomputed segment is skipped, see _recompute_forwards), so every-k
+    runs 2N block forwards whatever k, and L levels at most N*(1+L). Gradients, parameters and the
+    optimizer state are outside the model, as is the double count of a segment's input, which is also
+    the first block's residual (an overestimate by at most one boundary per level).
+    """
+    if num_layers <= 0:
+        raise ValueError(f"num_layers must be positive, got {num_layers}")
+    policy.check(num_layers)
+    if policy.segments:
+        sizes = _segment_sizes(num_layers, policy.segments[0])
+        stored = len(sizes) * boundary_bytes
+        forwards = num_layers + sum(_recompute_forwards(size, policy.segments[1:]) for size in sizes)
+    else:
+        stored, forwards = num_layers * block_bytes, num_layers
+    return CheckpointCost(peak_bytes=_peak(num_layers, policy.segments, block_bytes, boundary_bytes),
+                          stored_bytes=stored, block_forwards=forwards)
+
+
+def divisor_policies(num_layers: int) -> list[CheckpointPolicy]:
+    """No checkpointing, then every-k for each k dividing num_layers (the handout's sweep in §3.2(b))."""
+    return [NO_CHECKPOINTING, *(CheckpointPolicy.every(k) for k in range(1, num_layers + 1) if num_layers % k == 0)]
+
+
+def best_every(num_layers: int, block_bytes: float, boundary_bytes: float) -> CheckpointPolicy:
+    """The every-k policy (one level of recomputation) with the lowest modelled peak, the smallest k of
+    those tied."""
+    return min((CheckpointPolicy.every(k) for k in range(1, num_layers + 1)),
+               key=lambda p: checkpoint_cost(p, num_layers, block_bytes, boundary_bytes).peak_bytes)
+
+
+def cost_rows(layer_counts: Sequence[int], block_bytes: float, boundary_bytes: float) -> list[dict]:
+    """Tidy rows of the cost model for each N: no checkpointing, every block, the best every-k, the
+    two-level `sqrt` policy and recursive halving (`binary`), for memory and recomputation against N."""
+    rows = []
+    for n in layer_counts:
+        named = {"none": NO_CHECKPOINTING, "every_block": CheckpointPolicy.every(1),
+                 "best_every": best_every(n, block_bytes, boundary_bytes), "sqrt": CheckpointPolicy.sqrt(n),
+                 "binary": CheckpointPolicy.binary(n)}
+        for strategy, policy in named.items():
+            cost = checkpoint_cost(policy, n, block_bytes, boundary_bytes)
+            rows.append({"num_layers": n, "strategy": strategy, "policy": str(policy),
+                         "peak_blocks": cost.peak_bytes / block_bytes, "stored_blocks": cost.stored_bytes / block_bytes,
+                         "block_forwards": cost.block_forwards, "block_bytes": block_bytes,
+                         "boundary_bytes": boundary_bytes})
+    return rows
