@@ -81,9 +81,14 @@ class AdamW(torch.optim.Optimizer):
         if group["fused"]:
             from cs336_systems.kernels.adamw_triton import adamw_step_  # here: see the module's docstring
 
+            from torch.distributed.tensor import DTensor
+
             (p,) = params
-            adamw_step_(p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"], lr=lr, beta1=beta1,
-                        beta2=beta2, eps=eps, weight_decay=wd, step=t)
+            tensors = (p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"])
+            # torch's FSDP2 hands over DTensors; the update is elementwise, so it runs on the local shards.
+            p, grad, exp_avg, exp_avg_sq = (x.to_local() if isinstance(x, DTensor) else x for x in tensors)
+            adamw_step_(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
+                        step=t)
             return
         grads = [p.grad for p in params]
         m = [self.state[p]["exp_avg"] for p in params]

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 import yaml
 
 from cs336_systems.distributed import (
+    FSDP,
+    gather_full_params,
     DDPBucketed,
     DDPIndividualParameters,
     DDPNaive,
@@ -20,7 +22,7 @@ from cs336_systems.distributed import (
     apply_data_parallel,
     build_optimizer,
 )
-from cs336_systems.distributed.parallelize import KINDS
+from cs336_systems.distributed.parallelize import KINDS, TorchFSDP2
 from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +97,7 @@ def test_every_spec_in_config_yaml_parses_to_its_canonical_text():
         assert str(DataParallelSpec.parse(text)) == text
 
 
-EXPECTED_TYPES = {"none": NoDataParallel, "naive": DDPNaive, "flat": DDPNaive, "individual": DDPIndividualParameters,
+EXPECTED_TYPES = {"fsdp": FSDP, "torch_fsdp2": TorchFSDP2, "none": NoDataParallel, "naive": DDPNaive, "flat": DDPNaive, "individual": DDPIndividualParameters,
                   "individual-thread": DDPIndividualParameters, "bucketed": DDPBucketed,
                   "bucketed-thread": DDPBucketed, "torch_ddp": TorchDDP}
 SPECS = ["naive", "flat", "individual", "individual-thread", "bucketed", "bucketed:0.0005", "bucketed-thread:0.0005",
@@ -106,7 +108,7 @@ def _every_kind_matches_single_process(rank: int, world: int) -> None:
     """For each spec: the wrapped model, trained through the loop hooks called unconditionally, has the
     gradients of one process on the full batch at every step, and the same weights at the end."""
     assert set(EXPECTED_TYPES) == set(KINDS)
-    for text in SPECS + ["none"]:
+    for text in SPECS + ["none"]:  # (the fully-sharded kinds: test_fully_sharded_kinds_match_single_process)
         spec = DataParallelSpec.parse(text)
         torch.manual_seed(100 + rank)  # ranks start apart
         model = ToyModelWithTiedAndFrozen()
@@ -144,6 +146,54 @@ def _every_kind_matches_single_process(rank: int, world: int) -> None:
 
 def test_apply_data_parallel_for_every_kind_matches_single_process():
     run_distributed(_every_kind_matches_single_process, 2)
+
+
+def _full_parameters(wrapped) -> dict[str, torch.Tensor]:
+    if isinstance(wrapped, FSDP):
+        return gather_full_params(wrapped)
+    return {name: p.full_tensor() for name, p in wrapped.module.named_parameters()}  # FSDP2: DTensors
+
+
+def _fully_sharded_kinds_match_single_process(rank: int, world: int) -> None:
+    """fsdp and torch_fsdp2 on our TransformerLM (uneven shards: vocab and d_ff not divisible by 2), with
+    the multi-tensor AdamW and with the fused Triton one (which must see through FSDP2's DTensors):
+    the full parameters after three steps equal one process's on the full batch."""
+    from cs336_systems.distributed.common import broadcast_from_rank0
+    from cs336_systems.model import TransformerLM, cross_entropy, get_config
+
+    config = get_config("tiny", vocab_size=101, d_ff=27, context_length=16)
+    for text, adamw in [("fsdp", "foreach"), ("torch_fsdp2", "foreach"), ("torch_fsdp2", "fused"), ("fsdp", "fused")]:
+        spec = DataParallelSpec.parse(text)
+        torch.manual_seed(100 + rank)
+        model = TransformerLM(config)
+        broadcast_from_rank0(model)
+        reference = TransformerLM(config)
+        reference.load_state_dict(model.state_dict())
+        initial = {name: p.detach().clone() for name, p in reference.named_parameters()}
+        wrapped = apply_data_parallel(model, spec, torch.device("cpu"))
+        assert type(wrapped) is EXPECTED_TYPES[spec.kind]
+        optimizer = build_optimizer(wrapped, spec, lr=1e-2, adamw=adamw)
+        ref_optimizer = build_optimizer(reference, DataParallelSpec(), lr=1e-2)
+        data = torch.Generator().manual_seed(7)
+        for _ in range(3):
+            tokens = torch.randint(config.vocab_size, (4, 17), generator=data)
+            wrapped.on_train_batch_start()
+            optimizer.zero_grad(set_to_none=True)
+            mine = tokens.chunk(world)[rank]
+            cross_entropy(wrapped(mine[:, :-1]), mine[:, 1:]).backward()
+            wrapped.finish_gradient_synchronization()
+            optimizer.step()
+            ref_optimizer.zero_grad()
+            cross_entropy(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
+            ref_optimizer.step()
+        full = _full_parameters(wrapped)
+        for name, q in reference.named_parameters():
+            assert (q - initial[name]).abs().max() > 1e-3, f"{name} did not train"
+            torch.testing.assert_close(full[name], q, rtol=1e-4, atol=1e-5, msg=f"{text}, {adamw}: {name} differs")
+
+
+def test_fully_sharded_kinds_match_single_process():
+    run_distributed(_fully_sharded_kinds_match_single_process, 2)
 
 
 def test_benchmark_cli_names_a_bad_config(capsys):
