@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import cs336_systems  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
+from cs336_systems.bench.linear_ce import LinearCEConfig, run
 from cs336_systems.kernels.fused_linear_ce import (
     cross_entropy_grad_,
     linear_cross_entropy,
@@ -163,3 +164,13 @@ def test_bad_inputs_raise(change, match):
 def test_bad_chunk_tokens_raise():
     with pytest.raises(ValueError, match="chunk_tokens must be a positive int, got 0"):
         linear_cross_entropy(*_inputs(), chunk_tokens=0)
+
+
+def test_benchmark_rows_on_cpu():
+    config = LinearCEConfig(tokens=(5,), d_model=8, vocab=VOCAB, dtype="fp32", providers=("fused", "plain_eager"),
+                            chunk_tokens=2, warmup_ms=1, rep_ms=1, device="cpu")
+    fused, plain = run(config)
+    assert (fused["provider"], plain["provider"]) == ("fused", "plain_eager")
+    assert fused["status"] == plain["status"] == "ok" and fused["median_ms"] > 0
+    assert fused["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert (fused["chunk_tokens"], plain["chunk_tokens"]) == (2, 5)
