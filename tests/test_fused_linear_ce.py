@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import cs336_systems  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from cs336_systems.bench.linear_ce import LinearCEConfig, run
+from cs336_systems.kernels import fused_linear_ce
 from cs336_systems.kernels.fused_linear_ce import (
     cross_entropy_grad_,
     linear_cross_entropy,
@@ -106,15 +107,21 @@ def test_gradients_scale_with_grad_output():
     torch.testing.assert_close(w.grad, -2.5 * grad_w)
 
 
-def test_frozen_weight_and_no_grad():
+def test_frozen_weight_and_no_grad(monkeypatch):
+    """Only the gradients autograd will ask for are computed: none under no_grad, dW not for a frozen W."""
+    asked = []
+    forward_and_grads = fused_linear_ce._forward_and_grads
+    monkeypatch.setattr(fused_linear_ce, "_forward_and_grads", lambda *args, **kwargs: (
+        asked.append((kwargs["need_hidden_grad"], kwargs["need_weight_grad"])) or forward_and_grads(*args, **kwargs)))
     hidden, weight, targets = _inputs(shape=(5,), seed=4)
     h = hidden.clone().requires_grad_()
     linear_cross_entropy(h, weight, targets).backward()
     _, want_h, _ = _float64_reference(hidden, weight, targets)
     assert _rel_errors([h.grad], [want_h])[0] < 1e-5 and weight.grad is None
     with torch.no_grad():
-        loss = linear_cross_entropy(hidden, weight, targets)
+        loss = linear_cross_entropy(h, weight.requires_grad_(), targets)
     assert torch.allclose(loss.double(), _float64_reference(hidden, weight, targets)[0], rtol=1e-6)
+    assert asked == [(True, False), (False, False)]
 
 
 def test_second_backward_raises():

@@ -33,11 +33,15 @@ kernel never reads outside the row: such a token's loss and gradient row are NaN
 
 Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (set by `import cs336_systems` without a GPU).
 On CUDA with 16-bit compute, dW accumulates through `torch.addmm(..., out_dtype=torch.float32)`
-(cuBLAS bf16 → fp32: no rounding of each chunk's product to bf16); on the CPU (tests), the 16-bit
-operands are upcast to float32 for that product, which gives the same result up to summation order.
+(cuBLAS bf16 → fp32: no rounding of each chunk's product to bf16) where this torch build accepts a
+float32 accumulator there (probed once per device and dtype), else each chunk's product is rounded to
+bf16 before the float32 add; on the CPU (tests), the 16-bit operands are upcast to float32 for that
+product, which gives the cuBLAS result up to summation order. Not yet run on a GPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -128,12 +132,27 @@ def cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, inv_n: torc
 # ----------------------------------------------------------------------------------------------
 # chunked forward (loss and both gradients)
 # ----------------------------------------------------------------------------------------------
+@functools.cache
+def _has_float32_out_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.addmm accumulates 16-bit products into a float32 `self`/`out` on this device: CUDA
+    builds have `out_dtype` for bf16/fp16 → fp32, but older ones required `self` in the operands' dtype."""
+    acc = torch.zeros(2, 2, device=device)
+    ones = torch.ones(2, 2, device=device, dtype=dtype)
+    try:
+        torch.addmm(acc, ones, ones, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((acc == 2).all())
+
+
 def _accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b with acc in float32 and a, b possibly 16-bit."""
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
+    elif acc.is_cuda and _has_float32_out_addmm(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # cuBLAS: 16-bit operands, float32 sum
     elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)  # cuBLAS: 16-bit inputs, float32 output
+        acc.add_(a @ b)  # each chunk's product rounded to 16 bits (what plain bf16 grads get once)
     else:
         acc.addmm_(a.float(), b.float())  # the CPU has no mixed-dtype addmm; float32 products match cuBLAS's
 
@@ -212,17 +231,19 @@ def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, targets
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """apply(hidden, weight, targets, compute_dtype, chunk_tokens, ignore_index, block_v) → scalar float32
-    loss. The gradients are computed in forward and scaled by grad_output in backward."""
+    """apply(hidden, weight, targets, compute_dtype, chunk_tokens, ignore_index, block_v, grad_enabled) →
+    scalar float32 loss. The gradients are computed in forward (only those needed: none when grad_enabled,
+    the caller's torch.is_grad_enabled(), is False) and scaled by grad_output in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, compute_dtype, chunk_tokens, ignore_index, block_v):
+    def forward(ctx, hidden, weight, targets, compute_dtype, chunk_tokens, ignore_index, block_v, grad_enabled):
         d = hidden.shape[-1]
         with torch.autocast(hidden.device.type, enabled=False):
             loss, grad_hidden, grad_weight = _forward_and_grads(
                 hidden.reshape(-1, d), weight, targets.reshape(-1), compute_dtype=compute_dtype,
                 chunk_tokens=chunk_tokens, ignore_index=ignore_index, block_v=block_v,
-                need_hidden_grad=ctx.needs_input_grad[0], need_weight_grad=ctx.needs_input_grad[1])
+                need_hidden_grad=grad_enabled and ctx.needs_input_grad[0],
+                need_weight_grad=grad_enabled and ctx.needs_input_grad[1])
         ctx.hidden_shape, ctx.weight_dtype, ctx.used = hidden.shape, weight.dtype, False
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
@@ -238,7 +259,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)).reshape(ctx.hidden_shape)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 @torch.compiler.disable  # a graph break: Dynamo need not trace the chunk loop and the Triton launches
@@ -257,5 +278,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          " dtype outside autocast")
     else:
         compute_dtype = hidden.dtype
+    # needs_input_grad is set even under torch.no_grad, so the grad mode is passed in: evaluation then
+    # costs one matmul per chunk instead of three
     return LinearCrossEntropy.apply(hidden, weight, targets.long(), compute_dtype, chunk_tokens, ignore_index,
-                                    block_v)
+                                    block_v, torch.is_grad_enabled())
