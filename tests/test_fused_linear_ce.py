@@ -81,8 +81,9 @@ def _check_16_bit(ours, plain, want):
         assert e_ours <= 2 * e_plain + 1e-4, (name, e_ours, e_plain)
 
 
-def test_bfloat16_within_twice_the_plain_bf16_error():
-    hidden, weight, targets = _inputs(shape=(3, 5), dtype=torch.bfloat16, seed=1)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_within_twice_the_plain_path_error(dtype):
+    hidden, weight, targets = _inputs(shape=(3, 5), dtype=dtype, seed=1)
     _check_16_bit(_ours(hidden, weight, targets, chunk_tokens=4, block_v=16), _plain(hidden, weight, targets),
                   _float64_reference(hidden, weight, targets))
 
