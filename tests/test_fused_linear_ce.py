@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import cs336_systems  # noqa: F401  (sets TRITON_INTERPRET=1 without a GPU)
 from cs336_systems.bench.linear_ce import LinearCEConfig, run
 from cs336_systems.kernels import fused_linear_ce
 from cs336_systems.kernels.fused_linear_ce import (
