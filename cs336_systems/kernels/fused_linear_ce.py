@@ -178,7 +178,9 @@ def _forward_and_grads(hidden: torch.Tensor, weight: torch.Tensor, targets: torc
         row_loss[start:end] = cross_entropy_grad_(logits, targets[start:end], inv_n,
                                                   ignore_index=ignore_index, block_v=block_v)
         dlogits = logits  # overwritten in place by the kernel
-        if need_hidden_grad:
+        if need_hidden_grad and grad_hidden.dtype == compute_dtype and grad_hidden.is_contiguous():
+            torch.mm(dlogits, w, out=grad_hidden[start:end])  # rows of a contiguous tensor: no temporary
+        elif need_hidden_grad:
             grad_hidden[start:end] = dlogits @ w
         if need_weight_grad:
             _accumulate_mm_(grad_weight, dlogits.T, h)
