@@ -48,6 +48,7 @@ rule writeup_md:
         accounting=f"{R}/communication_accounting.md",
         mixed_precision=wanted(f"{R}/mixed_precision.csv"),
         overlap=wanted(f"{R}/ddp_overlap.csv"),
+        fsdp_overlap=wanted(f"{R}/fsdp_overlap.csv"),
         memory=(
             wanted(f"{R}/memory.csv", f"{R}/memory_allocations.csv")
             if S["memory"]["enabled"]
