@@ -242,6 +242,41 @@ def render_parallelism_section(ctx: Context) -> str:
     return render_parallelism(ctx.frame("allreduce"))
 
 
+# ---- 9: the leaderboard's parts ----------------------------------------------------------------------
+def linear_ce_table(frame: pd.DataFrame) -> pd.DataFrame:
+    rows = frame.sort_values(["tokens", "provider"])
+    ok = rows["status"].eq("ok")
+    return pd.DataFrame({
+        "tokens": rows["tokens"], "provider": rows["provider"], "status": rows["status"],
+        "forward+backward (ms, median)": rows["median_ms"].where(ok).round(1),
+        "TFLOP/s": rows["tflops"].where(ok).round(0), "peak (MiB)": rows["peak_mib"].where(ok).round(0),
+        "loss": rows["loss"].where(ok).round(4)})
+
+
+def render_linear_ce(ctx: Context) -> str:
+    frame = ctx.frame("linear_ce")
+    first = frame.iloc[0]
+    lines = [f"Part of the 2026 handout's section 9 leaderboard (a full training step of an 8B model at 2 x 32768 "
+             f"tokens on two GPUs). The step itself needs two GPUs and is not measured yet; this is its loss: the LM "
+             f"head and cross-entropy at d_model {first['d_model']}, vocab {first['vocab']}, {first['dtype']}, on "
+             f"{first['device_name']}. `linear_cross_entropy` (kernels/fused_linear_ce.py) runs the head in chunks "
+             f"of {first['chunk_tokens']} tokens; a Triton kernel turns each chunk's logits into the loss and, in "
+             "place, the logits' gradient, whose two matmuls give the hidden states' and the weight's gradients in "
+             "the same pass, so the [tokens, vocab] logits never exist at once. The anchors are the plain loss "
+             "(the model's fp32 cross-entropy of the full logits), eager and `torch.compile`d, in the same run."]
+    ok = frame[frame["status"] == "ok"].set_index(["tokens", "provider"])
+    for tokens in sorted(set(frame["tokens"])):
+        if (tokens, "fused") in ok.index and (tokens, "plain_compiled") in ok.index:
+            ours, plain = ok.loc[(tokens, "fused")], ok.loc[(tokens, "plain_compiled")]
+            lines.append(f"- {tokens} tokens: {ours['median_ms']:.1f} ms against {plain['median_ms']:.1f} ms compiled "
+                         f"({ours['median_ms'] / plain['median_ms']:.2f}x), peak {ours['peak_mib']:,.0f} MiB against "
+                         f"{plain['peak_mib']:,.0f} MiB.")
+        oom = frame[(frame["tokens"] == tokens) & (frame["status"] == "oom")]["provider"].tolist()
+        if oom:
+            lines.append(f"- {tokens} tokens: out of memory for {', '.join(oom)}.")
+    return "\n\n".join([lines[0], "\n".join(lines[1:]), ctx.table("linear_ce")])
+
+
 DELIVERABLES = [
     Deliverable("2026 §3.1 autograd residuals: saved tensors", "saved_tensors", render_saved_tensors,
                 ("saved_tensors",),
@@ -259,4 +294,8 @@ DELIVERABLES = [
     Deliverable("2026 §7 fsdp_accounting (a–b)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",)),
     Deliverable("2026 §8 analysing parallelism strategies (DP, FSDP, TP, 2D)", "allreduce",
                 render_parallelism_section, ("allreduce",)),
+    Deliverable("2026 §9 leaderboard parts: the fused LM head + cross-entropy", "linear_ce", render_linear_ce,
+                ("linear_ce",),
+                tables=(Table("linear_ce", "linear_ce", linear_ce_table,
+                              "LM head + cross-entropy, forward+backward: fused against the plain loss"),)),
 ]
