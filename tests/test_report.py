@@ -247,13 +247,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def committed(request):
     """The sections rendered from the committed GPU results (as results/writeup.md is)."""
     from cs336_systems.report.section import Context
+    from cs336_systems.report.writeup import render
 
     anchors = yaml.safe_load((ROOT / "config.yaml").read_text())["anchors"]
     here = Path.cwd()
     os.chdir(ROOT)  # figure links are relative to the working directory
     try:
         ctx = Context(Path("results"), Path("figures"), Path("results"), anchors)
-        yield {item.section: item.render(ctx) for item in DELIVERABLES}
+        # sections whose data is not measured yet render as the writeup shows them: a pending line
+        yield {item.section: item.render(ctx) if all(ctx.frame(name) is not None for name in item.data)
+               else render(item, ctx) for item in DELIVERABLES}
     finally:
         os.chdir(here)
 
@@ -324,15 +327,22 @@ def test_prose_check_on_a_known_table():
     assert unquoted(replace(section, checked=[good + " It ran 3 times."], wording=("3",))) == []
 
 
-def test_ddp_config_strings():
-    from cs336_systems.report.sections.distributed import DdpConfig, ddp_config
+def test_ddp_specs_come_from_the_rows_columns():
+    """The report reads each DDP config from its row's dp_kind / bucket_mb / optimizer_sharding columns
+    (written by the benchmark's parser), not from the config string."""
+    from cs336_systems.report.sections.distributed import DdpConfig, ddp_specs
 
-    assert ddp_config("bucketed:100+sharded") == DdpConfig("bucketed", 100.0, "sharded")
-    assert ddp_config("bucketed:0.5") == DdpConfig("bucketed", 0.5, None)
-    assert ddp_config("torch_ddp+zero") == DdpConfig("torch_ddp", None, "zero")
-    assert ddp_config("individual-thread") == DdpConfig("individual-thread", None, None)
-    assert ddp_config("bucketed:1000+sharded").wrapper == "bucketed:1000"
-    assert ddp_config("torch_ddp:1").wrapper == "torch_ddp:1"
+    frame = pd.DataFrame({"config": ["bucketed:100+sharded", "torch_ddp+zero", "individual-thread", "torch_ddp:1"],
+                          "dp_kind": ["bucketed", "torch_ddp", "individual-thread", "torch_ddp"],
+                          "bucket_mb": [100.0, None, None, 1.0],
+                          "optimizer_sharding": ["sharded", "zero", "none", "none"]})
+    specs = ddp_specs(frame)
+    assert specs["bucketed:100+sharded"] == DdpConfig("bucketed", 100.0, "sharded")
+    assert specs["torch_ddp+zero"] == DdpConfig("torch_ddp", None, "zero")
+    assert specs["individual-thread"] == DdpConfig("individual-thread", None, None)
+    assert specs["bucketed:100+sharded"].wrapper == "bucketed:100" and specs["torch_ddp:1"].wrapper == "torch_ddp:1"
+    committed = ddp_specs(pd.read_csv(ROOT / "results" / "sharding.csv"))
+    assert committed["bucketed:1000+sharded"] == DdpConfig("bucketed", 1000.0, "sharded")
 
 
 def test_sections_without_data_say_pending_naming_their_rule(tmp_path):
@@ -369,6 +379,8 @@ def test_each_section_embeds_only_the_tables_and_figures_it_owns():
         for item in DELIVERABLES:
             ctx = Recording(Path("results"), Path("figures"), Path("results"), anchors)
             ctx.embedded = []
+            if any(ctx.frame(name) is None for name in item.data):
+                continue  # not measured yet (the writeup says pending); the smoke run renders it
             item.render(ctx)
             tables = {name for kind, name in ctx.embedded if kind == "table"}
             figures = {name for kind, name in ctx.embedded if kind == "figure" and name in FIGURES}
