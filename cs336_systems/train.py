@@ -30,13 +30,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, autocast, peak_memory_mib, timed
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.distributed.parallelize import KINDS
 from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import DTYPES, autocast, peak_memory_mib, timed
 
 TOKEN_DTYPE = np.uint16
 COMPLETE = "COMPLETE"  # the marker file of a step every rank has saved

@@ -11,8 +11,8 @@ import torch
 
 from cs336_systems.bench import (allreduce, attention_sweep, e2e, flash_bench, flash_check, memory,
                                   mixed_precision, profile)
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import oom_row
+from cs336_systems.results import write_rows
+from cs336_systems.timing import oom_row
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,9 +27,9 @@ import torch.distributed as dist
 
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import config_or_usage_error, non_negative_int, positive_float, positive_int
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import synchronize
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import synchronize
 from cs336_systems.distributed.launch import init_from_env, shutdown
 
 

@@ -25,9 +25,9 @@ import torch
 
 from cs336_systems.bench.cli import add_device_argument, device_from_args, non_negative_int, positive_int
 from cs336_systems.bench.e2e import make_optimizer
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import PartialRows
-from cs336_systems.bench.timing import (
+from cs336_systems.provenance import provenance
+from cs336_systems.results import PartialRows
+from cs336_systems.timing import (
     DTYPES,
     autocast,
     check_precision,

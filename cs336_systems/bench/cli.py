@@ -6,7 +6,7 @@ import argparse
 
 import torch
 
-from cs336_systems.bench.timing import resolve_device
+from cs336_systems.timing import resolve_device
 
 
 def positive_int(text: str) -> int:

@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile
 
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, timed
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, timed
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS
 from cs336_systems.distributed.launch import init_from_env, shutdown

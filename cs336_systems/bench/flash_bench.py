@@ -31,9 +31,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
 from cs336_systems.bench.cli import config_or_usage_error, positive_int
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import PartialRows
-from cs336_systems.bench.timing import DTYPES, bench_ms, is_oom, oom_message, oom_row, resolve_device
+from cs336_systems.provenance import provenance
+from cs336_systems.results import PartialRows
+from cs336_systems.timing import DTYPES, bench_ms, is_oom, oom_message, oom_row, resolve_device
 from cs336_systems.kernels import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.model.attention import naive_attention
 

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cs336_systems.bench.cli import positive_int
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
 
 TESTS = Path(__file__).resolve().parents[2] / "tests" / "test_flash.py"
 OUTCOME = {"failure": "failed", "error": "error", "skipped": "skipped"}

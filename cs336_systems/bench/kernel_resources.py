@@ -24,8 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
 
 # The kernels by their names in flash_triton.TUNED_KERNELS and flash_tuning.TILINGS, spelled out here
 # because those modules import Triton, which must wait for `use_compiler`.

@@ -7,7 +7,7 @@ Providers, each computing mean CE(hidden @ Wᵀ, targets) and its gradients w.r.
 - `plain_eager`: the same plain path, eager.
 
 One row per (tokens, provider): median ms of forward+backward (`triton.testing.do_bench` on CUDA, via
-bench.timing.bench_ms), the peak memory allocated during one forward+backward (total, and beyond the
+timing.bench_ms), the peak memory allocated during one forward+backward (total, and beyond the
 inputs), TFLOP/s from the three matmuls (6·tokens·d·vocab FLOPs), the loss; an out-of-memory point
 is a row with status=oom. Every row carries provenance.
 
@@ -26,9 +26,9 @@ import torch
 
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
 from cs336_systems.bench.cli import config_or_usage_error, positive_int
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import (
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import (
     DTYPES,
     bench_ms,
     is_oom,

@@ -21,9 +21,9 @@ from pathlib import Path
 from cs336_systems.bench import e2e
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, resolve_device
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import DTYPES, resolve_device
 from cs336_systems.model import MODEL_SIZES
 
 MODES = ("forward", "train_step")

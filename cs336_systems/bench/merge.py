@@ -2,7 +2,7 @@
 
 import argparse
 
-from cs336_systems.bench.results import read_rows, write_rows
+from cs336_systems.results import read_rows, write_rows
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 
 from cs336_systems.bench.cli import add_device_argument, device_from_args
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
 
 
 def accumulation_loops() -> list[dict]:

@@ -33,9 +33,9 @@ from cs336_systems.bench import nsys
 from cs336_systems.bench.e2e import RunSpec, build_model
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import (
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import (
     annotate,
     autocast,
     DTYPES,

@@ -34,9 +34,9 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from cs336_systems.bench.cli import add_device_argument, device_from_args, positive_int
-from cs336_systems.bench.provenance import provenance
-from cs336_systems.bench.results import write_rows
-from cs336_systems.bench.timing import DTYPES, autocast, check_precision, synchronize
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import DTYPES, autocast, check_precision, synchronize
 from cs336_systems.model import ModelConfig
 from cs336_systems.model.transformer import RMSNorm, RotaryEmbedding, TransformerBlock
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cs336_systems.bench.results import read_rows
+from cs336_systems.results import read_rows
 from cs336_systems.report.render import provenance_line, save_table
 from cs336_systems.report.sections import FIGURES, TABLES
 

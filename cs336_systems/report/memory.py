@@ -12,7 +12,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from cs336_systems.bench.results import write_rows
+from cs336_systems.results import write_rows
 from cs336_systems.report.figures import save_figure  # also selects the Agg backend
 
 

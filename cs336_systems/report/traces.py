@@ -21,7 +21,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from cs336_systems.bench.results import write_rows
+from cs336_systems.results import write_rows
 from cs336_systems.report.figures import save_figure  # also selects the Agg backend
 
 COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce|all_?gather|reduce_?scatter", re.IGNORECASE)

@@ -6,7 +6,7 @@ and the optimizer step (peak reset before each phase), and what is allocated aft
 import os
 
 import torch
-from cs336_systems.bench.timing import autocast, reset_memory
+from cs336_systems.timing import autocast, reset_memory
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.launch import init_from_env
 from cs336_systems.model import TransformerLM, get_config, cross_entropy

@@ -142,7 +142,7 @@ def _cost_model_lines(saved: pd.DataFrame | None) -> list[str]:
 def render_checkpointing(ctx: Context) -> str:
     frame = ctx.frame("checkpointing")
     first = frame.iloc[0]
-    lines = [f"Answers the 2026 handout, section 3.2 (gradient_checkpointing). Policies are applied to our "
+    lines = ["Answers the 2026 handout, section 3.2 (gradient_checkpointing). Policies are applied to our "
              f"`TransformerLM` from outside (`apply_activation_checkpointing`, non-reentrant "
              f"`torch.utils.checkpoint`); tests check that gradients equal the unchecked model's bitwise in fp32."]
     lines += _cost_model_lines(ctx.frame("saved_tensors"))
