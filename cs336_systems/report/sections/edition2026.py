@@ -201,7 +201,7 @@ def render_fsdp(ctx: Context) -> str:
     first = frame.iloc[0]
     lines = [f"Answers the 2026 handout, section 7 (fsdp). `cs336_systems.distributed.FSDP` against torch's FSDP2 "
              f"(`fully_shard` per block, same mixed-precision policy), our bucketed DDP and our ZeRO-1 in one run per "
-             f"size: {first['world_size']} ranks, batch {first['batch_size']} per rank, context "
+             f"size: {first['world_size']} ranks, batch {first['batch_per_rank']} per rank, context "
              f"{first['context_length']}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
              "Peaks are each phase's own (the peak counter is reset before forward+backward and before the step)."]
     for (size, precision), group in ok.groupby(level=[0, 1]):
