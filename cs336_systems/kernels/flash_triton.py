@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels import flash_tuning
 from cs336_systems.kernels.common import INTERPRET, check_inputs
 from cs336_systems.kernels.flash_tuning import (
     FLOAT32_DOT,
@@ -88,9 +87,9 @@ def _load_row(base, offs, n, MASK: tl.constexpr, other):
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                offs_m, offs_d, lo, hi, n_keys, head_dim, qk_scale,
                BLOCK_N: tl.constexpr, ON_DIAGONAL: tl.constexpr, MASK_N: tl.constexpr,
-               MASK_D: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr):
+               MASK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Online softmax over key tiles [lo, hi). Scores are kept in the log2 domain."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
         v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
@@ -115,10 +114,10 @@ def _even(name: str, block: str):
     return lambda args: args[name] % args[block] == 0
 
 
-def _tuned(kernel: str, extra_key: tuple[str, ...] = ()):
+def _tuned(kernel: str):
     """Autotuning over the tiles of `kernel` (a name in flash_tuning.TILINGS), and the EVEN_*
     heuristics that drop masks where the lengths and head dim fill the tiles."""
-    autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=[*TUNING_KEY, *extra_key],
+    autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=TUNING_KEY,
                                prune_configs_by={"early_config_prune": announcing_prune(kernel)},
                                do_bench=tuning_bench)
     heuristics = triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
@@ -126,7 +125,7 @@ def _tuned(kernel: str, extra_key: tuple[str, ...] = ()):
     return lambda fn: autotune(heuristics(fn))
 
 
-@_tuned("forward", extra_key=("WARP_SPEC",))
+@_tuned("forward")
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, L,
@@ -136,7 +135,7 @@ def _flash_fwd_kernel(
     stride_ob, stride_oh, stride_on, stride_od,
     H, N_Q, N_K, HEAD_DIM, SEQ_KEY_Q, SEQ_KEY_K, qk_scale,
     IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -159,11 +158,11 @@ def _flash_fwd_kernel(
     hi = tl.minimum(start_m, N_K) if IS_CAUSAL else N_K
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_d, 0, hi, N_K, HEAD_DIM, qk_scale,
-                               BLOCK_N, False, not EVEN_N, not EVEN_D, PRECISION, WARP_SPEC)
+                               BLOCK_N, False, not EVEN_N, not EVEN_D, PRECISION)
     if IS_CAUSAL:  # the diagonal tiles
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K, HEAD_DIM,
-                                   qk_scale, BLOCK_N, True, True, not EVEN_D, PRECISION, False)
+                                   qk_scale, BLOCK_N, True, True, not EVEN_D, PRECISION)
 
     out = acc / l_i[:, None]
     _store_tile(O + b * stride_ob + h * stride_oh, out.to(O.dtype.element_ty), offs_m, offs_d,
@@ -180,14 +179,12 @@ def _flash_fwd_kernel(
 # backward kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base,
                     stride_qn, stride_qd, stride_don, stride_dod,
-                    offs_n, offs_d, lo, hi, n_queries, head_dim, qk_scale, sm_scale,
+                    offs_n, offs_d, lo, hi, n_queries, head_dim, qk_scale,
                     BLOCK_M: tl.constexpr, ON_DIAGONAL: tl.constexpr, MASK_M: tl.constexpr,
-                    MASK_D: tl.constexpr, PRECISION: tl.constexpr, DQ_ATOMIC: tl.constexpr):
-    """Accumulate dK_j, dV_j over query tiles [lo, hi); works on transposed scores (keys x queries).
-    With DQ_ATOMIC, also adds this key tile's share dS_ij K_j of each dQ_i into a float32 buffer
-    (row stride head_dim) at dq_base: five products per tile pair instead of the 4 + 3 of two kernels."""
+                    MASK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK_j, dV_j over query tiles [lo, hi); works on transposed scores (keys x queries)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_tile(q_base, offs_m, offs_d, stride_qn, stride_qd, n_queries, head_dim, MASK_M, MASK_D, 0.0)
@@ -201,16 +198,8 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base,
             p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
-        if DQ_ATOMIC:
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=PRECISION) * sm_scale  # (BLOCK_M, BLOCK_D)
-            ptrs = dq_base + offs_m[:, None] * head_dim + offs_d[None, :]
-            if MASK_M or MASK_D:
-                tl.atomic_add(ptrs, dq, mask=(offs_m[:, None] < n_queries) & (offs_d[None, :] < head_dim),
-                              sem="relaxed")
-            else:
-                tl.atomic_add(ptrs, dq, sem="relaxed")
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -255,10 +244,10 @@ def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
     tl.store(DELTA + bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
-@_tuned("backward_dkdv", extra_key=("DQ_ATOMIC",))
+@_tuned("backward_dkdv")
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, L, DELTA, DK, DV, DQ_ACC,
+    Q, K, V, DO, L, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -266,11 +255,11 @@ def _flash_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     H, N_Q, N_K, HEAD_DIM, SEQ_KEY_Q, SEQ_KEY_K, qk_scale, sm_scale,
-    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, DQ_ATOMIC: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)  # causal: the first key tiles see the most queries, and start first
+    pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     start_n = pid_n * BLOCK_N
@@ -284,29 +273,20 @@ def _flash_bwd_dkdv_kernel(
     do_base = DO + b * stride_dob + h * stride_doh
     l_base = L + bh * N_Q
     d_base = DELTA + bh * N_Q
-    dq_base = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     if IS_CAUSAL:
         # Queries on the diagonal of this key tile need the mask; the later ones see every key of it.
         diag_end = tl.minimum(start_n + BLOCK_N, N_Q)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, stride_qn, stride_qd,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_qd,
                                  stride_don, stride_dod, offs_n, offs_d, start_n, diag_end, N_Q, HEAD_DIM,
-                                 qk_scale, sm_scale, BLOCK_M, True, True, not EVEN_D, PRECISION, DQ_ATOMIC)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, stride_qn, stride_qd,
-                                 stride_don, stride_dod, offs_n, offs_d, start_n + BLOCK_N, N_Q, N_Q, HEAD_DIM,
-                                 qk_scale, sm_scale, BLOCK_M, False, not EVEN_M, not EVEN_D, PRECISION, DQ_ATOMIC)
+                                 qk_scale, BLOCK_M, True, True, not EVEN_D, PRECISION)
+        lo = start_n + BLOCK_N
     else:
-        # Every key tile sees every query tile. With atomic dQ, each program starts at its own query
-        # tile (start_n, a multiple of BLOCK_M) and wraps round, so concurrent programs add into
-        # different dQ rows instead of all into the first ones. [0, split) is whole query tiles.
-        split = tl.where(start_n < N_Q, start_n, 0) if DQ_ATOMIC else 0
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, stride_qn, stride_qd,
-                                 stride_don, stride_dod, offs_n, offs_d, split, N_Q, N_Q, HEAD_DIM,
-                                 qk_scale, sm_scale, BLOCK_M, False, not EVEN_M, not EVEN_D, PRECISION, DQ_ATOMIC)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, dq_base, stride_qn, stride_qd,
-                                 stride_don, stride_dod, offs_n, offs_d, 0, split, N_Q, HEAD_DIM,
-                                 qk_scale, sm_scale, BLOCK_M, False, False, not EVEN_D, PRECISION, DQ_ATOMIC)
+        lo = 0
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, l_base, d_base, stride_qn, stride_qd,
+                             stride_don, stride_dod, offs_n, offs_d, lo, N_Q, N_Q, HEAD_DIM,
+                             qk_scale, BLOCK_M, False, not EVEN_M, not EVEN_D, PRECISION)
     _store_tile(DK + b * stride_dkb + h * stride_dkh, (dk * sm_scale).to(DK.dtype.element_ty), offs_n, offs_d,
                 stride_dkn, stride_dkd, N_K, HEAD_DIM, not EVEN_N, not EVEN_D)
     _store_tile(DV + b * stride_dvb + h * stride_dvh, dv.to(DV.dtype.element_ty), offs_n, offs_d,
@@ -416,7 +396,7 @@ def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     qk_scale = q.shape[-1] ** -0.5 * LOG2E
     grid = lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
     _flash_fwd_kernel[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
-                            qk_scale=qk_scale, IS_CAUSAL=is_causal, WARP_SPEC=flash_tuning.WARP_SPECIALIZE, **p)
+                            qk_scale=qk_scale, IS_CAUSAL=is_causal, **p)
     return out, lse
 
 
@@ -429,21 +409,14 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     _bwd_delta_kernel[(triton.cdiv(p["N_Q"], delta_block), batch_heads)](
         out, grad_out, delta, *_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"],
         BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"])
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    atomic = flash_tuning.DQ_MODE == "atomic"
-    # Atomic dQ: float32 partial sums from every key tile, (batch·heads, n_q, head dim) row-major.
-    dq_acc = torch.zeros((batch_heads, p["N_Q"], p["HEAD_DIM"]), dtype=torch.float32, device=q.device) if atomic \
-        else delta  # unused by the kernel, any pointer will do
     sm_scale = q.shape[-1] ** -0.5
     common = dict(qk_scale=sm_scale * LOG2E, sm_scale=sm_scale, IS_CAUSAL=is_causal, **p)
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out))
     _flash_bwd_dkdv_kernel[lambda meta: (triton.cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads)](
-        q, k, v, grad_out, lse, delta, dk, dv, dq_acc, *strides, *_strides4(dk), *_strides4(dv),
-        DQ_ATOMIC=atomic, **common)
-    if atomic:
-        return dq_acc.view(q.shape).to(q.dtype), dk, dv
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q, k, v, grad_out, lse, delta, dk, dv, *strides, *_strides4(dk), *_strides4(dv), **common)
     _flash_bwd_dq_kernel[lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)](
         q, k, v, grad_out, lse, delta, dq, *strides, *_strides4(dq), **common)
     return dq, dk, dv

@@ -29,27 +29,15 @@ FLOAT32_DOT = os.environ.get("CS336_FLASH_FLOAT32_DOT", "tf32x3")
 if FLOAT32_DOT not in FLOAT32_DOTS:
     raise ValueError(f"CS336_FLASH_FLOAT32_DOT={FLOAT32_DOT!r}: choose one of {', '.join(FLOAT32_DOTS)}")
 
-# How the backward computes dQ. "atomic": the dK/dV kernel also forms each tile pair's dS·K and adds
-# it into a float32 buffer with atomic adds (five matrix products per tile pair, as FlashAttention-2's
-# own backward; the summation order, so dQ's last bits, vary from run to run). "separate": a second
-# kernel per query tile recomputes S and dP (seven products, no atomics, deterministic).
-DQ_MODES = ("atomic", "separate")
-DQ_MODE = os.environ.get("CS336_FLASH_DQ", "atomic")
-if DQ_MODE not in DQ_MODES:
-    raise ValueError(f"CS336_FLASH_DQ={DQ_MODE!r}: choose one of {', '.join(DQ_MODES)}")
-# Triton's automatic warp specialisation of the forward's key loop (producer warps load, consumer warps
-# multiply). CS336_FLASH_WARP_SPECIALIZE=1 turns it on.
-WARP_SPECIALIZE = os.environ.get("CS336_FLASH_WARP_SPECIALIZE", "0") == "1"
-
 # Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
 # twice the shared memory: `prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
 # dots no float32 config of these lists fits in the H100's 227 KiB of shared memory (the smallest
 # asks 256 KiB), so FLOAT32_TILES adds smaller, 2-stage tiles for float32 inputs only (52-192 KiB at
 # d=128, compiled for sm_90 by bench/kernel_resources.py).
 FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-             (128, 64, 4, 4), (128, 128, 8, 4), (128, 128, 8, 2)]
+             (128, 64, 4, 4), (128, 128, 8, 4)]
 BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
-             (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5), (128, 128, 8, 2)]
+             (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5)]
 FLOAT32_TILES = [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2)]
 MAX_FLOAT32_STAGES = 3
 # The interpreter runs any tile slowly: the smallest one keeps CPU tests quick.
