@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from cs336_systems.kernels import flash_tuning
 from cs336_systems.kernels.common import INTERPRET, check_inputs
 from cs336_systems.kernels.flash_tuning import (
     FLOAT32_DOT,
@@ -87,12 +88,17 @@ def _load_row(base, offs, n, MASK: tl.constexpr, other):
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                offs_m, offs_d, lo, hi, n_keys, head_dim, qk_scale,
                BLOCK_N: tl.constexpr, ON_DIAGONAL: tl.constexpr, MASK_N: tl.constexpr,
-               MASK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """Online softmax over key tiles [lo, hi). Scores are kept in the log2 domain."""
+               MASK_D: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """Online softmax over key tiles [lo, hi). Scores are kept in the log2 domain. With TMA, k_base and
+    v_base are tensor descriptors (rows past the data load as zeros) instead of pointers."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
-        v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
+        if TMA:
+            k = k_base.load([start_n, 0])
+            v = v_base.load([start_n, 0])
+        else:
+            k = _load_tile(k_base, offs_n, offs_d, stride_kn, stride_kd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
+            v = _load_tile(v_base, offs_n, offs_d, stride_vn, stride_vd, n_keys, head_dim, MASK_N, MASK_D, 0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         if ON_DIAGONAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
@@ -114,10 +120,10 @@ def _even(name: str, block: str):
     return lambda args: args[name] % args[block] == 0
 
 
-def _tuned(kernel: str):
+def _tuned(kernel: str, extra_key: tuple[str, ...] = ()):
     """Autotuning over the tiles of `kernel` (a name in flash_tuning.TILINGS), and the EVEN_*
     heuristics that drop masks where the lengths and head dim fill the tiles."""
-    autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=TUNING_KEY,
+    autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=[*TUNING_KEY, *extra_key],
                                prune_configs_by={"early_config_prune": announcing_prune(kernel)},
                                do_bench=tuning_bench)
     heuristics = triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
@@ -125,7 +131,7 @@ def _tuned(kernel: str):
     return lambda fn: autotune(heuristics(fn))
 
 
-@_tuned("forward")
+@_tuned("forward", extra_key=("TMA",))
 @triton.jit
 def _flash_fwd_kernel(
     Q, K, V, O, L,
@@ -134,7 +140,7 @@ def _flash_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_on, stride_od,
     H, N_Q, N_K, HEAD_DIM, SEQ_KEY_Q, SEQ_KEY_K, qk_scale,
-    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr,
 ):
@@ -146,10 +152,16 @@ def _flash_fwd_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, stride_qn, stride_qd, N_Q, HEAD_DIM,
-                   not EVEN_M, not EVEN_D, 0.0)
+    q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
+    if TMA:  # Hopper's tensor-copy engine: one descriptor per (batch, head) matrix, zero fill past its end
+        q_base = tl.make_tensor_descriptor(q_base, [N_Q, HEAD_DIM], [stride_qn, 1], [BLOCK_M, BLOCK_D])
+        k_base = tl.make_tensor_descriptor(k_base, [N_K, HEAD_DIM], [stride_kn, 1], [BLOCK_N, BLOCK_D])
+        v_base = tl.make_tensor_descriptor(v_base, [N_K, HEAD_DIM], [stride_vn, 1], [BLOCK_N, BLOCK_D])
+        q = q_base.load([start_m, 0])
+    else:
+        q = _load_tile(q_base, offs_m, offs_d, stride_qn, stride_qd, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D, 0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -158,15 +170,18 @@ def _flash_fwd_kernel(
     hi = tl.minimum(start_m, N_K) if IS_CAUSAL else N_K
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                offs_m, offs_d, 0, hi, N_K, HEAD_DIM, qk_scale,
-                               BLOCK_N, False, not EVEN_N, not EVEN_D, PRECISION)
+                               BLOCK_N, False, not EVEN_N, not EVEN_D, PRECISION, TMA)
     if IS_CAUSAL:  # the diagonal tiles
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
                                    offs_m, offs_d, start_m, tl.minimum(start_m + BLOCK_M, N_K), N_K, HEAD_DIM,
-                                   qk_scale, BLOCK_N, True, True, not EVEN_D, PRECISION)
+                                   qk_scale, BLOCK_N, True, True, not EVEN_D, PRECISION, TMA)
 
-    out = acc / l_i[:, None]
-    _store_tile(O + b * stride_ob + h * stride_oh, out.to(O.dtype.element_ty), offs_m, offs_d,
-                stride_on, stride_od, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
+    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    o_base = O + b * stride_ob + h * stride_oh
+    if TMA:  # the store clips rows and columns past the data
+        tl.make_tensor_descriptor(o_base, [N_Q, HEAD_DIM], [stride_on, 1], [BLOCK_M, BLOCK_D]).store([start_m, 0], out)
+    else:
+        _store_tile(o_base, out, offs_m, offs_d, stride_on, stride_od, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
     _store_row = L + bh * N_Q + offs_m
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
     if EVEN_M:
@@ -380,6 +395,23 @@ def _launch_params(q: torch.Tensor, k: torch.Tensor) -> dict:
     )
 
 
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the tensor-copy engine can read these: a Hopper GPU (or the interpreter), unit stride
+    along the head dim, and every other stride and the start 16-byte aligned (TMA's rules)."""
+    if not flash_tuning.USE_TMA or not (INTERPRET or torch.cuda.get_device_capability(tensors[0].device)[0] >= 9):
+        return False
+    return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+               and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
+
+
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the descriptors that kernels build on the device (Triton asks for it)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if INTERPRET else "cuda")
+
+
+triton.set_allocator(_descriptor_scratch)
+
+
 def _check_device(q: torch.Tensor) -> None:
     if not q.is_cuda and not INTERPRET:
         raise ValueError(f"flash_triton needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
@@ -396,7 +428,7 @@ def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     qk_scale = q.shape[-1] ** -0.5 * LOG2E
     grid = lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
     _flash_fwd_kernel[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
-                            qk_scale=qk_scale, IS_CAUSAL=is_causal, **p)
+                            qk_scale=qk_scale, IS_CAUSAL=is_causal, TMA=_tma_ok(q, k, v, out), **p)
     return out, lse
 
 

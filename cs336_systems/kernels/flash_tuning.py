@@ -29,6 +29,10 @@ FLOAT32_DOT = os.environ.get("CS336_FLASH_FLOAT32_DOT", "tf32x3")
 if FLOAT32_DOT not in FLOAT32_DOTS:
     raise ValueError(f"CS336_FLASH_FLOAT32_DOT={FLOAT32_DOT!r}: choose one of {', '.join(FLOAT32_DOTS)}")
 
+# Whether the forward loads Q, K, V and stores O through tensor descriptors (Hopper's tensor-copy
+# engine) where the layout allows (flash_triton._tma_ok); CS336_FLASH_TMA=0 keeps pointer loads.
+USE_TMA = os.environ.get("CS336_FLASH_TMA", "1") == "1"
+
 # Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
 # twice the shared memory: `prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
 # dots no float32 config of these lists fits in the H100's 227 KiB of shared memory (the smallest
