@@ -125,12 +125,17 @@ def peak_memory_mib(device: torch.device) -> float:
 
 
 def bench_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float, rep_ms: float,
-             grad_to_none: list[torch.Tensor] | None = None) -> float:
+             grad_to_none: list[torch.Tensor] | None = None, min_calls: int = 1) -> float:
     """Median milliseconds of fn: `triton.testing.do_bench` on CUDA (device events, L2 flushed between
-    runs); on the CPU a host timer over at least three runs after one warm-up."""
+    runs); on the CPU a host timer over at least three runs after one warm-up. The measuring window
+    grows to hold at least `min_calls` calls (do_bench fits as many calls as `rep_ms` holds, so a call
+    longer than the window would otherwise be the median of one or two)."""
     if device.type == "cuda":
         import triton
 
+        if min_calls > 1:
+            fn()  # compile / autotune out of the estimate
+            rep_ms = max(rep_ms, min_calls * timed(fn, device))
         return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median",
                                        grad_to_none=grad_to_none)
     fn()

@@ -20,6 +20,7 @@ import torch
 
 from cs336_systems.kernels.common import INTERPRET
 from cs336_systems.kernels.flash_triton import TUNED_KERNELS, pinned_tiles
+from cs336_systems.kernels import flash_tuning
 from cs336_systems.kernels.flash_tuning import (
     BWD_TILES,
     FLOAT32_DOTS,
@@ -133,6 +134,26 @@ def test_float32_matches_float64_reference(impl, device):
                                ("dK", dk, ref_dk), ("dV", dv, ref_dv)]:
             assert torch.isfinite(got).all(), f"{name} not finite for {q_shape} {k_shape} causal={causal}"
             assert _rel_err(got, ref) < 1e-4, f"{name} for {q_shape} {k_shape} causal={causal}: {_rel_err(got, ref)}"
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("device", ["cpu"] * INTERPRET + ["cuda"] * torch.cuda.is_available())
+def test_forward_loads_by_descriptor_or_pointer(tma, device, monkeypatch):
+    """The forward's two load paths (tensor descriptors, which zero-fill past the data, and masked
+    pointer loads) on fresh inputs, outputs in the inputs' layout ((batch, seq, heads, dim) viewed)."""
+    monkeypatch.setattr(flash_tuning, "USE_TMA", tma)
+    monkeypatch.setattr(flash_tuning, "TMA_MIN_KEYS", 0)
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    for i, (q_shape, k_shape, causal) in enumerate(_cases(device)):
+        q, k, v, do = _inputs(q_shape, k_shape, torch.float32, device, seed + i)
+        if q.dim() == 4:  # the model's layout: heads interleaved along the sequence
+            q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+        got = _run(IMPLS["triton"].apply, q, k, v, do, causal)
+        ref = _reference(q, k, v, do, causal)
+        assert got[0].stride() == q.stride() and got[2].stride() == q.stride() and got[3].stride() == k.stride()
+        for j, name in ((0, "O"), (2, "dQ"), (3, "dK"), (4, "dV")):
+            err = _rel_err(got[j], ref[j])
+            assert err < 1e-4, f"tma={tma} {name} {q_shape} {k_shape} causal={causal} seed={seed + i}: {err:.2e}"
 
 
 # float16 everywhere; bfloat16 only on the GPU (the interpreter cannot multiply bfloat16).

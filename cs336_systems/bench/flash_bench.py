@@ -6,11 +6,19 @@ our PyTorch FA2 (up to --pytorch-max-seq), naive PyTorch attention, and PyTorch 
 cuDNN backends as anchors in the same run. A provider that does not support a case, or runs out of
 memory, gives a row with that status.
 
+`llm-shapes`: the shapes a Transformer's training step gives attention: batch x heads from 16 to 512,
+sequences 512 to 32768, head dim 64 and 128, causal and not, bf16, inputs laid out as a model makes
+them ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); our kernel eager and under
+torch.compile beside SDPA's flash and cuDNN backends, forward and forward+backward. `--first-call-out`
+adds the first call's time at a new shape in a fresh process, with an empty and with a filled Triton
+cache (compile + autotune, then neither).
+
 `leaderboard`: the handout's timing test exactly — q, k, v of shape (16, 16384, 64) bf16,
 `torch.compile(FlashAttention2.apply)`, `o.sum().backward()`, `do_bench(rep=10000, warmup=1000)` —
 for our Triton FA2 and, timed the same way in the same run, the SDPA flash and cuDNN backends.
 
     python -m cs336_systems.bench.flash_bench sweep --dtypes bf16 --head-dims 64 --out flash_sweep.csv
+    python -m cs336_systems.bench.flash_bench llm-shapes --out flash_llm_shapes.csv
     python -m cs336_systems.bench.flash_bench leaderboard --out flash_leaderboard.csv
 
 As a library: `sweep(SweepConfig(...))` yields each point's rows, `leaderboard(LeaderboardConfig())`
@@ -21,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -63,9 +74,30 @@ PROVIDERS: dict[str, Attention] = {
 
 
 def attention_flops(batch_heads: int, seq: int, head_dim: int, causal: bool, pass_: str) -> float:
-    """Matmul FLOPs: forward 2 products (QKᵀ, PV), backward 5 (with S recomputed), halved if causal."""
+    """Matmul FLOPs by the usual convention (FlashAttention-2 paper, §4.1): forward 2 products (QKᵀ, PV),
+    backward 5 (S recomputed once), halved if causal. The same count for every provider, so TFLOP/s
+    compare as inverse times."""
     forward = 4 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
     return {"forward": forward, "backward": 2.5 * forward, "forward_backward": 3.5 * forward}[pass_]
+
+
+# Matrix products each provider's backward executes (the forward executes 2 everywhere): our two-kernel
+# backward recomputes S and dP in its dQ kernel (7); FlashAttention-2's CUDA backward (SDPA flash) adds
+# dQ atomically (5); cuDNN's is not published, taken as 5.
+BACKWARD_PRODUCTS = {"flash_triton": 7, "sdpa_flash": 5, "sdpa_cudnn": 5}
+
+
+def executed_flops(provider: str, batch_heads: int, seq: int, head_dim: int, causal: bool, pass_: str) -> float:
+    """Matmul FLOPs the provider's kernels execute (NaN where unknown)."""
+    products = BACKWARD_PRODUCTS.get(provider.removesuffix("_compiled"))
+    if products is None:
+        return float("nan")
+    forward = attention_flops(batch_heads, seq, head_dim, causal, "forward")
+    return {"forward": forward, "backward": products / 2 * forward,
+            "forward_backward": (1 + products / 2) * forward}[pass_]
+
+
+MIN_CALLS = 10  # the measuring window holds at least this many calls, however long one call is
 
 
 def time_passes(fn: Attention, q, k, v, causal: bool, warmup_ms: int, rep_ms: int) -> dict[str, float]:
@@ -84,7 +116,7 @@ def time_passes(fn: Attention, q, k, v, causal: bool, warmup_ms: int, rep_ms: in
     for name, call in (("forward", forward), ("backward", backward), ("forward_backward", both)):
         for t in (q, k, v):
             t.grad = None
-        results[name] = bench_ms(call, q.device, warmup_ms, rep_ms, grad_to_none=[q, k, v])
+        results[name] = bench_ms(call, q.device, warmup_ms, rep_ms, grad_to_none=[q, k, v], min_calls=MIN_CALLS)
     return results
 
 
@@ -187,7 +219,136 @@ def sweep(config: SweepConfig) -> Iterator[list[dict]]:
         print(f"[{i}/{len(grid)}] {provider} {dtype_name} d={head_dim} n={seq}: "
               + " ".join(f"{p}={t:.3f}ms" for p, t in times.items()), file=sys.stderr, flush=True)
         yield [{**base, "pass": pass_, "median_ms": ms, "status": "ok",
-                "tflops": attention_flops(1, seq, head_dim, True, pass_) / ms / 1e9} for pass_, ms in times.items()]
+                "tflops": attention_flops(1, seq, head_dim, True, pass_) / ms / 1e9,
+                "executed_tflops": executed_flops(provider, 1, seq, head_dim, True, pass_) / ms / 1e9}
+               for pass_, ms in times.items()]
+
+
+@dataclass(frozen=True)
+class LlmShapesConfig:
+    """The Transformer training grid: every (batch·heads, seq, head dim, causal) with batch·heads·seq at
+    most `max_tokens`, heads per batch entry `heads_by_dim` (a model's head count at that head dim)."""
+
+    batch_heads: tuple[int, ...] = (16, 64, 256, 512)
+    seqs: tuple[int, ...] = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+    head_dims: tuple[int, ...] = (64, 128)
+    causal: tuple[bool, ...] = (True, False)
+    max_tokens: int = 2**21
+    providers: tuple[str, ...] = ("flash_triton", "flash_triton_compiled", "sdpa_flash", "sdpa_cudnn")
+    dtype: str = "bf16"
+    warmup_ms: int = 25
+    rep_ms: int = 100
+    device: str = "cuda"
+
+    def __post_init__(self):
+        for name in ("batch_heads", "seqs", "head_dims", "causal", "providers"):
+            check_not_empty(name, getattr(self, name))
+        check_known("provider", self.providers, LLM_PROVIDERS)
+        check_known("dtype", [self.dtype], DTYPES)
+        check_positive("batch x heads", *self.batch_heads)
+        check_positive("sequence length", *self.seqs)
+        check_positive("head dim", *self.head_dims)
+        check_positive("tokens", self.max_tokens)
+        check_positive("warm-up time (ms)", self.warmup_ms)
+        check_positive("repetition time (ms)", self.rep_ms)
+        resolve_device(self.device)
+
+    def shapes(self) -> list[tuple[int, int, int, int, bool]]:
+        """(batch, heads, seq, head dim, causal) of every point."""
+        out = []
+        for head_dim, seq, batch_heads, causal in itertools.product(self.head_dims, self.seqs, self.batch_heads,
+                                                                    self.causal):
+            if batch_heads * seq > self.max_tokens:
+                continue
+            heads = min(batch_heads, 32 if head_dim >= 128 else 16)
+            out.append((batch_heads // heads, heads, seq, head_dim, causal))
+        return out
+
+
+LLM_PROVIDERS = ("flash_triton", "flash_triton_compiled", "sdpa_flash", "sdpa_cudnn")
+
+
+def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
+    """Each point's rows (forward and forward+backward per provider), or rows that say why it did not run."""
+    device = resolve_device(config.device)
+    dtype = DTYPES[config.dtype]
+    compiled = torch.compile(FlashAttentionTriton.apply)  # recompiles dynamic after the second shape
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    calls = {"flash_triton": FlashAttentionTriton.apply, "flash_triton_compiled": compiled,
+             "sdpa_flash": PROVIDERS["sdpa_flash"], "sdpa_cudnn": PROVIDERS["sdpa_cudnn"]}
+    shapes = config.shapes()
+    for i, (batch, heads, seq, head_dim, causal) in enumerate(shapes, 1):
+        for provider in config.providers:
+            base = {"benchmark": "flash_llm_shapes", "provider": provider, "dtype": config.dtype, "batch": batch,
+                    "heads": heads, "seq_len": seq, "head_dim": head_dim, "causal": causal}
+            reason = supported(provider.removesuffix("_compiled"), dtype, seq, device, seq)
+            if reason:
+                yield [{**base, "pass": p, "status": reason.split(":")[0], "note": reason}
+                       for p in ("forward", "forward_backward")]
+                continue
+            fn = calls[provider]
+            try:
+                q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+                           .requires_grad_() for _ in range(3))
+                do = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
+
+                def forward():
+                    with torch.no_grad():
+                        fn(q, k, v, causal)
+
+                def both():
+                    fn(q, k, v, causal).backward(do)
+
+                times = {p: bench_ms(call, device, config.warmup_ms, config.rep_ms, grad_to_none=[q, k, v],
+                                     min_calls=MIN_CALLS) for p, call in (("forward", forward), ("forward_backward", both))}
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                if not is_oom(error) and "No available kernel" not in str(error):
+                    raise
+                status = "oom" if is_oom(error) else "unsupported"
+                yield [{**base, "pass": p, "status": status, "note": oom_message(error)}
+                       for p in ("forward", "forward_backward")]
+                continue
+            finally:
+                q = k = v = do = None
+            print(f"[{i}/{len(shapes)}] {provider} b{batch} h{heads} n{seq} d{head_dim} causal={causal}: "
+                  + " ".join(f"{p}={t:.3f}ms" for p, t in times.items()), file=sys.stderr, flush=True)
+            yield [{**base, "pass": p, "median_ms": ms, "status": "ok", "min_calls": MIN_CALLS,
+                    "tflops": attention_flops(batch * heads, seq, head_dim, causal, p) / ms / 1e9,
+                    "executed_tflops": executed_flops(provider, batch * heads, seq, head_dim, causal, p) / ms / 1e9}
+                   for p, ms in times.items()]
+        torch.cuda.empty_cache()
+
+
+_FIRST_CALL = """
+import sys, time, torch
+from cs336_systems.kernels import FlashAttentionTriton
+b, h, n, d = (int(x) for x in sys.argv[1:5])
+q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+           for _ in range(3))
+torch.cuda.synchronize()
+start = time.perf_counter()
+FlashAttentionTriton.apply(q, k, v, True).sum().backward()
+torch.cuda.synchronize()
+print(time.perf_counter() - start)
+"""
+
+
+def first_call_rows(shape: tuple[int, int, int, int]) -> list[dict]:
+    """Seconds of the first forward+backward at `shape` (causal, bf16) in a fresh process: with an empty
+    Triton cache (every kernel compiled and every tile config timed) and again with the cache that run
+    filled (compiled kernels and autotuning results read from disk)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        for state in ("cold", "warm"):
+            done = subprocess.run([sys.executable, "-c", _FIRST_CALL, *map(str, shape)], env=env, check=True,
+                                  capture_output=True, text=True)
+            seconds = float(done.stdout.strip().splitlines()[-1])
+            rows.append({"benchmark": "flash_first_call", "provider": "flash_triton", "batch": shape[0],
+                         "heads": shape[1], "seq_len": shape[2], "head_dim": shape[3], "causal": True,
+                         "triton_cache": state, "first_call_s": seconds, "status": "ok"})
+            print(f"first call, {state} cache: {seconds:.1f} s", file=sys.stderr, flush=True)
+    return rows
 
 
 def leaderboard(config: LeaderboardConfig) -> list[dict]:
@@ -248,6 +409,23 @@ def main(argv: list[str] | None = None) -> None:
                     help="longest sequence for the PyTorch FA2")
     sw.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up time per pass")
     sw.add_argument("--rep-ms", type=positive_int, default=100, help="do_bench measuring time per pass")
+    ls = sub.add_parser("llm-shapes", help="Transformer training shapes, ours eager and compiled against SDPA")
+    ls.add_argument("--batch-heads", nargs="+", type=positive_int, default=[16, 64, 256, 512],
+                    help="batch x heads values")
+    ls.add_argument("--seqs", nargs="+", type=positive_int, default=[512, 1024, 2048, 4096, 8192, 16384, 32768],
+                    help="sequence lengths")
+    ls.add_argument("--head-dims", nargs="+", type=positive_int, default=[64, 128], help="head dimensions")
+    ls.add_argument("--causal", nargs="+", default=["on", "off"], choices=["on", "off"], help="causal masking")
+    ls.add_argument("--max-tokens", type=positive_int, default=2**21,
+                    help="largest batch x heads x seq (bounds a point's time and memory)")
+    ls.add_argument("--providers", nargs="+", default=list(LLM_PROVIDERS), choices=LLM_PROVIDERS,
+                    help="attention implementations to time")
+    ls.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype")
+    ls.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up time per pass")
+    ls.add_argument("--rep-ms", type=positive_int, default=100,
+                    help="do_bench measuring time per pass (grown to hold 10 calls)")
+    ls.add_argument("--first-call-out", default=None,
+                    help="also write the first call's seconds in a fresh process, cold and warm Triton cache")
     lb = sub.add_parser("leaderboard", help="the handout's leaderboard timing test")
     lb.add_argument("--providers", nargs="+", default=["flash_triton", "sdpa_flash", "sdpa_cudnn"],
                     choices=list(PROVIDERS), help="attention implementations to time")
@@ -258,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     lb.add_argument("--compile", default="on", choices=["on", "off"], help="torch.compile our Functions")
     lb.add_argument("--warmup-ms", type=positive_int, default=1000, help="do_bench warm-up time per pass")
     lb.add_argument("--rep-ms", type=positive_int, default=10000, help="do_bench measuring time per pass")
-    for p in (sw, lb):
+    for p in (sw, ls, lb):
         p.add_argument("--device", default="cuda", help="cuda (the benchmark's device) or cpu (a smoke run)")
         p.add_argument("--out", required=True, help="CSV file for the rows")
     args = parser.parse_args(argv)
@@ -267,6 +445,12 @@ def main(argv: list[str] | None = None) -> None:
             parser, SweepConfig, seqs=tuple(args.seqs), head_dims=tuple(args.head_dims), dtypes=tuple(args.dtypes),
             providers=tuple(args.providers), pytorch_max_seq=args.pytorch_max_seq, warmup_ms=args.warmup_ms,
             rep_ms=args.rep_ms, device=args.device)
+    elif args.command == "llm-shapes":
+        config = config_or_usage_error(
+            parser, LlmShapesConfig, batch_heads=tuple(args.batch_heads), seqs=tuple(args.seqs),
+            head_dims=tuple(args.head_dims), causal=tuple(c == "on" for c in args.causal), max_tokens=args.max_tokens,
+            providers=tuple(args.providers), dtype=args.dtype, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+            device=args.device)
     else:
         config = config_or_usage_error(
             parser, LeaderboardConfig, providers=tuple(args.providers), heads=args.heads, seq_len=args.seq_len,
@@ -276,9 +460,16 @@ def main(argv: list[str] | None = None) -> None:
 
     prov = {**provenance(args.device), "float32_dot": FLOAT32_DOT}  # how our kernels multiplied float32 inputs
     rows = PartialRows(args.out)  # a cut sweep keeps its finished points in OUT.partial
-    for point in sweep(config) if args.command == "sweep" else [leaderboard(config)]:
+    points = {"sweep": sweep, "llm-shapes": llm_shapes}.get(args.command, lambda c: [leaderboard(c)])(config)
+    for point in points:
         rows.add({**row, **prov} for row in point)
     rows.finish()
+    if getattr(args, "first_call_out", None):
+        if config.device != "cuda":
+            parser.error("--first-call-out times Triton's compile and autotuning: it needs --device cuda")
+        first = PartialRows(args.first_call_out)
+        first.add({**row, **prov} for row in first_call_rows((1, 16, 16384, 64)))
+        first.finish()
 
 
 if __name__ == "__main__":

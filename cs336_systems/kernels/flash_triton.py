@@ -125,7 +125,7 @@ def _tuned(kernel: str, extra_key: tuple[str, ...] = ()):
     heuristics that drop masks where the lengths and head dim fill the tiles."""
     autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=[*TUNING_KEY, *extra_key],
                                prune_configs_by={"early_config_prune": announcing_prune(kernel)},
-                               do_bench=tuning_bench)
+                               do_bench=tuning_bench, cache_results=True)
     heuristics = triton.heuristics({"EVEN_M": _even("N_Q", "BLOCK_M"), "EVEN_N": _even("N_K", "BLOCK_N"),
                                     "EVEN_D": lambda args: args["HEAD_DIM"] == args["BLOCK_D"]})
     return lambda fn: autotune(heuristics(fn))
@@ -400,6 +400,8 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     along the head dim, and every other stride and the start 16-byte aligned (TMA's rules)."""
     if not flash_tuning.USE_TMA or not (INTERPRET or torch.cuda.get_device_capability(tensors[0].device)[0] >= 9):
         return False
+    if tensors[1].shape[-2] < flash_tuning.TMA_MIN_KEYS and not INTERPRET:
+        return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
 
@@ -423,7 +425,7 @@ def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     _check_device(q)
     p = _launch_params(q, k)
     batch_heads = q.shape[0] * p["H"]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)  # q's layout: a model's (batch, seq, heads, dim) view needs no copy after
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     qk_scale = q.shape[-1] ** -0.5 * LOG2E
     grid = lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
@@ -441,9 +443,9 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     _bwd_delta_kernel[(triton.cdiv(p["N_Q"], delta_block), batch_heads)](
         out, grad_out, delta, *_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"],
         BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"])
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    # Gradients in their inputs' layouts: autograd then takes them as .grad without a strided copy
+    # (0.2 ms of 1.1 at 256 heads x 1024 tokens, H100, when they were contiguous).
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     sm_scale = q.shape[-1] ** -0.5
     common = dict(qk_scale=sm_scale * LOG2E, sm_scale=sm_scale, IS_CAUSAL=is_causal, **p)
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out))
@@ -465,8 +467,8 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bo
 
 
 @_forward_op.register_fake
-def _(q, k, v, is_causal):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
+def _(q, k, v, is_causal):  # the same layouts as the launchers give
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("cs336_systems::flash_triton_backward", mutates_args=())
@@ -477,7 +479,7 @@ def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
 @_backward_op.register_fake
 def _(q, k, v, out, lse, grad_out, is_causal):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 class FlashAttentionTriton(torch.autograd.Function):
@@ -488,7 +490,9 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
         check_inputs(q, k, v, "FlashAttentionTriton")
-        out, lse = _forward_op(q, k, v, is_causal)
+        # Eager calls skip the custom-op layer (its dispatch costs host time that short calls feel).
+        compiling = torch.compiler.is_compiling()
+        out, lse = (_forward_op if compiling else flash_forward_triton)(q, k, v, is_causal)
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal = is_causal
         return out
@@ -496,7 +500,8 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = _backward_op(q, k, v, out, lse, grad_out, ctx.is_causal)
+        backward = _backward_op if torch.compiler.is_compiling() else flash_backward_triton
+        dq, dk, dv = backward(q, k, v, out, lse, grad_out, ctx.is_causal)
         return dq, dk, dv, None
 
 

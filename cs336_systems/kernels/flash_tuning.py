@@ -30,18 +30,22 @@ if FLOAT32_DOT not in FLOAT32_DOTS:
     raise ValueError(f"CS336_FLASH_FLOAT32_DOT={FLOAT32_DOT!r}: choose one of {', '.join(FLOAT32_DOTS)}")
 
 # Whether the forward loads Q, K, V and stores O through tensor descriptors (Hopper's tensor-copy
-# engine) where the layout allows (flash_triton._tma_ok); CS336_FLASH_TMA=0 keeps pointer loads.
+# engine) where the layout allows (flash_triton._tma_ok) and there are at least TMA_MIN_KEYS keys.
+# Measured on an H100 (results/diagnosis/flash_variants): 4% faster at 32768 keys, d=128; even at
+# 16384, d=64; 12-16% slower at 1024-2048 keys. CS336_FLASH_TMA=0 keeps pointer loads everywhere.
 USE_TMA = os.environ.get("CS336_FLASH_TMA", "1") == "1"
+TMA_MIN_KEYS = 16384
 
 # Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
 # twice the shared memory: `prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
 # dots no float32 config of these lists fits in the H100's 227 KiB of shared memory (the smallest
 # asks 256 KiB), so FLOAT32_TILES adds smaller, 2-stage tiles for float32 inputs only (52-192 KiB at
 # d=128, compiled for sm_90 by bench/kernel_resources.py).
-FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-             (128, 64, 4, 4), (128, 128, 8, 4)]
-BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3),
-             (128, 32, 4, 5), (128, 64, 8, 4), (64, 64, 4, 5)]
+# The 16-bit lists keep the tiles the autotuner chose at least once on an H100 over the shapes of
+# results/diagnosis/flash_variants (leaderboard, the 8B model's attention, short many-head cases); the
+# four it never chose were dropped, so a new shape bucket compiles and times 4 + 5 + 5 configs.
+FWD_TILES = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
+BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 4)]
 FLOAT32_TILES = [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2)]
 MAX_FLOAT32_STAGES = 3
 # The interpreter runs any tile slowly: the smallest one keeps CPU tests quick.
@@ -76,11 +80,13 @@ def tile_config(tile: tuple[int, int, int, int], outer: str, inner: str) -> trit
 
 
 def tile_configs(tiles, outer: str, inner: str) -> list[triton.Config]:
-    """The kernel's tiles, then the float32-only ones (marked `float32_only` for `prune_configs`)."""
-    float32_only = [tile_config(tile, outer, inner) for tile in FLOAT32_TILES]
-    for config in float32_only:
-        config.float32_only = True
-    return [tile_config(tile, outer, inner) for tile in tiles] + float32_only
+    """The kernel's tiles, then the float32-only ones."""
+    return [tile_config(tile, outer, inner) for tile in [*tiles, *FLOAT32_TILES]]
+
+
+def tile_of(config: triton.Config, outer: str = "BLOCK_M", inner: str = "BLOCK_N") -> tuple[int, int, int, int]:
+    """A config's (outer, inner, warps, stages), as in the tile lists."""
+    return config.kwargs[outer], config.kwargs[inner], config.num_warps, config.num_stages
 
 
 def autotune_configs(tiling: Tiling) -> list[triton.Config]:
@@ -90,16 +96,20 @@ def autotune_configs(tiling: Tiling) -> list[triton.Config]:
     return tile_configs(tiling.tiles, tiling.outer, tiling.inner)
 
 
-def prune_configs(configs, named_args, **kwargs):
+def prune_configs(configs, named_args, kernel: str = "forward", **kwargs):
     """Drop configs whose query or key tile is longer than the (power-of-two rounded) sequence, so a
     short problem is not tuned over tiles it cannot fill; for float32, deep pipelines; for 16-bit
-    inputs, the float32-only tiles. Keep at least the smallest."""
+    inputs, the float32-only tiles (`kernel` names the tiling, whose outer tile is the one kept). Keep
+    at least the smallest."""
     args = {**named_args, **kwargs}  # the launcher passes the sizes by keyword
     max_m, max_n = args["SEQ_KEY_Q"], args["SEQ_KEY_K"]
     float32 = args["PRECISION"] in FLOAT32_DOTS
+    tiling = TILINGS[kernel]
+    float32_only = set(FLOAT32_TILES) - set(tiling.tiles)
     kept = [c for c in configs
             if c.kwargs["BLOCK_M"] <= max(16, max_m) and c.kwargs["BLOCK_N"] <= max(16, max_n)
-            and (c.num_stages <= MAX_FLOAT32_STAGES if float32 else not getattr(c, "float32_only", False))]
+            and (c.num_stages <= MAX_FLOAT32_STAGES if float32
+                 else tile_of(c, tiling.outer, tiling.inner) not in float32_only)]
     return kept or [min(configs, key=lambda c: (c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"], c.num_stages))]
 
 
@@ -110,7 +120,7 @@ def announcing_prune(kernel: str):
     seen = set()
 
     def prune(configs, named_args, **kwargs):
-        kept = prune_configs(configs, named_args, **kwargs)
+        kept = prune_configs(configs, named_args, kernel, **kwargs)
         args = {**named_args, **kwargs}
         bucket = (*(args[name] for name in TUNING_KEY), args["Q"].dtype)
         if bucket not in seen:

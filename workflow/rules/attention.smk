@@ -105,6 +105,33 @@ rule flash_resources:
         " --out {output} 2> {log}"
 
 
+rule flash_llm_shapes:
+    output:
+        grid=f"{R}/flash_llm_shapes.csv",
+        first_call=f"{R}/flash_first_call.csv" if S["flash_llm_shapes"]["first_call"] else [],
+    log:
+        f"{LOGS}/flash_llm_shapes.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        f=S["flash_llm_shapes"],
+        batch_heads=join(S["flash_llm_shapes"]["batch_heads"]),
+        seqs=join(S["flash_llm_shapes"]["seqs"]),
+        head_dims=join(S["flash_llm_shapes"]["head_dims"]),
+        causal=join(S["flash_llm_shapes"]["causal"]),
+        providers=join(S["flash_llm_shapes"]["providers"]),
+        first_call=lambda wc, output: f"--first-call-out {output.first_call}" if output.first_call else "",
+    shell:
+        "python -m cs336_systems.bench.flash_bench llm-shapes {params.device} --batch-heads {params.batch_heads}"
+        " --seqs {params.seqs} --head-dims {params.head_dims} --causal {params.causal}"
+        " --max-tokens {params.f[max_tokens]} --providers {params.providers}"
+        " --warmup-ms {params.f[warmup_ms]} --rep-ms {params.f[rep_ms]} {params.first_call}"
+        " --out {output.grid} 2> {log}"
+
+
 rule flash_leaderboard:
     output:
         f"{R}/flash_leaderboard.csv",
