@@ -309,8 +309,9 @@ def train_matrix(frame: pd.DataFrame, path: str | Path) -> None:
                 equal.append(label)
             ax.plot(line["step"], line["diff"].clip(lower=LOSS_DIFF_FLOOR), marker=".", markersize=3, label=label)
         if equal:  # lines lying on the floor would read as "small"; say they are exact
-            ax.text(0.02, 0.1, "bitwise equal at every step:\n" + ", ".join(equal), transform=ax.transAxes,
-                    fontsize=7, va="bottom")
+            ax.text(0.03, 0.16, "at the floor: bitwise equal at every step:\n" + ", ".join(equal),
+                    transform=ax.transAxes, fontsize=7, va="bottom",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
         ax.set(yscale="log", title=f"{attention} attention", xlabel="step", ylim=(LOSS_DIFF_FLOOR / 3, None))
     axes[0][0].set_ylabel(f"|loss − torch DDP loss|\n(0 drawn at {LOSS_DIFF_FLOOR:g})")
     handles = {}
