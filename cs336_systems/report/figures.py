@@ -242,7 +242,8 @@ def allreduce(frame: pd.DataFrame, path: str | Path) -> None:
         axes[0].errorbar(part["size_mb"], part["mean_ms"], yerr=part["std_ms"].clip(upper=part["mean_ms"] * 0.999),
                          marker="o", capsize=2, label=setting)
         axes[1].plot(part["size_mb"], part["busbw_gbps"], marker="o", label=setting)
-    axes[0].set(xscale="log", yscale="log", xlabel="tensor size (MiB, float32)", ylabel="ms per all-reduce (mean ± std)")
+    axes[0].set(xscale="log", yscale="log", xlabel="tensor size (MiB, float32)",
+                ylabel="ms per all-reduce (mean ± std)")
     axes[1].set(xscale="log", yscale="log", xlabel="tensor size (MiB, float32)",
                 ylabel="bus bandwidth (GB/s, from the median)")
     _legend_beside(fig, axes[0], "backend × processes")
@@ -265,8 +266,9 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
                        high=rows["step_round_median_max_ms"].fillna(rows["step_median_ms"]))
     runs = [r for r in DDP_RUNS if r in set(rows["results_file"])] + sorted(set(rows["results_file"]) - set(DDP_RUNS))
     configs = list(dict.fromkeys(c for run in runs for c in rows.loc[rows["results_file"] == run, "config"]))
-    labels = {run: f"{run} run ({', '.join(sorted({short_commit(c) for c in rows.loc[rows['results_file'] == run, 'git_commit']}))})"
-              for run in runs}
+    commits = {run: sorted({short_commit(c) for c in rows.loc[rows["results_file"] == run, "git_commit"]})
+               for run in runs}
+    labels = {run: f"{run} run ({', '.join(commits[run])})" for run in runs}
     markers = dict(zip(runs, ["s", "^", "o", "D", "v"]))
     precisions = [p for p in ("fp32", "bf16") if p in set(rows["precision"])]
     fig, axes = plt.subplots(len(precisions), 1, figsize=(max(7.0, 0.65 * len(configs)), 3.2 * len(precisions)),
@@ -280,7 +282,7 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
             line.set_linestyle("none")  # configs are categories: no line between them
         ax.set(title=precision, ylabel="ms per step (median,\nrange of round medians)")
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    axes[-1, 0].set_xlabel("wrapper (none = one GPU, no communication)")
+    axes[-1, 0].set_xlabel("wrapper (none = one process, no communication)")
     _legend_beside(fig, axes[0, 0], "run (commit)")
     save_figure(fig, path, "Data-parallel step time: bucket sizes and baselines", frame)
 
