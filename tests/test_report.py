@@ -569,3 +569,24 @@ def test_trace_figures_share_their_time_axis_and_mark_phases(tmp_path, drawn):
         assert ax.get_xlim() == (0.0, 4.0)  # the longer trace's 4 ms, for both
         assert [t.get_text() for t in ax.texts] == ["forward", "backward", "optimizer"]
         assert stamp == "NVIDIA H200 · commit ddddddd"
+
+
+def test_recorded_snapshot_carries_the_phase_marks(tmp_path, monkeypatch):
+    """bench.e2e writes each recorded phase's wall-clock span into the snapshot (the CUDA allocator calls
+    are stood in for, so this runs on the CPU), in order and inside the step."""
+    import time
+
+    import torch
+
+    from cs336_systems.bench import e2e
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [[]]})
+    path = tmp_path / "train_step.pickle"
+    before = time.time_ns() // 1000
+    e2e.measure(e2e.RunSpec(size="tiny", mode="train_step", precision="fp32", attention="naive", batch_size=2,
+                            context_length=16, warmup=1, steps=1, device="cpu", memory_snapshot=str(path)))
+    spans = memory.phase_spans(pickle.loads(path.read_bytes()))
+    assert [name for name, _, _ in spans] == ["forward", "backward", "optimizer"]
+    bounds = [t for _, start, end in spans for t in (start, end)]
+    assert bounds == sorted(bounds) and bounds[0] >= before and bounds[-1] <= time.time_ns() // 1000
