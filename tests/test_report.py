@@ -7,6 +7,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -388,3 +389,204 @@ def test_each_section_embeds_only_the_tables_and_figures_it_owns():
             assert figures == {f.name for f in item.figures}, item.section
     finally:
         os.chdir(here)
+
+
+# ---- figures: what each drawing shows, checked on the figure object before it is written -----------
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures the figure functions would save (save_figure captured), keyed by title."""
+    import matplotlib.pyplot as plt
+
+    from cs336_systems.report import figures, memory, traces
+    from cs336_systems.report.sections import edition2026
+
+    captured = {}
+
+    def capture(fig, path, title, rows=None):
+        captured[title] = (fig, None if rows is None else figures.provenance_stamp(rows))
+
+    for module in (figures, memory, traces, edition2026):  # every module that draws a figure
+        monkeypatch.setattr(module, "save_figure", capture)
+    yield captured
+    for fig, _ in captured.values():
+        plt.close(fig)
+
+
+def _labels(fig) -> set[str]:
+    return {label for ax in fig.axes for label in ax.get_legend_handles_labels()[1]} | {
+        t.get_text() for legend in fig.legends for t in legend.get_texts()}
+
+
+def test_provenance_stamp_lists_every_device_and_short_commit():
+    from cs336_systems.report.figures import provenance_stamp
+
+    rows = pd.DataFrame({"device_name": ["NVIDIA H200", "NVIDIA H200", "cpu (x86_64, 32 cores)"],
+                         "git_commit": ["004f3b2ff7aa2787", "dea68a894e45d1cc+dirty", None]})
+    assert provenance_stamp(rows) == "NVIDIA H200, cpu (x86_64, 32 cores) · commit 004f3b2, dea68a8+dirty"
+    assert provenance_stamp(pd.DataFrame({"x": [1]})) == "? · commit ?"
+
+
+def test_every_committed_figure_is_stamped_and_has_no_bars_on_a_log_axis(drawn):
+    """Drawn from the committed results as the figure rule does (extra inputs included)."""
+    from matplotlib.container import BarContainer
+
+    from cs336_systems.report.sections import FIGURES
+
+    for name, figure in FIGURES.items():
+        paths = [ROOT / "results" / f"{data}.csv" for data in (figure.data, *figure.also)]
+        if not paths[0].exists():
+            continue
+        frame = pd.concat([pd.read_csv(p).assign(results_file=p.stem) for p in paths if p.exists()],
+                          ignore_index=True)
+        drawn.clear()
+        figure.draw(frame, "unused.png")
+        (fig, stamp), = drawn.values()
+        assert stamp is not None and "commit ?" not in stamp and not stamp.startswith("?"), name
+        for ax in fig.axes:
+            if ax.get_yscale() == "log":
+                assert not any(isinstance(c, BarContainer) for c in ax.containers), name
+
+
+def _ddp_rows(run, configs, precision="bf16", commit="a" * 40):
+    return pd.DataFrame({"config": configs, "precision": precision, "status": "ok", "results_file": run,
+                         "step_median_ms": [100.0 + i for i in range(len(configs))],
+                         "step_round_median_min_ms": [95.0] * len(configs),
+                         "step_round_median_max_ms": [120.0] * len(configs),
+                         "device_name": "NVIDIA H200", "git_commit": commit})
+
+
+def test_ddp_bucketed_figure_shows_the_baselines_with_medians_and_round_ranges(drawn):
+    from cs336_systems.report import figures
+
+    frame = pd.concat([_ddp_rows("ddp_naive", ["none", "naive", "flat", "torch_ddp"], commit="1" * 40),
+                       _ddp_rows("ddp_individual", ["individual", "torch_ddp"], commit="2" * 40),
+                       _ddp_rows("ddp_bucketed", ["bucketed:1", "bucketed:100", "torch_ddp"], commit="3" * 40)])
+    figures.ddp_bucketed(frame, "unused.png")
+    (fig, stamp), = drawn.values()
+    ax = fig.axes[0]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks == ["none", "naive", "flat", "torch_ddp", "individual", "bucketed:1", "bucketed:100"]
+    assert _labels(fig) == {"ddp_naive run (1111111)", "ddp_individual run (2222222)", "ddp_bucketed run (3333333)"}
+    assert stamp == "NVIDIA H200 · commit 1111111, 2222222, 3333333"
+    # the points are the medians, the whiskers reach the round medians' range
+    medians = sorted(y for c in ax.containers for y in c.lines[0].get_ydata() if not np.isnan(y))
+    assert medians == sorted(frame["step_median_ms"])
+    segments = [np.asarray(seg) for c in ax.containers for seg in c.lines[2][0].get_segments()]
+    whiskers = {tuple(np.round(seg[:, 1], 6)) for seg in segments if seg.ndim == 2 and not np.isnan(seg).any()}
+    assert whiskers == {(95.0, 120.0)}
+
+
+def test_compile_figure_has_one_series_per_scope(drawn):
+    from cs336_systems.report import figures
+
+    rows = [{"size": size, "mode": "forward", "phase": "step", "status": "ok", "attention": "sdpa",
+             "precision": "bf16", "compile_scope": scope, "compile": scope != "none", "mean_ms": 10.0 + i,
+             "std_ms": 1.0, "device_name": "NVIDIA H100 80GB HBM3", "git_commit": "f" * 40}
+            for size in ("small", "medium") for i, scope in enumerate(("none", "blocks", "model"))]
+    figures.compile_timing(pd.DataFrame(rows), "unused.png")
+    (fig, _), = drawn.values()
+    assert _labels(fig) == {"eager", "compiled: each block", "compiled: whole model"}
+
+
+def test_peak_lines_follow_the_device_and_dtype():
+    from cs336_systems.report.figures import peak_lines
+
+    assert peak_lines(["NVIDIA H100 80GB HBM3"], "bf16") == [(989.0, "H100 bf16 dense peak")]
+    assert peak_lines(["NVIDIA H200"], "fp32") == [(67.0, "H200 FP32 (no tensor cores) peak"),
+                                                   (494.5, "H200 TF32 dense peak")]
+    assert peak_lines(["cpu (x86_64, 2 cores)"], "bf16") == []
+
+
+def test_train_matrix_figure_plots_the_difference_to_torch_ddp(drawn):
+    from cs336_systems.report import figures
+
+    steps = np.arange(1, 6)
+    reference = 10 - 0.1 * steps
+    frame = pd.concat([
+        pd.DataFrame({"attention": "sdpa", "wrapper": "torch_ddp", "step": steps, "loss": reference}),
+        pd.DataFrame({"attention": "sdpa", "wrapper": "naive", "step": steps, "loss": reference}),
+        pd.DataFrame({"attention": "sdpa", "wrapper": "none", "step": steps, "loss": reference + 1e-3 * steps})])
+    figures.train_matrix(frame.assign(device_name="NVIDIA H200", git_commit="c" * 40), "unused.png")
+    (fig, _), = drawn.values()
+    ax = fig.axes[0]
+    lines = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    np.testing.assert_allclose(lines["single GPU"], 1e-3 * steps, rtol=1e-9)
+    np.testing.assert_array_equal(lines["naive"], figures.LOSS_DIFF_FLOOR)  # 0 drawn at the floor ...
+    assert any("bitwise equal" in t.get_text() and "naive" in t.get_text() for t in ax.texts)  # ... and said
+    assert ax.get_ylim()[0] < figures.LOSS_DIFF_FLOOR
+
+
+def test_memory_phases_from_our_marks_or_pytorch_annotations():
+    ours = {"phases": [{"phase": "backward", "start_us": 20, "end_us": 30},
+                       {"phase": "forward", "start_us": 5, "end_us": 15}]}
+    assert memory.phase_spans(ours) == [("forward", 5.0, 15.0), ("backward", 20.0, 30.0)]
+    theirs = {"external_annotations": [
+        {"stage": "START", "name": "forward", "time_us": 5}, {"stage": "END", "name": "forward", "time_us": 15},
+        {"stage": "START", "name": "measured_step", "time_us": 4},
+        {"stage": "START", "name": "optimizer", "time_us": 40}]}  # no END: dropped
+    assert memory.phase_spans(theirs) == [("forward", 5.0, 15.0)]
+
+
+def test_memory_timeline_marks_phases_on_a_time_axis(drawn):
+    t0 = 1_700_000_000_000_000
+    events = [dict(e, time_us=t0 + 1000 * i) for i, e in enumerate(SNAPSHOT["device_traces"][0])]
+    snapshot = {**SNAPSHOT, "device_traces": [events],
+                "phases": [{"phase": "forward", "start_us": t0, "end_us": t0 + 3500},
+                           {"phase": "backward", "start_us": t0 + 3600, "end_us": t0 + 7000}]}
+    xs, ys, start = memory.timed_timeline(snapshot)
+    assert start == t0 and xs == [0.0, 1.0, 2.0, 4.0, 5.0, 7.0] and ys == [100, 104, 120, 104, 108, 104]
+    memory.draw_timeline(snapshot, "unused.png", "t", rows=pd.DataFrame({"device_name": ["NVIDIA H200"]}))
+    (fig, stamp), = drawn.values()
+    assert [t.get_text() for t in fig.axes[0].texts] == ["forward", "backward"]
+    assert stamp.startswith("NVIDIA H200")
+    drawn.clear()
+    memory.draw_timeline(SNAPSHOT, "unused.png", "no stamps")  # old snapshots: event index, no phases
+    (fig, _), = drawn.values()
+    assert len(fig.axes[0].texts) == 0 and "phases cannot be placed" in fig.axes[0].get_xlabel()
+
+
+def test_trace_figures_share_their_time_axis_and_mark_phases(tmp_path, drawn):
+    import json
+
+    from cs336_systems.report import traces
+
+    def trace(length):
+        return {"traceEvents": [
+            {"ph": "X", "cat": "user_annotation", "name": "forward", "ts": 0, "dur": length / 4},
+            {"ph": "X", "cat": "user_annotation", "name": "backward", "ts": length / 4, "dur": length / 2},
+            {"ph": "X", "cat": "user_annotation", "name": "optimizer", "ts": 3 * length / 4, "dur": length / 4},
+            {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 10, "dur": length / 2},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce", "ts": length / 2, "dur": length / 4}]}
+    for name, length in (("short", 1000), ("long", 4000)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(trace(length)))
+    rows = tmp_path / "rows.csv"
+    pd.DataFrame({"device_name": ["NVIDIA H200"], "git_commit": ["d" * 40]}).to_csv(rows, index=False)
+    traces.main([str(tmp_path / "short.json"), str(tmp_path / "long.json"), "--figures-dir", str(tmp_path),
+                 "--out", str(tmp_path / "o.csv"), "--rows", str(rows)])
+    assert len(drawn) == 2
+    for fig, stamp in drawn.values():
+        ax = fig.axes[0]
+        assert ax.get_xlim() == (0.0, 4.0)  # the longer trace's 4 ms, for both
+        assert [t.get_text() for t in ax.texts] == ["forward", "backward", "optimizer"]
+        assert stamp == "NVIDIA H200 · commit ddddddd"
+
+
+def test_recorded_snapshot_carries_the_phase_marks(tmp_path, monkeypatch):
+    """bench.e2e writes each recorded phase's wall-clock span into the snapshot (the CUDA allocator calls
+    are stood in for, so this runs on the CPU), in order and inside the step."""
+    import time
+
+    import torch
+
+    from cs336_systems.bench import e2e
+
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [], "device_traces": [[]]})
+    path = tmp_path / "train_step.pickle"
+    before = time.time_ns() // 1000
+    e2e.measure(e2e.RunSpec(size="tiny", mode="train_step", precision="fp32", attention="naive", batch_size=2,
+                            context_length=16, warmup=1, steps=1, device="cpu", memory_snapshot=str(path)))
+    spans = memory.phase_spans(pickle.loads(path.read_bytes()))
+    assert [name for name, _, _ in spans] == ["forward", "backward", "optimizer"]
+    bounds = [t for _, start, end in spans for t in (start, end)]
+    assert bounds == sorted(bounds) and bounds[0] >= before and bounds[-1] <= time.time_ns() // 1000

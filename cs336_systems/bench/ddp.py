@@ -141,6 +141,10 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
                 loss.backward()
             losses.append(loss.detach())
 
+        def optimizer_step():
+            with annotate("optimizer"):  # a named range in the trace, beside forward and backward
+                optimizer.step()
+
         tracing = cfg.trace_dir and rank == 0 and step == cfg.warmup + cfg.steps - 1
         with trace_to(Path(cfg.trace_dir) / f"{spec}_{precision}.json" if tracing else None, device):
             # Each phase's own peak: reset before forward+backward (and the wait for communication)
@@ -150,7 +154,7 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
                      "communication": timed(ddp.finish_gradient_synchronization, device)}
             before_step = memory_mib(device)
             reset_peak(device)
-            parts["optimizer"] = timed(optimizer.step, device)
+            parts["optimizer"] = timed(optimizer_step, device)
             after_step = memory_mib(device)
         if step >= cfg.warmup:
             for key, value in parts.items():

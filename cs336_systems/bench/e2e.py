@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import pickle
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +113,16 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
     return optimizer_class(params, lr=1e-4, weight_decay=1e-2, **extra)
 
 
+def dump_snapshot(path: str | Path, phases: list[dict]) -> None:
+    """torch.cuda.memory._dump_snapshot's pickle, plus a "phases" entry: each recorded phase's host
+    wall-clock start and end in µs, the clock the allocator's event stamps (`time_us`) are converted to,
+    so the report can mark forward / backward / optimizer on the timeline (cs336_systems.report.memory)."""
+    snapshot = torch.cuda.memory._snapshot()
+    snapshot["phases"] = phases
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+
+
 def measure(spec: RunSpec) -> dict[str, list[float]]:
     """Run the spec and return per-phase times (ms) of the measured steps."""
     device = resolve_device(spec.device)
@@ -121,6 +133,7 @@ def measure(spec: RunSpec) -> dict[str, list[float]]:
     tokens = torch.randint(vocab, (spec.batch_size, spec.context_length + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     samples: dict[str, list[float]] = {phase: [] for phase in PHASES[spec.mode]}
+    phase_marks: list[dict] = []  # the recorded steps' phase boundaries, for the memory snapshot
     loss = None
 
     def forward() -> None:
@@ -142,13 +155,15 @@ def measure(spec: RunSpec) -> dict[str, list[float]]:
                 torch.compiler.cudagraph_mark_step_begin()  # a new step: earlier outputs may be overwritten
             model.zero_grad(set_to_none=True)
             for phase in samples:
+                start_us = time.time_ns() // 1000
                 with annotate(phase):
                     elapsed = timed(actions[phase], device)
                 if measured:
                     samples[phase].append(elapsed)
+                    phase_marks.append({"phase": phase, "start_us": start_us, "end_us": time.time_ns() // 1000})
     synchronize(device)
     if spec.memory_snapshot:
-        torch.cuda.memory._dump_snapshot(spec.memory_snapshot)
+        dump_snapshot(spec.memory_snapshot, phase_marks)
         torch.cuda.memory._record_memory_history(enabled=None)
     return samples
 

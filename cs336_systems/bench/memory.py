@@ -2,8 +2,9 @@
 
 For each (context length, mode, precision) it runs the harness for one measured step after warm-up
 with the allocator history recorded (max_entries=1_000_000), dumps the snapshot pickle to
-`--snapshot-dir/<mode>_<precision>_<context>.pickle`, and writes one row per point with the peak
-memory. CUDA only: the allocator history is a CUDA feature.
+`--snapshot-dir/<mode>_<precision>_<context>.pickle` (with the recorded step's forward / backward /
+optimizer spans under "phases", which the timelines of cs336_systems.report.memory mark), and writes
+one row per point with the peak memory. CUDA only: the allocator history is a CUDA feature.
 
     python -m cs336_systems.bench.memory --size 2.7B --context-lengths 128 256 512 --out results/memory.csv
 

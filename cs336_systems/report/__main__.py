@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+import pandas as pd
 
 from cs336_systems.results import read_rows
 from cs336_systems.report.render import provenance_line, save_table
@@ -22,11 +25,13 @@ def main(argv: list[str] | None = None) -> None:
     figure.add_argument("inputs", nargs="+")
     figure.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    frame = read_rows(*args.inputs)
     if args.kind == "table":
+        frame = read_rows(*args.inputs)
         table = TABLES[args.name]
         save_table(table.build(frame), args.md, args.tex, f"{table.caption}. {provenance_line(frame)}")
-    else:
+    else:  # a figure may draw several files' rows (Figure.also): each row says which file it came from
+        frame = pd.concat([read_rows(path).assign(results_file=Path(path).stem) for path in args.inputs],
+                          ignore_index=True)
         FIGURES[args.name].draw(frame, args.out)
 
 

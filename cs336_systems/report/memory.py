@@ -1,7 +1,15 @@
-"""Reading allocator snapshots (torch.cuda.memory._dump_snapshot pickles) without a browser: the
-active-memory timeline as a PNG, and the largest allocations with the code that made them.
+"""Reading allocator snapshots (torch.cuda.memory._snapshot pickles) without a browser: the
+active-memory timeline as a PNG, with the forward / backward / optimizer phases marked on a time axis
+as PyTorch's memory viewer shows them, and the largest allocations with the code that made them.
 
-    python -m cs336_systems.report.memory SNAPSHOT.pickle... --figures-dir figures/memory --out allocations.csv
+Phase boundaries come from the snapshot's "phases" entry (host wall-clock µs that
+cs336_systems.bench.e2e records around each phase of the recorded step, the clock the allocator's
+`time_us` stamps are converted to), else from PyTorch's own record_function annotations
+("external_annotations", START/END stages) where the snapshot has them; a snapshot with neither is
+drawn without phases, and one whose events carry no time stamps is drawn over the event index.
+
+    python -m cs336_systems.report.memory SNAPSHOT.pickle... --figures-dir figures/memory --out allocations.csv \
+        [--rows results/memory.csv]
 """
 
 from __future__ import annotations
@@ -11,9 +19,13 @@ import pickle
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import pandas as pd
 
-from cs336_systems.results import write_rows
+from cs336_systems.results import read_rows, write_rows
 from cs336_systems.report.figures import save_figure  # also selects the Agg backend
+
+PHASES = ("forward", "backward", "optimizer")
+PHASE_COLORS = {"forward": "tab:green", "backward": "tab:orange", "optimizer": "tab:purple"}
 
 
 def trace(snapshot: dict) -> list[dict]:
@@ -43,6 +55,34 @@ def active_timeline(snapshot: dict) -> tuple[list[int], list[float]]:
     return xs, ys
 
 
+def phase_spans(snapshot: dict) -> list[tuple[str, float, float]]:
+    """(phase, start µs, end µs) of each recorded phase, in time order: ours ("phases") if present, else
+    PyTorch's record_function annotations of the same names (a START without its END is dropped)."""
+    if snapshot.get("phases"):
+        return sorted(((p["phase"], float(p["start_us"]), float(p["end_us"])) for p in snapshot["phases"]),
+                      key=lambda span: span[1])
+    spans, open_ = [], {}
+    for note in sorted(snapshot.get("external_annotations", []), key=lambda a: a["time_us"]):
+        if note.get("name") not in PHASES:
+            continue
+        if note["stage"] == "START":
+            open_[note["name"]] = float(note["time_us"])
+        elif note["stage"] == "END" and note["name"] in open_:
+            spans.append((note["name"], open_.pop(note["name"]), float(note["time_us"])))
+    return spans
+
+
+def timed_timeline(snapshot: dict) -> tuple[list[float], list[float], float | None]:
+    """Like active_timeline, over ms since the first recorded event (and that event's µs stamp, to place
+    the phases); over the event index, with None, when the events carry no time stamps."""
+    xs, ys = active_timeline(snapshot)
+    events = trace(snapshot)
+    if not xs or any("time_us" not in events[i] for i in xs):
+        return [float(x) for x in xs], ys, None
+    start = float(min(e["time_us"] for e in events if "time_us" in e))  # the recorded window's start
+    return [(events[i]["time_us"] - start) / 1e3 for i in xs], ys, start
+
+
 def origin(frames: list[dict], package: str = "cs336_systems") -> str:
     """The innermost frame in our own code (else the innermost frame) as file:line (function)."""
     ours = [f for f in frames if package in f.get("filename", "")]
@@ -60,12 +100,31 @@ def largest_allocations(snapshot: dict, n: int = 10) -> list[dict]:
     return [{"size_mib": size / 2**20, "count": count, "origin": where} for (size, where), count in top]
 
 
-def draw_timeline(snapshot: dict, path: str | Path, title: str) -> None:
-    xs, ys = active_timeline(snapshot)
+def draw_timeline(snapshot: dict, path: str | Path, title: str, rows: pd.DataFrame | None = None) -> None:
+    """Active memory over the recorded window, each phase a shaded band named at the top."""
+    xs, ys, start_us = timed_timeline(snapshot)
     fig, ax = plt.subplots(figsize=(8, 3.5))
-    ax.fill_between(xs, ys, step="post", alpha=0.6)
-    ax.set(xlabel="allocator event", ylabel="active memory (MiB)")
-    save_figure(fig, path, title)
+    ax.fill_between(xs, ys, step="post", alpha=0.6, color="tab:blue", linewidth=0)
+    spans = phase_spans(snapshot) if start_us is not None else []
+    # Marks from another clock than the events' would land far outside the window: drop, and say so.
+    window = (xs[0] - 1e3, xs[-1] + 1e3) if xs else (0.0, 0.0)
+    placed = [s for s in spans if window[0] <= (s[1] - start_us) / 1e3 and (s[2] - start_us) / 1e3 <= window[1]]
+    for phase, begin, end in placed:
+        left, right = (begin - start_us) / 1e3, (end - start_us) / 1e3
+        ax.axvspan(left, right, color=PHASE_COLORS.get(phase, "grey"), alpha=0.15, linewidth=0)
+        ax.text((left + right) / 2, 1.01, phase, transform=ax.get_xaxis_transform(), ha="center", va="bottom",
+                fontsize=8, color=PHASE_COLORS.get(phase, "grey"))
+    if start_us is None:
+        xlabel = "allocator event (no time stamps in this snapshot: phases cannot be placed)"
+    elif not spans:
+        xlabel = "ms since the first recorded allocator event (phase boundaries not recorded in this snapshot)"
+    elif not placed:
+        xlabel = "ms since the first recorded allocator event (phase marks lie outside the recorded window)"
+    else:
+        xlabel = "ms since the first recorded allocator event (host time of each allocation and free)"
+    ax.set(xlabel=xlabel, ylabel="memory allocated by tensors (MiB)")
+    ax.set_ylim(bottom=0)
+    save_figure(fig, path, title + ("\n" if placed else ""), rows)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -74,12 +133,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--figures-dir", required=True)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--out", required=True, help="CSV of the largest allocations per snapshot")
+    parser.add_argument("--rows", help="the run's results CSV (memory.csv): device and commit for the figures")
     args = parser.parse_args(argv)
+    provenance = read_rows(args.rows) if args.rows else None
     rows = []
     for path in map(Path, args.snapshots):
         with open(path, "rb") as f:
             snapshot = pickle.load(f)
-        draw_timeline(snapshot, Path(args.figures_dir) / f"{path.stem}.png", f"Active memory: {path.stem}")
+        draw_timeline(snapshot, Path(args.figures_dir) / f"{path.stem}.png", f"Active memory: {path.stem}",
+                      provenance)
         rows += [{"snapshot": path.stem, "rank": i + 1, **row}
                  for i, row in enumerate(largest_allocations(snapshot, args.top))]
     write_rows(rows, args.out)

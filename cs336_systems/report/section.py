@@ -57,10 +57,13 @@ class Table:
 
 @dataclass(frozen=True)
 class Figure:
-    """figures/<name>.png, drawn by `draw` from results/<data>.csv (the `figure` rule)."""
+    """figures/<name>.png, drawn by `draw` from results/<data>.csv (the `figure` rule) and, where present,
+    results/<also>.csv: the rows of all of them in one frame, with a `results_file` column naming each
+    row's file (e.g. the DDP baselines of other runs beside the bucketed sweep)."""
     name: str
     data: str
     draw: Callable[[pd.DataFrame, str | Path], None]
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,8 @@ rule memory_profile:
 
 rule memory_timelines:
     input:
-        f"{R}/memory_snapshots",
+        snapshots=f"{R}/memory_snapshots",
+        rows=f"{R}/memory.csv",  # the snapshots' run: device and commit for the figures
     output:
         f"{R}/memory_allocations.csv",
     log:
@@ -204,5 +205,5 @@ rule memory_timelines:
     params:
         figures=f"{F}/memory",
     shell:
-        "python -m cs336_systems.report.memory {input}/*.pickle --figures-dir {params.figures}"
+        "python -m cs336_systems.report.memory {input.snapshots}/*.pickle --rows {input.rows} --figures-dir {params.figures}"
         " --out {output} 2> {log}"

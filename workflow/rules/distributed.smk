@@ -93,7 +93,8 @@ rule ddp_traces:
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
 rule ddp_overlap:
     input:
-        wanted(f"{R}/ddp_traces"),
+        traces=wanted(f"{R}/ddp_traces"),
+        rows=wanted(f"{R}/ddp_traces.csv"),  # the traces' run: device and commit for the figures
     output:
         f"{R}/ddp_overlap.csv",
     log:
@@ -103,7 +104,7 @@ rule ddp_overlap:
     params:
         figures=f"{F}/ddp_traces",
     shell:
-        "python -m cs336_systems.report.traces {input}/*.json --figures-dir {params.figures}"
+        "python -m cs336_systems.report.traces {input.traces}/*.json --rows {input.rows} --figures-dir {params.figures}"
         " --out {output} 2> {log}"
 
 
@@ -227,7 +228,8 @@ rule fsdp_traces:
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
 rule fsdp_overlap:
     input:
-        wanted(f"{R}/fsdp_traces"),
+        traces=wanted(f"{R}/fsdp_traces"),
+        rows=wanted(f"{R}/fsdp_traces.csv"),  # the traces' run: device and commit for the figures
     output:
         f"{R}/fsdp_overlap.csv",
     log:
@@ -237,5 +239,5 @@ rule fsdp_overlap:
     params:
         figures=f"{F}/fsdp_traces",
     shell:
-        "python -m cs336_systems.report.traces {input}/*.json --figures-dir {params.figures}"
+        "python -m cs336_systems.report.traces {input.traces}/*.json --rows {input.rows} --figures-dir {params.figures}"
         " --out {output} 2> {log}"

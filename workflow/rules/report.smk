@@ -1,11 +1,17 @@
 # Tables (Markdown + LaTeX), figures (PNG) and the writeup, all computed from results files.
 
-from cs336_systems.report.sections import figure_inputs, table_inputs
+from cs336_systems.report.sections import (
+    figure_extra_inputs,
+    figure_inputs,
+    table_inputs,
+)
 
 # Which tables and figures exist, and the results file each is made from, is the deliverable registry's
 # (cs336_systems/report/sections): a section adds its own there.
 TABLE_INPUTS = table_inputs(R)
 FIGURE_INPUTS = figure_inputs(R)
+# Further results a figure draws beside its own data, where they exist (Figure.also).
+FIGURE_EXTRA_INPUTS = figure_extra_inputs(R)
 
 
 rule table:
@@ -27,7 +33,7 @@ rule table:
 
 rule figure:
     input:
-        lambda wc: FIGURE_INPUTS[wc.name],
+        lambda wc: [FIGURE_INPUTS[wc.name], *wanted(*FIGURE_EXTRA_INPUTS[wc.name])],
     output:
         f"{F}/{{name}}.png",
     log:

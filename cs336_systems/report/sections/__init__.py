@@ -41,3 +41,8 @@ def table_inputs(results: str) -> dict[str, str]:
 def figure_inputs(results: str) -> dict[str, str]:
     """Figure name -> the results CSV it is drawn from, for the workflow's `figure` rule."""
     return {name: f"{results}/{figure.data}.csv" for name, figure in FIGURES.items()}
+
+
+def figure_extra_inputs(results: str) -> dict[str, list[str]]:
+    """Figure name -> the further results CSVs it draws where they exist (Figure.also)."""
+    return {name: [f"{results}/{data}.csv" for data in figure.also] for name, figure in FIGURES.items()}

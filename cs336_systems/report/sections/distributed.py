@@ -315,6 +315,7 @@ DELIVERABLES = [
     Deliverable("2.3 ddp_bucketed_benchmarking (a, b)", "ddp_benchmark", render_ddp_bucketed, ("ddp_bucketed",),
                 tables=(Table("ddp_bucketed", "ddp_bucketed", tables.ddp,
                               "Bucketed DDP by bucket size, torch DDP in the same run"),),
-                figures=(Figure("ddp_bucketed", "ddp_bucketed", figures.ddp_bucketed),)),
+                figures=(Figure("ddp_bucketed", "ddp_bucketed", figures.ddp_bucketed,
+                                also=("ddp_naive", "ddp_individual")),)),
     Deliverable("2.4 communication_accounting (a–d)", "communication_accounting", render_accounting),
 ]

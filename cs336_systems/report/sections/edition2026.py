@@ -76,25 +76,32 @@ def checkpointing_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
+    """Peak memory and step time (median, whisker ± std over the measured steps) against k for the
+    'every k blocks' policies; out-of-memory points as red lines, no checkpointing as a grey level."""
     rows = _sweep_points(frame)
     every = rows[rows["policy_kind"] == "every"]
+    none = rows[(rows["policy_kind"] == "none") & (rows["status"] == "ok")]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     ok = every[every["status"] == "ok"]
-    axes[0].plot(ok["segment_blocks"], ok["peak_memory_mib"] / GIB, marker="o")
+    axes[0].plot(ok["segment_blocks"], ok["peak_memory_mib"] / GIB, marker="o", label="every k blocks")
+    axes[1].errorbar(ok["segment_blocks"], ok["median_ms"], yerr=ok["std_ms"], marker="o", capsize=2,
+                     label="every k blocks")
+    for _, row in none.iterrows():
+        axes[0].axhline(row["peak_memory_mib"] / GIB, color="grey", linestyle="--", label="no checkpointing")
+        axes[1].axhline(row["median_ms"], color="grey", linestyle="--", label="no checkpointing")
     for k in every.loc[every["status"] == "oom", "segment_blocks"]:
         axes[0].axvline(k, color="tab:red", linestyle=":", label=f"every {k}: out of memory")
     axes[0].set(xscale="log", xlabel="blocks per checkpointed segment (k)", ylabel="peak memory (GiB)")
-    axes[0].set_xticks(list(every["segment_blocks"]), [str(k) for k in every["segment_blocks"]])
-    axes[1].plot(ok["segment_blocks"], ok["median_ms"], marker="o")
-    axes[1].set(xscale="log", xlabel="blocks per checkpointed segment (k)", ylabel="step time (ms, median)")
-    axes[1].set_ylim(0, 1.15 * ok["median_ms"].max() if len(ok) else 1)
-    axes[1].set_xticks(list(every["segment_blocks"]), [str(k) for k in every["segment_blocks"]])
-    if every["status"].eq("oom").any():
-        axes[0].legend(loc="upper left", fontsize="small")
+    axes[1].set(xscale="log", xlabel="blocks per checkpointed segment (k)",
+                ylabel="step time (ms, median ± std)")
+    axes[1].set_ylim(0, 1.15 * (ok["median_ms"] + ok["std_ms"]).max() if len(ok) else 1)
+    for ax in axes:
+        ax.set_xticks(list(every["segment_blocks"]), [str(k) for k in every["segment_blocks"]])
+    handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))
+    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     first = frame.iloc[0]
     save_figure(fig, path, f"Checkpoint every k blocks: {first['size_table']} {first['size']}, batch "
-                           f"{first['batch_size']}, context {first['context_length']}, {first['precision']} "
-                           f"({first['device_name']}, {str(first['git_commit'])[:7]})")
+                           f"{first['batch_size']}, context {first['context_length']}, {first['precision']}", frame)
 
 
 def _cost_model_lines(saved: pd.DataFrame | None) -> list[str]:
