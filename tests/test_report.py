@@ -263,7 +263,7 @@ def committed(request):
 
 # The sections whose prose is picked from the table they embed; the others still compute their text
 # from the results rows (each is a Section once converted, and is then checked below).
-QUOTING = ["1.1.5 (c)", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile", "1.3.2 flash_forward", "1.3.3", "2.1",
+QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.5 (c) fp32", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile", "1.3.2 flash_forward", "1.3.3", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end"]
 
 
@@ -388,3 +388,40 @@ def test_each_section_embeds_only_the_tables_and_figures_it_owns():
             assert figures == {f.name for f in item.figures}, item.section
     finally:
         os.chdir(here)
+
+
+def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
+    """The two sections whose data awaits a GPU run, rendered from CPU rows of the same benches: every number
+    of their prose is a cell of (or a formula over) the table they embed, and no typed reference remains."""
+    from cs336_systems.bench import e2e
+    from cs336_systems.bench.profile import ProfileConfig, profile_rows
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections import benchmarking
+    from cs336_systems.results import write_rows
+
+    e2e.sweep(e2e.Sweep(sizes=("tiny",), modes=("train_step",), attention=("sdpa",), optimizers=("foreach",),
+                        models=("ours", "plain"), context_length=16, batch_size=2, warmups=(1,), steps=2,
+                        device="cpu"), tmp_path / "e2e_baseline.csv")
+    write_rows(profile_rows(ProfileConfig(sizes=("tiny", "mini"), context_lengths=(16,), batch_size=2, precision="bf16",
+                                          warmup=1, steps=1, device="cpu", tool="torch")),
+               tmp_path / "profile_bf16.csv")
+    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    baseline = benchmarking.render_baseline(ctx)
+    host = benchmarking.render_host_bound(ctx)
+    for body in (baseline, host):
+        assert unquoted(body) == []
+        assert "issue" not in body.markdown() and "anchor" not in body.markdown()
+    ratio = column_values(baseline.table, "÷ plain")
+    assert set(baseline.table["model"]) == {"ours", "plain"} and (ratio[baseline.table["model"] == "plain"] == 1).all()
+    share = column_values(host.table, "kernel share of step")
+    assert list(host.table["size"].astype(str)) == ["tiny", "mini"] and ((share > 0) & (share <= 1.05)).all()
+
+
+def test_no_typed_reference_numbers_or_issue_numbers_in_the_benchmarking_text(committed):
+    """The writeup compares with measurements of the same run, not quoted figures or team-internal references."""
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert config["anchors"] == {}
+    for section, body in committed.items():
+        if section.startswith(("1.1.", "1.3.1")):
+            text = body.markdown() if isinstance(body, Section) else body
+            assert not re.search(r"issue #\d|\banchor\b", text), section
