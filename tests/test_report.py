@@ -7,6 +7,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -425,3 +426,51 @@ def test_no_typed_reference_numbers_or_issue_numbers_in_the_benchmarking_text(co
         if section.startswith(("1.1.", "1.3.1")):
             text = body.markdown() if isinstance(body, Section) else body
             assert not re.search(r"issue #\d|\banchor\b", text), section
+
+
+def test_warmup_text_follows_the_per_step_times(tmp_path):
+    """With every measured step recorded, the warm-up section names the slow steps from them and quotes its table."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections import benchmarking
+    from cs336_systems.results import write_rows
+
+    base = {"mode": "forward_backward", "phase": "step", "status": "ok", "precision": "fp32", "attention": "naive",
+            "device_name": "GPU", "torch_version": "t", "triton_version": "t", "git_commit": "c" * 12,
+            "timestamp": "2026-11-23T00:00:00+00:00"}
+    times = {0: [600.0, 55.0, 54.0, 54.0], 1: [54.0, 70.0, 54.0, 54.0], 5: [54.0, 54.5, 54.0, 54.2]}
+    rows = [{**base, "size": size, "warmup": w, "samples_ms": " ".join(map(str, t)), "mean_ms": np.mean(t) * scale,
+             "std_ms": np.std(t, ddof=1), "median_ms": np.median(t) * scale}
+            for size, scale in (("small", 1.0), ("xl", 10.0)) for w, t in times.items()]
+    write_rows(rows, tmp_path / "e2e_warmup.csv")
+    body = benchmarking.render_warmup(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert "pending" not in body.markdown() and unquoted(body) == []
+    per_step = body.checked[1]
+    assert "first step small" in per_step and "600.0" in per_step  # warm-up 0: the first step carries the excess
+    assert "a later step small" in per_step  # warm-up 1: a later step stands out
+    assert body.table.loc[0, "warmup=1 slowest later (ms)"] == 70.0
+
+
+def test_profile_text_compares_gemm_kernels_with_softmax_and_reads_the_diagnosis(tmp_path):
+    from cs336_systems.bench.profile import ProfileConfig, profile_rows
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections import profiling
+    from cs336_systems.results import write_rows
+
+    rows = profile_rows(ProfileConfig(sizes=("tiny",), context_lengths=(16,), batch_size=2, warmup=1, steps=1,
+                                      device="cpu", tool="torch"))
+    oom = {**rows[0], "size": "mini", "kind": "point", "status": "oom"}
+    write_rows([*rows, oom], tmp_path / "profile.csv")
+    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    text = profiling.render_profile(ctx)
+    assert "the GEMM kernels (scores and final matmul) take" in text and "at most" not in text
+    assert "pending: `PYTHONPATH=$PWD python results/diagnosis/profile_oom.py" in text
+    (tmp_path / "diagnosis").mkdir()
+    write_rows([{"run": "profile, hold_previous_graph", "size": "mini", "context_length": 16, "status": "oom",
+                 "device_name": "GPU"},
+                {"run": "profile, fixed", "size": "mini", "context_length": 16, "status": "ok", "device_name": "GPU",
+                 "forward peak (MiB)": 10.0, "backward peak (MiB)": 12.0},
+                {"run": "memory harness", "size": "mini", "context_length": 16, "status": "ok", "device_name": "GPU",
+                 "step peak (MiB)": 11.0}], tmp_path / "diagnosis" / "profile_oom.csv")
+    text = profiling.render_profile(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert "the first harness (OOM), the harness now (peak 12 MiB), 1.1.6's memory harness (peak 11 MiB)" in text
+    assert "So the cause was the harness" in text
