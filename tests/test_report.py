@@ -415,7 +415,9 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
     ratio = column_values(baseline.table, "÷ plain")
     assert set(baseline.table["model"]) == {"ours", "plain"} and (ratio[baseline.table["model"] == "plain"] == 1).all()
     share = column_values(host.table, "kernel share of step")
-    assert list(host.table["size"].astype(str)) == ["tiny", "mini"] and ((share > 0) & (share <= 1.05)).all()
+    # kernel time and wall time come from two calls of the phase (profiled, timed), so on a shared CPU the
+    # share can exceed 1; only its presence for every size is checked here
+    assert list(host.table["size"].astype(str)) == ["tiny", "mini"] and (share > 0).all()
 
 
 def test_no_typed_reference_numbers_or_issue_numbers_in_the_benchmarking_text(committed):
