@@ -1,5 +1,8 @@
 """Handout 1.1.3, 1.1.5 and 1.3.1 (b) (workflow/rules/benchmarking.smk): end-to-end timing of the
-Transformer LM, warm-up, mixed precision, torch.compile and the optimizer step."""
+Transformer LM, warm-up, mixed precision, torch.compile, the plain-PyTorch baseline and the optimizer step.
+
+A little over 400 lines: the ten deliverables of this part of the handout, each a renderer of a few dozen
+lines over one table; splitting them would scatter the helpers they share (`stds`, `_cv`, the scope names)."""
 
 from __future__ import annotations
 
