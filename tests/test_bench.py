@@ -430,3 +430,85 @@ def test_collective_bench_rejects_bad_input(tmp_path):
         allreduce.main(["--backend", "gloo", "--ops", "broadcast", "--out", str(tmp_path / "x.csv")])
     with pytest.raises(ValueError, match="broadcast"):
         allreduce.ring_factor("broadcast", 2)
+
+
+def _plain_weights_from(ours: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Our model's state dict under the baseline's parameter names."""
+    names = {"token_embeddings": "embed", "layers": "blocks", "lm_head": "head", "attn.q_proj": "q",
+             "attn.k_proj": "k", "attn.v_proj": "v", "attn.output_proj": "o", "ffn.": ""}
+    out = {}
+    for name, tensor in ours.state_dict().items():
+        for old, new in names.items():
+            name = name.replace(old, new)
+        out[name] = tensor
+    return out
+
+
+@pytest.mark.parametrize("size", ["small", "medium", "large", "xl", "2.7B"])
+def test_plain_baseline_has_our_parameter_count(size):
+    from cs336_systems.bench.plain_model import PlainTransformerLM
+    from cs336_systems.model import TransformerLM, get_config
+    from cs336_systems.model.functional import parameter_count
+
+    config = get_config(size)
+    with torch.device("meta"):  # no memory: only the shapes are compared
+        plain, ours = PlainTransformerLM(config), TransformerLM(config)
+    shapes = sorted(tuple(p.shape) for p in plain.parameters())
+    assert sum(p.numel() for p in plain.parameters()) == parameter_count(config)
+    assert shapes == sorted(tuple(p.shape) for p in ours.parameters())
+
+
+def test_plain_baseline_computes_our_model_from_the_same_weights():
+    """Same weights in, same logits out (float64, causal, a length shorter than the context): the baseline
+    is our architecture written with torch's modules and SDPA, not another model."""
+    from cs336_systems.bench.plain_model import PlainTransformerLM
+    from cs336_systems.model import TransformerLM, get_config
+
+    config = get_config("tiny", context_length=24)
+    torch.manual_seed(0)
+    ours = TransformerLM(config).double()
+    plain = PlainTransformerLM(config).double()
+    plain.load_state_dict(_plain_weights_from(ours))
+    tokens = torch.randint(config.vocab_size, (3, 19))
+    # not 1e-12: our RMSNorm normalises in float32 whatever the input dtype (errors ~1e-7 on logits of ~1)
+    torch.testing.assert_close(plain(tokens), ours(tokens), rtol=1e-5, atol=1e-6)
+    plain.blocks[0].w2.weight.data[0, 0] += 1.0  # and a different weight shows
+    assert not torch.allclose(plain(tokens), ours(tokens))
+
+
+def test_baseline_runs_beside_ours_with_torch_adamw_and_records_every_step(tmp_path):
+    sweep = e2e.Sweep(sizes=("tiny",), modes=("forward", "train_step"), attention=("naive", "sdpa"),
+                      optimizers=("foreach", "fused"), models=("ours", "plain"), context_length=16, batch_size=2,
+                      warmups=(1,), steps=3, device="cpu")
+    plain = [s for s in sweep.specs() if s.model == "plain"]
+    # one baseline point per mode, whatever attention and optimizers ours sweeps
+    assert sorted((s.mode, s.attention, s.optimizer) for s in plain) == [("forward", "sdpa", "none"),
+                                                                         ("train_step", "sdpa", "torch_fused")]
+    assert len(sweep.specs()) == 2 * (1 + 2) + 2
+    e2e.sweep(dataclasses.replace(sweep, modes=("train_step",), attention=("sdpa",), optimizers=("foreach",)),
+              tmp_path / "rows.csv")
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert set(rows["model"]) == {"ours", "plain"} and (rows["status"] == "ok").all()
+    for _, row in rows.iterrows():  # the per-step times are the ones summarized
+        times = [float(t) for t in row["samples_ms"].split()]
+        assert len(times) == 3 and np.isclose(np.mean(times), row["mean_ms"], rtol=1e-3)
+    with pytest.raises(ValueError, match="'mine'"):
+        e2e.Sweep(models=("mine",), device="cpu")
+
+
+def test_profile_attributes_kernels_to_attention_stages():
+    """Each ATen op (on a GPU: each kernel) inside a stage range is counted in that stage only: the score
+    matmul, scaling and mask in `scores`, softmax in `softmax`, the PV product in `final matmul`."""
+    config = profile.ProfileConfig(sizes=("tiny",), context_lengths=(16,), batch_size=2, warmup=1, steps=1,
+                                   device="cpu", tool="torch")
+    rows = pd.DataFrame(profile.profile_rows(config))
+    staged = rows[(rows["kind"] == "stage_kernel") & (rows["phase"] == "forward")]
+    ops = staged.groupby("stage")["name"].agg(set)
+    assert "aten::softmax" in ops["softmax"] or "aten::_softmax" in ops["softmax"]
+    assert not {"aten::softmax", "aten::_softmax"} & (ops["scores"] | ops["final matmul"])
+    assert "aten::bmm" in ops["scores"] and "aten::bmm" in ops["final matmul"]
+    layers = 2  # tiny
+    assert staged[(staged["stage"] == "final matmul") & (staged["name"] == "aten::bmm")]["calls_per_step"].sum() == layers
+    # a stage's kernels add up to no more than the stage range's own time
+    stage_ms = rows[(rows["kind"] == "attention_stage") & (rows["phase"] == "forward")].set_index("name")["ms_per_step"]
+    assert (staged.groupby("stage")["ms_per_step"].sum() <= stage_ms.reindex(ops.index) * 1.001).all()

@@ -1,9 +1,14 @@
 """End-to-end benchmark of the Transformer LM (handout 1.1.3, 1.1.5(c), 1.1.6, 1.3.1(b)).
 
-For every point of the grid (size x mode x precision x attention x compile scope x warm-up [x optimizer])
-it builds the model, runs `warmup` untimed steps and `steps` timed ones, synchronizing around each phase,
-and writes one tidy row per phase (forward, backward, optimizer, step) with mean/std/median, tokens/s,
-MFU and peak memory. Out-of-memory becomes a row with status=oom and the sweep goes on.
+For every point of the grid (model x size x mode x precision x attention x compile scope x warm-up
+[x optimizer]) it builds the model, runs `warmup` untimed steps and `steps` timed ones, synchronizing
+around each phase, and writes one tidy row per phase (forward, backward, optimizer, step) with
+mean/std/median, every measured step's time (`samples_ms`), tokens/s, MFU and peak memory.
+Out-of-memory becomes a row with status=oom and the sweep goes on.
+
+The model is ours (`--models ours`) or the plain-PyTorch baseline (`plain`: `bench.plain_model`, same
+config and parameters, torch's SDPA; always trained with torch.optim.AdamW(fused=True)), so both are
+timed in one process on the same GPU.
 
     python -m cs336_systems.bench.e2e --sizes small xl --modes forward forward_backward \
         --precisions fp32 bf16 --device cuda --out results/e2e.csv
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from cs336_systems.bench.plain_model import PlainTransformerLM
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.provenance import device_name, provenance
@@ -61,6 +67,10 @@ MODES = ("forward", "forward_backward", "train_step")
 # (torch.compile's "reduce-overhead" mode, which replays each step's kernels without launching them one
 # by one from the host).
 COMPILE_SCOPES = ("none", "blocks", "model", "model-cudagraphs")
+# Our Transformer, or the plain-PyTorch baseline with the same config (bench/plain_model.py).
+MODELS = ("ours", "plain")
+# What the baseline always runs with, whatever the grid asks of ours.
+PLAIN_ATTENTION, PLAIN_OPTIMIZER = "sdpa", "torch_fused"
 PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
           "train_step": ("forward", "backward", "optimizer")}
 
@@ -85,24 +95,27 @@ class RunSpec:
     memory_snapshot: str | None = None
     optimizer: str = "foreach"  # train_step only: one of ADAMW_IMPLEMENTATIONS ("none" in rows of other modes)
     compile_scope: str = "none"  # one of COMPILE_SCOPES; "none" runs eagerly
+    model: str = "ours"  # one of MODELS
 
     def columns(self) -> dict:
         """The point's columns in a results row. `compile` (true unless the scope is "none") is kept beside
         `compile_scope`, in the order of the committed results files, which the report reads."""
-        return {"size": self.size, "mode": self.mode, "precision": self.precision, "attention": self.attention,
+        return {"model": self.model, "size": self.size, "mode": self.mode, "precision": self.precision, "attention": self.attention,
                 "compile": self.compile_scope != "none", "batch_size": self.batch_size,
                 "context_length": self.context_length, "warmup": self.warmup, "steps": self.steps,
                 "device": self.device, "memory_snapshot": self.memory_snapshot, "optimizer": self.optimizer,
                 "compile_scope": self.compile_scope}
 
 
-def build_model(spec: RunSpec, device: torch.device) -> TransformerLM:
+def build_model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
     config = get_config(spec.size, attention=spec.attention, context_length=max(spec.context_length, 1))
     check_known("compile scope", [spec.compile_scope], COMPILE_SCOPES)
+    check_known("model", [spec.model], MODELS)
     with device:  # initialise on the device: a 2.7B model's init on the CPU takes longer than its benchmark
-        model = TransformerLM(config)
+        model = TransformerLM(config) if spec.model == "ours" else PlainTransformerLM(config)
     if spec.compile_scope == "blocks":
-        model.compile_blocks()
+        for block in model.layers if spec.model == "ours" else model.blocks:
+            block.compile()
     elif spec.compile_scope in ("model", "model-cudagraphs"):
         model.compile(mode="reduce-overhead" if spec.compile_scope == "model-cudagraphs" else None)
     return model
@@ -197,7 +210,8 @@ def run(spec: RunSpec) -> list[dict]:
     peak = peak_flops(device_name(device), spec.precision)
     rows = []
     for phase, times in [*samples.items(), ("step", step_ms)]:
-        row = {**base, "phase": phase, **summarize(times), "peak_memory_mib": peak_mib, "status": "ok"}
+        row = {**base, "phase": phase, **summarize(times), "samples_ms": " ".join(f"{t:.3f}" for t in times),
+               "peak_memory_mib": peak_mib, "status": "ok"}
         if phase == "step":
             seconds = step_summary["median_ms"] / 1e3
             row.update(tokens_per_s=spec.batch_size * spec.context_length / seconds,
@@ -224,6 +238,7 @@ class Sweep:
     compile_scopes: tuple[str, ...] = ("none",)
     warmups: tuple[int, ...] = (5,)
     optimizers: tuple[str, ...] = ("foreach",)
+    models: tuple[str, ...] = ("ours",)
     batch_size: int = 4
     context_length: int = 512
     steps: int = 10
@@ -231,12 +246,13 @@ class Sweep:
     memory_snapshot: str | None = None
 
     def __post_init__(self):
-        for name in ("sizes", "modes", "precisions", "attention", "compile_scopes", "warmups", "optimizers"):
+        for name in ("sizes", "modes", "precisions", "attention", "compile_scopes", "warmups", "optimizers", "models"):
             check_not_empty(name, getattr(self, name))
         check_known("model size", self.sizes, MODEL_SIZES)
         check_known("mode", self.modes, MODES)
         check_known("compile scope", self.compile_scopes, COMPILE_SCOPES)
         check_known("AdamW implementation", self.optimizers, ADAMW_IMPLEMENTATIONS)
+        check_known("model", self.models, MODELS)
         check_positive("batch size", self.batch_size)
         check_positive("context length", self.context_length)
         check_positive("measured steps", self.steps)
@@ -255,15 +271,23 @@ class Sweep:
             raise ValueError(f"a memory snapshot needs a CUDA device, got device {self.device!r}")
 
     def specs(self) -> list[RunSpec]:
-        grid = itertools.product(self.sizes, self.modes, self.precisions, self.attention, self.compile_scopes,
-                                 self.warmups)
-        return [
-            RunSpec(size=size, mode=mode, precision=precision, attention=attention, batch_size=self.batch_size,
-                    context_length=self.context_length, warmup=warmup, steps=self.steps, device=self.device,
-                    memory_snapshot=self.memory_snapshot, optimizer=optimizer, compile_scope=scope)
-            for size, mode, precision, attention, scope, warmup in grid
-            for optimizer in (self.optimizers if mode == "train_step" else ["none"])
-        ]
+        """Every point; the plain baseline's only with SDPA and torch's fused AdamW, once per size, mode,
+        precision, scope and warm-up, each right after ours (so the two share the GPU's state)."""
+        grid = itertools.product(self.sizes, self.modes, self.precisions, self.compile_scopes, self.warmups,
+                                 self.models, self.attention)
+        specs = []
+        for size, mode, precision, scope, warmup, model, attention in grid:
+            if model == "plain":
+                attention = PLAIN_ATTENTION
+            optimizers = ["none"] if mode != "train_step" else [PLAIN_OPTIMIZER] if model == "plain" else self.optimizers
+            for optimizer in optimizers:
+                spec = RunSpec(size=size, mode=mode, precision=precision, attention=attention,
+                               batch_size=self.batch_size, context_length=self.context_length, warmup=warmup,
+                               steps=self.steps, device=self.device, memory_snapshot=self.memory_snapshot,
+                               optimizer=optimizer, compile_scope=scope, model=model)
+                if spec not in specs:
+                    specs.append(spec)
+        return specs
 
 
 def sweep(config: Sweep, out: str | Path) -> None:
@@ -278,7 +302,7 @@ def sweep(config: Sweep, out: str | Path) -> None:
         last = spec_rows[-1]
         shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
         print(f"[{i}/{len(specs)}] {spec.size} {spec.mode} {spec.precision} {spec.attention} "
-              f"compile={spec.compile_scope} warmup={spec.warmup} optimizer={spec.optimizer}: {shown}",
+              f"compile={spec.compile_scope} warmup={spec.warmup} optimizer={spec.optimizer} model={spec.model}: {shown}",
               file=sys.stderr, flush=True)
     rows.finish()
 
@@ -304,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--optimizers", nargs="+", default=["foreach"], choices=ADAMW_IMPLEMENTATIONS,
                         help="for train_step: our AdamW with multi-tensor ops (foreach) or one Triton kernel per "
                              "tensor (fused), or torch.optim.AdamW(fused=True) (torch_fused)")
+    parser.add_argument("--models", nargs="+", default=["ours"], choices=MODELS,
+                        help="ours, and/or plain: the plain-PyTorch baseline of the same config (SDPA, torch's fused "
+                             "AdamW), timed in the same run")
     parser.add_argument("--memory-snapshot", default=None,
                         help="dump the allocator history of the measured steps to this pickle (CUDA only)")
     parser.add_argument("--out", required=True, help="CSV file for the rows")
@@ -316,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_or_usage_error(
         parser, Sweep, sizes=tuple(args.sizes), modes=tuple(args.modes), precisions=tuple(args.precisions),
         attention=tuple(args.attention), compile_scopes=tuple(args.compile_scopes), warmups=tuple(args.warmup),
-        optimizers=tuple(args.optimizers), batch_size=args.batch_size, context_length=args.context_length,
+        optimizers=tuple(args.optimizers), models=tuple(args.models), batch_size=args.batch_size, context_length=args.context_length,
         steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot)
     sweep(config, args.out)
 

@@ -6,8 +6,9 @@ With `--tool nsys` (the default where Nsight Systems writes reports) each point 
 profile`, and the report is kept and read (`bench.nsys`); elsewhere, as on our GPU machines, where
 nsys writes a raw .qdstrm only, each call is a torch.profiler session. Rows:
 one per (phase, kernel) with calls and total time, one per attention stage (scores, softmax, final
-matmul: ranges of the `naive_annotated` backend), and the harness's own synchronized time of each
-phase in the same process. On CUDA the "kernels" are GPU kernels; on a CPU, ATen operators by self
+matmul: ranges of the `naive_annotated` backend), one per (attention stage, kernel) launched inside
+that stage (so the GEMMs of a stage can be told from its scaling and masking passes), and the
+harness's own synchronized time and peak memory of each phase in the same process. On CUDA the "kernels" are GPU kernels; on a CPU, ATen operators by self
 time (the `tool` column says which). Out-of-memory is a row.
 
     python -m cs336_systems.bench.profile --sizes small xl --context-lengths 128 256 512 1024 --out prof.csv
@@ -41,6 +42,7 @@ from cs336_systems.timing import (
     DTYPES,
     is_oom,
     oom_row,
+    peak_memory_mib,
     reset_memory,
     resolve_device,
     synchronize,
@@ -76,6 +78,31 @@ def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tup
     return kernels, stages
 
 
+def stage_kernels(events, device: torch.device) -> dict[tuple[str, str], tuple[int, float]]:
+    """{(attention stage, kernel): (calls, total ms)} of one profiling session: each GPU kernel is given to
+    the stage range around the CPU op that launched it (the op's chain of `cpu_parent`s); on a CPU, each
+    ATen op's self time to the stage around it. Kernels outside every stage are left out."""
+    found: dict[tuple[str, str], list] = {}
+    for event in events:
+        stage, parent = None, event.cpu_parent
+        while parent is not None and stage is None:
+            stage = parent.name if parent.name in ATTENTION_STAGES else None
+            parent = parent.cpu_parent
+        if stage is None:
+            continue
+        if device.type == "cuda":
+            launched = [(kernel.name, kernel.duration / 1e3) for kernel in event.kernels]
+        elif event.name.startswith("aten::") and event.self_cpu_time_total > 0:
+            launched = [(event.name, event.self_cpu_time_total / 1e3)]
+        else:
+            launched = []
+        for name, ms in launched:
+            entry = found.setdefault((stage, name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += ms
+    return {key: (calls, ms) for key, (calls, ms) in found.items()}
+
+
 TOOLS = ("auto", "torch", "nsys")
 
 
@@ -83,7 +110,11 @@ TOOLS = ("auto", "torch", "nsys")
 class ProfileConfig:
     """What to profile: every (size, context length) point, `warmup` unprofiled steps then `steps`
     profiled ones. `tool` is torch (torch.profiler), nsys (Nsight Systems) or auto (nsys where it writes
-    reports, on CUDA; torch elsewhere). `nsys_child` marks the child process of the nsys path."""
+    reports, on CUDA; torch elsewhere). `nsys_child` marks the child process of the nsys path.
+    `hold_previous_graph` reproduces the harness of the first 1.1.4 run, for the diagnosis in
+    results/diagnosis/profile_oom.py: each re-run forward pass was built while the previous one's loss,
+    and so its whole autograd graph, was still held, and the profiled backward added into the timed
+    one's gradients."""
 
     sizes: tuple[str, ...] = ("small",)
     context_lengths: tuple[int, ...] = (128, 256, 512, 1024)
@@ -95,6 +126,7 @@ class ProfileConfig:
     tool: str = "auto"
     nsys_reports: Path | None = None
     nsys_child: bool = False
+    hold_previous_graph: bool = False
 
     def __post_init__(self):
         check_not_empty("sizes", self.sizes)
@@ -142,6 +174,10 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
     state = {}
 
     def forward():
+        # Drop the previous pass's loss first: it holds that pass's activations, and a profiled phase re-runs
+        # the forward pass right after the timed one, which would otherwise keep two graphs' worth alive.
+        if not config.hold_previous_graph:
+            state.pop("loss", None)
         with annotate("forward"), autocast(config.precision, device):
             state["loss"] = cross_entropy(model(inputs), targets)
 
@@ -160,8 +196,10 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
     phases = {"forward": forward, "backward": backward, "optimizer": step, "inference": inference}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     harness = {name: [] for name in phases}
+    peaks = {name: 0.0 if device.type == "cuda" else float("nan") for name in phases}
     kernels: dict[tuple[str, str], list] = {}
     stage_rows: dict[tuple[str, str], list] = {}
+    by_stage: dict[tuple[str, str, str], list] = {}
     for i in range(config.warmup + config.steps):
         measured = i >= config.warmup
         optimizer.zero_grad(set_to_none=True)
@@ -169,18 +207,25 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
             if not measured:
                 fn()
                 continue
+            if device.type == "cuda":  # the phase's peak, over its timed and its profiled call
+                torch.cuda.reset_peak_memory_stats(device)
             harness[name].append(timed(fn, device))  # the harness's time, unprofiled
             if name == "backward":  # backward needs a fresh graph to be profiled
+                if not config.hold_previous_graph:
+                    # and fresh gradients, as the timed backward had: accumulating into them adds kernels
+                    optimizer.zero_grad(set_to_none=True)
                 forward()
             if config.nsys_child:
                 synchronize(device)
                 with annotate(nsys.window(name)):
                     fn()
                     synchronize(device)
+                peaks[name] = max(peaks[name], peak_memory_mib(device))
                 continue
             with profile(activities=activities) as prof:
                 fn()
                 synchronize(device)
+            peaks[name] = max(peaks[name], peak_memory_mib(device))
             found, stages = summarize(prof.key_averages(), device)
             for row in found:
                 entry = kernels.setdefault((name, row["kernel"]), [0, 0.0])
@@ -190,8 +235,13 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
                 entry = stage_rows.setdefault((name, stage), [0, 0.0])
                 entry[0] += calls
                 entry[1] += total
+            for (stage, kernel), (calls, total) in stage_kernels(prof.events(), device).items():
+                entry = by_stage.setdefault((name, stage, kernel), [0, 0.0])
+                entry[0] += calls
+                entry[1] += total
     harness_rows = [{"kind": "harness", "phase": name, "name": "synchronized wall time", "calls_per_step": 1,
-                     "ms_per_step": sum(times) / len(times), "tool": "timeit + synchronize"}
+                     "ms_per_step": sum(times) / len(times), "tool": "timeit + synchronize",
+                     "peak_memory_mib": peaks[name]}
                     for name, times in harness.items()]
     if config.nsys_child:
         return harness_rows
@@ -201,6 +251,9 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
              "ms_per_step": total / steps, "tool": tool} for (phase, kernel), (calls, total) in kernels.items()]
     rows += [{"kind": "attention_stage", "phase": phase, "name": stage, "calls_per_step": calls / steps,
               "ms_per_step": total / steps, "tool": tool} for (phase, stage), (calls, total) in stage_rows.items()]
+    rows += [{"kind": "stage_kernel", "phase": phase, "stage": stage, "name": kernel, "calls_per_step": calls / steps,
+              "ms_per_step": total / steps, "tool": tool}
+             for (phase, stage, kernel), (calls, total) in by_stage.items()]
     return rows + harness_rows
 
 
@@ -266,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="kernel summaries from torch.profiler or Nsight Systems; auto: nsys where it writes "
                              "reports (on CUDA), else torch.profiler")
     parser.add_argument("--nsys-reports", type=Path, help="keep the Nsight reports here (with --tool nsys)")
+    parser.add_argument("--hold-previous-graph", action="store_true",
+                        help="diagnosis only: re-run each forward pass while the previous one's graph is still held, "
+                             "as the first 1.1.4 run did (results/diagnosis/profile_oom.py)")
     parser.add_argument("--nsys-child", action="store_true", help=argparse.SUPPRESS)  # set by the nsys path
     add_device_argument(parser)
     parser.add_argument("--out", required=True, help="CSV file for the rows")
@@ -273,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
     config = config_or_usage_error(
         parser, ProfileConfig, sizes=tuple(args.sizes), context_lengths=tuple(args.context_lengths),
         batch_size=args.batch_size, precision=args.precision, warmup=args.warmup, steps=args.steps,
-        device=args.device, tool=args.tool, nsys_reports=args.nsys_reports, nsys_child=args.nsys_child)
+        device=args.device, tool=args.tool, nsys_reports=args.nsys_reports, nsys_child=args.nsys_child,
+        hold_previous_graph=args.hold_previous_graph)
     try:
         config = replace(config, tool=resolve_tool(config))
     except ValueError as error:

@@ -86,3 +86,46 @@ def profile_grid(frame: pd.DataFrame) -> pd.DataFrame:
                        for p in ("forward", "backward", "optimizer")},
                     "forward harness (ms)": round(harness.get("forward", float("nan")), 2)})
     return pd.DataFrame(out)
+
+
+SOFTMAX = r"softmax"
+
+
+def kernel_class(name: str) -> str:
+    """GEMM, softmax or other (scaling, masking, copies), from a kernel's (or ATen op's) name."""
+    if re.search(MATMUL, name, re.IGNORECASE):
+        return "GEMM"
+    return "softmax" if re.search(SOFTMAX, name, re.IGNORECASE) else "other"
+
+
+def attention_kernels(rows: pd.DataFrame, phase: str = "forward") -> pd.DataFrame | None:
+    """ms per step of each attention stage's kernels by class (stage × GEMM/softmax/other), from the
+    `stage_kernel` rows of one profiled point; None for runs from before those rows were recorded."""
+    staged = rows[(rows["kind"] == "stage_kernel") & (rows["phase"] == phase)] if "stage" in rows else rows.iloc[:0]
+    if staged.empty:
+        return None
+    staged = staged.assign(kind_of=staged["name"].map(kernel_class))
+    return staged.pivot_table(index="stage", columns="kind_of", values="ms_per_step", aggfunc="sum",
+                              fill_value=0.0)
+
+
+def kernel_vs_wall(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.1.5(c): per size, each phase's kernel time (profiled) against the harness's synchronized wall time
+    of the same phase in the same process (unprofiled), and the share of the step's wall time the GPU
+    spends in kernels: far below 1, the host launching kernels sets the pace, not the GPU."""
+    out = []
+    for (size, ctx, precision), rows in ordered_by_size(frame).groupby(["size", "context_length", "precision"],
+                                                                       observed=True):
+        record = {"size": size, "context": ctx, "precision": precision, "status": "ok"}
+        if (rows["status"] != "ok").any():
+            out.append({**record, "status": "OOM"})
+            continue
+        kernels = profile_kernels_of(rows).groupby("phase")["ms_per_step"].sum()
+        wall = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
+        phases = ("forward", "backward", "optimizer")
+        for phase in phases:
+            record[f"{phase} kernels (ms)"] = round(kernels.get(phase, float("nan")), 2)
+            record[f"{phase} wall (ms)"] = round(wall.get(phase, float("nan")), 2)
+        busy = sum(kernels.get(p, 0.0) for p in phases) / sum(wall.get(p, float("nan")) for p in phases)
+        out.append({**record, "kernel share of step": round(busy, 2)})
+    return pd.DataFrame(out)

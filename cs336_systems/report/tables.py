@@ -53,9 +53,19 @@ def e2e_timing(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def e2e_warmup(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.1.3(c): the forward+backward step time for each number of warm-up steps."""
+    """1.1.3(c): the forward+backward step time for each number of warm-up steps; where the rows carry every
+    measured step's time (`samples_ms`), also the first measured step and the slowest of the others."""
     columns = {f"warmup={w}": {"warmup": w} for w in sorted(set(frame["warmup"]))}
-    return phase_table(frame, columns, ["step"])
+    table = phase_table(frame, columns, ["step"])
+    if "samples_ms" not in frame or frame["samples_ms"].isna().all():
+        return table
+    steps = frame[(frame["phase"] == "step") & (frame["status"] == "ok") & frame["samples_ms"].notna()]
+    for w in sorted(set(steps["warmup"])):
+        times = steps[steps["warmup"] == w].set_index("size")["samples_ms"].map(lambda s: [float(t) for t in s.split()])
+        table[f"warmup={w} 1st step (ms)"] = table["size"].astype(str).map(times.map(lambda t: round(t[0], 2)))
+        table[f"warmup={w} slowest later (ms)"] = table["size"].astype(str).map(
+            times.map(lambda t: round(max(t[1:]), 2) if len(t) > 1 else None))
+    return table
 
 
 def mixed_precision(frame: pd.DataFrame) -> pd.DataFrame:
@@ -105,6 +115,23 @@ def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
         record.update(speedups)
         record["compiled MFU"] = round(best["mfu"].iloc[0], 3) if best is not None else None
         out.append(record)
+    return pd.DataFrame(out)
+
+
+def baseline_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope
+    and model, the training step (mean ± std and median), its MFU, and its median over the baseline's."""
+    steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
+    out = []
+    for (size, scope), rows in ordered_by_size(steps).groupby(["size", "scope"], observed=True, sort=True):
+        plain = rows[(rows["model"] == "plain") & rows["status"].eq("ok")]
+        for _, row in rows.sort_values("model").iterrows():
+            ok = row["status"] == "ok"
+            out.append({"size": size, "compiled": scope, "model": row["model"], "attention": row["attention"],
+                        "optimizer": row["optimizer"], "step (ms)": _cell(rows.loc[[row.name]]),
+                        "median (ms)": round(row["median_ms"], 2) if ok else None,
+                        "MFU": round(row["mfu"], 3) if ok else None,
+                        "÷ plain": round(row["median_ms"] / plain["median_ms"].iloc[0], 3) if ok and len(plain) else None})
     return pd.DataFrame(out)
 
 

@@ -96,6 +96,29 @@ rule compile_timing:
         "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
 
 
+# 1.3.1(b): our model and the plain-PyTorch baseline (same config, SDPA, torch.compile, torch's fused AdamW)
+# timed in one process, one after the other, so the comparison is within one run on one GPU.
+rule e2e_baseline:
+    output:
+        f"{R}/e2e_baseline.csv",
+    log:
+        f"{LOGS}/e2e_baseline.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {MODEL_ARGS}",
+        b=S["baseline"],
+        sizes=join(S["baseline"]["sizes"]),
+        scopes=join(S["baseline"]["scopes"]),
+    shell:
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes train_step"
+        " --models ours plain --precisions {params.b[precision]} --attention {params.b[attention]}"
+        " --compile-scopes {params.scopes} --optimizers {params.b[optimizer]}"
+        " --warmup {params.b[warmup]} --steps {params.b[steps]} --out {output} 2> {log}"
+
+
 # The optimizer step: our AdamW's two update paths against torch's fused AdamW, every model size. Eager,
 # since the optimizer step is not compiled either way and the compiled points cost minutes each.
 rule optimizer_timing:
@@ -168,6 +191,29 @@ rule profile:
         ENV
     shell:
         "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+
+
+# 1.1.5(c): kernel time against wall time of eager bf16 steps, every size (is the step host-bound?).
+rule profile_bf16:
+    output:
+        f"{R}/profile_bf16.csv",
+    log:
+        f"{LOGS}/profile_bf16.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        sizes=join(S["model_sizes"]),
+        contexts=join(S["profile"]["bf16_context_lengths"]),
+        batch=S["batch_size"],
+        warmup=S["profile"]["warmup"],
+        steps=S["profile"]["steps"],
+    shell:
+        "python -m cs336_systems.bench.profile {params.device} --tool torch --precision bf16 --sizes {params.sizes}"
+        " --context-lengths {params.contexts} --batch-size {params.batch} --warmup {params.warmup}"
+        " --steps {params.steps} --out {output} 2> {log}"
 
 
 rule memory_profile:

@@ -1,5 +1,8 @@
 """Handout 1.1.3, 1.1.5 and 1.3.1 (b) (workflow/rules/benchmarking.smk): end-to-end timing of the
-Transformer LM, warm-up, mixed precision, torch.compile and the optimizer step."""
+Transformer LM, warm-up, mixed precision, torch.compile, the plain-PyTorch baseline and the optimizer step.
+
+A little over 400 lines: the ten deliverables of this part of the handout, each a renderer of a few dozen
+lines over one table; splitting them would scatter the helpers they share (`stds`, `_cv`, the scope names)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import forward_flops, get_config
 from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
-from cs336_systems.report.tables import SIZE_ORDER, compile_column, compile_scope, compile_timing, mixed_precision
+from cs336_systems.report.profile_tables import kernel_vs_wall
+from cs336_systems.report.tables import (SIZE_ORDER, baseline_timing, compile_column, compile_scope, compile_timing,
+                                         mixed_precision)
 
 
 def _steps(frame: pd.DataFrame, **where) -> pd.DataFrame:
@@ -26,63 +31,133 @@ def _by_size(rows: pd.DataFrame, column: str) -> pd.Series:
     return series.reindex([s for s in SIZE_ORDER if s in series.index])
 
 
-def render_e2e(ctx: Context) -> str:
+def stds(table: pd.DataFrame, column: str) -> pd.Series:
+    """The std of each 'mean ± std' cell of a column (NaN where the cell is OOM or a dash)."""
+    return table[column].map(lambda cell: float(str(cell).split("±")[1]) if "±" in str(cell) else float("nan"))
+
+
+def _cv(table: pd.DataFrame, columns: list[str]) -> float:
+    """The largest std over mean among the cells of `columns`."""
+    return max((stds(table, c) / column_values(table, c)).max() for c in columns)
+
+
+def render_e2e(ctx: Context) -> Section:
     frame = ctx.frame("e2e")
-    rows = frame[(frame["precision"] == "fp32") & (frame["attention"] == "naive") & (frame["status"] == "ok")
-                 & (frame["mode"] == "forward_backward")]
-    fwd = _by_size(rows[rows["phase"] == "forward"], "mean_ms")
-    bwd = _by_size(rows[rows["phase"] == "backward"], "mean_ms")
-    cv = (rows["std_ms"] / rows["mean_ms"]).max() * 100
-    ratio = bwd / fwd
-    ooms = sorted(set(frame.loc[frame["status"] == "oom", "size"]))
+    table = tables.e2e_timing(frame)
+    q = Quotes(table)
+    sizes = table["size"].astype(str)
+    fwd, bwd = "naive forward (ms)", "naive backward (ms)"
+    rows = frame[(frame["precision"] == "fp32") & (frame["mode"] == "forward_backward")]
+    ms_columns = [c for c in table.columns if c.endswith("(ms)")]
     text = (
         f"Batch {int(rows['batch_size'].iloc[0])}, context {int(rows['context_length'].iloc[0])}, "
         f"{int(rows['warmup'].iloc[0])} warm-up and {int(rows['steps'].iloc[0])} measured steps, float32. "
-        f"The forward pass takes {fwd.iloc[0]:.1f} ms for {fwd.index[0]} and {fwd.iloc[-1]:.1f} ms for "
-        f"{fwd.index[-1]}; the backward pass takes {ratio.min():.2f}–{ratio.max():.2f}× the forward time, "
-        f"as expected from its two matrix products per forward one. Once warmed up the steps are steady: "
-        f"the standard deviation is at most {cv:.1f}% of the mean."
-    )
+        f"With our naive attention the forward pass takes {column_values(table, fwd).iloc[0]:.2f} ms for "
+        f"{sizes.iloc[0]} and {column_values(table, fwd).iloc[-1]:.2f} ms for {sizes.iloc[-1]}; the backward pass takes "
+        f"{q.derive(lambda t: (column_values(t, bwd) / column_values(t, fwd)).min(), '.2f', 'least backward/forward')}–"
+        f"{q.derive(lambda t: (column_values(t, bwd) / column_values(t, fwd)).max(), '.2f', 'largest backward/forward')}× "
+        f"the forward time, as expected from its two matrix products per forward one. Once warmed up the steps "
+        f"are steady: the standard deviation is at most "
+        f"{q.derive(lambda t: 100 * _cv(t, ms_columns), '.1f', 'largest std over mean, %')}% of the mean.")
+    ooms = sorted(set(frame.loc[frame["status"] == "oom", "size"]))
     if ooms:
         text += f" Out of memory: {', '.join(ooms)}."
-    return "\n\n".join([text, ctx.table("e2e_timing"), ctx.figure("e2e_timing", "timings")])
+    settings = tuple(str(int(rows[c].iloc[0])) for c in ("batch_size", "context_length", "warmup", "steps"))
+    return Section([text, ctx.table("e2e_timing"), ctx.figure("e2e_timing", "timings")], table, [text], q.derived,
+                   wording=settings)
 
 
-def render_warmup(ctx: Context) -> str:
+def render_warmup(ctx: Context) -> Section:
     frame = ctx.frame("e2e_warmup")
-    rows = _steps(frame)
-    warmups = sorted(set(rows["warmup"]))
-    cold, warm = rows[rows["warmup"] == warmups[0]], rows[rows["warmup"] == warmups[-1]]
-    mean_cold, mean_warm = _by_size(cold, "mean_ms"), _by_size(warm, "mean_ms")
-    std_cold, std_warm = _by_size(cold, "std_ms"), _by_size(warm, "std_ms")
-    worst = (mean_cold / mean_warm).idxmax()
+    table = tables.e2e_warmup(frame)
+    q = Quotes(table)
+    warmups = sorted(set(frame["warmup"]))
+    cold, warm = f"warmup={warmups[0]} step (ms)", f"warmup={warmups[-1]} step (ms)"
+    slowdown = column_values(table, cold) / column_values(table, warm)
+    worst = slowdown.idxmax()
+    size = table.loc[worst, "size"]
     text = (
-        f"With {warmups[0]} warm-up steps the mean step time of {worst} is {mean_cold[worst]:.1f} ms "
-        f"(std {std_cold[worst]:.1f} ms) against {mean_warm[worst]:.1f} ms (std {std_warm[worst]:.1f} ms) with "
-        f"{warmups[-1]}: {mean_cold[worst] / mean_warm[worst]:.2f}× the time, with a standard deviation "
-        f"{std_cold[worst] / max(std_warm[worst], 1e-9):.1f}× as large. Each point here ran "
-        f"in a fresh process, so its first step pays the one-time costs (CUDA context and cuBLAS handle creation, "
-        f"kernel selection and loading, the caching allocator growing to its working set); later steps reuse all "
-        f"of them, which is why one or two warm-up steps already bring the mean close to the fully warmed value."
-    )
-    return "\n\n".join([text, ctx.table("e2e_warmup"), ctx.figure("e2e_warmup", "warm-up")])
+        f"Each point ran in a fresh process. With {warmups[0]} warm-up steps the mean step time of {size} is "
+        f"{table.loc[worst, cold]} ms against {table.loc[worst, warm]} ms with {warmups[-1]}: "
+        f"{q.derive(lambda t: (column_values(t, cold) / column_values(t, warm)).max(), '.2f', 'largest slowdown without warm-up')}× "
+        f"the time, the largest ratio of any size.")
+    parts, checked = [text], [text]
+    first = f"warmup={warmups[0]} 1st step (ms)"
+    if first not in table:
+        parts.append("Which measured steps are slow: pending: rule `e2e_warmup` (its rows now record every measured "
+                     "step's time, `samples_ms`; these rows predate that).")
+    else:
+        warm_ms = column_values(table, warm)
+        sentences = []
+        for w in warmups[:-1]:
+            first_ms = column_values(table, f"warmup={w} 1st step (ms)")
+            later_ms = column_values(table, f"warmup={w} slowest later (ms)")
+            slow_first = table["size"][first_ms > 1.1 * warm_ms].astype(str).tolist()
+            slow_later = table["size"][later_ms > 1.1 * warm_ms].astype(str).tolist()
+            sentences.append(
+                f"after {w} warm-up steps the first measured step of {size} takes "
+                f"{table.loc[worst, f'warmup={w} 1st step (ms)']} ms and the slowest later one "
+                f"{table.loc[worst, f'warmup={w} slowest later (ms)']} ms (more than 10% above the fully warmed mean: "
+                f"first step {', '.join(slow_first) or 'no size'}; a later step {', '.join(slow_later) or 'no size'})")
+        verdict = (f"With {warmups[-1]} warm-up steps every measured step is within 10% of the mean."
+                   if (column_values(table, f"warmup={warmups[-2]} slowest later (ms)") <= 1.1 * warm_ms).all() else
+                   "So one or two warm-up steps do not remove every slow step: some later steps still stand out, "
+                   "which is what raises those columns' standard deviation.")
+        paragraph = "Per measured step: " + "; ".join(sentences) + ". " + verdict
+        parts.append(paragraph)
+        checked.append(paragraph)
+    # the warm-up counts of the grid and the 10% threshold are the sentence's, not measurements
+    return Section([*parts, ctx.table("e2e_warmup"), ctx.figure("e2e_warmup", "warm-up")], table, checked, q.derived,
+                   wording=(*map(str, warmups), "10"))
 
 
 def render_mixed_precision(ctx: Context) -> Section:
     table = mixed_precision(ctx.frame("e2e"))
-    speedup = column_values(table, "bf16 speed-up").set_axis(table["size"]).dropna()
+    q = Quotes(table)
+    speedup = column_values(table, "bf16 speed-up").set_axis(table["size"].astype(str)).dropna()
     text = (
         f"bf16 autocast speeds the forward+backward step up by {speedup.iloc[0]:.2f}× for {speedup.index[0]} "
-        f"and {speedup.iloc[-1]:.2f}× for {speedup.index[-1]} (range {speedup.min():.2f}–{speedup.max():.2f}×). "
+        f"and {speedup.iloc[-1]:.2f}× for {speedup.index[-1]} (range {speedup.min():.2f}–{speedup.max():.2f}×); "
+        + ("the speed-up grows with size at every step of the table." if speedup.is_monotonic_increasing else
+           f"the speed-up does not grow steadily with size (largest for {speedup.idxmax()}).")
     )
-    if speedup.is_monotonic_increasing:
-        text += (" The gain grows with model size: small models spend much of their step in elementwise kernels "
-                 "and launch overhead, which autocast does not speed up (and adds casts to), while large ones are "
-                 "dominated by matrix products that run on bf16 tensor cores instead of the float32 units.")
+    bf16 = ["bf16 forward (ms)", "bf16 backward (ms)"]
+    fp32 = ["fp32 forward (ms)", "fp32 backward (ms)"]
+    step = column_values(table, bf16[0]) + column_values(table, bf16[1])
+    inverted = [(table["size"].iloc[i], table["size"].iloc[j]) for i in range(len(step)) for j in range(i + 1, len(step))
+                if step.iloc[i] > step.iloc[j]]
+    noise = (f"The bf16 times are also far noisier: their standard deviation reaches "
+             f"{q.derive(lambda t: 100 * _cv(t, bf16), '.0f', 'largest bf16 std over mean, %')}% of the mean, "
+             f"against {q.derive(lambda t: 100 * _cv(t, fp32), '.0f', 'largest fp32 std over mean, %')}% in fp32")
+    noise += (", and a smaller model's bf16 step is slower than a larger one's ("
+              + ", ".join(f"{a} over {b}" for a, b in inverted) + ")." if inverted else ".")
+    noise += (" A bf16 step that takes longer than a larger model's, and varies this much from step to step, is not "
+              "paced by the GPU's arithmetic: the next section compares its kernel time with its wall time."
+              if inverted else "")
+    return Section([text, noise, ctx.table("mixed_precision")], table, [text, noise], q.derived)
+
+
+def render_host_bound(ctx: Context) -> Section:
+    table = kernel_vs_wall(ctx.frame("profile_bf16"))
+    q = Quotes(table)
+    ok = table[table["status"] == "ok"]
+    share = column_values(ok, "kernel share of step").set_axis(ok["size"].astype(str))
+    bound = share[share < 0.5]
+    parts = [
+        f"Eager {table['precision'].iloc[0]} training steps at context {table['context'].iloc[0]}, profiled (kernel "
+        f"time) and timed by the harness in the same process (wall time, unprofiled). The GPU is busy with kernels "
+        + ", ".join(f"{v:.2f}" for v in share) + " of the step's wall time (" + ", ".join(share.index) + ")."]
+    if len(bound):
+        parts[0] += (f" Below one half ({', '.join(bound.index)}) the step is host-bound: the GPU waits for Python and "
+                     f"the kernel launches, so the step time follows the number of kernels launched (which grows "
+                     f"with the layers) and the host's speed at that moment, not the FLOPs; this is why such steps "
+                     f"vary from step to step and can be slower than a larger model's.")
     else:
-        text += (f" The gain is not monotone in model size (largest for {speedup.idxmax()}), so beyond matrix-product "
-                 "speed the elementwise work and the casts autocast adds matter at these sizes.")
-    return Section([text, ctx.table("mixed_precision")], table, checked=[text])
+        parts[0] += " Every size keeps the GPU busy at least half of the step: the kernels, not the host, set the pace."
+    ooms = table[table["status"] != "ok"]
+    if len(ooms):
+        parts.append("Out of memory: " + ", ".join(ooms["size"].astype(str)) + ".")
+    return Section([*parts, ctx.table("kernel_vs_wall")], table, parts, q.derived)
 
 
 def render_accumulation(ctx: Context) -> str:
@@ -176,21 +251,84 @@ def render_compile(ctx: Context) -> Section:
     per_layer = _compiled_forward_per_layer(rows[rows["scope"].isin(["none", "blocks"])])
     if per_layer:
         parts.append(per_layer)
-    anchor = ctx.anchors.get("xl_train_step_sdpa_ms")
-    targets = rows[(rows["size"] == "xl") & (rows["attention"] == "sdpa") & (rows["mode"] == "train_step")
-                   & rows["compile"]]
-    for _, target in targets.iterrows() if anchor else []:
-        ms, mfu = target["median_ms"], target["mfu"]
-        optimizer = target.get("optimizer", "foreach")  # runs from before the column used foreach
-        parts.append(
-            f"Target case (xl, batch 4, context 512, bf16, full training step, SDPA attention, "
-            f"{COMPILE_SCOPE_NAMES[target['scope']]}, {OPTIMIZER_NAMES.get(optimizer, optimizer)}): "
-            f"{ms:.1f} ms per step (median; mean {target['mean_ms']:.1f} ± {target['std_ms']:.1f}), "
-            f"MFU {mfu:.1%} of the bf16 dense peak; that is {ms / anchor['value']:.2f}× the {anchor['value']} ms "
-            f"anchor ({anchor['source']})."
-        )
+    trend = _speedup_by_size(q, blocks, kept)
+    if trend:
+        parts.append(trend)
+        checked.append(trend)
+    parts.append(_compile_gaps(frame, table, scopes))
     return Section([*parts, ctx.table("compile_timing"), ctx.figure("compile_timing", "compile")], table, checked,
                    q.derived)
+
+
+def _speedup_by_size(q: Quotes, blocks: str, kept) -> str:
+    """How the block-compiled speed-up changes from the smallest to the largest size, per mode: the text
+    says which way it goes in this run, with the table's cells."""
+    sentences = []
+    for mode in sorted(set(q.table["mode"])):
+        rows = q.table[(q.table["mode"] == mode) & kept(q.table)]
+        values = column_values(rows, blocks).set_axis(rows["size"].astype(str)).dropna()
+        if len(values) < 2:
+            continue
+        way = ("falls" if values.iloc[-1] < values.iloc[0] else "grows") + " with size"
+        sentences.append(f"{mode}: {values.iloc[0]:.2f}× for {values.index[0]}, {values.iloc[-1]:.2f}× for "
+                         f"{values.index[-1]} ({way})")
+    if not sentences:
+        return ""
+    return ("The block-compiled speed-up by size, " + "; ".join(sentences) + ". Where it falls with size, what "
+            "compilation removes (the separate elementwise kernels and their launches) is a larger part of a small "
+            "model's eager step than of a large one's; the eager bf16 steps' kernel time against their wall time "
+            "is in `1.1.5 (c), continued`.")
+
+
+def _compile_gaps(frame: pd.DataFrame, table: pd.DataFrame, scopes: list[str]) -> str:
+    """The compile table's dashes: the (size, mode, scope) points with no row in the results, each with the
+    command that measures it (a point that ran out of memory has its OOM row and says so in its cell)."""
+    steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
+    ran = set(zip(steps["size"], steps["attention"], steps["mode"], steps["scope"]))
+    missing = [(str(size), attention, mode, scope) for size, attention, mode in
+               zip(table["size"], table["attention"], table["mode"]) for scope in scopes
+               if (str(size), attention, mode, scope) not in ran]
+    if not missing:
+        return "Every cell of the table was measured."
+    precision = frame["precision"].iloc[0]
+    optimizer = frame.loc[frame["mode"] == "train_step", "optimizer"].dropna()
+    lines = [f"- {size} {mode}, {scope}: `python -m cs336_systems.bench.e2e --device cuda --sizes {size} --modes "
+             f"{mode} --precisions {precision} --attention {attention} --compile-scopes {scope}"
+             + (f" --optimizers {optimizer.iloc[0]}" if mode == "train_step" and len(optimizer) else "")
+             + f" --out results/raw/compile/{size}_{mode}_{scope}.csv`"
+             for size, attention, mode, scope in missing]
+    return ("Not measured (a dash in the table), each with the command that measures it on a GPU; its rows go into "
+            "results/e2e_compile.csv with `python -m cs336_systems.bench.merge`:\n\n"
+            + "\n".join(lines))
+
+
+def render_baseline(ctx: Context) -> Section:
+    frame = ctx.frame("e2e_baseline")
+    table = baseline_timing(frame)
+    q = Quotes(table)
+    ok = table[table["median (ms)"].notna()]
+    parts = [f"Our model and the plain-PyTorch baseline (`cs336_systems/bench/plain_model.py`: the same "
+             f"architecture and parameters written with torch's modules, `F.scaled_dot_product_attention`, compiled "
+             f"the same way, trained with torch.optim.AdamW(fused=True)) timed one after the other in one process "
+             f"on the {frame['device_name'].iloc[0]}: batch {int(frame['batch_size'].iloc[0])}, context "
+             f"{int(frame['context_length'].iloc[0])}, {frame['precision'].iloc[0]} autocast, full training steps."]
+    for (size, scope), rows in ok.groupby(["size", "compiled"], observed=True, sort=False):
+        ours, plain = rows[rows["model"] == "ours"], rows[rows["model"] == "plain"]
+        if not len(ours) or not len(plain):
+            continue
+        for _, row in ours.iterrows():
+            ratio = row["÷ plain"]
+            parts.append(
+                f"{size}, {COMPILE_SCOPE_NAMES.get(scope, 'eager')}: ours ({row['attention']} attention, "
+                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}) takes {row['median (ms)']:.2f} ms per "
+                f"step (median; MFU {row['MFU']:.3f}), the baseline {plain['median (ms)'].iloc[0]:.2f} ms (MFU "
+                f"{plain['MFU'].iloc[0]:.3f}): {ratio:.3f}× the baseline's time, "
+                + ("slower." if ratio > 1 else "as fast or faster."))
+    ooms = table[table["median (ms)"].isna()]
+    if len(ooms):
+        parts.append("Out of memory: " + ", ".join(f"{r['size']} {r['model']}" for _, r in ooms.iterrows()) + ".")
+    settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length"))
+    return Section([*parts, ctx.table("baseline_timing")], table, parts, q.derived, wording=settings)
 
 
 def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.Series) -> list[str]:
@@ -273,6 +411,12 @@ def render_optimizer(ctx: Context) -> str:
     return "\n\n".join([*parts, ctx.table("optimizer")])
 
 
+BASELINE = Table("baseline_timing", "e2e_baseline", baseline_timing,
+                 "Our model against the plain-PyTorch baseline, same run: training step ms (mean ± std, median), "
+                 "MFU, and the median over the baseline's")
+HOST_BOUND = Table("kernel_vs_wall", "profile_bf16", kernel_vs_wall,
+                   "Eager steps: kernel time per phase (PyTorch profiler) against the harness's synchronized wall "
+                   "time of the same phase in the same process; kernel share = kernel time ÷ wall time of the step")
 E2E = Table("e2e_timing", "e2e", tables.e2e_timing,
             "Forward and backward time per step (mean ± std over measured steps), fp32")
 WARMUP = Table("e2e_warmup", "e2e_warmup", tables.e2e_warmup,
@@ -298,9 +442,13 @@ DELIVERABLES = [
                 render_toy_dtypes, ("mixed_precision",)),
     Deliverable("1.1.5 (c) fp32 versus bf16 timings for every model size", "e2e_timing", render_mixed_precision,
                 ("e2e",), tables=(MIXED,)),
+    Deliverable("1.1.5 (c), continued: kernel time against wall time of eager bf16 steps", "profile_bf16",
+                render_host_bound, ("profile_bf16",), tables=(HOST_BOUND,)),
     Deliverable("1.3.1 (b) torch_compile: compiled versus vanilla Transformer", "compile_timing", render_compile,
                 ("e2e_compile",), tables=(COMPILE,),
                 figures=(Figure("compile_timing", "e2e_compile", figures.compile_timing),)),
+    Deliverable("1.3.1 (b), continued: our model against a plain-PyTorch baseline in the same run", "e2e_baseline",
+                render_baseline, ("e2e_baseline",), tables=(BASELINE,)),
     Deliverable("1.3.1 (b), continued: the optimizer step (our AdamW, multi-tensor and fused, and torch's)",
                 "optimizer_timing", render_optimizer, ("optimizer",), tables=(OPTIMIZER,)),
 ]

@@ -59,10 +59,27 @@ def render_memory(ctx: Context) -> str:
         same = forward[(forward["size_mib"] - residual).abs() < 1e-6]
         if len(same):
             parts[-1] += f" The forward snapshot has {int(same['count'].sum())} allocations of exactly that size."
-        parts.append("(e) Largest allocations in the forward pass (fp32, context "
-                     f"{longest}) and the code that made them:\n\n"
-                     + forward[["size_mib", "count", "origin"]].round(1).to_markdown(index=False))
+        parts.append(_largest_allocations(forward, config, batch, longest)
+                     + "\n\n" + forward[["size_mib", "count", "origin"]].round(1).to_markdown(index=False))
     return "\n\n".join(parts)
+
+
+def _largest_allocations(forward, config, batch: int, context: int) -> str:
+    """(e) in words: each of the largest allocation sizes of the forward snapshot, matched with the float32
+    tensor shape it is (attention scores B·H·T², SwiGLU hidden B·T·d_ff, logits B·T·vocab, residual B·T·d)."""
+    shapes = {"B×H×T×T: an attention score matrix (scores, masked scores, softmax)":
+              batch * config.num_heads * context * context,
+              "B×T×d_ff: a SwiGLU hidden activation": batch * context * config.d_ff,
+              "B×T×vocab: the logits": batch * context * config.vocab_size,
+              "B×T×d_model: a residual-stream activation": batch * context * config.d_model}
+    named = []
+    for size_mib, rows in forward.groupby("size_mib", sort=False):
+        shape = next((name for name, n in shapes.items() if abs(n * 4 / 2**20 - size_mib) < 1e-6), None)
+        origins = ", ".join(f"{o} ×{int(c)}" for o, c in zip(rows["origin"], rows["count"]))
+        named.append(f"{size_mib:.1f} MiB ({origins}): " + (f"{shape}, float32" if shape else "no activation shape"))
+    return (f"(e) The largest allocations of the forward pass (fp32, context {context}), largest first, with the "
+            f"tensor each size is (B = {batch}, H = {config.num_heads}, T = {context}, d_ff = {config.d_ff}, "
+            f"vocab = {config.vocab_size}, d_model = {config.d_model}): " + "; ".join(named) + ".")
 
 
 DELIVERABLES = [

@@ -4,7 +4,8 @@ training step, from the profiler's tables."""
 from __future__ import annotations
 
 from cs336_systems.model import get_config
-from cs336_systems.report.profile_tables import MATMUL, profile_grid, profile_kernels, profile_kernels_of, profile_point
+from cs336_systems.report.profile_tables import (MATMUL, attention_kernels, profile_grid, profile_kernels,
+                                                 profile_kernels_of, profile_point)
 from cs336_systems.report.section import Context, Deliverable, Table
 
 
@@ -50,21 +51,79 @@ def render_profile(ctx: Context) -> str:
         f"(d) Matrix multiplications take {mm_train:.0%} of the kernel time of a full training step (with AdamW, "
         f"whose elementwise kernels add {by_phase.get('optimizer', 0):.2f} ms) against {mm_inf:.0%} of inference.",
     ]
-    if {"softmax", "scores", "final matmul"} <= set(stages.index):
-        matmul_ms = stages["scores"] + stages["final matmul"]
-        # Per attention layer: QK^T and PV are 2·2·B·T²·d_head FLOPs per head; the softmax about 5 per score.
-        flop_ratio = (4 * config.head_dim) / 5
-        parts.append(
-            f"(e) Inside attention the softmax takes {stages['softmax']:.3f} ms per forward pass against "
-            f"{matmul_ms:.3f} ms for the two matrix products (scores and final matmul): a time ratio of "
-            f"{matmul_ms / stages['softmax']:.2f}, while the products do about {flop_ratio:.0f}× the softmax's FLOPs "
-            f"(4·d_head against ~5 operations per score, d_head = {config.head_dim}).")
-        per_flop = flop_ratio / (matmul_ms / stages["softmax"])
-        if per_flop > 1:
-            parts[-1] += (f" Per FLOP the softmax is {per_flop:.1f}× slower: it reads and writes the whole T×T "
-                          f"matrix with a few operations per element, so it is bound by memory traffic, while the "
-                          f"products run on the matrix units.")
+    parts.append(_attention_paragraph(rows, stages, get_config(size).head_dim))
+    if len(ooms):
+        parts.append(_oom_paragraph(ctx, ooms))
     return "\n\n".join([*parts, ctx.table("profile_grid"), ctx.table("profile_kernels")])
+
+
+def _attention_paragraph(rows, stages, head_dim: int) -> str:
+    """(e): the attention's matrix products against its softmax, per forward pass. With the kernels of each
+    stage recorded, the GEMM kernels alone against the softmax kernels; else the stage ranges, whose 'scores'
+    also holds the scaling and masking passes, so their ratio only bounds the GEMMs' from above."""
+    # Per attention layer: QK^T and PV are 2·2·B·T²·d_head FLOPs per head; the softmax about 5 per score.
+    flop_ratio = (4 * head_dim) / 5
+    flops = (f"while the products do about {flop_ratio:.0f}× the softmax's FLOPs (4·d_head against ~5 operations "
+             f"per score, d_head = {head_dim})")
+    by_class = attention_kernels(rows)
+    if by_class is not None:
+        gemm = by_class.get("GEMM", 0).sum()
+        softmax = by_class.get("softmax", 0).sum()
+        other = by_class.get("other", 0).sum()
+        text = (f"(e) Inside attention, per forward pass, the GEMM kernels (scores and final matmul) take "
+                f"{gemm:.3f} ms and the softmax kernels {softmax:.3f} ms: a time ratio of {gemm / softmax:.2f}, {flops}. "
+                f"The attention's other kernels (scaling, masking, copies) take {other:.3f} ms more"
+                + (f", {other / softmax:.1f}× the softmax's own time." if softmax else "."))
+        ratio, bound = gemm / softmax, ""
+    elif {"softmax", "scores", "final matmul"} <= set(stages.index):
+        matmul_ms = stages["scores"] + stages["final matmul"]
+        ratio, bound = matmul_ms / stages["softmax"], "at least "
+        text = (f"(e) Inside attention the softmax range takes {stages['softmax']:.3f} ms per forward pass against "
+                f"{matmul_ms:.3f} ms for the scores and final-matmul ranges: a time ratio of at most {ratio:.2f}, "
+                f"{flops}. At most: the scores range also holds the scaling and masking passes, so the GEMMs alone "
+                f"take less; their own time needs the per-stage kernel rows, pending: rule `profile` (its rows now "
+                f"record each stage's kernels; these rows predate that).")
+    else:
+        return "(e) The attention stages were not profiled in this run."
+    per_flop = flop_ratio / ratio
+    if per_flop > 1:
+        text += (f" Per FLOP the softmax is {bound}{per_flop:.1f}× slower: it reads and writes the whole T×T matrix with a "
+                 f"few operations per element, so it is bound by memory traffic, while the products run on the "
+                 f"matrix units.")
+    return text
+
+
+def _oom_paragraph(ctx: Context, ooms) -> str:
+    """Why a point ran out of memory here that 1.1.6's memory harness ran, from results/diagnosis/profile_oom.csv
+    (the same point run three ways in one process) once it has been measured."""
+    found = ctx.frame("diagnosis/profile_oom")
+    hypothesis = ("the first harness re-ran each forward pass for the profiler while the timed pass's loss, and so its "
+                  "whole autograd graph, was still held (two sets of activations on top of the weights and AdamW "
+                  "state), and re-ran the forward pass before the profiled backward with the timed backward's "
+                  "gradients still allocated; 1.1.6's harness runs each phase once")
+    if found is None:
+        return (f"Why the profile ran out of memory where 1.1.6 measured the same point (suspected: {hypothesis}; the "
+                f"harness now drops both first): pending: `PYTHONPATH=$PWD python results/diagnosis/profile_oom.py "
+                f"--out results/diagnosis/profile_oom.csv` on the GPU.")
+    runs = found.set_index("run")
+    point = found.iloc[0]
+    status = {run: row["status"] for run, row in runs.iterrows()}
+
+    def peak(run: str) -> str:
+        row = runs.loc[run]
+        values = [row.get(c) for c in row.index if str(c).endswith("peak (MiB)") and row.get(c) == row.get(c)]
+        return f"peak {max(values):,.0f} MiB" if values else str(row["status"]).upper()
+
+    held, fixed = status.get("profile, hold_previous_graph"), status.get("profile, fixed")
+    text = (f"Diagnosis of the out-of-memory points ({point['size']} at {int(point['context_length'])}, "
+            f"results/diagnosis/profile_oom.csv, {point['device_name']}): the first harness "
+            f"({peak('profile, hold_previous_graph')}), the harness now ({peak('profile, fixed')}), 1.1.6's memory "
+            f"harness ({peak('memory harness')}).")
+    if held == "oom" and fixed == "ok":
+        text += f" So the cause was the harness: {hypothesis}. The grid above predates the fix."
+    else:
+        text += " The held graph does not explain it alone: the difference lies elsewhere."
+    return text
 
 
 DELIVERABLES = [
