@@ -35,6 +35,7 @@ import triton.language as tl
 
 from cs336_systems.kernels import flash_tuning
 from cs336_systems.kernels.common import INTERPRET, check_inputs
+from cs336_systems.kernels.launch import FastLauncher
 from cs336_systems.kernels.flash_tuning import (
     FLOAT32_DOT,
     TILINGS,
@@ -356,6 +357,11 @@ TUNED_KERNELS = {"forward": _flash_fwd_kernel, "backward_dkdv": _flash_bwd_dkdv_
                  "backward_dq": _flash_bwd_dq_kernel}
 
 
+# Every kernel through a FastLauncher (launch.py): after the first call per layout, the compiled binary directly.
+LAUNCH = {**{name: FastLauncher(kernel) for name, kernel in TUNED_KERNELS.items()},
+          "delta": FastLauncher(_bwd_delta_kernel)}
+
+
 @contextlib.contextmanager
 def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, int, int]):
     """Run the kernels with one tile config each, (outer, inner, warps, stages) as in
@@ -365,6 +371,8 @@ def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, i
     roles = [(TUNED_KERNELS[name], TILINGS[name], forward if name == "forward" else backward)
              for name in TUNED_KERNELS]
     saved = [(kernel.configs, kernel.cache) for kernel, _, _ in roles]
+    for launcher in LAUNCH.values():  # layouts launched with other tiles
+        launcher.clear()
     try:
         for kernel, tiling, tile in roles:
             kernel.configs, kernel.cache = [tile_config(tile, tiling.outer, tiling.inner)], {}
@@ -372,6 +380,8 @@ def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, i
     finally:
         for (kernel, _, _), (configs, cache) in zip(roles, saved):
             kernel.configs, kernel.cache = configs, cache
+        for launcher in LAUNCH.values():
+            launcher.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -429,8 +439,8 @@ def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     qk_scale = q.shape[-1] ** -0.5 * LOG2E
     grid = lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
-    _flash_fwd_kernel[grid](q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
-                            qk_scale=qk_scale, IS_CAUSAL=is_causal, TMA=_tma_ok(q, k, v, out), **p)
+    LAUNCH["forward"](grid, q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
+                      qk_scale=qk_scale, IS_CAUSAL=is_causal, TMA=_tma_ok(q, k, v, out), **p)
     return out, lse
 
 
@@ -440,7 +450,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     batch_heads = q.shape[0] * p["H"]
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     delta_block = 16 if INTERPRET else 64
-    _bwd_delta_kernel[(triton.cdiv(p["N_Q"], delta_block), batch_heads)](
+    LAUNCH["delta"]((triton.cdiv(p["N_Q"], delta_block), batch_heads),
         out, grad_out, delta, *_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"],
         BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"])
     # Gradients in their inputs' layouts: autograd then takes them as .grad without a strided copy
@@ -449,9 +459,9 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     sm_scale = q.shape[-1] ** -0.5
     common = dict(qk_scale=sm_scale * LOG2E, sm_scale=sm_scale, IS_CAUSAL=is_causal, **p)
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out))
-    _flash_bwd_dkdv_kernel[lambda meta: (triton.cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads)](
+    LAUNCH["backward_dkdv"](lambda meta: (triton.cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads),
         q, k, v, grad_out, lse, delta, dk, dv, *strides, *_strides4(dk), *_strides4(dv), **common)
-    _flash_bwd_dq_kernel[lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)](
+    LAUNCH["backward_dq"](lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads),
         q, k, v, grad_out, lse, delta, dq, *strides, *_strides4(dq), **common)
     return dq, dk, dv
 
