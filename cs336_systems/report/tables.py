@@ -6,6 +6,7 @@ import pandas as pd
 
 from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
+from cs336_systems.report import attention_math
 from cs336_systems.report.collectives import all_reduce_rows
 from cs336_systems.report.render import mean_std
 
@@ -140,15 +141,27 @@ def _ms(rows: pd.DataFrame) -> str:
 
 
 def attention(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.2.1: naive attention (eager), forward and backward ms and memory before backward."""
+    """1.2.1: naive attention (eager), forward and backward ms, and its memory by the formulas
+    (report/attention_math.py) beside the memory measured before backward.
+
+    'Q, K, V' and 'P' are what autograd saves (S is freed once P exists); 'measured − P' is what the
+    device held besides P (inputs, output, gradients of earlier passes, workspace); the backward peak
+    adds dP and dS, two more (batch, seq, seq) matrices, to the measured memory."""
     rows = frame[frame["impl"] == "eager"]
     out = []
     for (d, seq), group in rows.groupby(["head_dim", "seq_len"]):
         fwd, bwd = group[group["phase"] == "forward"], group[group["phase"] == "backward"]
         ok = (group["status"] == "ok").all()
+        batch = int(group["batch"].iloc[0])
+        square = attention_math.square_mib(batch, seq)
+        measured = fwd["memory_before_backward_mib"].iloc[0] if ok else float("nan")
         out.append({"d": d, "seq": seq, "forward (ms)": _ms(fwd), "backward (ms)": _ms(bwd),
-                    "memory before backward (MiB)": round(fwd["memory_before_backward_mib"].iloc[0]) if ok else "OOM",
-                    "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20)})
+                    "Q, K, V saved (MiB)": round(3 * attention_math.vector_mib(batch, seq, d), 1),
+                    "P saved (MiB)": round(square, 1),
+                    "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20),
+                    "memory before backward (MiB)": round(measured) if ok else "OOM",
+                    "measured − P (MiB)": round(measured - square, 1) if ok else "—",
+                    "backward peak, + dP and dS (MiB)": round(measured + 2 * square) if ok else "—"})
     return pd.DataFrame(out)
 
 

@@ -6,18 +6,71 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report import figures, tables
+from cs336_systems.report import attention_math, figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
+
+
+def _memory_model(t: pd.DataFrame, d: int) -> tuple[float, float, float]:
+    """From the 1.2.1 table at head dim d: P's MiB per seq² (the 'P saved' column over seq²) and the
+    least-squares line (MiB per token, MiB) of the measured memory besides P against seq."""
+    rows = t[t["d"] == d]
+    besides = column_values(rows, "measured − P (MiB)")
+    fitted = besides.notna()
+    largest = rows.sort_values("seq").iloc[-1]
+    per_token2 = column_values(rows.loc[[largest.name]], "P saved (MiB)").iloc[0] / largest["seq"] ** 2
+    return (per_token2, *attention_math.remainder_line(rows.loc[fitted, "seq"], besides[fitted]))
+
+
+def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
+    """The memory of the largest measured point by tensor, and where an 80 GB H100 runs out (1.2.1)."""
+    measured = table[column_values(table, "memory before backward (MiB)").notna()]
+    if measured.empty:
+        return []
+    d = int(measured["d"].max())
+    row = measured[measured["d"] == d].sort_values("seq").iloc[-1]
+    working = (
+        f"By tensor, at d={d} and seq={row['seq']} (batch 8, float32, 4 bytes a number): autograd saves Q, K and "
+        f"V, 3 × 8·seq·d·4 B = {row['Q, K, V saved (MiB)']:.0f} MiB, and the softmax output P, 8·seq²·4 B = "
+        f"{row['P saved (MiB)']:.0f} MiB, for backward ({row['predicted saved (MiB)']} MiB); the scores S are "
+        f"freed as soon as P exists, and the forward's peak holds S and P together. The device held "
+        f"{row['memory before backward (MiB)']} MiB before backward: P and {row['measured − P (MiB)']:.0f} MiB "
+        f"besides (Q, K, V, the output O, the incoming gradient dO, the gradients left by earlier passes, "
+        f"cuBLAS's workspace). The backward adds dP and dS, two more seq² matrices alive with P: "
+        f"{row['memory before backward (MiB)']} + 2 × {row['P saved (MiB)']:.0f} = "
+        f"{row['backward peak, + dP and dS (MiB)']} MiB at its peak.")
+
+    def fit(column: int):
+        return lambda t: _memory_model(t, d)[column]
+
+    def threshold(t: pd.DataFrame, dim: int = d) -> float:
+        return attention_math.oom_seq_len(*_memory_model(t, dim))
+
+    def doubled(t: pd.DataFrame) -> float:
+        return attention_math.peak_mib(*_memory_model(t, d), seq=2 * int(t["seq"].max())) / 1024
+
+    smallest = int(measured["d"].min())
+    extrapolation = (
+        f"Where it runs out of memory on an 80 GB H100 (this sweep ran on a larger GPU): at d={d} the memory "
+        f"besides P is a line in seq, {q.derive(fit(2), '.0f', 'fixed memory besides P (MiB)')} MiB + "
+        f"{q.derive(lambda t: fit(1)(t) * 1024, '.0f', 'MiB besides P per 1024 tokens')} MiB per 1024 tokens "
+        f"(least squares over the table's 'measured − P' column), and each seq² matrix is P's size, 8·seq²·4 B. "
+        f"The backward runs out when 3 seq² matrices and the line exceed 80 GiB (81920 MiB): solving the "
+        f"quadratic gives seq ≈ {q.derive(threshold, ',.0f', 'sequence length that fills 80 GiB')} "
+        f"(d={smallest}: {q.derive(lambda t: threshold(t, smallest), ',.0f', 'same at the smallest d')}; "
+        f"the seq² terms dominate, so d hardly matters). Every length of the sweep therefore fits on an H100 "
+        f"as well, and the next doubling, seq {q.derive(lambda t: 2 * t['seq'].max(), 'd', 'the next doubling')}, "
+        f"would need "
+        f"{q.derive(doubled, '.1f', 'GiB at the next doubling')} GiB: out of memory at every d.")
+    return [working, extrapolation]
 
 
 def render_attention(ctx: Context) -> Section:
     frame = ctx.frame("attention")
     eager = frame[(frame["impl"] == "eager") & (frame["phase"] == "forward")]
     ooms = eager[eager["status"] == "oom"].sort_values(["seq_len", "head_dim"])
-    ok = eager[eager["status"] == "ok"]
     parts = []
     if ooms.empty:
-        parts.append("No configuration of the grid ran out of memory on this device.")
+        parts.append(f"No configuration of the grid ran out of memory on the {eager['device_name'].iloc[0]}.")
     else:
         first = ooms.iloc[0]
         square = first["square_matrix_bytes"] / 2**30
@@ -55,13 +108,17 @@ def render_attention(ctx: Context) -> Section:
                 f"×{q.derive(growth, '.1f', 'growth of memory before backward')} "
                 f"({prev['memory before backward (MiB)']:.0f} → {largest['memory before backward (MiB)']:.0f} MiB at "
                 f"d={largest['d']}), while the inputs grow only ×{factor}.")
+        checked += _memory_working(q, measured)
+    else:
+        checked.append("The memory columns are measured on a GPU only (pending: `snakemake --cores all "
+                       "--resources gpu=1 results/attention.csv`); the formulas' columns stand alone.")
     parts += checked
     parts.append(
         "The seq² term disappears if the softmax matrix is never stored: FlashAttention-2 computes attention "
         "tile by tile with an online softmax, keeps only the per-row logsumexp L (seq floats) for backward "
         "and recomputes P from Q, K and L there, trading a second pass of matrix products for O(seq) memory.")
     return Section([*parts, ctx.table("attention"), ctx.figure("attention_memory", "attention memory")], table,
-                   checked, q.derived)
+                   checked, q.derived, wording=("3", "8", "4", "2", "80", "81920", "1024"))
 
 
 def render_attention_compile(ctx: Context) -> Section:
