@@ -162,6 +162,8 @@ def attention(frame: pd.DataFrame) -> pd.DataFrame:
                     "memory before backward (MiB)": round(measured) if ok else "OOM",
                     "measured − P (MiB)": round(measured - square, 1) if ok else "—",
                     "backward peak, + dP and dS (MiB)": round(measured + 2 * square) if ok else "—"})
+        if "peak_memory_mib" in group and ok:  # measured by runs from this column's commit on
+            out[-1]["measured backward peak (MiB)"] = round(bwd["peak_memory_mib"].iloc[0])
     return pd.DataFrame(out)
 
 
@@ -178,13 +180,24 @@ def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def flash_sweep(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.2(e): median ms per provider for every (dtype, d, seq, pass); OOM / unsupported shown."""
-    frame = frame.copy()
+    """1.3.2(e): one row per (dtype, d, seq, pass), median ms per provider as columns (OOM / unsupported
+    shown), then ours over SDPA's flash backend and our throughput two ways: by FlashAttention-2's FLOP
+    count (forward 2 products, backward 5) and by the products our kernels execute (backward 7;
+    report/attention_math.py)."""
+    frame = frame.assign(executed=attention_math.executed_tflops(frame))
     frame["cell"] = [f"{ms:.3f}" if status == "ok" else status.upper()
                      for ms, status in zip(frame.get("median_ms", pd.Series(float("nan"), index=frame.index)),
                                            frame["status"])]
-    wide = frame.pivot_table(index=["dtype", "head_dim", "seq_len", "pass"], columns="provider", values="cell",
-                             aggfunc="first").reset_index()
+    keys = ["dtype", "head_dim", "seq_len", "pass"]
+    wide = frame.pivot_table(index=keys, columns="provider", values="cell", aggfunc="first")
+    ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")].set_index(keys)
+    anchor = frame[(frame["provider"] == "sdpa_flash") & (frame["status"] == "ok")].set_index(keys)
+    wide["ours ÷ SDPA flash"] = (ours["median_ms"] / anchor["median_ms"]).round(2)
+    wide["ours TFLOP/s, FA2 count"] = ours["tflops"].round(1)
+    wide["ours TFLOP/s, executed"] = ours["executed"].round(1)
+    for column in ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed"):
+        wide[column] = wide[column].astype(object).where(wide[column].notna(), "—")  # not measured / no anchor
+    wide = wide.reset_index()
     wide.columns.name = None
     return wide.rename(columns={"head_dim": "d", "seq_len": "seq"})
 
