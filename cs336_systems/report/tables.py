@@ -215,7 +215,27 @@ def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[["test", "outcome", "seconds"]].round({"seconds": 2})
+    """Per test: how many of its runs passed (each repeat draws fresh inputs; rows without a `repeat`
+    column are one run each), how many were skipped, and its median seconds."""
+    repeat = frame["repeat"] if "repeat" in frame else pd.Series(0, index=frame.index)
+    frame = frame.assign(repeat=repeat)
+    out = [{"test": test, "passed": int((group["outcome"] == "passed").sum()), "runs": len(group),
+            "skipped": int((group["outcome"] == "skipped").sum()), "seconds (median)": round(group["seconds"].median(), 2)}
+           for test, group in frame.groupby("test", sort=False)]
+    return pd.DataFrame(out)
+
+
+def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
+    """bfloat16 error against float64 per implementation, case and tensor: ours and SDPA's (mean over
+    seeds), and ours over SDPA's."""
+    keys = ["impl", "reference", "shape", "causal", "tensor"]
+    mean = frame.groupby(keys, sort=False)[["ours_error", "sdpa_error"]].mean().reset_index()
+    seeds = frame.groupby(keys, sort=False)["seed"].nunique().to_numpy()
+    return pd.DataFrame({"implementation": mean["impl"], "SDPA backend": mean["reference"].str.removeprefix("sdpa_"),
+                         "(batch, heads, seq, d)": mean["shape"], "causal": mean["causal"], "tensor": mean["tensor"],
+                         "seeds": seeds, "ours": [f"{e:.2e}" for e in mean["ours_error"]],
+                         "SDPA": [f"{e:.2e}" for e in mean["sdpa_error"]],
+                         "ours ÷ SDPA": (mean["ours_error"] / mean["sdpa_error"]).round(2)})
 
 
 def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
