@@ -233,8 +233,7 @@ def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
     seeds = frame.groupby(keys, sort=False)["seed"].nunique().to_numpy()
     return pd.DataFrame({"implementation": mean["impl"], "SDPA backend": mean["reference"].str.removeprefix("sdpa_"),
                          "(batch, heads, seq, d)": mean["shape"], "causal": mean["causal"], "tensor": mean["tensor"],
-                         "seeds": seeds, "ours": [f"{e:.2e}" for e in mean["ours_error"]],
-                         "SDPA": [f"{e:.2e}" for e in mean["sdpa_error"]],
+                         "seeds": seeds, "ours": mean["ours_error"].round(6), "SDPA": mean["sdpa_error"].round(6),
                          "ours ÷ SDPA": (mean["ours_error"] / mean["sdpa_error"]).round(2)})
 
 
