@@ -42,7 +42,7 @@ def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
         working += f"; measured: {row['measured backward peak (MiB)']:.0f} MiB."
     else:
         working += (" (predicted; the measured peak is pending: rerun "
-                    "`snakemake --cores all --resources gpu=1 -R attention_timing results/attention.csv`).")
+                    "`snakemake results/attention.csv --cores all --resources gpu=1 --forcerun attention_timing`).")
 
     def fit(column: int):
         return lambda t: _memory_model(t, d)[column]
@@ -115,8 +115,8 @@ def render_attention(ctx: Context) -> Section:
                 f"d={largest['d']}), while the inputs grow only ×{factor}.")
         checked += _memory_working(q, measured)
     else:
-        checked.append("The memory columns are measured on a GPU only (pending: `snakemake --cores all "
-                       "--resources gpu=1 results/attention.csv`); the formulas' columns stand alone.")
+        checked.append("The memory columns are measured on a GPU only (pending: `snakemake results/attention.csv "
+                       "--cores all --resources gpu=1`); the formulas' columns stand alone.")
     parts += checked
     parts.append(
         "The seq² term disappears if the softmax matrix is never stored: FlashAttention-2 computes attention "
@@ -174,8 +174,8 @@ def render_flash_correctness(ctx: Context) -> Section:
             "(relative error < 1e-4) and 16-bit (error within 2× of PyTorch's own attention in the same dtype; "
             "bfloat16 on a GPU only).")
     if repeats == 1:
-        text += (" Pending: the repeated runs on fresh inputs, `snakemake --cores all --resources gpu=1 -R "
-                 "flash_correctness results/flash_correctness.csv`.")
+        text += (" Pending: the repeated runs on fresh inputs, `snakemake results/flash_correctness.csv "
+                 "results/flash_accuracy.csv --cores all --resources gpu=1 --forcerun flash_correctness`.")
     # what the test file covers is its own wording, not results
     return Section([text, ctx.table("flash_correctness")], table, [text], q.derived,
                    wording=("1", "100", "1000", "1e-4", "16", "2"))
@@ -201,7 +201,7 @@ def render_flash_accuracy(ctx: Context) -> Section:
             "FlashAttention kernel, which also uses the bfloat16 output O in the backward's rowsum(dO ∘ O).")
     if "flash_triton" not in set(table["implementation"]):
         text += " Our Triton kernels are not in these rows: on the CPU they run in Triton's interpreter, which "
-        text += "cannot multiply bfloat16 (GPU rows: `snakemake --cores all --resources gpu=1 results/flash_accuracy.csv`)."
+        text += "cannot multiply bfloat16 (GPU rows: `snakemake results/flash_accuracy.csv --cores all --resources gpu=1`)."
     return Section([text, ctx.table("flash_accuracy")], table, [text], q.derived,
                    wording=("64", f"{factor:g}", f"{slack:g}", "16"))
 
