@@ -155,14 +155,15 @@ def attention(frame: pd.DataFrame) -> pd.DataFrame:
         batch = int(group["batch"].iloc[0])
         square = attention_math.square_mib(batch, seq)
         measured = fwd["memory_before_backward_mib"].iloc[0] if ok else float("nan")
+        on_gpu = measured > 0  # the CPU has no allocator statistics: 0 there, and no memory columns to derive
         out.append({"d": d, "seq": seq, "forward (ms)": _ms(fwd), "backward (ms)": _ms(bwd),
                     "Q, K, V saved (MiB)": round(3 * attention_math.vector_mib(batch, seq, d), 1),
                     "P saved (MiB)": round(square, 1),
                     "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20),
                     "memory before backward (MiB)": round(measured) if ok else "OOM",
-                    "measured − P (MiB)": round(measured - square, 1) if ok else "—",
-                    "backward peak, + dP and dS (MiB)": round(measured + 2 * square) if ok else "—"})
-        if "peak_memory_mib" in group and ok:  # measured by runs from this column's commit on
+                    "measured − P (MiB)": round(measured - square, 1) if on_gpu else "—",
+                    "backward peak, + dP and dS (MiB)": round(measured + 2 * square) if on_gpu else "—"})
+        if "peak_memory_mib" in group and on_gpu:  # measured by runs from this column's commit on
             out[-1]["measured backward peak (MiB)"] = round(bwd["peak_memory_mib"].iloc[0])
     return pd.DataFrame(out)
 
