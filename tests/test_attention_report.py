@@ -127,3 +127,15 @@ def test_flash_check_repeats_draw_fresh_seeds_and_failures_name_the_repeat(tmp_p
     tests.write_text("import os\n\ndef test_seed():\n    assert os.environ['CS336_FLASH_SEED'] == '0'\n")
     with pytest.raises(SystemExit, match=r"test_seed \(repeat 1\)"):
         flash_check_rows("cpu", tests=tests, repeats=2)
+
+
+def test_attention_section_quotes_a_measured_backward_peak(tmp_path):
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.attention import render_attention
+
+    rows = _attention_rows()
+    rows["peak_memory_mib"] = rows["memory_before_backward_mib"] + 2 * 8 * rows["seq_len"] ** 2 * 4 / 2**20 + 3
+    rows.to_csv(tmp_path / "attention.csv", index=False)
+    section = render_attention(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert "measured backward peak (MiB)" in section.table and unquoted(section) == []
+    assert "; measured: 1619 MiB." in section.checked[1]  # 512 + 8 × 2 + 64 MiB before, + 2 × 512 + 3

@@ -23,8 +23,7 @@ from cs336_systems.model.attention import naive_attention
 
 # (batch, heads, seq, d), causal: a GPU run's cases (odd lengths included) and a CPU run's small one.
 CASES = {
-    "cuda": [((2, 8, 1024, 64), True), ((2, 4, 1000, 128), False), ((1, 4, 4096, 64), True),
-             ((4, 4, 333, 32), True)],
+    "cuda": [((2, 8, 1024, 64), True), ((2, 4, 1000, 128), False), ((1, 4, 4096, 64), True)],
     "cpu": [((1, 2, 77, 64), True)],  # one case: the CPU run is CI's, and each case recompiles our backward
 }
 TENSORS = ("O", "dQ", "dK", "dV")
