@@ -51,10 +51,14 @@ def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
     def threshold(t: pd.DataFrame, dim: int = d) -> float:
         return attention_math.oom_seq_len(*_memory_model(t, dim))
 
-    def doubled(t: pd.DataFrame) -> float:
-        return attention_math.peak_mib(*_memory_model(t, d), seq=2 * int(t["seq"].max())) / 1024
-
     smallest = int(measured["d"].min())
+
+    def doubled(t: pd.DataFrame, dim: int = smallest) -> float:
+        return attention_math.peak_mib(*_memory_model(t, dim), seq=2 * int(t["seq"].max())) / 1024
+
+    def doubled_p(t: pd.DataFrame) -> float:
+        return _memory_model(t, smallest)[0] * (2 * int(t["seq"].max())) ** 2 / 1024
+
     extrapolation = (
         f"Where it runs out of memory on an 80 GB H100 (this sweep ran on a larger GPU): at d={d} the memory "
         f"besides P is a line in seq, {q.derive(fit(2), '.0f', 'fixed memory besides P (MiB)')} MiB + "
@@ -64,9 +68,11 @@ def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
         f"quadratic gives seq ≈ {q.derive(threshold, ',.0f', 'sequence length that fills 80 GiB')} "
         f"(d={smallest}: {q.derive(lambda t: threshold(t, smallest), ',.0f', 'same at the smallest d')}; "
         f"the seq² terms dominate, so d hardly matters). Every length of the sweep therefore fits on an H100 "
-        f"as well, and the next doubling, seq {q.derive(lambda t: 2 * t['seq'].max(), 'd', 'the next doubling')}, "
-        f"would need "
-        f"{q.derive(doubled, '.1f', 'GiB at the next doubling')} GiB: out of memory at every d.")
+        f"as well. Were the grid to keep doubling, the smallest configuration to run out would be "
+        f"d={smallest}, seq {q.derive(lambda t: 2 * t['seq'].max(), 'd', 'the next doubling')}: there P alone "
+        f"is {q.derive(doubled_p, '.0f', 'GiB of P at the next doubling')} GiB, and P, dP and dS with the line "
+        f"need {q.derive(doubled, '.1f', 'GiB at the next doubling')} GiB "
+        f"({q.derive(lambda t: doubled(t, d), '.1f', 'GiB at the next doubling, largest d')} GiB at d={d}).")
     return [working, extrapolation]
 
 
