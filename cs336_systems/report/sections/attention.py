@@ -222,17 +222,35 @@ def _fitting(rows: pd.DataFrame, limit: int = 232448) -> str:
         for kernel, group in d128.groupby("kernel", sort=False)) or "none measured"
 
 
-def render_flash_resources(ctx: Context) -> str:
+def _spill_counts(table: pd.DataFrame, case: str) -> tuple[int, int]:
+    """(configs that spill, configs compiled) over the resources table's columns of one case: 'bf16',
+    'fp32 ieee', 'fp32 tf32x3' (each column is '<case> d=<head dim>'; cells 'registers / spilled bytes')."""
+    columns = [c for c in table.columns if c.rsplit(" d=", 1)[0] == case]
+    cells = [str(cell) for c in columns for cell in table[c] if " / " in str(cell)]
+    return sum(int(cell.split(" / ")[1]) > 0 for cell in cells), len(cells)
+
+
+def render_flash_resources(ctx: Context) -> Section:
     frame = ctx.frame("flash_resources")
+    table = tables.flash_resources(frame)
+    q = Quotes(table)
     ok = frame[frame["status"] == "ok"]
-    parts = [f"Each kernel compiled by Triton {frame['triton_version'].iloc[0]} for {frame['arch'].iloc[0]} (H100 "
+    version = frame["triton_version"].iloc[0]
+    intro = (f"Each kernel compiled by Triton {version} for {frame['arch'].iloc[0]} (H100 "
              f"and H200) on a machine without a GPU; `ptxas -v` reports the registers per thread and the bytes a "
              f"thread spills to local memory, which lives in DRAM behind the L1 cache. "
-             f"`python -m cs336_systems.bench.kernel_resources` compiles any other tile the same way."]
+             f"`python -m cs336_systems.bench.kernel_resources` compiles any other tile the same way.")
+    checked = []
+
+    def counted(case: str, which: int):
+        return lambda t: _spill_counts(t, case)[which]
+
     for (dtype, dot), rows in ok.groupby(["dtype", ok.get("dot", pd.Series("", index=ok.index))], sort=False):
         spilled = rows[rows["spill_store_bytes"] > 0]
-        label = f"{dtype} ({dot} dots)" if dtype == "fp32" and dot else dtype
-        text = f"{label}: {len(spilled)} of {len(rows)} compiled configs spill"
+        case = f"{dtype} {dot}" if dtype == "fp32" and isinstance(dot, str) and dot else dtype
+        label = f"{dtype} ({dot} dots)" if case != dtype else dtype
+        text = (f"{label}: {q.derive(counted(case, 0), 'd', f'{case} configs that spill')} of "
+                f"{q.derive(counted(case, 1), 'd', f'{case} configs')} compiled configs spill")
         if len(spilled):
             worst = spilled.sort_values("spill_store_bytes").iloc[-1]
             clean_dims = sorted(set(rows["head_dim"]) - set(spilled["head_dim"]))
@@ -240,23 +258,29 @@ def render_flash_resources(ctx: Context) -> str:
                      f"{worst['outer']}×{worst['inner']} with {worst['warps']} warps, d={worst['head_dim']})")
             if clean_dims:
                 text += f"; none at d = {', '.join(map(str, clean_dims))}"
-        parts.append(text + ".")
+        checked.append(text + ".")
     if "dot" in ok and {"ieee", "tf32x3"} <= set(ok["dot"]):
         fp32 = ok[ok["dtype"] == "fp32"]
         spills = fp32.groupby("dot")["spill_store_bytes"]
-        parts.append(
+        checked.append(
             f"Float32 with IEEE dots (FMAs on the CUDA cores, operands held in registers): "
-            f"{(spills.get_group('ieee') > 0).sum()} of {spills.get_group('ieee').size} configs spill, up to "
+            f"{q.derive(counted('fp32 ieee', 0), 'd', 'ieee configs that spill')} of "
+            f"{q.derive(counted('fp32 ieee', 1), 'd', 'ieee configs')} configs spill, up to "
             f"{spills.get_group('ieee').max():,} B per thread. With tf32x3 dots (three TF32 tensor-core products "
-            f"per dot, the kernels' float32 path now): {(spills.get_group('tf32x3') > 0).sum()} of "
-            f"{spills.get_group('tf32x3').size}, up to {spills.get_group('tf32x3').max():,} B. tf32x3 stages "
+            f"per dot, the kernels' float32 path now): "
+            f"{q.derive(counted('fp32 tf32x3', 0), 'd', 'tf32x3 configs that spill')} of "
+            f"{q.derive(counted('fp32 tf32x3', 1), 'd', 'tf32x3 configs')}, up to "
+            f"{spills.get_group('tf32x3').max():,} B. tf32x3 stages "
             f"float32 operands in shared memory instead, so at d=128 only these float32 configs fit in the "
             f"H100's 227 KiB per block (the 2-stage ones are the float32-only tiles): "
             f"{_fitting(fp32[fp32['dot'] == 'tf32x3'])}.")
     errors = frame[frame["status"] != "ok"]
     if len(errors):
-        parts.append(f"{len(errors)} configs did not compile (rows with status=error).")
-    return "\n\n".join([*parts, ctx.table("flash_resources")])
+        checked.append(f"{q.derive(lambda t: t.isin(['error']).to_numpy().sum(), 'd', 'configs in error')} "
+                       "configs did not compile (rows with status=error).")
+    # the Triton version and the shared memory per block belong to the sentence, not to the table
+    return Section([intro, *checked, ctx.table("flash_resources")], table, checked, q.derived,
+                   wording=("227", "2", "3", str(version)))
 
 
 def render_leaderboard(ctx: Context) -> Section:
