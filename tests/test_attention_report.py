@@ -139,3 +139,17 @@ def test_attention_section_quotes_a_measured_backward_peak(tmp_path):
     section = render_attention(Context(tmp_path, tmp_path, tmp_path, {}))
     assert "measured backward peak (MiB)" in section.table and unquoted(section) == []
     assert "; measured: 1619 MiB." in section.checked[1]  # 512 + 8 × 2 + 64 MiB before, + 2 × 512 + 3
+
+
+def test_correctness_section_counts_repeated_runs(tmp_path):
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.attention import render_flash_correctness
+
+    rows = [{"test": test, "repeat": r, "outcome": "passed", "seconds": 1.0 + r, "device_name": "NVIDIA H100"}
+            for r in range(5) for test in ("test_a[triton-cuda]", "test_b[pytorch-cuda]")]
+    pd.DataFrame(rows).to_csv(tmp_path / "flash_correctness.csv", index=False)
+    section = render_flash_correctness(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(section) == []
+    text = section.checked[0]
+    assert text.startswith("2 of 2 tests") and "in each of their 5 runs" in text and "(10 of 10 runs passed)" in text
+    assert "Pending" not in text and "CPU-device cases" in text

@@ -180,6 +180,8 @@ def render_flash_correctness(ctx: Context) -> Section:
             "from 1 to 100 (up to 1000 on a GPU) and rectangular cases, with and without a heads dimension, float32 "
             "(relative error < 1e-4) and 16-bit (error within 2× of PyTorch's own attention in the same dtype; "
             "bfloat16 on a GPU only).")
+    if not table["test"].str.contains("cpu").any() and "cpu" not in frame["device_name"].iloc[0]:
+        text += " The CPU-device cases of the file run in the test suite instead, on every push."
     if repeats == 1:
         text += (" Pending: the repeated runs on fresh inputs, `snakemake results/flash_correctness.csv "
                  "results/flash_accuracy.csv --cores all --resources gpu=1 --forcerun flash_correctness`.")
