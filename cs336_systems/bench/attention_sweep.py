@@ -1,8 +1,9 @@
 """Naive PyTorch attention, eager and torch.compile'd (handout 1.2.1 pytorch_attention, 1.3.1(a)).
 
 Batch 8, one head (inputs (batch, seq, d)), every (d, seq) of the grid: after warm-up, `--iters`
-forward passes and `--iters` backward passes, each followed by a synchronize, and the memory in use
-just before the backward pass. Out-of-memory is a row (status=oom) and the sweep goes on.
+forward passes and `--iters` backward passes, each followed by a synchronize, the memory in use
+just before the backward pass, and the peak memory of one forward and one backward (peak_memory_mib,
+CUDA only). Out-of-memory is a row (status=oom) and the sweep goes on.
 
     python -m cs336_systems.bench.attention_sweep --impls eager compiled --out results/attention.csv
 
@@ -89,14 +90,22 @@ def measure(impl: str, batch: int, seq: int, d: int, dtype: torch.dtype, warmup:
     for _ in range(warmup):
         attention(q, k, v, False).backward(grad)
     forward_ms = [timed(lambda: attention(q, k, v, False), device) for _ in range(iters)]
-    backward_ms, memory_before_backward = [], 0
-    for _ in range(iters):
+    backward_ms, memory_before_backward, peaks = [], 0, {"forward": float("nan"), "backward": float("nan")}
+    for i in range(iters):
+        if i == 0 and device.type == "cuda":  # the peak of each phase, measured once (the report's OOM model)
+            torch.cuda.reset_peak_memory_stats(device)
         out = attention(q, k, v, False)
         if device.type == "cuda":
             memory_before_backward = torch.cuda.memory_allocated(device)
+            if i == 0:
+                peaks["forward"] = torch.cuda.max_memory_allocated(device) / 2**20
+                torch.cuda.reset_peak_memory_stats(device)
         backward_ms.append(timed(lambda: out.backward(grad), device))
+        if i == 0 and device.type == "cuda":
+            peaks["backward"] = torch.cuda.max_memory_allocated(device) / 2**20
         del out
-    return {"forward": summarize(forward_ms), "backward": summarize(backward_ms),
+    return {"forward": {**summarize(forward_ms), "peak_memory_mib": peaks["forward"]},
+            "backward": {**summarize(backward_ms), "peak_memory_mib": peaks["backward"]},
             "memory_before_backward_mib": memory_before_backward / 2**20}
 
 

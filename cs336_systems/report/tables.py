@@ -6,6 +6,7 @@ import pandas as pd
 
 from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
+from cs336_systems.report import attention_math
 from cs336_systems.report.collectives import all_reduce_rows
 from cs336_systems.report.render import mean_std
 
@@ -167,15 +168,30 @@ def _ms(rows: pd.DataFrame) -> str:
 
 
 def attention(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.2.1: naive attention (eager), forward and backward ms and memory before backward."""
+    """1.2.1: naive attention (eager), forward and backward ms, and its memory by the formulas
+    (report/attention_math.py) beside the memory measured before backward.
+
+    'Q, K, V' and 'P' are what autograd saves (S is freed once P exists); 'measured − P' is what the
+    device held besides P (inputs, output, gradients of earlier passes, workspace); the backward peak
+    adds dP and dS, two more (batch, seq, seq) matrices, to the measured memory."""
     rows = frame[frame["impl"] == "eager"]
     out = []
     for (d, seq), group in rows.groupby(["head_dim", "seq_len"]):
         fwd, bwd = group[group["phase"] == "forward"], group[group["phase"] == "backward"]
         ok = (group["status"] == "ok").all()
+        batch = int(group["batch"].iloc[0])
+        square = attention_math.square_mib(batch, seq)
+        measured = fwd["memory_before_backward_mib"].iloc[0] if ok else float("nan")
+        on_gpu = measured > 0  # the CPU has no allocator statistics: 0 there, and no memory columns to derive
         out.append({"d": d, "seq": seq, "forward (ms)": _ms(fwd), "backward (ms)": _ms(bwd),
-                    "memory before backward (MiB)": round(fwd["memory_before_backward_mib"].iloc[0]) if ok else "OOM",
-                    "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20)})
+                    "Q, K, V saved (MiB)": round(3 * attention_math.vector_mib(batch, seq, d), 1),
+                    "P saved (MiB)": round(square, 1),
+                    "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20),
+                    "memory before backward (MiB)": round(measured) if ok else "OOM",
+                    "measured − P (MiB)": round(measured - square, 1) if on_gpu else "—",
+                    "backward peak, + dP and dS (MiB)": round(measured + 2 * square) if on_gpu else "—"})
+        if "peak_memory_mib" in group and on_gpu:  # measured by runs from this column's commit on
+            out[-1]["measured backward peak (MiB)"] = round(bwd["peak_memory_mib"].iloc[0])
     return pd.DataFrame(out)
 
 
@@ -192,13 +208,24 @@ def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def flash_sweep(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.2(e): median ms per provider for every (dtype, d, seq, pass); OOM / unsupported shown."""
-    frame = frame.copy()
+    """1.3.2(e): one row per (dtype, d, seq, pass), median ms per provider as columns (OOM / unsupported
+    shown), then ours over SDPA's flash backend and our throughput two ways: by FlashAttention-2's FLOP
+    count (forward 2 products, backward 5) and by the products our kernels execute (backward 7;
+    report/attention_math.py)."""
+    frame = frame.assign(executed=attention_math.executed_tflops(frame))
     frame["cell"] = [f"{ms:.3f}" if status == "ok" else status.upper()
                      for ms, status in zip(frame.get("median_ms", pd.Series(float("nan"), index=frame.index)),
                                            frame["status"])]
-    wide = frame.pivot_table(index=["dtype", "head_dim", "seq_len", "pass"], columns="provider", values="cell",
-                             aggfunc="first").reset_index()
+    keys = ["dtype", "head_dim", "seq_len", "pass"]
+    wide = frame.pivot_table(index=keys, columns="provider", values="cell", aggfunc="first")
+    ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")].set_index(keys)
+    anchor = frame[(frame["provider"] == "sdpa_flash") & (frame["status"] == "ok")].set_index(keys)
+    wide["ours ÷ SDPA flash"] = (ours["median_ms"] / anchor["median_ms"]).round(2)
+    wide["ours TFLOP/s, FA2 count"] = ours["tflops"].round(1)
+    wide["ours TFLOP/s, executed"] = ours["executed"].round(1)
+    for column in ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed"):
+        wide[column] = wide[column].astype(object).where(wide[column].notna(), "—")  # not measured / no anchor
+    wide = wide.reset_index()
     wide.columns.name = None
     return wide.rename(columns={"head_dim": "d", "seq_len": "seq"})
 
@@ -216,7 +243,26 @@ def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[["test", "outcome", "seconds"]].round({"seconds": 2})
+    """Per test: how many of its runs passed (each repeat draws fresh inputs; rows without a `repeat`
+    column are one run each), how many were skipped, and its median seconds."""
+    repeat = frame["repeat"] if "repeat" in frame else pd.Series(0, index=frame.index)
+    frame = frame.assign(repeat=repeat)
+    out = [{"test": test, "passed": int((group["outcome"] == "passed").sum()), "runs": len(group),
+            "skipped": int((group["outcome"] == "skipped").sum()), "seconds (median)": round(group["seconds"].median(), 2)}
+           for test, group in frame.groupby("test", sort=False)]
+    return pd.DataFrame(out)
+
+
+def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
+    """bfloat16 error against float64 per implementation, case and tensor: ours and SDPA's (mean over
+    seeds), and ours over SDPA's."""
+    keys = ["impl", "reference", "shape", "causal", "tensor"]
+    mean = frame.groupby(keys, sort=False)[["ours_error", "sdpa_error"]].mean().reset_index()
+    seeds = frame.groupby(keys, sort=False)["seed"].nunique().to_numpy()
+    return pd.DataFrame({"implementation": mean["impl"], "SDPA backend": mean["reference"].str.removeprefix("sdpa_"),
+                         "(batch, heads, seq, d)": mean["shape"], "causal": mean["causal"], "tensor": mean["tensor"],
+                         "seeds": seeds, "ours": mean["ours_error"].round(6), "SDPA": mean["sdpa_error"].round(6),
+                         "ours ÷ SDPA": (mean["ours_error"] / mean["sdpa_error"]).round(2)})
 
 
 def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:

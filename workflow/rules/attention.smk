@@ -23,9 +23,12 @@ rule attention_timing:
         " --warmup {params.warmup} --iters {params.iters} --out {output} 2> {log}"
 
 
+# The tests, `repeats` times on fresh inputs (a smoke run: the representative subset `select`), and the
+# bfloat16 accuracy check against SDPA (seconds; a GPU run adds our Triton kernels to it).
 rule flash_correctness:
     output:
-        f"{R}/flash_correctness.csv",
+        tests=f"{R}/flash_correctness.csv",
+        accuracy=f"{R}/flash_accuracy.csv",
     log:
         f"{LOGS}/flash_correctness.log",
     conda:
@@ -36,9 +39,16 @@ rule flash_correctness:
         gpu=GPUS,
     params:
         device=DEVICE_ARGS,
+        c=S["flash_correctness"],
+        select=(
+            f"--select '{S['flash_correctness']['select']}'"
+            if S["flash_correctness"].get("select")
+            else ""
+        ),
     shell:
         "python -m cs336_systems.bench.flash_check {params.device} --workers {threads}"
-        " --out {output} > {log} 2>&1"
+        " --repeats {params.c[repeats]} {params.select} --accuracy-seeds {params.c[accuracy_seeds]}"
+        " --out {output.tests} --accuracy-out {output.accuracy} > {log} 2>&1"
 
 
 rule flash_benchmark_point:

@@ -6,18 +6,83 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report import figures, tables
+from cs336_systems.report import attention_math, figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
+from cs336_systems.report.sections.flash_sweep import render_flash_sweep
+
+
+def _memory_model(t: pd.DataFrame, d: int) -> tuple[float, float, float]:
+    """From the 1.2.1 table at head dim d: P's MiB per seq² (the 'P saved' column over seq²) and the
+    least-squares line (MiB per token, MiB) of the measured memory besides P against seq."""
+    rows = t[t["d"] == d]
+    besides = column_values(rows, "measured − P (MiB)")
+    fitted = besides.notna()
+    largest = rows.sort_values("seq").iloc[-1]
+    per_token2 = column_values(rows.loc[[largest.name]], "P saved (MiB)").iloc[0] / largest["seq"] ** 2
+    return (per_token2, *attention_math.remainder_line(rows.loc[fitted, "seq"], besides[fitted]))
+
+
+def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
+    """The memory of the largest measured point by tensor, and where an 80 GB H100 runs out (1.2.1)."""
+    measured = table[column_values(table, "memory before backward (MiB)").notna()]
+    if measured.empty:
+        return []
+    d = int(measured["d"].max())
+    row = measured[measured["d"] == d].sort_values("seq").iloc[-1]
+    working = (
+        f"By tensor, at d={d} and seq={row['seq']} (batch 8, float32, 4 bytes a number): autograd saves Q, K and "
+        f"V, 3 × 8·seq·d·4 B = {row['Q, K, V saved (MiB)']:.0f} MiB, and the softmax output P, 8·seq²·4 B = "
+        f"{row['P saved (MiB)']:.0f} MiB, for backward ({row['predicted saved (MiB)']} MiB); the scores S are "
+        f"freed as soon as P exists, and the forward's peak holds S and P together. The device held "
+        f"{row['memory before backward (MiB)']} MiB before backward: P and {row['measured − P (MiB)']:.0f} MiB "
+        f"besides (Q, K, V, the output O, the incoming gradient dO, the gradients left by earlier passes, "
+        f"cuBLAS's workspace). The backward adds dP and dS, two more seq² matrices alive with P: "
+        f"{row['memory before backward (MiB)']} + 2 × {row['P saved (MiB)']:.0f} = "
+        f"{row['backward peak, + dP and dS (MiB)']} MiB at its peak")
+    if "measured backward peak (MiB)" in row and row["measured backward peak (MiB)"] == row["measured backward peak (MiB)"]:
+        working += f"; measured: {row['measured backward peak (MiB)']:.0f} MiB."
+    else:
+        working += (" (predicted; the measured peak is pending: rerun "
+                    "`snakemake results/attention.csv --cores all --resources gpu=1 --forcerun attention_timing`).")
+
+    def fit(column: int):
+        return lambda t: _memory_model(t, d)[column]
+
+    def threshold(t: pd.DataFrame, dim: int = d) -> float:
+        return attention_math.oom_seq_len(*_memory_model(t, dim))
+
+    smallest = int(measured["d"].min())
+
+    def doubled(t: pd.DataFrame, dim: int = smallest) -> float:
+        return attention_math.peak_mib(*_memory_model(t, dim), seq=2 * int(t["seq"].max())) / 1024
+
+    def doubled_p(t: pd.DataFrame) -> float:
+        return _memory_model(t, smallest)[0] * (2 * int(t["seq"].max())) ** 2 / 1024
+
+    extrapolation = (
+        f"Where it runs out of memory on an 80 GB H100 (this sweep ran on a larger GPU): at d={d} the memory "
+        f"besides P is a line in seq, {q.derive(fit(2), '.0f', 'fixed memory besides P (MiB)')} MiB + "
+        f"{q.derive(lambda t: fit(1)(t) * 1024, '.0f', 'MiB besides P per 1024 tokens')} MiB per 1024 tokens "
+        f"(least squares over the table's 'measured − P' column), and each seq² matrix is P's size, 8·seq²·4 B. "
+        f"The backward runs out when 3 seq² matrices and the line exceed 80 GiB (81920 MiB): solving the "
+        f"quadratic gives seq ≈ {q.derive(threshold, ',.0f', 'sequence length that fills 80 GiB')} "
+        f"(d={smallest}: {q.derive(lambda t: threshold(t, smallest), ',.0f', 'same at the smallest d')}; "
+        f"the seq² terms dominate, so d hardly matters). Every length of the sweep therefore fits on an H100 "
+        f"as well. Were the grid to keep doubling, the smallest configuration to run out would be "
+        f"d={smallest}, seq {q.derive(lambda t: 2 * t['seq'].max(), 'd', 'the next doubling')}: there P alone "
+        f"is {q.derive(doubled_p, '.0f', 'GiB of P at the next doubling')} GiB, and P, dP and dS with the line "
+        f"need {q.derive(doubled, '.1f', 'GiB at the next doubling')} GiB "
+        f"({q.derive(lambda t: doubled(t, d), '.1f', 'GiB at the next doubling, largest d')} GiB at d={d}).")
+    return [working, extrapolation]
 
 
 def render_attention(ctx: Context) -> Section:
     frame = ctx.frame("attention")
     eager = frame[(frame["impl"] == "eager") & (frame["phase"] == "forward")]
     ooms = eager[eager["status"] == "oom"].sort_values(["seq_len", "head_dim"])
-    ok = eager[eager["status"] == "ok"]
     parts = []
     if ooms.empty:
-        parts.append("No configuration of the grid ran out of memory on this device.")
+        parts.append(f"No configuration of the grid ran out of memory on the {eager['device_name'].iloc[0]}.")
     else:
         first = ooms.iloc[0]
         square = first["square_matrix_bytes"] / 2**30
@@ -55,13 +120,17 @@ def render_attention(ctx: Context) -> Section:
                 f"×{q.derive(growth, '.1f', 'growth of memory before backward')} "
                 f"({prev['memory before backward (MiB)']:.0f} → {largest['memory before backward (MiB)']:.0f} MiB at "
                 f"d={largest['d']}), while the inputs grow only ×{factor}.")
+        checked += _memory_working(q, measured)
+    else:
+        checked.append("The memory columns are measured on a GPU only (pending: `snakemake results/attention.csv "
+                       "--cores all --resources gpu=1`); the formulas' columns stand alone.")
     parts += checked
     parts.append(
         "The seq² term disappears if the softmax matrix is never stored: FlashAttention-2 computes attention "
         "tile by tile with an online softmax, keeps only the per-row logsumexp L (seq floats) for backward "
         "and recomputes P from Q, K and L there, trading a second pass of matrix products for O(seq) memory.")
     return Section([*parts, ctx.table("attention"), ctx.figure("attention_memory", "attention memory")], table,
-                   checked, q.derived)
+                   checked, q.derived, wording=("3", "8", "4", "2", "80", "81920", "1024"))
 
 
 def render_attention_compile(ctx: Context) -> Section:
@@ -97,102 +166,53 @@ def render_flash_correctness(ctx: Context) -> Section:
     frame = ctx.frame("flash_correctness")
     table = tables.flash_correctness(frame)
     q = Quotes(table)
-    skipped = table.loc[table["outcome"] == "skipped", "test"]
-    count = q.derive(lambda t: (t["outcome"] == "skipped").sum(), "d", "tests skipped")
+    skipped = table.loc[table["skipped"] == table["runs"], "test"]
+    count = q.derive(lambda t: (t["skipped"] == t["runs"]).sum(), "d", "tests skipped")
     aside = f" ({count} skipped: {', '.join(skipped)})" if len(skipped) else ""
-    text = (f"{q.derive(lambda t: (t['outcome'] == 'passed').sum(), 'd', 'tests passed')} of "
-            f"{q.derive(len, 'd', 'tests run')} tests of `tests/test_flash.py` passed{aside} on "
-            f"{frame['device_name'].iloc[0]}: "
+    repeats = int(table["runs"].max())
+    fresh = (f" in each of their {q.derive(lambda t: t['runs'].max(), 'd', 'runs per test')} runs, every run on "
+             f"fresh random inputs" if repeats > 1 else " in one run each")
+    text = (f"{q.derive(lambda t: (t['passed'] == t['runs']).sum(), 'd', 'tests passed every run')} of "
+            f"{q.derive(len, 'd', 'tests')} tests of `tests/test_flash.py` passed{fresh}{aside} on "
+            f"{frame['device_name'].iloc[0]} ({q.derive(lambda t: t['passed'].sum(), 'd', 'runs passed')} of "
+            f"{q.derive(lambda t: t['runs'].sum(), 'd', 'runs')} runs passed): "
             "O, L, dQ, dK and dV of both implementations against a float64 reference, causal and not, lengths "
             "from 1 to 100 (up to 1000 on a GPU) and rectangular cases, with and without a heads dimension, float32 "
             "(relative error < 1e-4) and 16-bit (error within 2× of PyTorch's own attention in the same dtype; "
             "bfloat16 on a GPU only).")
+    if not table["test"].str.contains("cpu").any() and "cpu" not in frame["device_name"].iloc[0]:
+        text += " The CPU-device cases of the file run in the test suite instead, on every push."
+    if repeats == 1:
+        text += (" Pending: the repeated runs on fresh inputs, `snakemake results/flash_correctness.csv "
+                 "results/flash_accuracy.csv --cores all --resources gpu=1 --forcerun flash_correctness`.")
     # what the test file covers is its own wording, not results
     return Section([text, ctx.table("flash_correctness")], table, [text], q.derived,
                    wording=("1", "100", "1000", "1e-4", "16", "2"))
 
 
-def render_flash_sweep(ctx: Context) -> str:
-    frame = ctx.frame("flash_sweep")
-    ok = frame[(frame["status"] == "ok") & (frame["pass"] == "forward_backward")]
-    wide = ok.pivot_table(index=["dtype", "head_dim", "seq_len"], columns="provider", values="median_ms")
-    parts = []
-    if {"flash_triton", "naive"} <= set(wide.columns):
-        both = wide[["flash_triton", "naive"]].dropna()
-        ratio = both["naive"] / both["flash_triton"]
-        parts.append(f"Naive PyTorch attention takes {ratio.min():.3g}–{ratio.max():.3g}× the time of our Triton "
-                     f"FlashAttention-2 (forward+backward) where both run; naive attention runs out of "
-                     f"memory at {int((frame[(frame['provider'] == 'naive')]['status'] == 'oom').sum() // 3)} of the "
-                     f"grid's cases, ours at "
-                     f"{int((frame[(frame['provider'] == 'flash_triton')]['status'] == 'oom').sum() // 3)}.")
-    if {"flash_triton", "sdpa_flash"} <= set(wide.columns):
-        both = wide[["flash_triton", "sdpa_flash"]].dropna()
-        ratio = both["flash_triton"] / both["sdpa_flash"]
-        faster = int((ratio < 1).sum())
-        seqs = ratio.index.get_level_values("seq_len")
-        # The shortest length from which ours is faster at every longer length and head dim.
-        behind = seqs[ratio.values >= 1]
-        crossover = seqs[seqs > behind.max()].min() if len(behind) else seqs.min()
-        parts.append(f"Against PyTorch SDPA's flash backend (16-bit only) ours takes {ratio.min():.2f}–"
-                     f"{ratio.max():.2f}× its time (median {ratio.median():.2f}×) and is faster in {faster} of "
-                     f"{len(ratio)} cases.")
-        if crossover == crossover:  # not NaN: some length from which ours always wins
-            long = ratio[seqs >= crossover]
-            ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")]
-            short_backward = ours[(ours["pass"] == "backward") & (ours["seq_len"] <= 1024)]["median_ms"].median()
-            parts[-1] += (f" From {crossover} tokens on ours is faster at every head dim (median "
-                          f"{long.median():.2f}× SDPA flash's time). Below that, with batch 1 and one head, both "
-                          f"are bound by fixed per-call costs, and ours pays more of them: at ≤ 1024 tokens our "
-                          f"backward alone takes a median {short_backward:.2f} ms "
-                          f"(three launches through Triton's Python launcher, two of them autotuned, where SDPA "
-                          f"makes one call from C++).")
-        else:
-            parts[-1] += " Ours is not faster at every head dim at any length of the grid."
-    parts.append(_flash_float32(frame, wide))
-    parts.append(_flash_coverage(ctx, frame))
-    best = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")].sort_values("tflops").iloc[-1]
-    parts.append(f"Our best throughput is {best['tflops']:.0f} TFLOP/s ({best['pass']}, {best['dtype']}, "
-                 f"d={best['head_dim']}, seq={best['seq_len']}).")
-    return "\n\n".join([*parts, ctx.figure("flash_latency", "latency"), ctx.figure("flash_tflops", "TFLOP/s"),
-                         ctx.table("flash_sweep")])
-
-
-def _flash_float32(frame: pd.DataFrame, wide: pd.DataFrame) -> str:
-    """How ours does where PyTorch's fused backends do not run (float32), and its backward over forward."""
-    ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok") & (frame["seq_len"] >= 8192)]
-    by_pass = ours.pivot_table(index=["dtype", "head_dim", "seq_len"], columns="pass", values="median_ms")
-    text = []
-    if "fp32" in set(wide.index.get_level_values("dtype")) and {"flash_triton", "naive"} <= set(wide.columns):
-        both = wide.xs("fp32", level="dtype")[["flash_triton", "naive"]].dropna()
-        ratio = (both["naive"] / both["flash_triton"])[both.index.get_level_values("seq_len") >= 8192]
-        if len(ratio):
-            fp32 = frame[(frame["dtype"] == "fp32") & (frame["provider"] == "flash_triton")]
-            commits = ", ".join(sorted(fp32["git_commit"].str[:7].unique()))
-            dots = (", ".join(sorted(fp32["float32_dot"].dropna().unique())) if "float32_dot" in fp32 else "")
-            text.append(f"In float32 (our kernels at {commits}" + (f", {dots} dots" if dots else "")
-                        + f"; SDPA's flash and cuDNN backends take 16-bit inputs only) naive attention takes "
-                        f"{ratio.min():.2f}–{ratio.max():.2f}× our forward+backward time from 8192 tokens on.")
-    if {"forward", "backward"} <= set(by_pass.columns):
-        ratio = (by_pass["backward"] / by_pass["forward"]).groupby(level="dtype").median()
-        text.append("From 8192 tokens on our backward takes a median "
-                    + ", ".join(f"{r:.1f}× our forward in {dtype}" for dtype, r in ratio.items())
-                    + " (FlashAttention-2's backward does 2.5× the forward's matrix FLOPs: five products "
-                      "against two).")
-    return " ".join(text)
-
-
-def _flash_coverage(ctx: Context, frame: pd.DataFrame) -> str:
-    """Which (dtype, head dim) sweeps have rows, and where the missing ones' logs are."""
-    dims = frame.groupby("dtype")["head_dim"].unique()
-    every = sorted(frame["head_dim"].unique())
-    measured = (f"{dtype} at d = {', '.join(map(str, sorted(d)))}" for dtype, d in dims.items())
-    text = "Measured: " + "; ".join(measured) + "."
-    for dtype, present in dims.items():
-        for d in (d for d in every if d not in present):
-            name = f"flash_benchmark/{dtype}_d{d}"
-            text += f" {dtype} at d = {d} has no rows" + (
-                f": its run did not finish (`logs/{name}.log` shows how far it got)." if ctx.log(name) else ".")
-    return text
+def render_flash_accuracy(ctx: Context) -> Section:
+    frame = ctx.frame("flash_accuracy")
+    table = tables.flash_accuracy(frame)
+    q = Quotes(table)
+    ratio = lambda t: column_values(t, "ours ÷ SDPA")  # noqa: E731
+    backends = ", ".join(sorted(set(table["SDPA backend"])))
+    factor, slack = frame["allowed_factor"].iloc[0], frame["allowed_slack"].iloc[0]  # the check's own limits
+    text = (f"bfloat16 against float64, beside PyTorch's SDPA ({backends} backend) on the same inputs: our error "
+            f"is {q.derive(lambda t: ratio(t).min(), '.2f', 'least ratio')}–"
+            f"{q.derive(lambda t: ratio(t).max(), '.2f', 'largest ratio')}× SDPA's (median "
+            f"{q.derive(lambda t: ratio(t).median(), '.2f', 'median ratio')}×) over every implementation, case and "
+            f"output; the worst, {q.derive(lambda t: t['ours'].max(), '.2e', 'largest error')}, "
+            f"against SDPA's worst {q.derive(lambda t: t['SDPA'].max(), '.2e', 'largest SDPA error')}. "
+            f"The check fails where ours exceeds {factor:g}× SDPA's plus {slack:g} (averaged over seeds); it passed. "
+            "Relative error is ‖x − x₆₄‖ / ‖x₆₄‖, x₆₄ from float64 autograd through naive attention on the same "
+            "bfloat16-rounded inputs, so only the computation's rounding counts. Where the backend is math (CPU), "
+            "SDPA computes in float32 internally and rounds once at the end, a stricter bar than a bfloat16 "
+            "FlashAttention kernel, which also uses the bfloat16 output O in the backward's rowsum(dO ∘ O).")
+    if "flash_triton" not in set(table["implementation"]):
+        text += " Our Triton kernels are not in these rows: on the CPU they run in Triton's interpreter, which "
+        text += "cannot multiply bfloat16 (GPU rows: `snakemake results/flash_accuracy.csv --cores all --resources gpu=1`)."
+    return Section([text, ctx.table("flash_accuracy")], table, [text], q.derived,
+                   wording=("64", f"{factor:g}", f"{slack:g}", "16"))
 
 
 def _fitting(rows: pd.DataFrame, limit: int = 232448) -> str:
@@ -204,17 +224,35 @@ def _fitting(rows: pd.DataFrame, limit: int = 232448) -> str:
         for kernel, group in d128.groupby("kernel", sort=False)) or "none measured"
 
 
-def render_flash_resources(ctx: Context) -> str:
+def _spill_counts(table: pd.DataFrame, case: str) -> tuple[int, int]:
+    """(configs that spill, configs compiled) over the resources table's columns of one case: 'bf16',
+    'fp32 ieee', 'fp32 tf32x3' (each column is '<case> d=<head dim>'; cells 'registers / spilled bytes')."""
+    columns = [c for c in table.columns if c.rsplit(" d=", 1)[0] == case]
+    cells = [str(cell) for c in columns for cell in table[c] if " / " in str(cell)]
+    return sum(int(cell.split(" / ")[1]) > 0 for cell in cells), len(cells)
+
+
+def render_flash_resources(ctx: Context) -> Section:
     frame = ctx.frame("flash_resources")
+    table = tables.flash_resources(frame)
+    q = Quotes(table)
     ok = frame[frame["status"] == "ok"]
-    parts = [f"Each kernel compiled by Triton {frame['triton_version'].iloc[0]} for {frame['arch'].iloc[0]} (H100 "
+    version = frame["triton_version"].iloc[0]
+    intro = (f"Each kernel compiled by Triton {version} for {frame['arch'].iloc[0]} (H100 "
              f"and H200) on a machine without a GPU; `ptxas -v` reports the registers per thread and the bytes a "
              f"thread spills to local memory, which lives in DRAM behind the L1 cache. "
-             f"`python -m cs336_systems.bench.kernel_resources` compiles any other tile the same way."]
+             f"`python -m cs336_systems.bench.kernel_resources` compiles any other tile the same way.")
+    checked = []
+
+    def counted(case: str, which: int):
+        return lambda t: _spill_counts(t, case)[which]
+
     for (dtype, dot), rows in ok.groupby(["dtype", ok.get("dot", pd.Series("", index=ok.index))], sort=False):
         spilled = rows[rows["spill_store_bytes"] > 0]
-        label = f"{dtype} ({dot} dots)" if dtype == "fp32" and dot else dtype
-        text = f"{label}: {len(spilled)} of {len(rows)} compiled configs spill"
+        case = f"{dtype} {dot}" if dtype == "fp32" and isinstance(dot, str) and dot else dtype
+        label = f"{dtype} ({dot} dots)" if case != dtype else dtype
+        text = (f"{label}: {q.derive(counted(case, 0), 'd', f'{case} configs that spill')} of "
+                f"{q.derive(counted(case, 1), 'd', f'{case} configs')} compiled configs spill")
         if len(spilled):
             worst = spilled.sort_values("spill_store_bytes").iloc[-1]
             clean_dims = sorted(set(rows["head_dim"]) - set(spilled["head_dim"]))
@@ -222,23 +260,29 @@ def render_flash_resources(ctx: Context) -> str:
                      f"{worst['outer']}×{worst['inner']} with {worst['warps']} warps, d={worst['head_dim']})")
             if clean_dims:
                 text += f"; none at d = {', '.join(map(str, clean_dims))}"
-        parts.append(text + ".")
+        checked.append(text + ".")
     if "dot" in ok and {"ieee", "tf32x3"} <= set(ok["dot"]):
         fp32 = ok[ok["dtype"] == "fp32"]
         spills = fp32.groupby("dot")["spill_store_bytes"]
-        parts.append(
+        checked.append(
             f"Float32 with IEEE dots (FMAs on the CUDA cores, operands held in registers): "
-            f"{(spills.get_group('ieee') > 0).sum()} of {spills.get_group('ieee').size} configs spill, up to "
+            f"{q.derive(counted('fp32 ieee', 0), 'd', 'ieee configs that spill')} of "
+            f"{q.derive(counted('fp32 ieee', 1), 'd', 'ieee configs')} configs spill, up to "
             f"{spills.get_group('ieee').max():,} B per thread. With tf32x3 dots (three TF32 tensor-core products "
-            f"per dot, the kernels' float32 path now): {(spills.get_group('tf32x3') > 0).sum()} of "
-            f"{spills.get_group('tf32x3').size}, up to {spills.get_group('tf32x3').max():,} B. tf32x3 stages "
+            f"per dot, the kernels' float32 path now): "
+            f"{q.derive(counted('fp32 tf32x3', 0), 'd', 'tf32x3 configs that spill')} of "
+            f"{q.derive(counted('fp32 tf32x3', 1), 'd', 'tf32x3 configs')}, up to "
+            f"{spills.get_group('tf32x3').max():,} B. tf32x3 stages "
             f"float32 operands in shared memory instead, so at d=128 only these float32 configs fit in the "
             f"H100's 227 KiB per block (the 2-stage ones are the float32-only tiles): "
             f"{_fitting(fp32[fp32['dot'] == 'tf32x3'])}.")
     errors = frame[frame["status"] != "ok"]
     if len(errors):
-        parts.append(f"{len(errors)} configs did not compile (rows with status=error).")
-    return "\n\n".join([*parts, ctx.table("flash_resources")])
+        checked.append(f"{q.derive(lambda t: t.isin(['error']).to_numpy().sum(), 'd', 'configs in error')} "
+                       "configs did not compile (rows with status=error).")
+    # the Triton version and the shared memory per block belong to the sentence, not to the table
+    return Section([intro, *checked, ctx.table("flash_resources")], table, checked, q.derived,
+                   wording=("227", "2", "3", str(version)))
 
 
 def render_leaderboard(ctx: Context) -> Section:
@@ -274,7 +318,13 @@ DELIVERABLES = [
     Deliverable("1.3.2 flash_forward / flash_backward: correctness", "flash_correctness", render_flash_correctness,
                 ("flash_correctness",),
                 tables=(Table("flash_correctness", "flash_correctness", tables.flash_correctness,
-                              "FlashAttention-2 tests (tests/test_flash.py) run on the device"),)),
+                              "FlashAttention-2 tests (tests/test_flash.py) run on the device: runs passed, "
+                              "each repeat on fresh random inputs"),)),
+    Deliverable("1.3.2 flash accuracy: bfloat16 errors against SDPA's", "flash_correctness",
+                render_flash_accuracy, ("flash_accuracy",),
+                tables=(Table("flash_accuracy", "flash_accuracy", tables.flash_accuracy,
+                              "bfloat16 relative error against float64 (mean over seeds): ours and PyTorch SDPA's "
+                              "on the same inputs (cs336_systems/bench/flash_accuracy.py)"),)),
     Deliverable("1.3.2 (e) flash_benchmarking", "flash_benchmark", render_flash_sweep, ("flash_sweep",),
                 tables=(Table("flash_sweep", "flash_sweep", tables.flash_sweep,
                               "FlashAttention-2 benchmark, batch 1, causal: median ms (triton.testing.do_bench)"),),
