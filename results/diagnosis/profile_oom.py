@@ -44,7 +44,7 @@ for hold in (True, False):
     config = ProfileConfig(sizes=(args.size,), context_lengths=(args.context_length,), batch_size=args.batch_size,
                            warmup=2, steps=1, device=args.device, tool="torch", hold_previous_graph=hold)
     found = pd.DataFrame(profile_rows(config))
-    harness = found[found["kind"] == "harness"].set_index("phase")["peak_memory_mib"] if "kind" in found else {}
+    harness = found[found["kind"] == "harness"].set_index("phase")["peak_memory_mib"] if "kind" in found and "phase" in found else {}
     rows.append({"run": "profile, hold_previous_graph" if hold else "profile, fixed", **point,
                  "status": found["status"].iloc[0], "error": found.get("error", pd.Series([""])).iloc[0],
                  **{f"{phase} peak (MiB)": harness.get(phase) for phase in ("forward", "backward", "optimizer")}})
