@@ -122,8 +122,43 @@ def render_sharding(ctx: Context) -> Section:
     return Section([*parts, ctx.table("sharding")], table, checked, q.derived)
 
 
+def correctness_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per test of the correctness runs: passed/run, failures, skips and the seed shifts."""
+    return pd.DataFrame({"test": frame["test"], "passed / run": [f"{p}/{n}" for p, n in zip(frame["passed"], frame["runs"])],
+                         "failed": frame["failed"], "skipped": frame["skipped"],
+                         "seed shifts": frame["seed_shifts"].astype(str)})
+
+
+def render_correctness(ctx: Context) -> Section:
+    frame = ctx.frame("ddp_correctness")
+    table = correctness_table(frame)
+    q = Quotes(table)
+
+    def total(column: str):
+        def formula(t: pd.DataFrame) -> float:
+            pairs = t["passed / run"].str.split("/", expand=True).astype(int)
+            return float(pairs[0 if column == "passed" else 1].sum())
+        return formula
+
+    passed = q.derive(total("passed"), ".0f", "runs passed, all tests")
+    runs = q.derive(total("runs"), ".0f", "runs, all tests")
+    failing = frame.loc[frame["failed"] > 0, "test"].tolist()
+    text = (f"Correctness, rerun with fresh seeds (cs336_systems.bench.ddp_correctness: each run of the tests "
+            f"shifts every seed by the run's number, so other initial weights and batches each time): {passed} of "
+            f"{runs} test runs passed. Each wrapper test trains a toy model with a tied and a frozen layer on 2 gloo "
+            f"ranks and compares every parameter with one process trained on the full batch (naive DDP's weights-"
+            f"match check is `test_wrapper_matches_single_process[naive]`); the sharded-optimizer tests compare with "
+            f"an unsharded AdamW. "
+            + (f"Failing: {', '.join(f'`{t}`' for t in failing)}." if failing else "None failed."))
+    return Section([text, ctx.table("ddp_correctness")], table, [text], q.derived, wording=("2",))
+
+
 DELIVERABLES = [
     Deliverable("3 optimizer_state_sharding_accounting (a–c)", "ddp_benchmark", render_sharding, ("sharding",),
                 tables=(Table("sharding", "sharding", sharding_table,
                               "Memory and step time with and without optimizer-state sharding"),)),
+    Deliverable("3, continued: correctness of the DDP wrappers and the sharded optimizer", "ddp_correctness",
+                render_correctness, ("ddp_correctness",),
+                tables=(Table("ddp_correctness", "ddp_correctness", correctness_table,
+                              "DDP-wrapper and sharded-optimizer tests, each run with fresh seeds (CPU, gloo, 2 ranks)"),)),
 ]
