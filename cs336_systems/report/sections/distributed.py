@@ -506,7 +506,9 @@ def render_traces(ctx: Context) -> str:
     frame = ctx.frame("ddp_overlap")
     parts = ["Each figure is drawn from a PyTorch-profiler trace of one training step on rank 0 (the handout asks "
              "for Nsight screenshots; Nsight Systems cannot make reports on our machines): the backward range, "
-             "compute work and gradient communication on one time axis."]
+             "compute work and gradient communication on one time axis. The trace's own measure of exposed "
+             "communication is the communication time during which no compute kernel runs; the bench's is the "
+             "compute stream's wait for the gradients after backward (2.2, 2.3 tables)."]
     for _, row in frame.iterrows():
         host = ""
         if "collectives_in_backward" in row and pd.notna(row["collectives_in_backward"]):
@@ -519,9 +521,24 @@ def render_traces(ctx: Context) -> str:
             else:
                 host = (f" The host launched {int(row['collectives_in_backward'])} collectives during the backward "
                         f"range and spent {row['host_collective_ms_in_backward']:.1f} ms inside those calls; {busy}")
-        parts.append(f"`{row['trace']}`: {row['communication_ms']:.1f} ms of communication, "
-                     f"{row['overlap_with_backward']:.0%} of it during the backward pass.{host}")
+        exposed = ""
+        if "exposed_communication_ms" in row and pd.notna(row["exposed_communication_ms"]):
+            exposed = (f" Exposed (no compute kernel running): {row['exposed_communication_ms']:.1f} ms in the step, "
+                       f"{row['exposed_in_backward_ms']:.1f} ms of it in backward.")
+        if "compute_kernel_ms_in_backward" in row and pd.notna(row["compute_kernel_ms_in_backward"]):
+            exposed += (f" Compute kernels in backward sum to {row['compute_kernel_ms_in_backward']:.1f} ms; "
+                        f"{row['comm_after_backward_ms']:.1f} ms of communication runs after backward.")
+        if row["communication_ms"] == 0:
+            parts.append(f"`{row['trace']}`: no communication (the compute baseline).{host}")
+        else:
+            parts.append(f"`{row['trace']}`: {row['communication_ms']:.1f} ms of communication, "
+                         f"{row['overlap_with_backward']:.0%} of it during the backward pass.{exposed}{host}")
         parts.append(ctx.figure(f"ddp_traces/{row['trace']}", row["trace"]))
+    if "compute_kernel_ms_in_backward" not in frame:
+        parts.append("These traces predate the per-variant columns (exposed communication, compute-kernel time in "
+                     "backward, communication after backward, host time per collective) and cover only naive and "
+                     "individual in bf16; traces of none, naive, individual, bucketed (1 and 500 MB) and torch DDP in "
+                     f"bf16 and fp32, which answer 2.2's fp32 question, are pending: `{RERUN}`.")
     return "\n\n".join(parts)
 
 
