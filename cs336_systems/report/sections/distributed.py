@@ -513,7 +513,8 @@ def render_traces(ctx: Context) -> str:
         host = ""
         if "collectives_in_backward" in row and pd.notna(row["collectives_in_backward"]):
             busy = (f"GPU kernels cover {row['gpu_busy_in_backward']:.0%} of the {row['backward_ms']:.1f} ms "
-                    f"backward range.")
+                    f"backward range." if pd.notna(row["gpu_busy_in_backward"])
+                    else f"the backward range takes {row['backward_ms']:.1f} ms.")
             if row["collectives_in_backward"] == 0 and row["overlap_with_backward"] > 0:
                 # communication kernels ran during backward, so some thread issued them unseen
                 host = (" No collective call appears on the threads this trace records (they were issued from a "

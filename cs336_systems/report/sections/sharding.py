@@ -71,22 +71,28 @@ def render_sharding(ctx: Context) -> Section:
         if not {(precision, "individual"), (precision, "individual+sharded")} <= set(ok.index):
             continue
         plain, sharded = "individual", "individual+sharded"
-        text = (f"{precision}: peak memory during forward+backward {v(precision, plain, mem)} MiB without sharding "
-                f"and {v(precision, sharded, mem)} MiB with ours "
-                f"({versus(precision, sharded, plain, mem, '+.0f', f'{precision} sharded peak over plain')} MiB). "
-                f"By the formula parameters take {v(precision, plain, 'params by formula (MiB)')} MiB, gradients "
-                f"{v(precision, plain, 'grads by formula (MiB)')} MiB and AdamW's moments "
-                f"{v(precision, plain, 'AdamW state by formula (MiB)')} MiB, of which each rank keeps "
-                f"{v(precision, sharded, 'AdamW state by formula (MiB)')} MiB when sharded; the rest of the peak is "
-                f"activations and temporaries.")
-        if phase_peaks:
-            text += (f" The optimizer step's own peak: {v(precision, plain, 'peak of the step (MiB)')} MiB unsharded, "
-                     f"{v(precision, sharded, 'peak of the step (MiB)')} MiB with ours (its chunked all-gather "
-                     f"stages the updated shards).")
+        measured = pd.notna(ok.loc[(precision, plain), "peak_before_step_mib"])  # allocator statistics: CUDA only
+        formula = (f"By the formula parameters take {v(precision, plain, 'params by formula (MiB)')} MiB, gradients "
+                   f"{v(precision, plain, 'grads by formula (MiB)')} MiB and AdamW's moments "
+                   f"{v(precision, plain, 'AdamW state by formula (MiB)')} MiB, of which each rank keeps "
+                   f"{v(precision, sharded, 'AdamW state by formula (MiB)')} MiB when sharded")
+        if measured:
+            text = (f"{precision}: peak memory during forward+backward {v(precision, plain, mem)} MiB without sharding "
+                    f"and {v(precision, sharded, mem)} MiB with ours "
+                    f"({versus(precision, sharded, plain, mem, '+.0f', f'{precision} sharded peak over plain')} MiB). "
+                    f"{formula}; the rest of the peak is activations and temporaries.")
+            if phase_peaks:
+                text += (f" The optimizer step's own peak: {v(precision, plain, 'peak of the step (MiB)')} MiB "
+                         f"unsharded, {v(precision, sharded, 'peak of the step (MiB)')} MiB with ours (its chunked "
+                         f"all-gather stages the updated shards).")
+        else:
+            text = f"{precision}: memory is not measured on this device (the allocator's statistics are CUDA's). {formula}."
         zero = "torch_ddp+zero"
         if (precision, zero) in ok.index:
-            text += (f" torch's ZeroRedundancyOptimizer over torch DDP peaks at {v(precision, zero, mem)} MiB in "
-                     f"forward+backward (torch DDP keeps its own gradient buckets besides the gradients). Step time "
+            if measured:
+                text += (f" torch's ZeroRedundancyOptimizer over torch DDP peaks at {v(precision, zero, mem)} MiB in "
+                         f"forward+backward (torch DDP keeps its own gradient buckets besides the gradients).")
+            text += (f" Step time "
                      f"(median): {v(precision, sharded, step, '.1f')} ms for ours, {v(precision, zero, step, '.1f')} ms "
                      f"for torch's ({versus(precision, sharded, zero, step, '.2f', f'{precision} ours over ZeRO', True)}×), "
                      f"{v(precision, plain, step, '.1f')} ms without sharding. The optimizer phase, where sharding acts "
@@ -97,7 +103,7 @@ def render_sharding(ctx: Context) -> Section:
         for config in sorted(c for p, c in ok.index if p == precision and specs[c].optimizer_sharding == "sharded"
                              and c != sharded):
             text += (f" With {specs[config].wrapper} DDP under our sharded optimizer: {v(precision, config, step, '.1f')} "
-                     f"ms, peak {v(precision, config, mem)} MiB.")
+                     f"ms" + (f", peak {v(precision, config, mem)} MiB." if measured else "."))
         reference = zero if (precision, zero) in ok.index else plain
         ref = ok.loc[(precision, reference)]
         if ref.get("rounds", 1) > 1:
