@@ -7,7 +7,8 @@ import pandas as pd
 
 from cs336_systems.distributed.sharded_optimizer import GATHER_BUCKET_MB
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
-from cs336_systems.report.sections.distributed import RERUN, ddp_specs
+from cs336_systems.report.ddp_analysis import RERUN
+from cs336_systems.report.sections.distributed import ddp_specs
 from cs336_systems.report.tables import round_medians
 
 
