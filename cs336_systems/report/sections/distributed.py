@@ -258,7 +258,16 @@ def render_ddp_individual(ctx: Context) -> Section:
                 f"{label}: step {cell(table, precision, c, 'step median (ms)'):.1f} ms "
                 f"({over_torch(precision, c)}× torch DDP's), forward+backward "
                 f"{cell(table, precision, c, 'forward+backward (ms)'):.1f} ms" for c, label in variants) + ".")
-    return Section([parts[0], *checked, ctx.table("ddp_individual")], table, checked, q.derived,
+    waiting = [] if "timer" in frame else [
+        "What the rerun with compute-stream events will tell (it replaces the conclusions above on overlap): for "
+        "each variant, forward+backward as the compute stream ran it and the exposed wait after it, beside `none` "
+        "of the same run. If overlapping hides the communication, individual's forward+backward stays near none's "
+        "and its wait is only the last gradients' all-reduces; if the all-reduces slow the backward (SMs and memory "
+        "bandwidth shared with NCCL, or the host's time per collective call in a host-bound step), forward+backward "
+        "grows by about the communication time; if they are queued behind each other, the wait grows instead. The "
+        "traces of 2.3(b) (compute-kernel time in backward, exposed communication, host time per collective) say "
+        "which of the causes it is."]
+    return Section([parts[0], *checked, *waiting, ctx.table("ddp_individual")], table, checked, q.derived,
                    wording=("1",))  # torch DDP's 1 MB buckets, named in a variant's label
 
 
