@@ -48,7 +48,7 @@ def missing_world_sizes(table: pd.DataFrame) -> str:
     return (f"Gap: NCCL with {names} processes is not measured (no machine with that many GPUs was lent). To fill it "
             f"on a node with {max(counts)} GPUs: set `allreduce.nccl_world_sizes` in config.yaml to "
             f"`{[int(n) for n in sorted(by_backend.get('nccl', set()) | wanted)]}` and run "
-            f"`snakemake --cores 1 --resources gpu={max(counts)} results/allreduce.csv`.")
+            f"`snakemake results/allreduce.csv --forcerun allreduce --cores 1 --resources gpu={max(counts)}`.")
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,8 @@ def render_ddp_naive(ctx: Context) -> Section:
         if burst is None:
             text += (" Each call's o was timed alone (latency included); naive DDP issues its all-reduces back to back, "
                      "so consecutive calls overlap their latency and the prediction overstates: the per-call cost of "
-                     "a burst of back-to-back all-reduces is pending (`snakemake --cores 1 --resources gpu=2 "
-                     "results/allreduce.csv`, burst rows).")
+                     "a burst of back-to-back all-reduces is pending (`snakemake results/allreduce.csv --forcerun allreduce "
+                     "--cores 1 --resources gpu=2`, burst rows).")
         else:
             ob, wb = burst
             text += (f" Fitted instead to bursts of back-to-back all-reduces (time per call, as naive DDP issues them): "
