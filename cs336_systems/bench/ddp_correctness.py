@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     for shift in range(1, args.repeats + 1):
         print(f"[{shift}/{args.repeats}] {SEED_ENV}={shift}", file=sys.stderr, flush=True)
         runs.append((shift, run_once(args.tests, args.select, shift, args.timeout_s)))
-    rows = [{**row, "select": args.select or "", **provenance("cpu")} for row in count(runs)]
-    write_rows(rows, args.out)
+        # the counts so far, rewritten after every repeat: a run stopped early keeps what it measured
+        rows = [{**row, "select": args.select or "", **provenance("cpu")} for row in count(runs)]
+        write_rows(rows, args.out)
 
 
 if __name__ == "__main__":
