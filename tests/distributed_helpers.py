@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 
 from cs336_systems.distributed.launch import run_distributed
 
-__all__ = ["ToyModelWithTiedAndFrozen", "run_distributed"]
+__all__ = ["ToyModelWithTiedAndFrozen", "run_distributed", "seed"]
+
+
+def seed(base: int) -> int:
+    """A test's seed: base, shifted by $CS336_TEST_SEED (0 when unset), so that the correctness rule
+    (cs336_systems.bench.ddp_correctness) can rerun the same tests on fresh weights and batches."""
+    return base + 1000 * int(os.environ.get("CS336_TEST_SEED", "0"))
 
 
 class ToyModelWithTiedAndFrozen(nn.Module):

@@ -26,7 +26,7 @@ from tests.adapters import (
     get_ddp_bucketed,
     get_ddp_individual_parameters,
 )
-from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed
+from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed, seed
 
 WRAPPERS = {
     "naive": (lambda m: DDPNaive(m), lambda ddp, opt: ddp.finish_gradient_synchronization()),
@@ -47,7 +47,7 @@ WRAPPERS = {
 
 def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gloo", compiled: bool = False) -> None:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    torch.manual_seed(100 + rank)  # different initial weights on every rank
+    torch.manual_seed(seed(100) + rank)  # different initial weights on every rank
     model = ToyModelWithTiedAndFrozen().to(device)
     reference = ToyModelWithTiedAndFrozen().to(device)  # eager, given rank 0's weights below
     if compiled:  # AOTAutograd: the backward is one compiled function that hands out every gradient at its end
@@ -59,7 +59,7 @@ def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gl
     frozen_before = model.frozen.weight.detach().clone()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
-    data = torch.Generator().manual_seed(7)  # the same batches on every rank
+    data = torch.Generator().manual_seed(seed(7))  # the same batches on every rank
     for step in range(6):
         x, y = torch.randn(8, 10, generator=data).to(device), torch.randn(8, 5, generator=data).to(device)
         if name.startswith("bucketed"):

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 
 from cs336_systems.distributed import DDPIndividualParameters, ShardedOptimizer
 from tests.adapters import get_sharded_optimizer
-from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed
+from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed, seed
 
 
 def _compare(rank: int, world_size: int, late_group: bool, gather_bucket_mb: float) -> None:
-    torch.manual_seed(0)  # the same model on every rank
+    torch.manual_seed(seed(0))  # the same model on every rank
     model = ToyModelWithTiedAndFrozen()
     reference = copy.deepcopy(model)
     kwargs = dict(lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
@@ -23,7 +23,7 @@ def _compare(rank: int, world_size: int, late_group: bool, gather_bucket_mb: flo
     optimizer = get_sharded_optimizer(first, torch.optim.AdamW, **kwargs)
     optimizer.gather_bucket_mb = gather_bucket_mb
     ref_optimizer = torch.optim.AdamW(ref_first, **kwargs)
-    data = torch.Generator().manual_seed(3)
+    data = torch.Generator().manual_seed(seed(3))
     for step in range(10):
         if late_group and step == 3:  # e.g. unfreezing layers during training
             rest = [p for n, p in model.named_parameters() if not n.startswith("fc1")]
@@ -64,7 +64,7 @@ def test_sharded_adamw_equals_adamw(late_group, gather_bucket_mb):
 
 def _mixed_dtypes(rank: int, world_size: int) -> None:
     """Parameters of two dtypes (one stream each, gathered in chunks that cut them), against AdamW."""
-    generator = torch.Generator().manual_seed(11)
+    generator = torch.Generator().manual_seed(seed(11))
     shapes = [((7, 3), torch.float32), ((5,), torch.float64), ((11,), torch.float32), ((2, 2), torch.float64),
               ((0,), torch.float32), ((9, 4), torch.float64)]
     params = [torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype)) for shape, dtype in shapes]
@@ -89,13 +89,13 @@ def test_sharded_adamw_mixed_dtypes():
 
 def _with_ddp(rank: int, world_size: int) -> None:
     """Sharded optimizer behind a DDP wrapper: equal to single-process AdamW on the full batch."""
-    torch.manual_seed(rank)
+    torch.manual_seed(seed(0) + rank)
     model = ToyModelWithTiedAndFrozen()
     ddp = DDPIndividualParameters(model)
     reference = copy.deepcopy(model)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.05)
-    data = torch.Generator().manual_seed(5)
+    data = torch.Generator().manual_seed(seed(5))
     for _ in range(5):
         x, y = torch.randn(8, 10, generator=data), torch.randn(8, 5, generator=data)
         optimizer.zero_grad()

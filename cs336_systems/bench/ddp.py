@@ -9,10 +9,21 @@ torch_ddp; individual-thread and bucketed-thread:MB issue their all-reduces from
 of the gradient hooks (for comparison); sharding none (default, AdamW), sharded (ours, ZeRO-1) or zero
 (torch's ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
 Per step it times forward+backward, the wait for gradient communication that did not overlap the
-backward pass (all of it for naive and flat), and the optimizer step, with synchronization around
-each; it records memory after initialisation, and the allocated memory and each phase's own peak
-(the peak statistics are reset before forward+backward and again before the optimizer step) just
-before and just after the optimizer step. Kinds fsdp (ours) and torch_fsdp2 (torch's fully_shard)
+backward pass (all of it for naive and flat), and the optimizer step. On a GPU the phases are CUDA
+events recorded on the compute stream, with no synchronization between them (column timer=cuda_events):
+the event after backward marks when the compute stream finished backward, and the one after
+finish_gradient_synchronization (whose wait makes the compute stream wait for the NCCL stream) marks
+when the gradients were ready, so the time between them is the communication left exposed. (Rows
+without a timer column were timed with a device-wide synchronize after backward, which also waits for
+the NCCL stream: unfinished all-reduces were charged to forward+backward, and the wait was ~0 by
+construction.) On a CPU there are no events: host clocks time the phases (timer=host_clock; CPU
+kernels are synchronous, gloo's collectives run on its own threads, so the time inside
+finish_gradient_synchronization is still the exposed wait). The whole step is a host clock with a
+synchronize before and after it; host_forward_backward_ms is the host's time to issue forward+backward
+(near the compute stream's time when the host limits the step, well below it when the GPU does).
+It records memory after initialisation, and the allocated memory and each phase's own peak (the peak
+statistics are reset before forward+backward and again before the optimizer step, column
+peak_scope=phase) just before and just after the optimizer step. Kinds fsdp (ours) and torch_fsdp2 (torch's fully_shard)
 shard parameters, gradients and optimizer state; under bf16 they gather and compute in bf16. With
 --rounds R the whole list of configs runs R times, interleaved, and each config's statistics pool its
 rounds (the spread of the per-round medians is in the row). Rank 0 writes one row per config;
@@ -27,6 +38,7 @@ import argparse
 import contextlib
 import statistics
 import sys
+import timeit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
-from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, timed
+from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, synchronize
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS
 from cs336_systems.distributed.launch import init_from_env, shutdown
@@ -92,6 +104,34 @@ def memory_mib(device: torch.device) -> tuple[float, float]:
     return torch.cuda.memory_allocated(device) / 2**20, torch.cuda.max_memory_allocated(device) / 2**20
 
 
+class PhaseClock:
+    """Marks in a step, read as milliseconds between consecutive marks after the step has ended.
+
+    On CUDA each mark is an event recorded on the current (compute) stream, so a phase's time is what the
+    compute stream spent on it, and nothing synchronizes between marks (the host runs ahead as in
+    training). Elsewhere a mark is a host clock reading. `timer` names which."""
+
+    def __init__(self, device: torch.device):
+        self.events = device.type == "cuda"
+        self.timer = "cuda_events" if self.events else "host_clock"
+        self.marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            self.marks.append((name, timeit.default_timer()))
+
+    def phases(self) -> dict[str, float]:
+        """{name of the later mark: ms since the previous mark}; call after synchronizing."""
+        out = {}
+        for (_, start), (name, end) in zip(self.marks, self.marks[1:]):
+            out[name] = start.elapsed_time(end) if self.events else (end - start) * 1e3
+        return out
+
+
 @contextlib.contextmanager
 def trace_to(path: Path | None, device: torch.device):
     """Profile the enclosed step and export a Chrome trace to path (nothing when path is None)."""
@@ -125,7 +165,7 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
     optimizer = build_optimizer(ddp, spec, cfg.lr, cfg.adamw)
     after_init = memory_mib(device)
     data = torch.Generator(device="cpu").manual_seed(1234)  # the same global batches on every rank
-    times = {"forward_backward": [], "communication": [], "optimizer": [], "step": []}
+    times = {"forward_backward": [], "communication": [], "optimizer": [], "step": [], "host_forward_backward": []}
     memory = {}
     losses = []
     for step in range(cfg.warmup + cfg.steps):
@@ -150,20 +190,32 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
             # Each phase's own peak: reset before forward+backward (and the wait for communication)
             # and again before the optimizer step, so "peak after step" is the step's alone.
             reset_peak(device)
-            parts = {"forward_backward": timed(forward_backward, device),
-                     "communication": timed(ddp.finish_gradient_synchronization, device)}
-            before_step = memory_mib(device)
+            clock = PhaseClock(device)
+            synchronize(device)
+            start = timeit.default_timer()
+            clock.mark("start")
+            forward_backward()
+            host_forward_backward = (timeit.default_timer() - start) * 1e3
+            clock.mark("forward_backward")
+            ddp.finish_gradient_synchronization()
+            clock.mark("communication")
+            before_step = memory_mib(device)  # the allocator's counts are kept on the host: no sync needed
             reset_peak(device)
-            parts["optimizer"] = timed(optimizer_step, device)
+            optimizer_step()
+            clock.mark("optimizer")
             after_step = memory_mib(device)
+            synchronize(device)
+            step_ms = (timeit.default_timer() - start) * 1e3
         if step >= cfg.warmup:
-            for key, value in parts.items():
+            for key, value in clock.phases().items():
                 times[key].append(value)
-            times["step"].append(sum(parts.values()))
+            times["step"].append(step_ms)
+            times["host_forward_backward"].append(host_forward_backward)
             memory = {"after_init": after_init, "before_step": before_step, "after_step": after_step}
     loss = float(torch.stack(losses[-cfg.steps:]).mean())
     del ddp, optimizer, model
-    return {"times": times, "memory": memory, "at_start": at_start, "loss": loss, "param_bytes": params}
+    return {"times": times, "memory": memory, "at_start": at_start, "loss": loss, "param_bytes": params,
+            "timer": clock.timer}
 
 
 def spec_columns(spec: DataParallelSpec) -> dict:
@@ -179,7 +231,7 @@ def summarize(spec: DataParallelSpec, rounds: list[dict], world: int) -> dict:
     """One row from a config's rounds: step statistics over all their measured steps, the spread of
     the per-round medians, and the memory of the last round."""
     last = rounds[-1]
-    row = {**spec_columns(spec), "status": "ok", "rounds": len(rounds),
+    row = {**spec_columns(spec), "status": "ok", "rounds": len(rounds), "timer": last["timer"], "peak_scope": "phase",
            "mem_at_start_mib": max(r["at_start"] for r in rounds), "final_loss": last["loss"]}
     for key in last["times"]:
         values = [t for r in rounds for t in r["times"][key]]
@@ -188,6 +240,8 @@ def summarize(spec: DataParallelSpec, rounds: list[dict], world: int) -> dict:
     row["step_median_ms"] = statistics.median(t for r in rounds for t in r["times"]["step"])
     round_medians = [statistics.median(r["times"]["step"]) for r in rounds]
     row["step_round_median_min_ms"], row["step_round_median_max_ms"] = min(round_medians), max(round_medians)
+    # every round's median, so that the number of rounds a comparison needs can be computed from the spread
+    row["step_round_medians_ms"] = " ".join(f"{m:.3f}" for m in round_medians)
     for point, (current, peak) in last["memory"].items():
         row[f"mem_{point}_mib"], row[f"peak_{point}_mib"] = current, peak
     row["peak_mib"] = max(row[f"peak_{point}_mib"] for point in last["memory"])

@@ -20,8 +20,8 @@ import pandas as pd
 
 from cs336_systems.bench.allreduce import OPS, ring_factor
 
-__all__ = ["OPS", "all_reduce_rows", "alternate_ring_all_reduce_time", "fit_ring_model", "measured_bandwidth",
-           "ring_factor", "ring_model_table", "ring_time"]
+__all__ = ["OPS", "all_reduce_rows", "alternate_ring_all_reduce_time", "burst_rows", "fit_ring_model",
+           "measured_bandwidth", "ring_factor", "ring_model_table", "ring_time", "single_call_rows"]
 
 GROUP = ["backend", "device_type", "world_size", "op"]
 
@@ -38,15 +38,30 @@ def alternate_ring_all_reduce_time(size_bytes, world, bandwidth):
 
 def all_reduce_rows(frame: pd.DataFrame) -> pd.DataFrame:
     """The all-reduce rows of a collective-bench CSV (all of them in files written before the `op`
-    column): what the section 2.1 tables, figure and the DDP overhead model should read."""
+    column), each call timed alone (mode=single; the bench's burst rows, per-call times of back-to-back
+    async calls, are `burst_rows`): what the section 2.1 tables, figure and the ring model should read."""
+    frame = single_call_rows(frame)
     return frame if "op" not in frame else frame[frame["op"].fillna("all_reduce") == "all_reduce"]
+
+
+def single_call_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """Rows of calls timed one at a time (all rows of files written before the `mode` column)."""
+    return frame if "mode" not in frame else frame[frame["mode"].fillna("single") == "single"]
+
+
+def burst_rows(frame: pd.DataFrame | None, op: str = "all_reduce") -> pd.DataFrame:
+    """The `op` rows timed as bursts of back-to-back async calls (time per call); empty where none."""
+    if frame is None or "mode" not in frame:
+        return pd.DataFrame(columns=[] if frame is None else frame.columns)
+    rows = frame[(frame["mode"] == "burst") & (frame["status"] == "ok")]
+    return rows[rows["op"].fillna("all_reduce") == op] if "op" in rows else rows
 
 
 def _ok_rows(frame: pd.DataFrame) -> pd.DataFrame:
     missing = {"backend", "world_size", "size_mb", "median_ms", "status"} - set(frame.columns)
     if missing:
         raise ValueError(f"collective results lack columns {sorted(missing)}; is this a bench.allreduce CSV?")
-    frame = frame.copy()
+    frame = single_call_rows(frame).copy()  # the ring model is about one call's time
     frame["op"] = frame["op"].fillna("all_reduce") if "op" in frame else "all_reduce"
     if "device_type" not in frame:
         frame["device_type"] = ""

@@ -14,6 +14,21 @@ backward and optimizer ranges (record_function annotations of those names) behin
 
     python -m cs336_systems.report.traces TRACE.json... --figures-dir figures/ddp_traces --out overlap.csv \
         [--rows results/ddp_traces.csv]
+
+Why overlapping can hide nothing (fp32 torch DDP took as long as naive DDP, whose all-reduces all
+run after backward) has candidate causes that these columns tell apart, comparing a trace with
+communication during backward against `none` or `naive` (none during backward) of the same run:
+- the communication kernels slow the compute kernels down (they share SMs and memory bandwidth):
+  `compute_kernel_ms_in_backward` (the sum of compute kernels' durations, not their union) grows
+  by about the communication time, while `exposed_in_backward_ms` stays small;
+- they do not run concurrently at all (a kernel waits for SMs the other holds): the communication
+  falls into gaps between compute kernels, so `exposed_in_backward_ms` is about the communication
+  time and `compute_kernel_ms_in_backward` does not grow;
+- the host issues the step more slowly (each collective call costs CPU time on autograd's thread):
+  `gpu_busy_in_backward` falls and `host_ms_per_collective` times the number of collectives
+  accounts for the longer backward;
+- the communication is exposed after backward (the last buckets): `comm_after_backward_ms`.
+A trace named `none_*` (no data parallelism) has no communication and gives the compute baseline.
 """
 
 from __future__ import annotations
@@ -103,6 +118,35 @@ def span_ms(lanes_: dict[str, list[Interval]]) -> float:
     return (max(spans) - min(spans)) / 1e3
 
 
+def compute_and_tail(found: dict[str, list[Interval]]) -> dict[str, float]:
+    """Summed compute-kernel time (in backward and in the whole step) and the communication that runs
+    after the backward range has ended (the exposed tail), in ms."""
+    backward = _union(found["backward"])
+
+    def starts_in_backward(span: Interval) -> bool:
+        return any(s <= span[0] <= e for s, e in backward)
+
+    end = max((e for _, e in backward), default=float("inf"))
+    tail = sum(max(0.0, e - max(s, end)) for s, e in _union(found["communication"]))
+    return {"compute_kernel_ms": sum(e - s for s, e in found["compute"]) / 1e3,
+            "compute_kernel_ms_in_backward": sum(e - s for s, e in found["compute"] if starts_in_backward((s, e))) / 1e3,
+            "comm_after_backward_ms": tail / 1e3}
+
+
+def trace_row(name: str, events: list[dict], found: dict[str, list[Interval]]) -> dict:
+    """The overlap table's row of one trace (communication columns NaN or 0 where it has none)."""
+    comm = found["communication"]
+    host = host_side(events, found["backward"])
+    per_call = (host["host_collective_ms_in_backward"] / host["collectives_in_backward"]
+                if host["collectives_in_backward"] else float("nan"))
+    return {"trace": name, "communication_ms": sum(e - s for s, e in _union(comm)) / 1e3,
+            "overlap_with_backward": overlap_fraction(comm, found["backward"]),
+            "exposed_communication_ms": exposed_ms(comm, found["compute"]),
+            "exposed_in_forward_ms": exposed_ms(comm, found["compute"], found["forward"]),
+            "exposed_in_backward_ms": exposed_ms(comm, found["compute"], found["backward"]),
+            **host, "host_ms_per_collective": per_call, **compute_and_tail(found)}
+
+
 def draw(lanes_: dict[str, list[Interval]], path: str | Path, title: str, xmax_ms: float | None = None,
          rows: pd.DataFrame | None = None) -> None:
     """Compute and communication lanes over ms from the first event, the phases shaded behind them and
@@ -137,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in map(Path, args.traces):
         events = json.loads(path.read_text())["traceEvents"]
         found = lanes(events)
-        if not found["communication"]:
+        # only the no-data-parallelism baseline may lack communication (else the patterns missed it)
+        if not found["communication"] and not path.stem.startswith("none_"):
             raise SystemExit(f"{path}: no communication events found")
         traced.append((path, events, found))
     xmax = max(span_ms(found) for _, _, found in traced)  # one time axis for every figure of the run
@@ -145,12 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     for path, events, found in traced:
         draw(found, Path(args.figures_dir) / f"{path.stem}.png",
              f"{path.stem}: compute and communication by phase", xmax, provenance)
-        rows.append({"trace": path.stem, "communication_ms": sum(e - s for s, e in _union(found["communication"])) / 1e3,
-                     "overlap_with_backward": overlap_fraction(found["communication"], found["backward"]),
-                     "exposed_communication_ms": exposed_ms(found["communication"], found["compute"]),
-                     "exposed_in_forward_ms": exposed_ms(found["communication"], found["compute"], found["forward"]),
-                     "exposed_in_backward_ms": exposed_ms(found["communication"], found["compute"], found["backward"]),
-                     **host_side(events, found["backward"])})
+        rows.append(trace_row(path.stem, events, found))
     write_rows(rows, args.out)
 
 

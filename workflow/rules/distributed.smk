@@ -23,11 +23,17 @@ rule allreduce_point:
         sizes=join(S["allreduce"]["sizes_mb"]),
         iters=S["allreduce"]["iters"],
         ops=join(S["allreduce"].get("ops", ["all_reduce"])),
+        # bursts of back-to-back all-reduces (2.3(b)'s per-call cost) on the backends config.yaml names
+        burst=lambda wc: (
+            f"--burst {S['allreduce']['burst']} --burst-sizes-mb {join(S['allreduce']['burst_sizes_mb'])}"
+            if wc.backend in S["allreduce"].get("burst_backends", [])
+            else ""
+        ),
     shell:
         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
         " --nproc_per_node {wildcards.world} -m cs336_systems.bench.allreduce"
         " --backend {wildcards.backend} --sizes-mb {params.sizes} --iters {params.iters} --ops {params.ops}"
-        " --out {output} 2> {log}"
+        " {params.burst} --out {output} 2> {log}"
 
 
 rule allreduce:
@@ -80,14 +86,35 @@ rule ddp_traces:
         gpu=DDP["gpus"],
     params:
         configs=join(DDP["trace_configs"]),
+        precisions=join(DDP["trace_precisions"]),
         ddp=DDP,
     shell:
         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
         " --nproc_per_node {params.ddp[world_size]} -m cs336_systems.bench.ddp"
         " --backend {params.ddp[backend]} --size {params.ddp[size]} --batch-size {params.ddp[batch_size]}"
-        " --context-length {params.ddp[context_length]} --precisions {params.ddp[trace_precision]}"
+        " --context-length {params.ddp[context_length]} --precisions {params.precisions}"
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps 2"
-        " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]} --configs {params.configs} --trace-dir {output.traces} --out {output.timings} 2> {log}"
+        " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]} --configs {params.configs}"
+        " --trace-dir {output.traces} --out {output.timings} 2> {log}"
+
+
+# Correctness in the writeup: the wrapper and sharded-optimizer tests (CPU, gloo) rerun with fresh seeds,
+# counted per test. Needs the tests/ folder of this checkout.
+rule ddp_correctness:
+    input:
+        DDP["correctness_tests"],
+    output:
+        f"{R}/ddp_correctness.csv",
+    log:
+        f"{LOGS}/ddp_correctness.log",
+    conda:
+        ENV
+    params:
+        repeats=DDP["correctness_repeats"],
+        select=DDP["correctness_select"],
+    shell:
+        "python -m cs336_systems.bench.ddp_correctness {input} -k '{params.select}' --repeats {params.repeats}"
+        " --out {output} 2> {log}"
 
 
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.

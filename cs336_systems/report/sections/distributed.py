@@ -3,16 +3,13 @@ DDP, their profiler traces and the communication accounting."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
-import torch
 
-from cs336_systems.model import TransformerLM, get_config
 from cs336_systems.report import figures, tables
-from cs336_systems.report.collectives import all_reduce_rows
+from cs336_systems.report.ddp_analysis import (RERUN, allreduce_burst_cost, allreduce_cost, bucket_counts,
+                                               bucket_model, gradient_tensors, rounds_paragraph, timing_method)
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.tables import round_medians
 
@@ -33,8 +30,25 @@ def render_allreduce(ctx: Context) -> Section:
                     zip(smallest["backend"], smallest["processes"], smallest["median (ms)"]))
         + ". Large messages are bandwidth-bound: bus bandwidth (what each link carries in a ring, "
         "2(n−1)/n of the data) is the figure to compare across process counts.")]
+    gaps = missing_world_sizes(table)
+    if gaps:
+        checked.append(gaps)
     return Section([*checked, ctx.table("allreduce"), ctx.figure("allreduce", "all-reduce")], table, checked,
                    wording=("2", "1"))
+
+
+def missing_world_sizes(table: pd.DataFrame) -> str:
+    """The gap: process counts measured with some backend but not with NCCL, and the command that fills it."""
+    by_backend = {b: set(rows["processes"]) for b, rows in table.groupby("backend")}
+    wanted = set().union(*by_backend.values()) - by_backend.get("nccl", set())
+    if not wanted:
+        return ""
+    counts = sorted(int(n) for n in wanted)
+    names = " and ".join(str(n) for n in counts)
+    return (f"Gap: NCCL with {names} processes is not measured (no machine with that many GPUs was lent). To fill it "
+            f"on a node with {max(counts)} GPUs: set `allreduce.nccl_world_sizes` in config.yaml to "
+            f"`{[int(n) for n in sorted(by_backend.get('nccl', set()) | wanted)]}` and run "
+            f"`snakemake results/allreduce.csv --forcerun allreduce --cores 1 --resources gpu={max(counts)}`.")
 
 
 @dataclass(frozen=True)
@@ -87,12 +101,18 @@ def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> list[str]:
                f"{first['steps']} measured steps; a time is the median over all measured steps, with the range "
                f"of the per-round medians" if rounds > 1 else
                f"{first['warmup']} warm-up and {first['steps']} measured steps; times are medians")
+    baselines = [c for c in ("none", "torch_ddp") if c in set(frame["config"])]
     setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
              f"{_ddp_compile_and_adamw(first)}, batch {first['batch_per_rank']} per rank, context "
              f"{first['context_length']}, {repeats}. "
              f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
-             f"(torch DDP synchronises inside backward, so its wait is part of its forward+backward time).")
+             f"(torch DDP synchronises inside backward, so its wait is part of its forward+backward time). "
+             f"{timing_method(frame)} The baselines of this table ({', '.join(baselines) or 'none'}) ran in the "
+             f"same run, interleaved with the other configs; the text compares configs only within this table, "
+             f"because the same config measured in another run (another table) can differ by more than the "
+             f"differences within a run.")
     return [setup, *lines]
+
 
 
 # How the DDP rows' `adamw` column reads in the text (rows measured before the column existed used `foreach`).
@@ -108,11 +128,6 @@ def _ddp_compile_and_adamw(row: pd.Series) -> str:
               else " (eager, not compiled)")
     return f"{blocks}, every optimizer (plain, sharded, ZeRO) updating with {ADAMW_WORDS[adamw]}"
 
-
-def gradient_tensors(size: str) -> int:
-    """How many gradient tensors (all-reduces for naive DDP) the model has; built on the meta device."""
-    with torch.device("meta"):
-        return sum(p.requires_grad for p in TransformerLM(get_config(size)).parameters())
 
 
 def render_ddp_naive(ctx: Context) -> Section:
@@ -130,12 +145,24 @@ def render_ddp_naive(ctx: Context) -> Section:
             f"{p}: naive {steps.loc[(p, 'naive'), 'communication_ms']:.1f} ms, flat "
             f"{steps.loc[(p, 'flat'), 'communication_ms']:.1f} ms"
             for p in sorted(set(ok["precision"])) if {(p, "naive"), (p, "flat")} <= set(steps.index))
-        parts.append(
+        text = (
             f"The gradients are {tensors} tensors, {grad_bytes / 2**30:.2f} GiB in float32. The all-reduce times of "
             f"2.1 fit t = o + bytes/w with o = {o * 1e6:.0f} µs and w = {w / 1e9:.0f} GB/s: one all-reduce of all "
             f"gradients should take {(o + grad_bytes / w) * 1e3:.1f} ms, and {tensors} separate ones "
             f"{(tensors * o + grad_bytes / w) * 1e3:.1f} ms if each paid o in full. Measured waits: {waits}. "
             f"Flat DDP also copies every gradient into one buffer and back, which the prediction leaves out.")
+        burst = allreduce_burst_cost(ctx.frame("allreduce"))
+        if burst is None:
+            text += (" Each call's o was timed alone (latency included); naive DDP issues its all-reduces back to back, "
+                     "so consecutive calls overlap their latency and the prediction overstates: the per-call cost of "
+                     "a burst of back-to-back all-reduces is pending (`snakemake results/allreduce.csv --forcerun allreduce "
+                     "--cores 1 --resources gpu=2`, burst rows).")
+        else:
+            ob, wb = burst
+            text += (f" Fitted instead to bursts of back-to-back all-reduces (time per call, as naive DDP issues them): "
+                     f"o = {ob * 1e6:.1f} µs, w = {wb / 1e9:.0f} GB/s, so {tensors} calls should take "
+                     f"{(tensors * ob + grad_bytes / wb) * 1e3:.1f} ms.")
+        parts.append(text)
     keys = pd.MultiIndex.from_frame(table[["precision", "config"]])
     share = (column_values(table, "comm share") / 100).set_axis(keys)
     shares = {p: share[(p, "naive")] for p in sorted(set(ok["precision"])) if (p, "naive") in share.index}
@@ -146,7 +173,48 @@ def render_ddp_naive(ctx: Context) -> Section:
                      "which is what overlapping communication with backward (2.3) recovers")
         parts.append(text + ".")
         checked.append(parts[-1])
-    return Section([*parts, ctx.table("ddp_naive")], table, checked, wording=("2.3",))
+    q = Quotes(table)
+    hidden = fp32_overlap_question(table, q)
+    if hidden:
+        parts.append(hidden)
+        checked.append(hidden)
+    parts.append(rounds_paragraph(ctx, frame))
+    return Section([*parts, ctx.table("ddp_naive")], table, checked, q.derived, wording=("2.3",))
+
+
+def _cell(table: pd.DataFrame, precision: str, config: str, column: str) -> float:
+    return column_values(table, column, lambda t: (t["precision"] == precision) & (t["config"] == config)).iloc[0]
+
+
+def fp32_overlap_question(table: pd.DataFrame, q: Quotes) -> str:
+    """Why torch DDP hides (almost) no communication in fp32: the numbers of this run, the candidate
+    explanations, and which measurement tells them apart."""
+    have = set(zip(table["precision"], table["config"]))
+    if not {("fp32", c) for c in ("none", "naive", "torch_ddp")} <= have:
+        return ""
+    step, fb = "step median (ms)", "forward+backward (ms)"
+    extra = q.derive(lambda t: _cell(t, "fp32", "torch_ddp", fb) - _cell(t, "fp32", "none", fb), ".1f",
+                     "fp32 torch DDP's forward+backward over none's")
+    return (
+        f"Why does torch DDP hide almost nothing in fp32? Its step takes {_cell(table, 'fp32', 'torch_ddp', step):.1f} ms "
+        f"against naive DDP's {_cell(table, 'fp32', 'naive', step):.1f} ms (which overlaps nothing) and "
+        f"{_cell(table, 'fp32', 'none', step):.1f} ms without communication; its forward+backward is {extra} ms longer "
+        f"than none's, about naive's communication wait ({_cell(table, 'fp32', 'naive', 'communication wait (ms)'):.1f} "
+        f"ms), although the backward is long enough to hide it. Candidate explanations, and the measurement that tells "
+        f"them apart (rule ddp_overlap on fp32 traces of none, naive, individual, bucketed and torch DDP, "
+        f"cs336_systems.report.traces, and the bench's compute-stream events): (a) the NCCL kernels share SMs and "
+        f"memory bandwidth with the backward's kernels and slow them down: the summed compute-kernel time in "
+        f"backward (`compute_kernel_ms_in_backward`) grows by about the communication time against `none`, while "
+        f"little communication is exposed (`exposed_in_backward_ms`); (b) they do not run beside the compute "
+        f"kernels at all (fp32's GEMMs occupy every SM, so a communication kernel waits for SMs): the communication "
+        f"falls into the gaps between compute kernels, exposed time ≈ communication time, compute-kernel time "
+        f"unchanged; (c) the host: each collective call costs CPU time on autograd's thread "
+        f"(`host_ms_per_collective`), which lengthens the step only if the GPU waits for the host "
+        f"(`gpu_busy_in_backward` well below one; the fp32 backward is expected to keep the GPU busy); (d) a tail: "
+        f"communication that can only start at the end of backward (`comm_after_backward_ms`, and the bench's "
+        f"communication wait). A second check of (a) against (b): rerun with NCCL limited to fewer SMs "
+        f"(`NCCL_MAX_CTAS`) and see whether torch DDP's forward+backward moves toward none's. The fp32 traces "
+        f"and event timings are pending: `{RERUN}`.")
 
 
 def render_ddp_individual(ctx: Context) -> Section:
@@ -179,14 +247,27 @@ def render_ddp_individual(ctx: Context) -> Section:
             f"{naive['communication wait (ms)']:.1f} ms, but its forward+backward takes "
             f"{ours['forward+backward (ms)']:.1f} ms against naive's {naive['forward+backward (ms)']:.1f} ms (which "
             f"communicates nothing during backward): overlapping one all-reduce per gradient with the backward pass "
-            f"changes it by {change} ms.")
+            f"changes it by {change} ms" + ("." if "timer" in frame else
+                                            " (in these rows forward+backward also holds the communication still "
+                                            "running when backward ended, so this is not yet the cost of overlapping "
+                                            "alone: see the timing note above).")
+            )
         variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if (precision, c) in present]
         if variants:
             checked.append(f"{precision}, in the same run: " + "; ".join(
                 f"{label}: step {cell(table, precision, c, 'step median (ms)'):.1f} ms "
                 f"({over_torch(precision, c)}× torch DDP's), forward+backward "
                 f"{cell(table, precision, c, 'forward+backward (ms)'):.1f} ms" for c, label in variants) + ".")
-    return Section([parts[0], *checked, ctx.table("ddp_individual")], table, checked, q.derived,
+    waiting = [] if "timer" in frame else [
+        "What the rerun with compute-stream events will tell (it replaces the conclusions above on overlap): for "
+        "each variant, forward+backward as the compute stream ran it and the exposed wait after it, beside `none` "
+        "of the same run. If overlapping hides the communication, individual's forward+backward stays near none's "
+        "and its wait is only the last gradients' all-reduces; if the all-reduces slow the backward (SMs and memory "
+        "bandwidth shared with NCCL, or the host's time per collective call in a host-bound step), forward+backward "
+        "grows by about the communication time; if they are queued behind each other, the wait grows instead. The "
+        "traces of 2.3(b) (compute-kernel time in backward, exposed communication, host time per collective) say "
+        "which of the causes it is."]
+    return Section([parts[0], *checked, *waiting, ctx.table("ddp_individual")], table, checked, q.derived,
                    wording=("1",))  # torch DDP's 1 MB buckets, named in a variant's label
 
 
@@ -202,37 +283,6 @@ VARIANTS_OF_INDIVIDUAL = (
 )
 
 
-def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None:
-    """(o seconds, w bytes/s) of t = o + bytes/w, fitted to the 2-rank NCCL all-reduce times of 2.1."""
-    if allreduce is None:
-        return None
-    allreduce = all_reduce_rows(allreduce)
-    nccl = allreduce[(allreduce["backend"] == "nccl") & (allreduce["world_size"] == 2)]
-    if len(nccl) < 2:
-        return None
-    slope, intercept = np.polyfit(nccl["size_mb"] * 2**20, nccl["median_ms"] / 1e3, 1)
-    return max(intercept, 1e-7), 1 / slope
-
-
-def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: dict[str, float] | None = None) -> str:
-    """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times, next to the best
-    bucket size the sweep measured (`best_mb`: MB by precision)."""
-    text = ("Model: n_b buckets of s/n_b bytes; computing a bucket's gradients takes as long as sending it, "
-            "s/(n_b·w), and every all-reduce also costs o. Communication falls behind by o per bucket and the "
-            "last bucket can only start when backward ends, so the time after backward is "
-            "**overhead(n_b) = n_b·o + s/(n_b·w)**. Setting the derivative to zero gives "
-            "**n_b\\* = √(s/(w·o))**, i.e. an optimal bucket size **b\\* = s/n_b\\* = √(s·w·o)**.")
-    cost = allreduce_cost(allreduce)
-    if cost is None:
-        return text
-    o, w = cost
-    best = math.sqrt(model_bytes * w * o)
-    text += (f" Fitted to our NCCL all-reduce times (2 ranks): o = {o * 1e6:.1f} µs, w = {w / 1e9:.1f} GB/s; "
-             f"for the {model_bytes / 2**30:.2f} GiB of gradients this gives b\\* = {best / 2**20:.0f} MiB.")
-    if best_mb:
-        text += " Measured best of the sweep: " + ", ".join(f"{mb:g} MB in {p}" for p, mb in best_mb.items()) + "."
-    return text
-
 
 def render_ddp_bucketed(ctx: Context) -> Section:
     frame = ctx.frame("ddp_bucketed")
@@ -243,12 +293,13 @@ def render_ddp_bucketed(ctx: Context) -> Section:
     model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
     parts = _ddp_summary(frame, configs)
     checked = parts[1:]
-    stds = _ddp_steps(frame)["step_std_ms"]
+    ranges = _ddp_steps(frame)[["step_round_median_min_ms", "step_round_median_max_ms"]]
 
-    def step_means(t: pd.DataFrame) -> pd.Series:  # the mean of the table's 'mean ± std' step cells
-        return column_values(t, "step (ms)").set_axis(pd.MultiIndex.from_frame(t[["precision", "config"]]))
+    # One statistic throughout: the median step time (the table's 'step median' column).
+    def medians(t: pd.DataFrame) -> pd.Series:
+        return column_values(t, "step median (ms)").set_axis(pd.MultiIndex.from_frame(t[["precision", "config"]]))
 
-    steps = step_means(table).dropna()
+    steps = medians(table).dropna()
     best_mb = {}
     specs = ddp_specs(frame)
     for precision in sorted(set(frame["precision"])):
@@ -257,29 +308,81 @@ def render_ddp_bucketed(ctx: Context) -> Section:
         if bucketed and (precision, "torch_ddp") in steps:
             best = min(bucketed, key=bucketed.get)
             best_mb[precision] = specs[best].bucket_mb
-            ratio = q.derive(lambda t, p=precision, b=best: step_means(t)[(p, b)] / step_means(t)[(p, "torch_ddp")],
-                             ".2f", f"{precision} best bucketed over torch DDP")
-            text = f"{precision}: the best bucket size is {best_mb[precision]:g} MB, {ratio}× torch DDP's step time."
-            if abs(bucketed[best] - steps[(precision, "torch_ddp")]) < max(stds[(precision, best)],
-                                                                         stds[(precision, "torch_ddp")]):
-                text += " The gap is smaller than the larger of the two step-to-step standard deviations."
+            ratio = q.derive(lambda t, p=precision, b=best: medians(t)[(p, b)] / medians(t)[(p, "torch_ddp")],
+                             ".2f", f"{precision} best bucketed over torch DDP (medians)")
+            text = (f"{precision}: the best bucket size is {best_mb[precision]:g} MB, its median step "
+                    f"{ratio}× torch DDP's.")
+            a, b = ranges.loc[(precision, best)], ranges.loc[(precision, "torch_ddp")]
+            if frame["rounds"].max() > 1 and not (a.iloc[0] > b.iloc[1] or a.iloc[1] < b.iloc[0]):
+                text += " Their per-round medians overlap: this run does not separate them."
             parts.append(text)
             checked.append(text)
+    expectation, counts = small_buckets_paragraph(frame, table, q, specs)
+    if expectation:
+        parts.append(expectation)
+        checked.append(expectation)
     parts.append(bucket_model(ctx.frame("allreduce"), model_bytes, best_mb))
+    # the bucket counts are the model's (plan_buckets on its parameter shapes), not measurements
     return Section([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")], table, checked,
-                   q.derived)
+                   q.derived, wording=tuple(str(n) for n in counts))
+
+
+def small_buckets_paragraph(frame: pd.DataFrame, table: pd.DataFrame, q: Quotes,
+                            specs: dict[str, DdpConfig]) -> tuple[str, list[int]]:
+    """2.3 bucketed (a): the results against expectations, for bf16, where the bucket size matters; and
+    the bucket counts it quotes."""
+    have = set(zip(table["precision"], table["config"]))
+    sized = sorted((specs[c].bucket_mb, c) for p, c in have if p == "bf16" and specs[c].kind == "bucketed")
+    if len(sized) < 2:
+        return "", []
+    (large_mb, large) = sized[-1]
+    smalls = sized[:2] if len(sized) > 2 else sized[:1]  # the two smallest sizes (the handout's 1 and 10 MB)
+    small_mb, small = smalls[0]
+    step, fb = "step median (ms)", "forward+backward (ms)"
+    counts = bucket_counts(frame["size"].iloc[0], [mb for mb, _ in smalls] + [large_mb])
+
+    def slower(config: str, column: str) -> str:
+        return q.derive(lambda t: _cell(t, "bf16", config, column) - _cell(t, "bf16", large, column), "+.1f",
+                        f"bf16 {config} over {large}, {column}")
+
+    measured = " and ".join(f"{c} {_cell(table, 'bf16', c, step):.1f} ms (step {slower(c, step)} ms, "
+                            f"forward+backward {slower(c, fb)} ms)" for _, c in smalls)
+    text = ("Expectations against results (bf16): smaller buckets start communicating earlier in backward, so "
+            "less is left after it, but cost one call each; if each call costs only its o of the model below and "
+            "the GPU is free to overlap, "
+            + " or ".join(f"{counts[mb]} buckets of {mb:g} MB" for mb, _ in smalls)
+            + f" should cost little more than {counts[large_mb]} of {large_mb:g} MB (the model below). Measured "
+            f"against {large}'s {_cell(table, 'bf16', large, step):.1f} ms: {measured}. The cost is on the host: "
+            f"the bf16 step is limited by the CPU issuing kernels (earlier traces: the GPU busy in well under half "
+            f"of the backward range), and each bucket adds host work on autograd's thread: a copy of each gradient "
+            f"into the bucket's buffer, the buffer's allocation (buckets let go of it after each step) and the "
+            f"collective call itself, which in a host-bound backward delays every kernel after it.")
+    if ("bf16", "individual") in have:
+        versus = q.derive(lambda t: _cell(t, "bf16", small, step) - _cell(t, "bf16", "individual", step), "+.1f",
+                          f"bf16 {small} against per-parameter")
+        text += (f" Against per-parameter all-reduces in the same run (individual, "
+                 f"{_cell(table, 'bf16', 'individual', step):.1f} ms, the same number of calls but no copies): "
+                 f"{versus} ms.")
+    else:
+        text += (" The comparison with per-parameter all-reduces (no copies, about as many calls) needs both in one "
+                 f"run: pending (`{RERUN}`, the bucket sweep now includes `individual`), with the trace's host time "
+                 f"per collective for bucketed:1 against individual.")
+    return text, list(counts.values())
 
 
 def render_traces(ctx: Context) -> str:
     frame = ctx.frame("ddp_overlap")
     parts = ["Each figure is drawn from a PyTorch-profiler trace of one training step on rank 0 (the handout asks "
              "for Nsight screenshots; Nsight Systems cannot make reports on our machines): the backward range, "
-             "compute work and gradient communication on one time axis."]
+             "compute work and gradient communication on one time axis. The trace's own measure of exposed "
+             "communication is the communication time during which no compute kernel runs; the bench's is the "
+             "compute stream's wait for the gradients after backward (2.2, 2.3 tables)."]
     for _, row in frame.iterrows():
         host = ""
         if "collectives_in_backward" in row and pd.notna(row["collectives_in_backward"]):
             busy = (f"GPU kernels cover {row['gpu_busy_in_backward']:.0%} of the {row['backward_ms']:.1f} ms "
-                    f"backward range.")
+                    f"backward range." if pd.notna(row["gpu_busy_in_backward"])
+                    else f"the backward range takes {row['backward_ms']:.1f} ms.")
             if row["collectives_in_backward"] == 0 and row["overlap_with_backward"] > 0:
                 # communication kernels ran during backward, so some thread issued them unseen
                 host = (" No collective call appears on the threads this trace records (they were issued from a "
@@ -287,9 +390,24 @@ def render_traces(ctx: Context) -> str:
             else:
                 host = (f" The host launched {int(row['collectives_in_backward'])} collectives during the backward "
                         f"range and spent {row['host_collective_ms_in_backward']:.1f} ms inside those calls; {busy}")
-        parts.append(f"`{row['trace']}`: {row['communication_ms']:.1f} ms of communication, "
-                     f"{row['overlap_with_backward']:.0%} of it during the backward pass.{host}")
+        exposed = ""
+        if "exposed_communication_ms" in row and pd.notna(row["exposed_communication_ms"]):
+            exposed = (f" Exposed (no compute kernel running): {row['exposed_communication_ms']:.1f} ms in the step, "
+                       f"{row['exposed_in_backward_ms']:.1f} ms of it in backward.")
+        if "compute_kernel_ms_in_backward" in row and pd.notna(row["compute_kernel_ms_in_backward"]):
+            exposed += (f" Compute kernels in backward sum to {row['compute_kernel_ms_in_backward']:.1f} ms; "
+                        f"{row['comm_after_backward_ms']:.1f} ms of communication runs after backward.")
+        if row["communication_ms"] == 0:
+            parts.append(f"`{row['trace']}`: no communication (the compute baseline).{host}")
+        else:
+            parts.append(f"`{row['trace']}`: {row['communication_ms']:.1f} ms of communication, "
+                         f"{row['overlap_with_backward']:.0%} of it during the backward pass.{exposed}{host}")
         parts.append(ctx.figure(f"ddp_traces/{row['trace']}", row["trace"]))
+    if "compute_kernel_ms_in_backward" not in frame:
+        parts.append("These traces predate the per-variant columns (exposed communication, compute-kernel time in "
+                     "backward, communication after backward, host time per collective) and cover only naive and "
+                     "individual in bf16; traces of none, naive, individual, bucketed (1 and 500 MB) and torch DDP in "
+                     f"bf16 and fp32, which answer 2.2's fp32 question, are pending: `{RERUN}`.")
     return "\n\n".join(parts)
 
 
