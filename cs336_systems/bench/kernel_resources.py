@@ -75,6 +75,8 @@ def _source(kernel, dtype: str, head_dim: int, blocks: dict[str, int], float32_d
     fn = _jit_function(kernel)
     constants = {"IS_CAUSAL": True, "PRECISION": _dot_precision(dtype, float32_dot), "BLOCK_D": head_dim,
                  "EVEN_M": True, "EVEN_N": True, "EVEN_D": True, **blocks}
+    if "TMA" in fn.arg_names:  # the forward's pointer-load path (the tensor-descriptor one needs a device)
+        constants["TMA"] = False
     signature, divisible = {}, []
     for index, name in enumerate(fn.arg_names):
         if name in constants:
