@@ -88,17 +88,7 @@ def time_burst(call: Callable[[], object], device: torch.device, warmup: int, it
         for work in [call() for _ in range(burst)]:
             work.wait()
 
-    for _ in range(warmup):
-        run_burst()
-    synchronize(device)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        start = timeit.default_timer()
-        run_burst()
-        synchronize(device)
-        times.append((timeit.default_timer() - start) * 1e3 / burst)
-    return times
+    return [ms / burst for ms in time_collective(run_burst, device, warmup, iters)]
 
 
 def measure(ops: list[str], sizes_mb: list[float], warmup: int, iters: int, backend: str,
