@@ -265,7 +265,8 @@ def committed(request):
 # The sections whose prose is picked from the table they embed; the others still compute their text
 # from the results rows (each is a Section once converted, and is then checked below).
 QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.5 (c) fp32", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile",
-           "1.3.2 flash_forward", "1.3.2 (e) flash_benchmarking", "1.3.2 (e), continued", "1.3.3", "2.1",
+           "1.3.2 flash_forward", "1.3.2 (e) flash_benchmarking", "1.3.2 (e), continued", "1.3.3",
+           "1.3.3, continued", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end"]
 
 

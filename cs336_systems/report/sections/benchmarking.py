@@ -157,7 +157,8 @@ def render_host_bound(ctx: Context) -> Section:
     ooms = table[table["status"] != "ok"]
     if len(ooms):
         parts.append("Out of memory: " + ", ".join(ooms["size"].astype(str)) + ".")
-    return Section([*parts, ctx.table("kernel_vs_wall")], table, parts, q.derived)
+    # size names are words, not measurements: the "2" the number pattern reads in "2.7B"
+    return Section([*parts, ctx.table("kernel_vs_wall")], table, parts, q.derived, wording=("2",))
 
 
 def render_accumulation(ctx: Context) -> str:
