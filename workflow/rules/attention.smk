@@ -118,7 +118,9 @@ rule flash_resources:
 rule flash_llm_shapes:
     output:
         grid=f"{R}/flash_llm_shapes.csv",
-        first_call=f"{R}/flash_first_call.csv" if S["flash_llm_shapes"]["first_call"] else [],
+        first_call=(
+            f"{R}/flash_first_call.csv" if S["flash_llm_shapes"]["first_call"] else []
+        ),
     log:
         f"{LOGS}/flash_llm_shapes.log",
     conda:
@@ -133,7 +135,9 @@ rule flash_llm_shapes:
         head_dims=join(S["flash_llm_shapes"]["head_dims"]),
         causal=join(S["flash_llm_shapes"]["causal"]),
         providers=join(S["flash_llm_shapes"]["providers"]),
-        first_call=lambda wc, output: f"--first-call-out {output.first_call}" if output.first_call else "",
+        first_call=lambda wc, output: (
+            f"--first-call-out {output.first_call}" if output.first_call else ""
+        ),
     shell:
         "python -m cs336_systems.bench.flash_bench llm-shapes {params.device} --batch-heads {params.batch_heads}"
         " --seqs {params.seqs} --head-dims {params.head_dims} --causal {params.causal}"

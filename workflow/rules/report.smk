@@ -12,6 +12,8 @@ TABLE_INPUTS = table_inputs(R)
 FIGURE_INPUTS = figure_inputs(R)
 # Further results a figure draws beside its own data, where they exist (Figure.also).
 FIGURE_EXTRA_INPUTS = figure_extra_inputs(R)
+# Tables whose data this scale's rules do not make (the first-call times need a GPU and a fresh process).
+NOT_MADE_HERE = [] if S["flash_llm_shapes"]["first_call"] else ["flash_first_call"]
 
 
 rule table:
@@ -48,7 +50,10 @@ rule figure:
 
 rule writeup_md:
     input:
-        tables=expand(f"{R}/tables/{{name}}.md", name=available(TABLE_INPUTS)),
+        tables=expand(
+            f"{R}/tables/{{name}}.md",
+            name=[n for n in available(TABLE_INPUTS) if n not in NOT_MADE_HERE],
+        ),
         figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),
         anchors="config.yaml",
         accounting=f"{R}/communication_accounting.md",
