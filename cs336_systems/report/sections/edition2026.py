@@ -91,11 +91,16 @@ def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
         axes[1].axhline(row["median_ms"], color="grey", linestyle="--", label="no checkpointing")
     for k in every.loc[every["status"] == "oom", "segment_blocks"]:
         axes[0].axvline(k, color="tab:red", linestyle=":", label=f"every {k}: out of memory")
-    axes[0].set(xscale="log", xlabel="blocks per checkpointed segment (k)", ylabel="peak memory (GiB)")
+    measured = ok["peak_memory_mib"].notna().any()  # the CPU has no allocator statistics
+    if not measured:
+        axes[0].text(0.5, 0.5, "peak memory not measured on this device", transform=axes[0].transAxes,
+                     ha="center", va="center", color="grey")
+    axes[0].set(xscale="log" if measured else "linear", xlabel="blocks per checkpointed segment (k)",
+                ylabel="peak memory (GiB)")
     axes[1].set(xscale="log", xlabel="blocks per checkpointed segment (k)",
                 ylabel="step time (ms, median ± std)")
     axes[1].set_ylim(0, 1.15 * (ok["median_ms"] + ok["std_ms"]).max() if len(ok) else 1)
-    for ax in axes:
+    for ax in axes if measured else axes[1:]:
         ax.set_xticks(list(every["segment_blocks"]), [str(k) for k in every["segment_blocks"]])
     handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))
     fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
