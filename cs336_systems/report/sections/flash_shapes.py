@@ -49,13 +49,22 @@ def render_llm_shapes(ctx: Context) -> Section:
     table = llm_shapes_table(frame)
     q = Quotes(table)
     device = frame["device_name"].iloc[0]
-    intro = (f"Answers no handout question; it checks the kernel where models use it. {device}, bf16, inputs in a "
-             "model's layout ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)), batch × heads 16-512, "
-             "sequences 512-32768 (batch × heads × seq at most 2²¹ tokens), head dim 64 and 128, causal and not; "
-             "each point's providers timed in one run (median of do_bench, windows of at least 10 calls). "
-             "The rows name their commit: the causal points up to 2048 tokens were measured again after our "
-             "launches stopped going through Triton's autotuner on every call (kernels/launch.py); the others "
-             "come from the first run.")
+    bh = frame["batch"] * frame["heads"]
+
+    def span(values) -> str:
+        values = sorted(set(values))
+        return f"{values[0]}-{values[-1]}" if len(values) > 1 else f"{values[0]}"
+
+    causal = {True: "causal", False: "not causal"}
+    intro = (f"Answers no handout question; it checks the kernel where models use it. {device}, "
+             f"{frame['dtype'].iloc[0]}, inputs in a model's layout ((batch, seq, heads, dim) viewed as (batch, heads, "
+             f"seq, dim)), batch × heads {span(bh)}, sequences {span(frame['seq_len'])}, head dim "
+             f"{' and '.join(map(str, sorted(set(frame['head_dim']))))}, "
+             f"{' and '.join(causal[c] for c in sorted(set(frame['causal']), reverse=True))}; each point's providers "
+             "timed in one run (medians; on a GPU, do_bench windows of at least 10 calls).")
+    if frame["git_commit"].nunique() > 1:
+        intro += (" The rows name their commit: the points measured again after our launches stopped going through "
+                  "Triton's autotuner on every call (kernels/launch.py) carry the later one.")
     checked = []
     ratio = lambda column: lambda t: _fb(t)[column].dropna()  # noqa: E731
     if "ours ÷ flash" in table:
