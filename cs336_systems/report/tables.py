@@ -324,23 +324,6 @@ def _mib(value: float) -> str:
     return "—" if pd.isna(value) else f"{value:.0f}"  # memory is measured on CUDA only
 
 
-def sharding(frame: pd.DataFrame) -> pd.DataFrame:
-    """3(a–b): memory at the three points and step time, with the accounting beside it."""
-    out = []
-    for _, row in frame[frame["status"] == "ok"].iterrows():
-        out.append({"precision": row["precision"], "config": row["config"],
-                    "after init (MiB)": _mib(row["mem_after_init_mib"]),
-                    "before step (MiB)": _mib(row["mem_before_step_mib"]),
-                    "peak before step (MiB)": _mib(row["peak_before_step_mib"]),
-                    "after step (MiB)": _mib(row["mem_after_step_mib"]),
-                    "peak after step (MiB)": _mib(row["peak_after_step_mib"]),
-                    "params + grads + state by formula (MiB)": round(
-                        row["param_mib"] + row["grad_mib"] + row["optimizer_state_mib"]),
-                    "step median (ms)": round(row["step_median_ms"], 1),
-                    "round medians (ms)": round_medians(row)})
-    return pd.DataFrame(out)
-
-
 def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
     """Training runs by attention backend and wrapper: speed over the second half of the steps (the
     first half includes warm-up and, for flash_triton, autotuning), memory, and how far each loss
