@@ -43,6 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
 from cs336_systems.bench.cli import config_or_usage_error, positive_int
 from cs336_systems.provenance import provenance
+from cs336_systems.report import attention_math
 from cs336_systems.results import PartialRows
 from cs336_systems.timing import DTYPES, bench_ms, is_oom, oom_message, oom_row, resolve_device
 from cs336_systems.kernels import FlashAttentionPytorch, FlashAttentionTriton
@@ -81,20 +82,13 @@ def attention_flops(batch_heads: int, seq: int, head_dim: int, causal: bool, pas
     return {"forward": forward, "backward": 2.5 * forward, "forward_backward": 3.5 * forward}[pass_]
 
 
-# Matrix products each provider's backward executes (the forward executes 2 everywhere): our two-kernel
-# backward recomputes S and dP in its dQ kernel (7); FlashAttention-2's CUDA backward (SDPA flash) adds
-# dQ atomically (5); cuDNN's is not published, taken as 5.
-BACKWARD_PRODUCTS = {"flash_triton": 7, "sdpa_flash": 5, "sdpa_cudnn": 5}
-
-
 def executed_flops(provider: str, batch_heads: int, seq: int, head_dim: int, causal: bool, pass_: str) -> float:
-    """Matmul FLOPs the provider's kernels execute (NaN where unknown)."""
-    products = BACKWARD_PRODUCTS.get(provider.removesuffix("_compiled"))
-    if products is None:
+    """Matmul FLOPs the provider's kernels execute (report/attention_math.GEMMS has each provider's count;
+    NaN for one it does not know)."""
+    provider = provider.removesuffix("_compiled")
+    if provider not in attention_math.GEMMS:
         return float("nan")
-    forward = attention_flops(batch_heads, seq, head_dim, causal, "forward")
-    return {"forward": forward, "backward": products / 2 * forward,
-            "forward_backward": (1 + products / 2) * forward}[pass_]
+    return attention_math.attention_flops(provider, pass_, batch_heads, seq, head_dim, causal)
 
 
 MIN_CALLS = 10  # the measuring window holds at least this many calls, however long one call is
