@@ -1,0 +1,426 @@
+"""FlashAttention forward for Hopper (sm_90) in Triton's Gluon: warp-specialised, FA3-shaped.
+
+One program computes CONSUMERS x BLOCK_M = 128 query rows of one (batch, head) against its keys, in three
+partitions of one CTA (Shah et al., FlashAttention-3, 2024, sections 3.1-3.2):
+  consumer 0 (the default partition, one warpgroup)  query rows [0, 64) of the program's block
+  consumer 1 (a worker warpgroup)                    query rows [64, 128)
+  producer   (a worker warp, few registers)          TMA loads of Q once and of K, V tiles into a ring of slots
+Each consumer keeps S = Q K^T (64 x 128) and O (64 x d) in float32 registers; P, the softmax numerator, goes to
+16 bits in registers and is the register A operand of the P V wgmma. Inside a consumer, S(j) = Q K_j^T is issued
+before P(j-1) V(j-1), so the softmax of tile j overlaps the tensor cores' work on j-1; across consumers, a pair
+of mbarriers makes them take turns issuing their GEMMs ("ping-pong"), so one's softmax runs under the other's
+GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in flash_triton.py.
+
+Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
+  q_bar                 producer -> consumers: both Q sub-tiles landed (expect-tx bytes)
+  k_ready[i], v_ready[i] producer -> consumers: slot i holds key tile j (expect-tx bytes)
+  k_empty[i], v_empty[i] consumers -> producer: both consumers' wgmmas reading slot i have retired (count 2)
+  turn[c]               consumer 1-c -> consumer c: your turn to issue GEMMs
+A K slot is released once S(j) has retired, a V slot once P V has; P's registers are rewritten only after the
+P V wgmma reading them has retired (register-A wgmma has had read-after-write hazards: triton #9433, #11781).
+
+Causal masking: query i sees keys 0..i (aligned at the start of both sequences, as flash_triton). The key tile
+is as long as a program's query block (BLOCK_N = CONSUMERS * BLOCK_M), so only a program's last key tile can
+touch the diagonal or run past the last key: only that one is masked. Lengths that are not tile multiples need
+nothing else: the TMA descriptors are 4-d (batch, head, row, col) with the tensors' own strides, so rows past a
+head's end load as zeros and are clipped on store. Programs are ordered heaviest first (causal: the last query
+tiles), by groups of heads whose K and V fit in L2 together (`program_order`, mirrored in `_program_tile`).
+
+Writes O (q's layout) and L, the natural-log logsumexp, float32, contiguous q.shape[:-1]: the same outputs as
+`flash_triton.flash_forward_triton`, so its backward can consume them.
+
+Caveats: sm_90 only (wgmma, setmaxnreg); bf16 or fp16; head dims 64 and 128; 16-byte aligned strides and
+starts (TMA); no backward yet (stage 2 of issue #26). `gluon_supported` says whether a call is supported;
+`flash_attention_gluon_forward` raises ValueError naming what is not. EXACT (tests only) replaces the softmax by
+P = S mod 8 with no normalisation: with small integer inputs every value is an exact integer, which makes the
+whole pipeline (producer ring, ping-pong, register-A P V) checkable bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from cs336_systems.kernels.common import check_inputs
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+CONSUMERS = 2  # consumer warpgroups per program (the kernel's partitions are written for two)
+# the same, as the kernels read them (a jit function sees only constexpr globals)
+_CONSUMERS = gl.constexpr(CONSUMERS)
+_LN2 = gl.constexpr(LN2)
+HEAD_DIMS = (64, 128)
+DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# L2 share that one group of heads' K and V may take (H100: 50 MB of L2): programs of a group run together and
+# read the same key tiles at about the same time.
+L2_BUDGET_BYTES = 32 * 2**20
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """One program's shape and resources. block_m: query rows per consumer warpgroup (128 spills, as the probe
+    found); block_n: keys per step (= CONSUMERS * block_m, which the causal masking relies on); num_slots: K/V
+    ring depth (shared memory: 2 Q sub-tiles plus 2 x num_slots key tiles); registers: per consumer thread and
+    per producer thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from."""
+
+    head_dim: int
+    block_m: int = 64
+    block_n: int = 128
+    num_slots: int = 2
+    consumer_registers: int = 240
+    producer_registers: int = 24
+    maxnreg: int = 168
+
+    def __post_init__(self):
+        if self.block_n != CONSUMERS * self.block_m:
+            raise ValueError(f"{self}: block_n must be {CONSUMERS} x block_m (only the last key tile is masked)")
+
+    @property
+    def rows(self) -> int:
+        return CONSUMERS * self.block_m
+
+    def shared_bytes(self, element_size: int = 2) -> int:
+        """Tiles only (the barriers add a few hundred bytes)."""
+        return element_size * self.head_dim * (self.rows + 2 * self.num_slots * self.block_n)
+
+
+# d=64: four slots (148 KB) keep the producer ahead of short steps; d=128: two (164 KB; three measured slower).
+TILES = {64: GluonTile(64, num_slots=4), 128: GluonTile(128, num_slots=2)}
+
+
+def tile_for(head_dim: int) -> GluonTile:
+    if head_dim not in TILES:
+        raise ValueError(f"flash_gluon: head dim {head_dim} is not supported (supported: {', '.join(map(str, TILES))})")
+    return TILES[head_dim]
+
+
+# ----------------------------------------------------------------------------------------------
+# the schedule, in plain Python (the kernel's _program_tile computes the same)
+# ----------------------------------------------------------------------------------------------
+def heads_per_group(batch_heads: int, n_keys: int, head_dim: int, element_size: int = 2) -> int:
+    """How many (batch, head) pairs are scheduled together: as many as keep their K and V within L2_BUDGET_BYTES."""
+    kv_bytes = 2 * n_keys * head_dim * element_size
+    return max(1, min(batch_heads, L2_BUDGET_BYTES // kv_bytes))
+
+
+def program_order(n_q_tiles: int, batch_heads: int, group: int, is_causal: bool) -> list[tuple[int, int]]:
+    """(query tile, batch·head) of program 0, 1, ... in launch order: heads in groups of `group`; within a group,
+    tile-rank major and head minor, heaviest tiles (causal: the last ones) first."""
+    order = []
+    for pid in range(n_q_tiles * batch_heads):
+        first = pid // (group * n_q_tiles) * group
+        heads = min(group, batch_heads - first)
+        within = pid - first * n_q_tiles
+        rank = within // heads
+        order.append((n_q_tiles - 1 - rank if is_causal else rank, first + within % heads))
+    return order
+
+
+def key_tiles(q_tile: int, n_queries: int, n_keys: int, tile: GluonTile, is_causal: bool) -> int:
+    """Key tiles a program visits (the kernel computes the same): all of them, or (causal) up to its last row."""
+    last = triton.cdiv(n_keys, tile.block_n)
+    if not is_causal:
+        return last
+    return min(triton.cdiv(min((q_tile + 1) * tile.rows, n_queries), tile.block_n), last)
+
+
+# ----------------------------------------------------------------------------------------------
+# partitions
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _as_2d(ring, i):
+    """Slot i of a ring of (1, 1, rows, d) TMA boxes as the (rows, d) matrix the wgmma reads."""
+    box = ring.index(i)
+    return box.reshape([box.shape[2], box.shape[3]])
+
+
+@gluon.jit
+def _next_slot(idx, phase, NUM: gl.constexpr):
+    """The ring slot after idx and its barrier parity (which flips each time the ring wraps)."""
+    idx += 1
+    if idx == NUM:
+        idx = 0
+        phase ^= 1
+    return idx, phase
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
+              b, h, q_row, n_blk):
+    NUM: gl.constexpr = k_ring.shape[0]
+    BM: gl.constexpr = desc_q.block_type.shape[2]
+    BN: gl.constexpr = desc_k.block_type.shape[2]
+    mbarrier.expect(q_bar, _CONSUMERS * desc_q.block_type.nbytes)
+    for c in gl.static_range(_CONSUMERS):
+        tma.async_copy_global_to_shared(desc_q, [b, h, q_row + c * BM, 0], q_bar, q_smem.index(c))
+    idx = 0
+    phase = 1  # the slots start out free: a fresh mbarrier passes a wait on parity 1
+    for j in range(n_blk):
+        mbarrier.wait(k_empty.index(idx), phase)
+        mbarrier.expect(k_ready.index(idx), desc_k.block_type.nbytes)  # a box past the end still counts whole
+        tma.async_copy_global_to_shared(desc_k, [b, h, j * BN, 0], k_ready.index(idx), k_ring.index(idx))
+        mbarrier.wait(v_empty.index(idx), phase)
+        mbarrier.expect(v_ready.index(idx), desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_v, [b, h, j * BN, 0], v_ready.index(idx), v_ring.index(idx))
+        idx, phase = _next_slot(idx, phase, NUM)
+
+
+@gluon.jit
+def _mask_scores(s, offs_m, start_n, n_keys, IS_CAUSAL: gl.constexpr, FILL: gl.constexpr):
+    """Scores of keys past the end (and, causal, after the query) replaced by FILL."""
+    BN: gl.constexpr = s.shape[1]
+    offs_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s.type.layout))
+    keep = offs_n[None, :] < n_keys
+    if IS_CAUSAL:
+        keep = keep & (offs_n[None, :] <= offs_m[:, None])
+    return gl.where(keep, s, FILL)
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
+    """Online softmax of one score tile: P, the new running max and sum, and alpha, the factor that brings O to
+    the new max. The max is kept in the log2 domain (scaled by qk_scale)."""
+    if EXACT:  # integer arithmetic only; alpha is 1 at run time but not foldable, like the real rescale
+        p = s - gl.floor(s * 0.125) * 8.0
+        m_new = gl.maximum(m_i, gl.max(p, axis=1))
+        alpha = gl.where(m_new > 1.0e30, 0.5, 1.0)
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+
+@gluon.jit
+def _consumer(desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, turn, L,
+              b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale,
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
+    NUM: gl.constexpr = k_ring.shape[0]
+    BM: gl.constexpr = q_smem.shape[3]
+    BN: gl.constexpr = k_ring.shape[3]
+    D: gl.constexpr = q_smem.shape[4]
+    dtype: gl.constexpr = desc_o.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
+
+    q = _as_2d(q_smem, CID)
+    row0 = q_row + CID * BM
+    offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
+    s_shape = gl.zeros([BM, BN], gl.float32, s_layout)  # only gives S its layout (use_acc=False)
+    acc = gl.zeros([BM, D], gl.float32, o_layout)
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+    mbarrier.wait(q_bar, 0)
+
+    # key tile 0: S and P only (no P V to overlap yet)
+    mbarrier.wait(turn.index(CID), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, _as_2d(k_ring, 0).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    mbarrier.arrive(turn.index(1 - CID), count=1)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_blk == 1:
+        s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    idx = 0
+    phase = 0
+    turn_phase = 1
+    for j in range(1, n_blk):
+        nidx, nphase = _next_slot(idx, phase, NUM)
+        mbarrier.wait(turn.index(CID), turn_phase)
+        turn_phase ^= 1
+        mbarrier.wait(k_ready.index(nidx), nphase)
+        s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
+        mbarrier.wait(v_ready.index(idx), phase)
+        acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - CID), count=1)
+        s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
+        mbarrier.arrive(k_empty.index(nidx), count=1)
+        if j == n_blk - 1:
+            s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(idx), count=1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)  # only now: the P V that read p_op has retired
+        idx = nidx
+        phase = nphase
+
+    # the last P V
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    mbarrier.wait(v_ready.index(idx), phase)
+    acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(idx), count=1)
+    if not EXACT:
+        acc = acc / gl.convert_layout(l_i, row_o)[:, None]
+        lse = (m_i + gl.log2(l_i)) * _LN2
+        gl.store(L + bh * n_queries + offs_m, lse, mask=offs_m < n_queries)
+    # O leaves through this consumer's Q buffer (every wgmma reading Q has retired); rows past the end are clipped
+    q.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], q_smem.index(CID))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _program_tile(n_q_tiles, batch_heads, group, IS_CAUSAL: gl.constexpr):
+    """This program's (query tile, batch·head): program_order's arithmetic."""
+    pid = gl.program_id(0)
+    first = pid // (group * n_q_tiles) * group
+    heads = gl.minimum(group, batch_heads - first)
+    within = pid - first * n_q_tiles
+    q_tile = within // heads  # the rank: heaviest first
+    if IS_CAUSAL:
+        q_tile = n_q_tiles - 1 - q_tile
+    return q_tile, first + within % heads
+
+
+@gluon.jit
+def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, H, n_queries, n_keys, n_q_tiles, group, qk_scale,
+                            IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    BM: gl.constexpr = desc_q.block_type.shape[2]
+    BN: gl.constexpr = desc_k.block_type.shape[2]
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_q.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_k.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_v.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_SLOTS):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=_CONSUMERS)
+    for c in gl.static_range(_CONSUMERS):
+        mbarrier.init(turn.index(c), count=1)
+    mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
+
+    q_tile, bh = _program_tile(n_q_tiles, gl.num_programs(0) // n_q_tiles, group, IS_CAUSAL)
+    b = bh // H
+    h = bh % H
+    q_row = q_tile * (_CONSUMERS * BM)
+    n_blk = gl.cdiv(n_keys, BN)
+    if IS_CAUSAL:
+        n_blk = gl.minimum(gl.cdiv(gl.minimum(q_row + _CONSUMERS * BM, n_queries), BN), n_blk)
+    gl.warp_specialize([
+        (_consumer, (desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, turn, L,
+                     b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, 0, IS_CAUSAL, EXACT)),
+        (_consumer, (desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, turn, L,
+                     b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, 1, IS_CAUSAL, EXACT)),
+        (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
+                     b, h, q_row, n_blk)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """(batch, n, d) as (batch, 1, n, d): the kernel's descriptors are (batch, head, row, col)."""
+    return t.unsqueeze(1) if t.dim() == 3 else t
+
+
+def layout_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """What in these inputs' shapes, dtypes and strides the kernel does not take, or None. No device check."""
+    try:
+        check_inputs(q, k, v, "flash_gluon")
+    except ValueError as error:
+        return str(error)
+    if q.dtype not in DTYPES:
+        return f"flash_gluon: dtype {q.dtype} is not supported (bfloat16, float16)"
+    if q.shape[-1] not in TILES:
+        return f"flash_gluon: head dim {q.shape[-1]} is not supported ({', '.join(map(str, TILES))})"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # TMA's rules: unit stride along the head dim, every other stride and the start 16-byte aligned
+        if t.stride(-1) != 1:
+            return f"flash_gluon: {name} must have unit stride along the head dim, got strides {t.stride()}"
+        if any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            return (f"flash_gluon: {name}'s strides {t.stride()} (elements of {t.element_size()} B) and start must "
+                    "be 16-byte aligned for TMA")
+    return None
+
+
+def device_problem(q: torch.Tensor) -> str | None:
+    """Whether q's device can run the kernel: a CUDA device of compute capability 9.0 (H100, H200)."""
+    if not q.is_cuda:
+        return f"flash_gluon: needs CUDA tensors, got device {q.device}"
+    capability = torch.cuda.get_device_capability(q.device)
+    if capability != (9, 0):
+        return f"flash_gluon: needs compute capability 9.0 (sm_90: wgmma, setmaxnreg), got {capability[0]}.{capability[1]}"
+    return None
+
+
+def gluon_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
+    """Whether flash_attention_gluon_forward takes these inputs (every causal and rectangular case is supported:
+    is_causal is part of the question for the day a restriction depends on it)."""
+    return layout_problem(q, k, v) is None and device_problem(q) is None
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A (batch, head, row, col) TMA descriptor with t's strides, loading (1, 1, rows, d) boxes."""
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[t.dtype])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False):
+    """The kernel's arguments, grid and launch options for 4-d inputs (and out, lse), without touching a device,
+    so that `bench.flash_gluon_resources` can compile exactly what a launch would."""
+    tile = tile_for(q.shape[-1])
+    batch, heads, n_queries, head_dim = q.shape
+    n_q_tiles = triton.cdiv(n_queries, tile.rows)
+    group = heads_per_group(batch * heads, k.shape[-2], head_dim, q.element_size())
+    args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
+            _descriptor(out, tile.block_m), lse, heads, n_queries, k.shape[-2], n_q_tiles, group,
+            head_dim**-0.5 * LOG2E, is_causal, exact, tile.num_slots, tile.consumer_registers,
+            tile.producer_registers)
+    grid = (n_q_tiles * batch * heads,)
+    return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
+
+
+def _forward(q, k, v, is_causal: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = layout_problem(q, k, v) or device_problem(q)
+    if problem:
+        raise ValueError(problem)
+    out = torch.empty_like(q)  # q's layout: a (batch, seq, heads, dim) view stays one
+    if out.stride() != q.stride():  # a q that empty_like does not reproduce (e.g. overlapping): check out too
+        problem = layout_problem(out, k, v)
+        if problem:
+            raise ValueError(problem)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact)
+    _flash_fwd_gluon_kernel[grid](*args, **options)
+    return out, lse
+
+
+def flash_attention_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (q's dtype and layout) and L (natural-log logsumexp, float32, contiguous q.shape[:-1]) of softmax
+    attention with scale 1/sqrt(d): q (..., n_q, d), k and v (..., n_k, d), one or two leading dims, as
+    flash_triton's forward. Raises ValueError naming what is unsupported (see gluon_supported)."""
+    return _forward(q, k, v, is_causal)
