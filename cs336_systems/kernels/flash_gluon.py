@@ -293,7 +293,8 @@ def _program_tile(n_q_tiles, batch_heads, group, IS_CAUSAL: gl.constexpr):
     return q_tile, first + within % heads
 
 
-@gluon.jit
+# Lengths and counts enter only addresses and loop bounds: not specialised on, so new lengths do not recompile.
+@gluon.jit(do_not_specialize=["H", "n_queries", "n_keys", "n_q_tiles", "group"])
 def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, H, n_queries, n_keys, n_q_tiles, group, qk_scale,
                             IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
