@@ -204,10 +204,38 @@ def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
 
 
 @gluon.jit
+def _key_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx, phase,
+              turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              EXACT: gl.constexpr, MASKED: gl.constexpr):
+    """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
+    Slot idx holds tile j-1 (its V is read here), the next slot tile j."""
+    NUM: gl.constexpr = k_ring.shape[0]
+    BN: gl.constexpr = k_ring.shape[3]
+    FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
+    row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    nidx, nphase = _next_slot(idx, phase, NUM)
+    mbarrier.wait(turn.index(CID), turn_phase)
+    mbarrier.wait(k_ready.index(nidx), nphase)
+    s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
+    mbarrier.wait(v_ready.index(idx), phase)
+    acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
+    mbarrier.arrive(turn.index(1 - CID), count=1)
+    s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
+    mbarrier.arrive(k_empty.index(nidx), count=1)
+    if MASKED:
+        s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
+    mbarrier.arrive(v_empty.index(idx), count=1)
+    p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
+    return acc, p_op, m_i, l_i, alpha, nidx, nphase, turn_phase ^ 1
+
+
+@gluon.jit
 def _consumer(desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, turn, L,
               b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale,
               CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
-    NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
     D: gl.constexpr = q_smem.shape[4]
@@ -242,26 +270,14 @@ def _consumer(desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, 
     idx = 0
     phase = 0
     turn_phase = 1
-    for j in range(1, n_blk):
-        nidx, nphase = _next_slot(idx, phase, NUM)
-        mbarrier.wait(turn.index(CID), turn_phase)
-        turn_phase ^= 1
-        mbarrier.wait(k_ready.index(nidx), nphase)
-        s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
-        mbarrier.wait(v_ready.index(idx), phase)
-        acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
-        mbarrier.arrive(turn.index(1 - CID), count=1)
-        s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
-        mbarrier.arrive(k_empty.index(nidx), count=1)
-        if j == n_blk - 1:
-            s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(idx), count=1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)  # only now: the P V that read p_op has retired
-        idx = nidx
-        phase = nphase
+    for j in range(1, n_blk - 1):  # the unmasked tiles
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx, phase,
+            turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
+    if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx, phase,
+            turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -389,13 +405,14 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False):
+def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group: int | None = None):
     """The kernel's arguments, grid and launch options for 4-d inputs (and out, lse), without touching a device,
-    so that `bench.flash_gluon_resources` can compile exactly what a launch would."""
+    so that `bench.flash_gluon_resources` can compile exactly what a launch would. `group` overrides
+    heads_per_group (for measuring the program order)."""
     tile = tile_for(q.shape[-1])
     batch, heads, n_queries, head_dim = q.shape
     n_q_tiles = triton.cdiv(n_queries, tile.rows)
-    group = heads_per_group(batch * heads, k.shape[-2], head_dim, q.element_size())
+    group = min(group or heads_per_group(batch * heads, k.shape[-2], head_dim, q.element_size()), batch * heads)
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
             _descriptor(out, tile.block_m), lse, heads, n_queries, k.shape[-2], n_q_tiles, group,
             head_dim**-0.5 * LOG2E, is_causal, exact, tile.num_slots, tile.consumer_registers,
@@ -404,7 +421,8 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False):
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
-def _forward(q, k, v, is_causal: bool, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     problem = layout_problem(q, k, v) or device_problem(q)
     if problem:
         raise ValueError(problem)
@@ -414,7 +432,7 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False) -> tuple[torch.Tenso
         if problem:
             raise ValueError(problem)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact)
+    args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact, group)
     _flash_fwd_gluon_kernel[grid](*args, **options)
     return out, lse
 

@@ -1,7 +1,7 @@
 """Stage 1 of issue #26 on one GPU: is the Gluon forward (kernels/flash_gluon.py) correct, and how fast is it
 against SDPA's cuDNN and flash backends, in the same run?
 
-    python results/diagnosis/flash_gluon_stage1.py --out flash_gluon_stage1.csv [--triton] [--only-timing]
+    python results/diagnosis/flash_gluon_stage1.py --out flash_gluon_stage1.csv [--triton] [--groups 1 64]
 
 Checks (as tests/test_flash_gluon.py, on fresh random inputs): O against a float64 reference, its error within
 2x (+2e-3) of PyTorch's own attention in the same dtype, L within 1e-3, and O and L against our Triton
@@ -120,11 +120,13 @@ def sdpa(backend):
     return run
 
 
-def time_rows(with_triton: bool):
+def time_rows(with_triton: bool, groups: list[int]):
     from torch.nn.attention import SDPBackend
 
     providers = {"gluon": lambda q, k, v, c: flash_gluon.flash_attention_gluon_forward(q, k, v, c)[0],
                  "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
+    for group in groups:  # another program order: heads_per_group overridden
+        providers[f"gluon_group{group}"] = lambda q, k, v, c, g=group: flash_gluon._forward(q, k, v, c, group=g)[0]
     if with_triton:
         providers["flash_triton"] = lambda q, k, v, c: flash_forward_triton(q, k, v, c)[0]
     rows = []
@@ -135,7 +137,7 @@ def time_rows(with_triton: bool):
         flops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
         times = {}
         for provider, fn in providers.items():
-            row = {"section": "timing", "case": name, "batch": batch, "heads": heads, "seq": n, "head_dim": d,
+            row = {"section": "timing", "case": name, "heads_per_group": flash_gluon.heads_per_group(batch * heads, n, d), "batch": batch, "heads": heads, "seq": n, "head_dim": d,
                    "causal": causal, "dtype": "bfloat16", "provider": provider}
             try:
                 out = fn(q, k, v, causal)
@@ -166,6 +168,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="CSV file for the rows")
     parser.add_argument("--triton", action="store_true", help="also time our Triton FA2 forward (autotunes per shape)")
+    parser.add_argument("--groups", nargs="*", type=int, default=[],
+                        help="also time the Gluon kernel with these heads_per_group (program order) overrides")
     parser.add_argument("--only-timing", action="store_true", help="skip the checks")
     parser.add_argument("--only-checks", action="store_true", help="skip the timing")
     args = parser.parse_args()
@@ -180,7 +184,7 @@ def main():
         write_rows([{**row, **prov} for row in rows], args.out)
         print(f"checks done in {time.time() - start:.0f} s", flush=True)
     if not args.only_checks:
-        rows += time_rows(args.triton)
+        rows += time_rows(args.triton, args.groups)
         write_rows([{**row, **prov} for row in rows], args.out)
     failed = [row for row in rows if row["section"] != "timing" and not row["ok"]]
     print(f"{len(failed)} failed checks; {time.time() - start:.0f} s", flush=True)
