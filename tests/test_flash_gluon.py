@@ -20,7 +20,6 @@ from cs336_systems.kernels.flash_gluon import (
     TILES,
     GluonTile,
     gluon_supported,
-    heads_per_group,
     key_tiles,
     layout_problem,
     program_order,
@@ -68,12 +67,6 @@ def test_key_tiles_reach_the_last_visible_key(n_q, n_k):
             rows = range(q_tile * tile.rows, min((q_tile + 1) * tile.rows, n_q))
             last_key = max(min(r, n_k - 1) for r in rows) if causal else n_k - 1
             assert key_tiles(q_tile, n_q, n_k, tile, causal) == last_key // tile.block_n + 1
-
-
-def test_heads_per_group_fits_l2_and_stays_in_range():
-    assert heads_per_group(16, 16384, 64) == 8  # the leaderboard: 4 MiB of K and V per head
-    assert heads_per_group(64, 32768, 128) == 2  # the 8B shape: 16 MiB per head
-    assert heads_per_group(3, 128, 64) == 3 and heads_per_group(8, 2**20, 128) == 1
 
 
 def test_tiles_keep_the_masking_assumption_and_fit_shared_memory():

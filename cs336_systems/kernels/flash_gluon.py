@@ -24,7 +24,8 @@ is as long as a program's query block (BLOCK_N = CONSUMERS * BLOCK_M), so only a
 touch the diagonal or run past the last key: only that one is masked. Lengths that are not tile multiples need
 nothing else: the TMA descriptors are 4-d (batch, head, row, col) with the tensors' own strides, so rows past a
 head's end load as zeros and are clipped on store. Programs are ordered heaviest first (causal: the last query
-tiles), by groups of heads whose K and V fit in L2 together (`program_order`, mirrored in `_program_tile`).
+tiles), one head after another (`program_order`, mirrored in `_program_tile`; it can interleave groups of heads,
+which measured slower: HEADS_PER_GROUP).
 
 Writes O (q's layout) and L, the natural-log logsumexp, float32, contiguous q.shape[:-1]: the same outputs as
 `flash_triton.flash_forward_triton`, so its backward can consume them.
@@ -63,9 +64,11 @@ _CONSUMERS = gl.constexpr(CONSUMERS)
 _LN2 = gl.constexpr(LN2)
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# L2 share that one group of heads' K and V may take (H100: 50 MB of L2): programs of a group run together and
-# read the same key tiles at about the same time.
-L2_BUDGET_BYTES = 32 * 2**20
+# Heads interleaved in the program order. Measured on an H100 (results/diagnosis/flash_gluon_stage1/run2): one
+# head at a time (its query tiles heaviest first) was fastest or within 2% at all five shapes; groups sized so
+# their K and V fit in 32 MiB of L2 cost up to 21% (4 x 32 x 4096, d=128, causal: 1.21 vs 1.00 ms), all heads
+# at once up to 55% (the 8B shape). Programs of one head read the same key tiles at about the same time.
+HEADS_PER_GROUP = 1
 
 
 @dataclass(frozen=True)
@@ -109,12 +112,6 @@ def tile_for(head_dim: int) -> GluonTile:
 # ----------------------------------------------------------------------------------------------
 # the schedule, in plain Python (the kernel's _program_tile computes the same)
 # ----------------------------------------------------------------------------------------------
-def heads_per_group(batch_heads: int, n_keys: int, head_dim: int, element_size: int = 2) -> int:
-    """How many (batch, head) pairs are scheduled together: as many as keep their K and V within L2_BUDGET_BYTES."""
-    kv_bytes = 2 * n_keys * head_dim * element_size
-    return max(1, min(batch_heads, L2_BUDGET_BYTES // kv_bytes))
-
-
 def program_order(n_q_tiles: int, batch_heads: int, group: int, is_causal: bool) -> list[tuple[int, int]]:
     """(query tile, batch·head) of program 0, 1, ... in launch order: heads in groups of `group`; within a group,
     tile-rank major and head minor, heaviest tiles (causal: the last ones) first."""
@@ -408,11 +405,11 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group: int | None = None):
     """The kernel's arguments, grid and launch options for 4-d inputs (and out, lse), without touching a device,
     so that `bench.flash_gluon_resources` can compile exactly what a launch would. `group` overrides
-    heads_per_group (for measuring the program order)."""
+    HEADS_PER_GROUP (for measuring the program order)."""
     tile = tile_for(q.shape[-1])
     batch, heads, n_queries, head_dim = q.shape
     n_q_tiles = triton.cdiv(n_queries, tile.rows)
-    group = min(group or heads_per_group(batch * heads, k.shape[-2], head_dim, q.element_size()), batch * heads)
+    group = min(group or HEADS_PER_GROUP, batch * heads)
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
             _descriptor(out, tile.block_m), lse, heads, n_queries, k.shape[-2], n_q_tiles, group,
             head_dim**-0.5 * LOG2E, is_causal, exact, tile.num_slots, tile.consumer_registers,

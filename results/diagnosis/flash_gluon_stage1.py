@@ -125,7 +125,7 @@ def time_rows(with_triton: bool, groups: list[int]):
 
     providers = {"gluon": lambda q, k, v, c: flash_gluon.flash_attention_gluon_forward(q, k, v, c)[0],
                  "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION)}
-    for group in groups:  # another program order: heads_per_group overridden
+    for group in groups:  # another program order: HEADS_PER_GROUP overridden
         providers[f"gluon_group{group}"] = lambda q, k, v, c, g=group: flash_gluon._forward(q, k, v, c, group=g)[0]
     if with_triton:
         providers["flash_triton"] = lambda q, k, v, c: flash_forward_triton(q, k, v, c)[0]
@@ -137,7 +137,7 @@ def time_rows(with_triton: bool, groups: list[int]):
         flops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
         times = {}
         for provider, fn in providers.items():
-            row = {"section": "timing", "case": name, "heads_per_group": flash_gluon.heads_per_group(batch * heads, n, d), "batch": batch, "heads": heads, "seq": n, "head_dim": d,
+            row = {"section": "timing", "case": name, "default_group": flash_gluon.HEADS_PER_GROUP, "batch": batch, "heads": heads, "seq": n, "head_dim": d,
                    "causal": causal, "dtype": "bfloat16", "provider": provider}
             try:
                 out = fn(q, k, v, causal)
@@ -169,7 +169,7 @@ def main():
     parser.add_argument("--out", required=True, help="CSV file for the rows")
     parser.add_argument("--triton", action="store_true", help="also time our Triton FA2 forward (autotunes per shape)")
     parser.add_argument("--groups", nargs="*", type=int, default=[],
-                        help="also time the Gluon kernel with these heads_per_group (program order) overrides")
+                        help="also time the Gluon kernel with these HEADS_PER_GROUP (program order) overrides")
     parser.add_argument("--only-timing", action="store_true", help="skip the checks")
     parser.add_argument("--only-checks", action="store_true", help="skip the timing")
     args = parser.parse_args()
