@@ -62,7 +62,6 @@ CONSUMERS = 2  # consumer warpgroups per program (the kernel's partitions are wr
 # the same, as the kernels read them (a jit function sees only constexpr globals)
 _CONSUMERS = gl.constexpr(CONSUMERS)
 _LN2 = gl.constexpr(LN2)
-HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # Heads interleaved in the program order. Measured on an H100 (results/diagnosis/flash_gluon_stage1/run2): one
 # head at a time (its query tiles heaviest first) was fastest or within 2% at all five shapes; groups sized so
@@ -99,7 +98,9 @@ class GluonTile:
         return element_size * self.head_dim * (self.rows + 2 * self.num_slots * self.block_n)
 
 
-# d=64: four slots (148 KB) keep the producer ahead of short steps; d=128: two (164 KB; three measured slower).
+# The probe's ring depths: d=64 four slots (148 KB), d=128 two (164 KB). Three at d=128 (230 KB) was slower in the
+# probe's own run and even or 4% faster (its pin variant) in ours (results/diagnosis/flash_gluon_stage1/run*/
+# probe_stage0.log): not yet tried in this kernel.
 TILES = {64: GluonTile(64, num_slots=4), 128: GluonTile(128, num_slots=2)}
 
 
