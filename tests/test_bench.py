@@ -404,7 +404,7 @@ def _collectives_rank(rank: int, world_size: int, out: str, out_unsupported: str
 
 def test_collective_bench_times_each_op_and_records_unsupported_ones(tmp_path):
     """One spawn (starting ranks is the slow part): all three ops, then reduce-scatter made unsupported."""
-    from cs336_systems.bench.allreduce import ring_factor
+    from cs336_systems.analysis.collectives import ring_factor
     from tests.distributed_helpers import run_distributed
 
     out, out_unsupported = tmp_path / "collectives.csv", tmp_path / "unsupported.csv"
@@ -429,7 +429,7 @@ def test_collective_bench_rejects_bad_input(tmp_path):
     with pytest.raises(SystemExit):
         allreduce.main(["--backend", "gloo", "--ops", "broadcast", "--out", str(tmp_path / "x.csv")])
     with pytest.raises(ValueError, match="broadcast"):
-        allreduce.ring_factor("broadcast", 2)
+        ring_factor("broadcast", 2)
 
 
 def _plain_weights_from(ours: torch.nn.Module) -> dict[str, torch.Tensor]:

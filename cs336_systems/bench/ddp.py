@@ -53,7 +53,7 @@ from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_config
+from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_config
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
 
 
@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context-length", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=sorted(DTYPES),
                         help="autocast dtypes, each a row per config")
-    parser.add_argument("--attention", default="sdpa", help="attention backend")
+    parser.add_argument("--attention", default="sdpa", choices=sorted(ATTENTION_BACKENDS),
+                        help="attention backend (cs336_systems.model.attention): %(choices)s")
     parser.add_argument("--compile", default="none", choices=["none", "blocks"],
                         help="torch.compile each Transformer block (the first step of a config compiles, or finds "
                              "the graphs an earlier config of the same process compiled)")
