@@ -217,9 +217,9 @@ def _spec(text: str) -> DataParallelSpec:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=list(MODEL_SIZES), help="model size")
-    shardings = "|".join(s for s in SHARDINGS if s != "none")
+    shardings = "|".join("+" + s for s in SHARDINGS if s != "none")
     parser.add_argument("--wrapper", type=_spec, default=DataParallelSpec.parse("bucketed:25"),
-                        help=f"data-parallel spec KIND[:BUCKET_MB][+{shardings}], KIND one of {', '.join(KINDS)} "
+                        help=f"data-parallel spec KIND[:BUCKET_MB][{shardings}], KIND one of {', '.join(KINDS)} "
                              "(default: bucketed:25)")
     parser.add_argument("--sharded-optimizer", action="store_true",
                         help="deprecated: write --wrapper KIND+sharded (ZeRO-1, our sharded AdamW)")

@@ -1,6 +1,8 @@
 """The package's import surface: every exported name imports, README's Python runs, and the package's
-own imports go one way (no cycle; the model imports nothing above it; `import cs336_systems` neither
-imports the kernels, the benchmarks nor Triton, yet knows every attention backend)."""
+own imports go one way (no cycle; the model imports nothing above it, nor does its attention registry
+name anything above the kernels, "module:function" paths included; bench/ imports nothing of report/;
+analysis/ is a floor of pure models; `import cs336_systems` neither imports the kernels, the benchmarks
+nor Triton, yet knows the model's and the kernels' attention backends)."""
 
 import ast
 import importlib
