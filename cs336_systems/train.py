@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,8 +33,8 @@ import torch.distributed as dist
 
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.distributed.parallelize import KINDS
-from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
+from cs336_systems.distributed.parallelize import KINDS, SHARDINGS
+from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 from cs336_systems.timing import DTYPES, autocast, peak_memory_mib, timed
@@ -137,20 +138,10 @@ def load_checkpoint(root: Path, rank: int, world: int, device: torch.device) -> 
 
 # ---- training ---------------------------------------------------------------------------------
 
-def data_parallel_spec(args: argparse.Namespace) -> DataParallelSpec:
-    """--wrapper with --sharded-optimizer folded in (the flag is short for +sharded)."""
-    spec = args.wrapper
-    if args.sharded_optimizer:
-        if spec.optimizer_sharding not in ("none", "sharded"):
-            raise ValueError(f"--sharded-optimizer contradicts --wrapper {spec} (optimizer sharding "
-                             f"{spec.optimizer_sharding!r})")
-        spec = replace(spec, optimizer_sharding="sharded")
-    return spec
-
-
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
-    """Run (or continue) the training of args, one rank of world; the rows of the steps it ran."""
-    spec = data_parallel_spec(args)
+    """Run (or continue) the training of args (from `parse_args`), one rank of world; the rows of the
+    steps it ran."""
+    spec = args.wrapper
     torch.manual_seed(args.seed + rank)  # ranks start apart: the wrappers broadcast rank 0's weights
     with device:
         model = TransformerLM(get_config(args.size, context_length=args.context_length, attention=args.attention))
@@ -226,11 +217,14 @@ def _spec(text: str) -> DataParallelSpec:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=list(MODEL_SIZES), help="model size")
+    shardings = "|".join("+" + s for s in SHARDINGS if s != "none")
     parser.add_argument("--wrapper", type=_spec, default=DataParallelSpec.parse("bucketed:25"),
-                        help=f"data-parallel spec KIND[:BUCKET_MB][+sharded|+zero], KIND one of {', '.join(KINDS)} "
+                        help=f"data-parallel spec KIND[:BUCKET_MB][{shardings}], KIND one of {', '.join(KINDS)} "
                              "(default: bucketed:25)")
-    parser.add_argument("--sharded-optimizer", action="store_true", help="ZeRO-1: shard AdamW's state (= +sharded)")
-    parser.add_argument("--attention", default="sdpa", help="attention backend (naive, sdpa, flash_pytorch, ...)")
+    parser.add_argument("--sharded-optimizer", action="store_true",
+                        help="deprecated: write --wrapper KIND+sharded (ZeRO-1, our sharded AdamW)")
+    parser.add_argument("--attention", default="sdpa", choices=sorted(ATTENTION_BACKENDS),
+                        help="attention backend (cs336_systems.model.attention): %(choices)s")
     parser.add_argument("--batch-size", type=_at_least(1), default=4, help="sequences per rank and step")
     parser.add_argument("--context-length", type=_at_least(1), default=256, help="tokens per sequence")
     parser.add_argument("--precision", default="bf16", choices=sorted(DTYPES), help="autocast dtype (fp32: none)")
@@ -251,10 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The flags, with the data-parallel spec parsed once: `args.wrapper`, the DataParallelSpec every later
+    step reads, with the deprecated --sharded-optimizer folded in (+sharded) and then dropped."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    if args.sharded_optimizer:
+        warnings.warn("--sharded-optimizer is deprecated: write --wrapper KIND+sharded", DeprecationWarning,
+                      stacklevel=2)
+        if args.wrapper.optimizer_sharding not in ("none", "sharded"):
+            parser.error(f"--sharded-optimizer contradicts --wrapper {args.wrapper} (optimizer sharding "
+                         f"{args.wrapper.optimizer_sharding!r})")
+        args.wrapper = replace(args.wrapper, optimizer_sharding="sharded")
+    del args.sharded_optimizer
+    return args
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Errors argparse's per-flag checks cannot see, raised as ValueError before any rank starts."""
-    data_parallel_spec(args)
-    get_attention(args.attention)
+    get_attention(args.attention)  # imports the backend's module: an error there shows before any rank starts
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if args.checkpoint_dir and not args.resume and saved_steps(Path(args.checkpoint_dir), complete_only=False):
@@ -269,12 +278,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv, parser)
     try:
         check_args(args)
     except ValueError as error:
         parser.error(str(error))
-    spec = data_parallel_spec(args)
+    spec = args.wrapper
     rank, world, device = init_from_env(args.backend)
     log = train(args, rank, world, device)
     if rank == 0 and args.loss_log:

@@ -275,7 +275,7 @@ def test_other_errors_are_not_swallowed(monkeypatch, tmp_path):
     (["--batch-size", "0"], "must be a positive integer, got 0"),
     (["--compile-scopes", "layers"], "invalid choice: 'layers'"),
     (["--precisions", "fp8"], "unknown precision 'fp8'"),
-    (["--attention", "magic"], "unknown attention backend 'magic'"),
+    (["--attention", "magic"], "argument --attention: invalid choice: 'magic'"),  # the registry's names
 ])
 def test_bad_arguments_name_the_value(tmp_path, capsys, args, message):
     argv = ["--sizes", "tiny", "--device", "cpu", "--out", str(tmp_path / "x.csv"), *args]
@@ -404,7 +404,7 @@ def _collectives_rank(rank: int, world_size: int, out: str, out_unsupported: str
 
 def test_collective_bench_times_each_op_and_records_unsupported_ones(tmp_path):
     """One spawn (starting ranks is the slow part): all three ops, then reduce-scatter made unsupported."""
-    from cs336_systems.bench.allreduce import ring_factor
+    from cs336_systems.analysis.collectives import ring_factor
     from tests.distributed_helpers import run_distributed
 
     out, out_unsupported = tmp_path / "collectives.csv", tmp_path / "unsupported.csv"
@@ -422,6 +422,7 @@ def test_collective_bench_times_each_op_and_records_unsupported_ones(tmp_path):
 
 
 def test_collective_bench_rejects_bad_input(tmp_path):
+    from cs336_systems.analysis.collectives import ring_factor
     from cs336_systems.bench import allreduce
 
     with pytest.raises(SystemExit):
@@ -429,7 +430,7 @@ def test_collective_bench_rejects_bad_input(tmp_path):
     with pytest.raises(SystemExit):
         allreduce.main(["--backend", "gloo", "--ops", "broadcast", "--out", str(tmp_path / "x.csv")])
     with pytest.raises(ValueError, match="broadcast"):
-        allreduce.ring_factor("broadcast", 2)
+        ring_factor("broadcast", 2)
 
 
 def _plain_weights_from(ours: torch.nn.Module) -> dict[str, torch.Tensor]:

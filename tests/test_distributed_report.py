@@ -76,7 +76,7 @@ def test_ddp_bench_on_gloo_times_phases_with_host_clocks(tmp_path):
 
 
 def test_rounds_needed_follows_the_standard_error_of_the_round_medians():
-    from cs336_systems.report.ddp_analysis import RANGE_D2, rounds_needed
+    from cs336_systems.analysis.ddp import RANGE_D2, rounds_needed
 
     listed = pd.DataFrame({"config": ["a", "b"], "status": "ok", "rounds": 4,
                            "step_round_medians_ms": ["100 104 98 102", "110 101 107 98"],
@@ -91,7 +91,8 @@ def test_rounds_needed_follows_the_standard_error_of_the_round_medians():
 
 
 def test_config_runs_at_least_the_rounds_the_committed_spread_needs():
-    from cs336_systems.report.ddp_analysis import DIAGNOSIS_ROUNDS, rounds_needed
+    from cs336_systems.analysis.ddp import rounds_needed
+    from cs336_systems.report.ddp_analysis import DIAGNOSIS_ROUNDS
 
     need = rounds_needed(pd.read_csv(ROOT / "results" / DIAGNOSIS_ROUNDS))["rounds"]
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -129,8 +130,9 @@ def _collective_rows(mode, o, w, sizes_mb=(0.01, 1, 10, 100)):
 
 
 def test_burst_rows_give_the_per_call_cost_and_stay_out_of_the_ring_model():
-    from cs336_systems.report.collectives import all_reduce_rows, fit_ring_model
-    from cs336_systems.report.ddp_analysis import allreduce_burst_cost, allreduce_cost, bucket_model
+    from cs336_systems.analysis.collectives import all_reduce_rows, fit_ring_model
+    from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
+    from cs336_systems.report.ddp_analysis import bucket_model
 
     frame = pd.concat([_collective_rows("single", 90e-6, 320e9), _collective_rows("burst", 20e-6, 340e9)])
     assert allreduce_cost(frame) == pytest.approx((90e-6, 320e9), rel=1e-6)

@@ -1,6 +1,8 @@
 """The package's import surface: every exported name imports, README's Python runs, and the package's
-own imports go one way (no cycle; the model imports nothing above it; `import cs336_systems` neither
-imports the kernels, the benchmarks nor Triton, yet knows every attention backend)."""
+own imports go one way (no cycle; the model imports nothing above it, nor does its attention registry
+name anything above the kernels, "module:function" paths included; bench/ imports nothing of report/;
+analysis/ is a floor of pure models; `import cs336_systems` neither imports the kernels, the benchmarks
+nor Triton, yet knows the model's and the kernels' attention backends)."""
 
 import ast
 import importlib
@@ -188,25 +190,108 @@ def test_kernels_import_only_the_model_and_themselves():
 
 def test_importing_the_package_knows_every_backend_and_loads_nothing_above_the_model():
     """In a fresh process: `import cs336_systems` imports neither Triton (bench/kernel_resources.py must
-    set Triton up before it is imported) nor kernels/ or bench/, yet lists every attention backend, and
-    each resolves to its function without having been registered by an import."""
+    set Triton up before it is imported) nor kernels/ or bench/, yet lists the model's and the kernels'
+    backends, each resolving to its function; importing bench.e2e adds the one bench defines."""
     code = """
 import sys
 import cs336_systems
 from cs336_systems.model import ATTENTION_BACKENDS, get_attention
 loaded = sorted(m for m in sys.modules if m == "triton" or m.startswith(("cs336_systems.kernels", "cs336_systems.bench")))
 assert not loaded, loaded
-assert sorted(ATTENTION_BACKENDS) == ["flash_pytorch", "flash_triton", "naive", "naive_annotated", "sdpa"], ATTENTION_BACKENDS
-from cs336_systems.bench.e2e import naive_annotated_attention
+assert sorted(ATTENTION_BACKENDS) == ["flash_pytorch", "flash_triton", "naive", "sdpa", "sdpa_cudnn", "sdpa_flash"], ATTENTION_BACKENDS
 from cs336_systems.kernels import flash_attention_pytorch, flash_attention_triton
 from cs336_systems.model.attention import naive_attention, sdpa_attention
 expected = {"naive": naive_attention, "sdpa": sdpa_attention, "flash_pytorch": flash_attention_pytorch,
-            "flash_triton": flash_attention_triton, "naive_annotated": naive_annotated_attention}
+            "flash_triton": flash_attention_triton}
 for name, fn in expected.items():
     assert get_attention(name) is fn, name
+from cs336_systems.bench.e2e import naive_annotated_attention
+assert get_attention("naive_annotated") is naive_annotated_attention
 """
     done = _run_python(code)
     assert done.returncode == 0, done.stderr
+
+
+# Where a registry entry of the model may point: the model itself and the kernels (the floors below
+# bench, report, distributed and train, which register their own entries instead).
+REGISTRY_FLOORS = ("cs336_systems.model", "cs336_systems.kernels")
+
+
+def _entry_module(entry) -> str:
+    """The module an attention registry entry names: a "module:function" path's module, or where the
+    function (a functools.partial's function) is defined."""
+    if isinstance(entry, str):
+        return entry.partition(":")[0]
+    return getattr(entry, "func", entry).__module__
+
+
+def _registered_paths() -> list[tuple[str, str]]:
+    """(module, path) of every `register_attention(name, "module:function")` call in the package's source."""
+    found = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None))
+                    == "register_attention" and len(node.args) == 2 and isinstance(node.args[1], ast.Constant)):
+                found.append((module, node.args[1].value))
+    return found
+
+
+def test_registry_entries_name_nothing_above_the_kernels():
+    """The model's registry as `import cs336_systems.model` leaves it (fresh process): every entry, path or
+    function, lives in the model or the kernels; and no source file registers a path above them (a
+    higher layer registers its function itself, in the module that defines it)."""
+    code = f"""
+import cs336_systems.model
+from cs336_systems.model import ATTENTION_BACKENDS
+from tests.test_imports import _entry_module
+bad = {{name: _entry_module(fn) for name, fn in ATTENTION_BACKENDS.items()
+        if not _entry_module(fn).startswith({REGISTRY_FLOORS!r})}}
+assert not bad, bad
+"""
+    done = _run_python(code)
+    assert done.returncode == 0, done.stderr
+    for module, path in _registered_paths():
+        assert path.partition(":")[0].startswith(REGISTRY_FLOORS), f"{module} registers {path!r}, above the kernels"
+    for module in ("cs336_systems.bench.e2e", "cs336_systems.bench.flash_bench", "cs336_systems.train"):
+        importlib.import_module(module)  # whatever higher layers register, no path points up
+    from cs336_systems.model import ATTENTION_BACKENDS
+
+    paths = {name: fn for name, fn in ATTENTION_BACKENDS.items() if isinstance(fn, str)}
+    assert paths and all(_entry_module(p).startswith(REGISTRY_FLOORS) for p in paths.values()), paths
+    assert _entry_module("cs336_systems.bench.e2e:f") == "cs336_systems.bench.e2e"  # the check can fail
+
+
+def test_bench_imports_nothing_from_the_report():
+    """bench/ measures; report/ reads what it wrote: the models both use are in analysis/."""
+    for module in MODULES:
+        if module.startswith("cs336_systems.bench"):
+            report = {m for m in GRAPH[module] if m.startswith("cs336_systems.report")}
+            assert not report, f"{module} imports {sorted(report)}"
+
+
+def _external_imports(source: str) -> set[str]:
+    """Top-level names of the non-relative modules `source` imports (`torch.distributed`, `matplotlib.pyplot`)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module)
+    return found
+
+
+def test_analysis_is_a_floor_of_pure_models():
+    """analysis/ imports neither bench/, report/, distributed/ nor train, nor torch.distributed nor a
+    plotting library: formulas and fits that the benchmarks and the report both stand on."""
+    above = ("cs336_systems.bench", "cs336_systems.report", "cs336_systems.distributed", "cs336_systems.train")
+    modules = [m for m in MODULES if m.startswith("cs336_systems.analysis")]
+    assert len(modules) > 3, modules
+    for module in modules:
+        up = {m for m in GRAPH[module] if m.startswith(above)}
+        assert not up, f"{module} imports {sorted(up)}"
+        external = {m for m in _external_imports(MODULES[module].read_text())
+                    if m.startswith(("torch.distributed", "matplotlib"))}
+        assert not external, f"{module} imports {sorted(external)}"
 
 
 def test_unknown_or_malformed_backends_are_clear_errors():

@@ -206,7 +206,7 @@ def test_adamw_rejects_bad_hyperparameters():
 
 def test_communication_accounting_numbers():
     """2.4 from first principles: the XXL parameter count and the compute-bound batch."""
-    from cs336_systems.report.accounting import XXL, derivation
+    from cs336_systems.analysis.communication_accounting import XXL, derivation
 
     v = derivation()
     assert v["params"] == 126 * 2 * 16384 * 53248

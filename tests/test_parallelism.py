@@ -14,12 +14,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from cs336_systems.model import TransformerLM, get_config
 from cs336_systems.optim import AdamW
 from cs336_systems.model.transformer import Embedding, Linear, RMSNorm
-from cs336_systems.report import parallelism as par
-from cs336_systems.report.collectives import (all_reduce_rows, alternate_ring_all_reduce_time, fit_ring_model,
-                                              measured_bandwidth, ring_model_table, ring_time)
-from cs336_systems.report.fsdp_accounting import (accounting_table, predicted_peaks, render_fsdp_accounting,
-                                                  state_bytes, units)
-from cs336_systems.report.parallelism_render import B200, Layer, Machine, evaluate, render_parallelism
+from cs336_systems.analysis import parallelism as par
+from cs336_systems.analysis.collectives import (all_reduce_rows, alternate_ring_all_reduce_time, fit_ring_model,
+                                                measured_bandwidth, ring_model_table, ring_time)
+from cs336_systems.analysis.fsdp_accounting import accounting_table, predicted_peaks, state_bytes, units
+from cs336_systems.report.parallelism_render import (B200, Layer, Machine, evaluate, render_fsdp_accounting,
+                                                     render_parallelism)
 
 # --- the ring primitives, simulated step by step as 8.1 describes them ---------------------------
 

@@ -332,20 +332,24 @@ def test_prose_check_on_a_known_table():
 
 def test_ddp_specs_come_from_the_rows_columns():
     """The report reads each DDP config from its row's dp_kind / bucket_mb / optimizer_sharding columns
-    (written by the benchmark's parser), not from the config string."""
-    from cs336_systems.report.sections.distributed import DdpConfig, ddp_specs
+    (written by the benchmark from its spec) as the library's DataParallelSpec, not from the config string."""
+    from cs336_systems.distributed import DataParallelSpec
+    from cs336_systems.report.sections.distributed import ddp_specs
 
     frame = pd.DataFrame({"config": ["bucketed:100+sharded", "torch_ddp+zero", "individual-thread", "torch_ddp:1"],
                           "dp_kind": ["bucketed", "torch_ddp", "individual-thread", "torch_ddp"],
                           "bucket_mb": [100.0, None, None, 1.0],
                           "optimizer_sharding": ["sharded", "zero", "none", "none"]})
     specs = ddp_specs(frame)
-    assert specs["bucketed:100+sharded"] == DdpConfig("bucketed", 100.0, "sharded")
-    assert specs["torch_ddp+zero"] == DdpConfig("torch_ddp", None, "zero")
-    assert specs["individual-thread"] == DdpConfig("individual-thread", None, None)
-    assert specs["bucketed:100+sharded"].wrapper == "bucketed:100" and specs["torch_ddp:1"].wrapper == "torch_ddp:1"
-    committed = ddp_specs(pd.read_csv(ROOT / "results" / "sharding.csv"))
-    assert committed["bucketed:1000+sharded"] == DdpConfig("bucketed", 1000.0, "sharded")
+    assert specs["bucketed:100+sharded"] == DataParallelSpec("bucketed", 100.0, "sharded")
+    assert specs["torch_ddp+zero"] == DataParallelSpec("torch_ddp", None, "zero")
+    assert specs["individual-thread"] == DataParallelSpec("individual-thread")
+    assert str(specs["bucketed:100+sharded"].wrapper) == "bucketed:100" and str(specs["torch_ddp:1"].wrapper) == "torch_ddp:1"
+    for path in ("sharding.csv", "ddp_naive.csv", "ddp_individual.csv", "ddp_bucketed.csv"):
+        for config, spec in ddp_specs(pd.read_csv(ROOT / "results" / path)).items():
+            assert spec == DataParallelSpec.parse(config), (path, config)  # columns and text agree
+    with pytest.raises(ValueError, match="unknown data-parallel kind 'individual-inline'"):
+        ddp_specs(frame.assign(dp_kind="individual-inline"))
 
 
 def test_sections_without_data_say_pending_naming_their_rule(tmp_path):

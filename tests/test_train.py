@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from cs336_systems.distributed import DataParallelSpec
 from cs336_systems.model import get_config
 from cs336_systems.train import (
     COMPLETE,
@@ -18,6 +19,7 @@ from cs336_systems.train import (
     load_checkpoint,
     load_tokens,
     main,
+    parse_args,
     saved_steps,
     step_dir,
     train,
@@ -30,7 +32,7 @@ VOCAB = get_config("tiny").vocab_size
 
 
 def _run(rank, world, argv, out):
-    log = train(build_parser().parse_args(argv), rank, world, torch.device("cpu"))
+    log = train(parse_args(argv), rank, world, torch.device("cpu"))
     if rank == 0:
         with open(out, "w") as f:
             json.dump([row["loss"] for row in log], f)
@@ -133,6 +135,24 @@ def test_bad_token_files_are_clear_errors_up_front(tmp_path, capsys):
     assert "holds 0 tokens" in _error(capsys, [*COMMON, "--data", str(empty)])
 
 
+def test_sharded_optimizer_flag_is_a_deprecated_spelling_of_plus_sharded():
+    with pytest.warns(DeprecationWarning, match="--wrapper KIND\\+sharded"):
+        args = parse_args(["--wrapper", "bucketed:2", "--sharded-optimizer"])
+    assert str(args.wrapper) == "bucketed:2+sharded" and not hasattr(args, "sharded_optimizer")
+    assert parse_args(["--wrapper", "individual+sharded"]).wrapper == DataParallelSpec.parse("individual+sharded")
+
+
+def test_attention_choices_are_the_registry():
+    """Every registered backend is accepted and listed in --help, as the registry holds them when the parser
+    is built (none typed into train.py)."""
+    from cs336_systems.model import ATTENTION_BACKENDS
+
+    help_text = " ".join(build_parser().format_help().split())
+    for name in ATTENTION_BACKENDS:
+        assert parse_args(["--attention", name]).attention == name
+        assert name in help_text, name
+
+
 def test_bad_arguments(tmp_path, capsys):
     assert "unknown data-parallel kind 'ring'" in _error(capsys, ["--wrapper", "ring"])
     assert "bucket size must be positive and finite, got 0.0" in _error(capsys, ["--wrapper", "bucketed:0"])
@@ -143,7 +163,7 @@ def test_bad_arguments(tmp_path, capsys):
     assert "must be at least 1, got 0" in _error(capsys, ["--steps", "0"])
     assert "must be at least 1, got 0" in _error(capsys, ["--keep-checkpoints", "0"])
     assert "must be positive, got -1" in _error(capsys, ["--lr", "-1"])
-    assert "unknown attention backend 'nope'" in _error(capsys, ["--attention", "nope"])
+    assert "argument --attention: invalid choice: 'nope'" in _error(capsys, ["--attention", "nope"])
     used = tmp_path / "ckpt"
     step_dir(used, 3).mkdir(parents=True)
     assert "already holds checkpoints: pass --resume" in _error(capsys, ["--checkpoint-dir", str(used)])

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from cs336_systems.analysis.collectives import OPS, ring_factor
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import config_or_usage_error, non_negative_int, positive_float, positive_int
 from cs336_systems.provenance import provenance
@@ -41,15 +42,6 @@ from cs336_systems.results import write_rows
 from cs336_systems.timing import synchronize
 from cs336_systems.distributed.launch import init_from_env, shutdown
 
-
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def ring_factor(op: str, world: int) -> float:
-    """Bytes a ring sends per rank, as a multiple of the full tensor size S (bus/algorithm bandwidth)."""
-    if op not in OPS:
-        raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
-    return (2 if op == "all_reduce" else 1) * (world - 1) / world
 
 
 def collective(op: str, numel: int, world: int, device: torch.device,

@@ -38,6 +38,7 @@ from cs336_systems.timing import (
     timed,
 )
 from cs336_systems.model import (
+    ATTENTION_BACKENDS,
     SIZE_TABLES,
     CheckpointPolicy,
     TransformerLM,
@@ -156,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=positive_int, default=4)
     parser.add_argument("--context-length", type=positive_int, default=2048)
     parser.add_argument("--precision", default="bf16", choices=list(DTYPES), help="fp32, or autocast to bf16/fp16")
-    parser.add_argument("--attention", default="naive",
-                        help="attention backend: naive, sdpa, flash_pytorch, flash_triton")
+    parser.add_argument("--attention", default="naive", choices=sorted(ATTENTION_BACKENDS),
+                        help="attention backend (cs336_systems.model.attention): %(choices)s")
     parser.add_argument("--compile", default="none", choices=["none", "blocks"],
                         help="run eagerly, or torch.compile each Transformer block")
     parser.add_argument("--optimizer", default="foreach", choices=ADAMW_IMPLEMENTATIONS,

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 -m cs336_systems.bench.ddp --size xl --precisions fp32 bf16 \
         --configs none naive flat individual bucketed:1 bucketed:100 torch_ddp --out ddp.csv
 
-A config is a data-parallel spec, KIND[:BUCKET_MB][+SHARDING] (cs336_systems.distributed.parallelize):
-kind none (each rank trains alone: the single-GPU speed), naive, flat, individual, bucketed:MB or
+A config is a data-parallel spec, KIND[:BUCKET_MB][+SHARDING], parsed once into the library's
+DataParallelSpec (cs336_systems.distributed.parallelize, which lists the kinds; --help shows them): kind none (each rank trains alone: the single-GPU speed), naive, flat, individual, bucketed:MB or
 torch_ddp; individual-thread and bucketed-thread:MB issue their all-reduces from a worker thread instead
 of the gradient hooks (for comparison); sharding none (default, AdamW), sharded (ours, ZeRO-1) or zero
 (torch's ZeroRedundancyOptimizer). Each rank gets its own slice of a global batch.
@@ -51,9 +51,9 @@ from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, synchronize
 from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
-from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS
+from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS, KINDS, SHARDINGS
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.model import MODEL_SIZES, TransformerLM, cross_entropy, get_config
+from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_config
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
 
 
@@ -256,16 +256,27 @@ def summarize(spec: DataParallelSpec, rounds: list[dict], world: int) -> dict:
     return row
 
 
+def _spec(text: str) -> DataParallelSpec:
+    """An argparse type: the DataParallelSpec of KIND[:BUCKET_MB][+SHARDING]."""
+    try:
+        return DataParallelSpec.parse(text)
+    except ValueError as error:  # argparse shows only an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--configs", nargs="+", required=True,
-                        help="data-parallel specs KIND[:BUCKET_MB][+sharded|+zero], one row each")
+    shardings = "|".join("+" + s for s in SHARDINGS if s != "none")
+    parser.add_argument("--configs", nargs="+", required=True, type=_spec,
+                        help=f"data-parallel specs KIND[:BUCKET_MB][{shardings}], one row each; KIND one of "
+                             f"{', '.join(KINDS)}")
     parser.add_argument("--size", default="xl", choices=list(MODEL_SIZES), help="model size")
     parser.add_argument("--batch-size", type=int, default=4, help="per rank")
     parser.add_argument("--context-length", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--precisions", nargs="+", default=["bf16"], choices=sorted(DTYPES),
                         help="autocast dtypes, each a row per config")
-    parser.add_argument("--attention", default="sdpa", help="attention backend")
+    parser.add_argument("--attention", default="sdpa", choices=sorted(ATTENTION_BACKENDS),
+                        help="attention backend (cs336_systems.model.attention): %(choices)s")
     parser.add_argument("--compile", default="none", choices=["none", "blocks"],
                         help="torch.compile each Transformer block (the first step of a config compiles, or finds "
                              "the graphs an earlier config of the same process compiled)")
@@ -286,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> DDPBenchConfig:
     """The typed config of parsed flags; a ValueError naming the bad value."""
-    return DDPBenchConfig(specs=tuple(DataParallelSpec.parse(text) for text in args.configs), out=args.out,
+    return DDPBenchConfig(specs=tuple(args.configs), out=args.out,
                           size=args.size, batch_size=args.batch_size, context_length=args.context_length,
                           precisions=tuple(args.precisions), attention=args.attention, compile=args.compile,
                           adamw=args.adamw, backend=args.backend, lr=args.lr, warmup=args.warmup, steps=args.steps,

@@ -6,6 +6,10 @@ our PyTorch FA2 (up to --pytorch-max-seq), naive PyTorch attention, and PyTorch 
 cuDNN backends as anchors in the same run. A provider that does not support a case, or runs out of
 memory, gives a row with that status.
 
+Providers are the model's attention backends, by their registry names (cs336_systems.model.attention:
+`sdpa_flash`, `sdpa_cudnn` are SDPA with one fused kernel forced), and each backend's `NAME_compiled`
+(the backend under torch.compile): a new backend is a provider here with no edit.
+
 `llm-shapes`: the shapes a Transformer's training step gives attention: batch x heads from 16 to 512,
 sequences 512 to 32768, head dim 64 and 128, causal and not, bf16, inputs laid out as a model makes
 them ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); our kernel eager and under
@@ -33,68 +37,57 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cs336_systems.analysis.attention_math import GEMMS, attention_flops
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
 from cs336_systems.bench.cli import config_or_usage_error, positive_int
 from cs336_systems.provenance import provenance
-from cs336_systems.report import attention_math
 from cs336_systems.results import PartialRows
 from cs336_systems.timing import DTYPES, bench_ms, is_oom, oom_message, oom_row, resolve_device
-from cs336_systems.kernels import FlashAttentionPytorch, FlashAttentionTriton
-from cs336_systems.model.attention import naive_attention
+from cs336_systems.model.attention import ATTENTION_BACKENDS, SDPA_KERNELS, AttentionFn, get_attention
 
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
-
-
-def _sdpa(backend: SDPBackend) -> Attention:
-    def attention(q, k, v, is_causal):
-        # The fused backends need (batch, heads, n, d): a 3-d input is viewed as one batch of heads.
-        view = q.dim() == 3
-        if view:
-            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        with sdpa_kernel(backend):
-            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
-        return out.squeeze(0) if view else out
-
-    return attention
+COMPILED = "_compiled"  # a provider NAME_compiled is backend NAME under torch.compile
 
 
-PROVIDERS: dict[str, Attention] = {
-    "flash_triton": FlashAttentionTriton.apply,
-    "flash_pytorch": FlashAttentionPytorch.apply,
-    "naive": naive_attention,
-    "sdpa_flash": _sdpa(SDPBackend.FLASH_ATTENTION),
-    "sdpa_cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
-}
+def known_providers() -> tuple[str, ...]:
+    """Every provider this benchmark knows: each attention backend registered now, and its compiled form."""
+    return (*ATTENTION_BACKENDS, *(name + COMPILED for name in ATTENTION_BACKENDS))
 
 
-def attention_flops(batch_heads: int, seq: int, head_dim: int, causal: bool, pass_: str) -> float:
-    """Matmul FLOPs by the usual convention (FlashAttention-2 paper, §4.1): forward 2 products (QKᵀ, PV),
-    backward 5 (S recomputed once), halved if causal. The same count for every provider, so TFLOP/s
-    compare as inverse times."""
-    forward = 4 * batch_heads * seq * seq * head_dim * (0.5 if causal else 1.0)
-    return {"forward": forward, "backward": 2.5 * forward, "forward_backward": 3.5 * forward}[pass_]
+def provider_fn(provider: str) -> AttentionFn:
+    """The call a provider times: its backend, compiled for NAME_compiled (recompiles dynamic after the
+    second shape)."""
+    backend = provider.removesuffix(COMPILED)
+    fn = get_attention(backend)
+    return torch.compile(fn) if provider.endswith(COMPILED) else fn
 
 
-def executed_flops(provider: str, batch_heads: int, seq: int, head_dim: int, causal: bool, pass_: str) -> float:
-    """Matmul FLOPs the provider's kernels execute (report/attention_math.GEMMS has each provider's count;
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+# The `tflops` column counts FlashAttention-2's convention (analysis.attention_math.GEMMS["convention"]) for
+# every provider, so TFLOP/s compare as inverse times; `executed_tflops` counts what each one executes.
+
+
+def executed_flops(provider: str, pass_: str, batch_heads: int, seq: int, head_dim: int, causal: bool) -> float:
+    """Matmul FLOPs the provider's kernels execute (analysis.attention_math.GEMMS has each backend's count;
     NaN for one it does not know)."""
-    provider = provider.removesuffix("_compiled")
-    if provider not in attention_math.GEMMS:
+    backend = provider.removesuffix(COMPILED)
+    if backend not in GEMMS:
         return float("nan")
-    return attention_math.attention_flops(provider, pass_, batch_heads, seq, head_dim, causal)
+    return attention_flops(backend, pass_, batch_heads, seq, head_dim, causal)
 
 
 MIN_CALLS = 10  # the measuring window holds at least this many calls, however long one call is
 
 
-def time_passes(fn: Attention, q, k, v, causal: bool, warmup_ms: int, rep_ms: int) -> dict[str, float]:
+def time_passes(fn: AttentionFn, q, k, v, causal: bool, warmup_ms: int, rep_ms: int) -> dict[str, float]:
     """Median ms of forward, backward (given a fixed dO) and forward+backward."""
     do = torch.randn_like(q)
     out = fn(q, k, v, causal)
@@ -116,9 +109,9 @@ def time_passes(fn: Attention, q, k, v, causal: bool, warmup_ms: int, rep_ms: in
 
 def supported(provider: str, dtype: torch.dtype, seq: int, device: torch.device, pytorch_max_seq: int) -> str | None:
     """Why a provider is not run on a case, or None."""
-    if provider in ("sdpa_flash", "sdpa_cudnn") and device.type != "cuda":
+    if provider in SDPA_KERNELS and device.type != "cuda":
         return "unsupported: CUDA only"
-    if provider in ("sdpa_flash", "sdpa_cudnn") and dtype == torch.float32:
+    if provider in SDPA_KERNELS and dtype == torch.float32:
         return "unsupported: 16-bit inputs only"
     if provider == "flash_pytorch" and seq > pytorch_max_seq:
         return f"skipped: Python tile loop beyond {pytorch_max_seq} tokens"
@@ -132,7 +125,7 @@ class SweepConfig:
     seqs: tuple[int, ...] = tuple(2**i for i in range(7, 17))
     head_dims: tuple[int, ...] = (16, 32, 64, 128)
     dtypes: tuple[str, ...] = ("bf16", "fp32")
-    providers: tuple[str, ...] = tuple(PROVIDERS)
+    providers: tuple[str, ...] = ("flash_triton", "flash_pytorch", "naive", "sdpa_flash", "sdpa_cudnn")
     pytorch_max_seq: int = 4096  # longest sequence for the PyTorch FA2 (its tile loop is Python)
     warmup_ms: int = 25
     rep_ms: int = 100
@@ -142,7 +135,7 @@ class SweepConfig:
         for name in ("seqs", "head_dims", "dtypes", "providers"):
             check_not_empty(name, getattr(self, name))
         check_known("dtype", self.dtypes, DTYPES)
-        check_known("provider", self.providers, PROVIDERS)
+        check_known("provider", self.providers, known_providers())
         check_positive("sequence length", *self.seqs)
         check_positive("head dim", *self.head_dims)
         check_positive("PyTorch FA2 longest sequence", self.pytorch_max_seq)
@@ -168,7 +161,7 @@ class LeaderboardConfig:
 
     def __post_init__(self):
         check_not_empty("providers", self.providers)
-        check_known("provider", self.providers, PROVIDERS)
+        check_known("provider", self.providers, known_providers())
         check_known("dtype", [self.dtype], DTYPES)
         check_positive("heads", self.heads)
         check_positive("sequence length", self.seq_len)
@@ -196,7 +189,7 @@ def sweep(config: SweepConfig) -> Iterator[list[dict]]:
         try:
             q, k, v = (torch.randn(1, seq, head_dim, device=device, dtype=dtype, requires_grad=True)
                        for _ in range(3))
-            times = time_passes(PROVIDERS[provider], q, k, v, True, config.warmup_ms, config.rep_ms)
+            times = time_passes(provider_fn(provider), q, k, v, True, config.warmup_ms, config.rep_ms)
         except (torch.OutOfMemoryError, RuntimeError) as error:
             if is_oom(error):
                 failed = [oom_row({**base, "pass": p}, error, message_column="note") for p in passes]
@@ -213,8 +206,8 @@ def sweep(config: SweepConfig) -> Iterator[list[dict]]:
         print(f"[{i}/{len(grid)}] {provider} {dtype_name} d={head_dim} n={seq}: "
               + " ".join(f"{p}={t:.3f}ms" for p, t in times.items()), file=sys.stderr, flush=True)
         yield [{**base, "pass": pass_, "median_ms": ms, "status": "ok",
-                "tflops": attention_flops(1, seq, head_dim, True, pass_) / ms / 1e9,
-                "executed_tflops": executed_flops(provider, 1, seq, head_dim, True, pass_) / ms / 1e9}
+                "tflops": tflops(attention_flops("convention", pass_, 1, seq, head_dim, True), ms),
+                "executed_tflops": tflops(executed_flops(provider, pass_, 1, seq, head_dim, True), ms)}
                for pass_, ms in times.items()]
 
 
@@ -237,7 +230,7 @@ class LlmShapesConfig:
     def __post_init__(self):
         for name in ("batch_heads", "seqs", "head_dims", "causal", "providers"):
             check_not_empty(name, getattr(self, name))
-        check_known("provider", self.providers, LLM_PROVIDERS)
+        check_known("provider", self.providers, known_providers())
         check_known("dtype", [self.dtype], DTYPES)
         check_positive("batch x heads", *self.batch_heads)
         check_positive("sequence length", *self.seqs)
@@ -259,23 +252,19 @@ class LlmShapesConfig:
         return out
 
 
-LLM_PROVIDERS = ("flash_triton", "flash_triton_compiled", "sdpa_flash", "sdpa_cudnn")
-
 
 def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
     """Each point's rows (forward and forward+backward per provider), or rows that say why it did not run."""
     device = resolve_device(config.device)
     dtype = DTYPES[config.dtype]
-    compiled = torch.compile(FlashAttentionTriton.apply)  # recompiles dynamic after the second shape
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    calls = {"flash_triton": FlashAttentionTriton.apply, "flash_triton_compiled": compiled,
-             "sdpa_flash": PROVIDERS["sdpa_flash"], "sdpa_cudnn": PROVIDERS["sdpa_cudnn"]}
+    calls = {provider: provider_fn(provider) for provider in config.providers}
     shapes = config.shapes()
     for i, (batch, heads, seq, head_dim, causal) in enumerate(shapes, 1):
         for provider in config.providers:
             base = {"benchmark": "flash_llm_shapes", "provider": provider, "dtype": config.dtype, "batch": batch,
                     "heads": heads, "seq_len": seq, "head_dim": head_dim, "causal": causal}
-            reason = supported(provider.removesuffix("_compiled"), dtype, seq, device, seq)
+            reason = supported(provider.removesuffix(COMPILED), dtype, seq, device, seq)
             if reason:
                 yield [{**base, "pass": p, "status": reason.split(":")[0], "note": reason}
                        for p in ("forward", "forward_backward")]
@@ -307,8 +296,8 @@ def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
             print(f"[{i}/{len(shapes)}] {provider} b{batch} h{heads} n{seq} d{head_dim} causal={causal}: "
                   + " ".join(f"{p}={t:.3f}ms" for p, t in times.items()), file=sys.stderr, flush=True)
             yield [{**base, "pass": p, "median_ms": ms, "status": "ok", "min_calls": MIN_CALLS,
-                    "tflops": attention_flops(batch * heads, seq, head_dim, causal, p) / ms / 1e9,
-                    "executed_tflops": executed_flops(provider, batch * heads, seq, head_dim, causal, p) / ms / 1e9}
+                    "tflops": tflops(attention_flops("convention", p, batch * heads, seq, head_dim, causal), ms),
+                    "executed_tflops": tflops(executed_flops(provider, p, batch * heads, seq, head_dim, causal), ms)}
                    for p, ms in times.items()]
         torch.cuda.empty_cache()
 
@@ -353,7 +342,7 @@ def leaderboard(config: LeaderboardConfig) -> list[dict]:
     for provider in config.providers:
         torch.manual_seed(0)
         q, k, v = torch.randn(3, n_heads, seq, d_head, device=device, dtype=DTYPES[config.dtype], requires_grad=True)
-        fn = PROVIDERS[provider]
+        fn = provider_fn(provider)
         # As the handout's test: our Functions go through torch.compile; SDPA is called as it is.
         flash = torch.compile(fn) if provider.startswith("flash") and config.compile else fn
 
@@ -377,7 +366,7 @@ def leaderboard(config: LeaderboardConfig) -> list[dict]:
         for pass_, call in (("forward_backward", flash_forward_backward), ("forward", flash_forward)):
             ms = bench_ms(call, device, config.warmup_ms, config.rep_ms) if device.type != "cuda" else \
                 triton.testing.do_bench(call, rep=config.rep_ms, warmup=config.warmup_ms)  # the handout's call: mean
-            flops = attention_flops(n_heads, seq, d_head, True, pass_)
+            flops = attention_flops("convention", pass_, n_heads, seq, d_head, True)
             rows.append({"benchmark": "leaderboard", "provider": provider, "dtype": config.dtype, "head_dim": d_head,
                          "seq_len": seq, "batch": 1, "heads": n_heads, "causal": True, "pass": pass_,
                          "compiled": flash is not fn,
@@ -386,6 +375,10 @@ def leaderboard(config: LeaderboardConfig) -> list[dict]:
             print(f"leaderboard {provider} {pass_}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s)",
                   file=sys.stderr, flush=True)
     return rows
+
+
+PROVIDERS_HELP = ("attention implementations to time: backends of cs336_systems.model.attention, NAME_compiled "
+                  "for one under torch.compile (%(choices)s)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -397,8 +390,8 @@ def main(argv: list[str] | None = None) -> None:
     sw.add_argument("--head-dims", nargs="+", type=positive_int, default=[16, 32, 64, 128],
                     help="head dimensions, one point each")
     sw.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES), help="input dtypes")
-    sw.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS),
-                    help="attention implementations to time")
+    sw.add_argument("--providers", nargs="+", default=list(SweepConfig.providers), choices=known_providers(),
+                    help=PROVIDERS_HELP)
     sw.add_argument("--pytorch-max-seq", type=positive_int, default=4096,
                     help="longest sequence for the PyTorch FA2")
     sw.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up time per pass")
@@ -412,8 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     ls.add_argument("--causal", nargs="+", default=["on", "off"], choices=["on", "off"], help="causal masking")
     ls.add_argument("--max-tokens", type=positive_int, default=2**21,
                     help="largest batch x heads x seq (bounds a point's time and memory)")
-    ls.add_argument("--providers", nargs="+", default=list(LLM_PROVIDERS), choices=LLM_PROVIDERS,
-                    help="attention implementations to time")
+    ls.add_argument("--providers", nargs="+", default=list(LlmShapesConfig.providers), choices=known_providers(),
+                    help=PROVIDERS_HELP)
     ls.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype")
     ls.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up time per pass")
     ls.add_argument("--rep-ms", type=positive_int, default=100,
@@ -421,8 +414,8 @@ def main(argv: list[str] | None = None) -> None:
     ls.add_argument("--first-call-out", default=None,
                     help="also write the first call's seconds in a fresh process, cold and warm Triton cache")
     lb = sub.add_parser("leaderboard", help="the handout's leaderboard timing test")
-    lb.add_argument("--providers", nargs="+", default=["flash_triton", "sdpa_flash", "sdpa_cudnn"],
-                    choices=list(PROVIDERS), help="attention implementations to time")
+    lb.add_argument("--providers", nargs="+", default=list(LeaderboardConfig.providers), choices=known_providers(),
+                    help=PROVIDERS_HELP)
     lb.add_argument("--heads", type=positive_int, default=16, help="attention heads (the batch of the case)")
     lb.add_argument("--seq-len", type=positive_int, default=16384, help="sequence length")
     lb.add_argument("--head-dim", type=positive_int, default=64, help="head dimension")

@@ -37,7 +37,7 @@ from cs336_systems.bench.cli import add_device_argument, device_from_args, posit
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 from cs336_systems.timing import DTYPES, autocast, check_precision, synchronize
-from cs336_systems.model import ModelConfig
+from cs336_systems.model import ATTENTION_BACKENDS, ModelConfig
 from cs336_systems.model.transformer import RMSNorm, RotaryEmbedding, TransformerBlock
 
 KINDS = ("parameter", "input", "activation")
@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="sequence length of the block cases")
     parser.add_argument("--norm-context-length", type=positive_int, default=defaults.norm_context_length,
                         help="sequence length of the rmsnorm case")
-    parser.add_argument("--attention", default=defaults.attention, help="attention backend of the blocks")
+    parser.add_argument("--attention", default=defaults.attention, choices=sorted(ATTENTION_BACKENDS),
+                        help="attention backend of the blocks (cs336_systems.model.attention): %(choices)s")
     parser.add_argument("--precision", default=defaults.precision, choices=list(DTYPES),
                         help="fp32, or autocast to bf16/fp16")
     add_device_argument(parser)

@@ -1,26 +1,33 @@
-"""Attention backends, chosen by name.
+"""Attention backends, chosen by name: the one registry of them.
 
 Every backend takes q, k, v of shape (batch, heads, seq, head_dim) and `is_causal`, and returns the
 attention output of the same shape. `naive` materialises the score matrix; `sdpa` is PyTorch's fused
-`scaled_dot_product_attention`; `flash_pytorch` and `flash_triton` are our FlashAttention-2 kernels
-(`cs336_systems.kernels`); `naive_annotated` is `naive` with profiler ranges around its three stages
-(`cs336_systems.bench.e2e`).
+`scaled_dot_product_attention`, which picks its kernel itself; `sdpa_flash` and `sdpa_cudnn` force one
+of its fused kernels (FlashAttention-2's, cuDNN's: the anchors the flash benchmark times ours against);
+`flash_pytorch` and `flash_triton` are our FlashAttention-2 kernels (`cs336_systems.kernels`).
 
 The model is the ground floor of the package: this module imports nothing of the kernels or the
-benchmarks. Backends defined above it are named here by "module:function" and imported on first use,
-so every backend is known as soon as the model is, and only the one chosen is loaded (the Triton one
+benchmarks. The kernels' backends are named here by "module:function" and imported on first use, so
+every backend is known as soon as the model is, and only the one chosen is loaded (the Triton one
 imports Triton, which `bench/kernel_resources.py` must be able to configure before it is imported).
+A path may name a module at or below `cs336_systems.kernels`, never one above (a test checks it).
+Layers above register their own backends when they are imported: `cs336_systems.bench.e2e` adds
+`naive_annotated` (naive with profiler ranges), so a CLI that imports it offers that name too. CLI
+choices and the flash benchmark's providers are read from `ATTENTION_BACKENDS`: a new backend is one
+entry here (or one `register_attention` call beside its definition).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
@@ -66,14 +73,31 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
-# Each backend: a function, or "module:function" for one defined above the model, imported by
+def sdpa_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
+                          kernel: SDPBackend) -> torch.Tensor:
+    """`sdpa` with one of its kernels forced (an error where that kernel does not take the inputs:
+    "No available kernel"). Also takes (batch, n, d) inputs, viewed as one batch of heads: the fused
+    kernels need the heads dimension, and the flash benchmark times head-less inputs."""
+    view = q.dim() == 3
+    if view:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    with sdpa_kernel(kernel):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    return out.squeeze(0) if view else out
+
+
+# SDPA's fused kernels as backends of their own: CUDA only, 16-bit inputs only.
+SDPA_KERNELS: dict[str, SDPBackend] = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                                       "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+# Each backend: a function, or "module:function" (at or below cs336_systems.kernels) imported by
 # `get_attention` when a model asks for it.
 ATTENTION_BACKENDS: dict[str, AttentionFn | str] = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,
+    **{name: functools.partial(sdpa_kernel_attention, kernel=kernel) for name, kernel in SDPA_KERNELS.items()},
     "flash_pytorch": "cs336_systems.kernels.flash_pytorch:flash_attention_pytorch",
     "flash_triton": "cs336_systems.kernels.flash_triton:flash_attention_triton",
-    "naive_annotated": "cs336_systems.bench.e2e:naive_annotated_attention",
 }
 
 

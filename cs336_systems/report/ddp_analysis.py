@@ -1,21 +1,18 @@
-"""The models and methods behind the DDP sections' text (handout 2.2–3): how the benchmark timed its
-phases, how many interleaved rounds a comparison needs, the all-reduce cost model fitted to the
-collective benchmark (single calls and bursts of back-to-back calls) and the bucket-size model of
-2.3(b). Kept apart from report/sections/distributed.py, which writes the sections from them."""
+"""The methods behind the DDP sections' text (handout 2.2–3): how the benchmark timed its phases, why
+the rules run the rounds they do, the bucket-size model in words, and our model's gradient and bucket
+counts. The cost models themselves are in analysis/ddp.py. Kept apart from report/sections/distributed.py,
+which writes the sections from them."""
 
 from __future__ import annotations
 
-import math
-import statistics
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
+from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost, optimal_bucket_bytes, rounds_needed
 from cs336_systems.distributed.ddp_bucketed import plan_buckets
 from cs336_systems.model import TransformerLM, get_config
-from cs336_systems.report.collectives import all_reduce_rows, burst_rows
 from cs336_systems.report.section import Context
 
 # The command that reruns every two-GPU DDP table (the lead's rerun; one node with 2 GPUs).
@@ -43,33 +40,6 @@ def timing_method(frame: pd.DataFrame) -> str:
             f"communication waits for the two-GPU rerun (pending: `{RERUN}`).")
 
 
-# d2: the expected range of n normal samples in standard deviations (the range estimator of sigma).
-RANGE_D2 = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
-
-
-def round_sigma(row: pd.Series) -> float:
-    """Standard deviation of a config's per-round median step time: the sample deviation of the
-    rounds' medians where the row lists them, else their range over d2(rounds)."""
-    listed = row.get("step_round_medians_ms")
-    if isinstance(listed, str) and len(listed.split()) > 1:
-        return statistics.stdev(float(v) for v in listed.split())
-    return (row["step_round_median_max_ms"] - row["step_round_median_min_ms"]) / RANGE_D2[int(row["rounds"])]
-
-
-def rounds_needed(frame: pd.DataFrame, relative_difference: float = 0.05, z: float = 2.0) -> dict:
-    """Rounds R for two configs of `frame` (the first two ok rows) whose step times differ by
-    `relative_difference` to be z standard errors apart: the difference of their mean round medians
-    has standard error √(σ_a² + σ_b²)/√R, so R = ⌈(z·√(σ_a² + σ_b²) / (relative_difference·level))²⌉,
-    level being the mean of their medians."""
-    a, b = (row for _, row in frame[frame["status"] == "ok"].head(2).iterrows())
-    sigma_a, sigma_b = round_sigma(a), round_sigma(b)
-    level = (a["step_median_ms"] + b["step_median_ms"]) / 2
-    difference = relative_difference * level
-    rounds = math.ceil((z * math.hypot(sigma_a, sigma_b) / difference) ** 2)
-    return {"configs": (a["config"], b["config"]), "measured_rounds": int(a["rounds"]), "sigma_ms": (sigma_a, sigma_b),
-            "level_ms": level, "difference_ms": difference, "z": z, "rounds": rounds}
-
-
 DIAGNOSIS_ROUNDS = Path("diagnosis") / "ddp_bucketed_rounds.csv"
 
 
@@ -95,29 +65,6 @@ def gradient_tensors(size: str) -> int:
     with torch.device("meta"):
         return sum(p.requires_grad for p in TransformerLM(get_config(size)).parameters())
 
-def allreduce_burst_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None:
-    """(o seconds, w bytes/s) of t = o + bytes/w per call, fitted to the 2-rank NCCL all-reduces issued
-    in bursts of back-to-back async calls (bench.allreduce --burst); None where none were measured."""
-    rows = burst_rows(allreduce)
-    nccl = rows[(rows["backend"] == "nccl") & (rows["world_size"] == 2)] if len(rows) else rows
-    if len(nccl) < 2:
-        return None
-    slope, intercept = np.polyfit(nccl["size_mb"] * 2**20, nccl["median_ms"] / 1e3, 1)
-    return max(intercept, 1e-7), 1 / slope
-
-
-def allreduce_cost(allreduce: pd.DataFrame | None) -> tuple[float, float] | None:
-    """(o seconds, w bytes/s) of t = o + bytes/w, fitted to the 2-rank NCCL all-reduce times of 2.1."""
-    if allreduce is None:
-        return None
-    allreduce = all_reduce_rows(allreduce)
-    nccl = allreduce[(allreduce["backend"] == "nccl") & (allreduce["world_size"] == 2)]
-    if len(nccl) < 2:
-        return None
-    slope, intercept = np.polyfit(nccl["size_mb"] * 2**20, nccl["median_ms"] / 1e3, 1)
-    return max(intercept, 1e-7), 1 / slope
-
-
 def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: dict[str, float] | None = None) -> str:
     """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times (bursts of
     back-to-back calls where measured, else single calls), next to the best bucket size the sweep
@@ -133,7 +80,7 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: di
     o, w = single
     text += (f" Fitted to our NCCL all-reduce times, each call timed alone (2 ranks): o = {o * 1e6:.1f} µs, "
              f"w = {w / 1e9:.1f} GB/s; for the {model_bytes / 2**30:.2f} GiB of gradients this gives "
-             f"b\\* = {math.sqrt(model_bytes * w * o) / 2**20:.0f} MiB. A call timed alone pays its whole launch and "
+             f"b\\* = {optimal_bucket_bytes(model_bytes, o, w) / 2**20:.0f} MiB. A call timed alone pays its whole launch and "
              f"completion latency, which back-to-back calls overlap, so this o overstates the per-call cost (it "
              f"predicts naive DDP's wait too long, 2.2).")
     if burst is None:
@@ -144,7 +91,7 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: di
     else:
         ob, wb = burst
         text += (f" Fitted to bursts of back-to-back calls (time per call): o = {ob * 1e6:.1f} µs, "
-                 f"w = {wb / 1e9:.1f} GB/s, b\\* = {math.sqrt(model_bytes * wb * ob) / 2**20:.0f} MiB.")
+                 f"w = {wb / 1e9:.1f} GB/s, b\\* = {optimal_bucket_bytes(model_bytes, ob, wb) / 2**20:.0f} MiB.")
     if best_mb:
         text += " Measured best of the sweep: " + ", ".join(f"{mb:g} MB in {p}" for p, mb in best_mb.items()) + "."
     return text

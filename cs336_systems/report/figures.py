@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from cs336_systems.report.collectives import all_reduce_rows  # noqa: E402
+from cs336_systems.analysis.collectives import all_reduce_rows  # noqa: E402
 from cs336_systems.report.tables import SIZE_ORDER  # noqa: E402
 from cs336_systems.timing import peak_flops  # noqa: E402
 

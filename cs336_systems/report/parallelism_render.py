@@ -1,5 +1,6 @@
-"""Section 8 of the 2026 handout as Markdown: the derived answers (report.parallelism), evaluated for
-concrete machines and layer shapes, and the ring model checked against measured collective times.
+"""Section 8 of the 2026 handout as Markdown: the derived answers (analysis.parallelism), evaluated for
+concrete machines and layer shapes, and the ring model checked against measured collective times; and
+section 7's fsdp_accounting (a), written from analysis.fsdp_accounting (`render_fsdp_accounting`).
 
 Machines (C in FLOP/s, W in egress bytes/s; each constant's source is carried with it):
 - TPU v5p: the handout's own numbers for this analysis. The 2026 handout's section 8 is symbolic and
@@ -10,7 +11,7 @@ Machines (C in FLOP/s, W in egress bytes/s; each constant's source is carried wi
   datasheet: NVLink 5, 1.8 TB/s per GPU counting both directions).
 - 2 × H200, ours: C = 989 TFLOP/s dense BF16 (NVIDIA H200 datasheet: 1,979 TFLOPS BF16 "with
   sparsity", half of it dense; the H100 SXM has the same) and W = the NCCL all-reduce bandwidth fitted
-  from our measurement (report.collectives), beside the datasheet's 450 GB/s each way (900 GB/s NVLink).
+  from our measurement (analysis.collectives), beside the datasheet's 450 GB/s each way (900 GB/s NVLink).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 import pandas as pd
 import sympy as sp
 
+from cs336_systems.analysis import parallelism as par
+from cs336_systems.analysis.collectives import measured_bandwidth, ring_model_table
+from cs336_systems.analysis.fsdp_accounting import accounting_table, predicted_peaks
 from cs336_systems.model import get_config
-from cs336_systems.report import parallelism as par
-from cs336_systems.report.collectives import measured_bandwidth, ring_model_table
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
     """Markdown for section 8 of the 2026 handout; allreduce_csv is results/allreduce.csv (or None)."""
     answers = par.derive()
     out = ["Answers to section 8 of the 2026 handout (\"Analyzing Parallelism Strategies\"), derived in sympy by "
-           "`cs336_systems.report.parallelism`: FLOPs from the matmuls each device runs, communication from the "
+           "`cs336_systems.analysis.parallelism`: FLOPs from the matmuls each device runs, communication from the "
            "ring times of 8.1 (all-gather and reduce-scatter (N−1)/N·S/W, all-reduce 2(N−1)/N·S/W), bounds as "
            "the "
            "root of compute time = communication time. B is the batch in tokens, FP16 values (2 bytes); "
@@ -187,13 +189,42 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
     return "\n".join(out)
 
 
+def render_fsdp_accounting(measured: pd.DataFrame | None = None, sizes: tuple[str, ...] = ("xl", "2.7B"),
+                           world_size: int = 2) -> str:
+    """Markdown answer to fsdp_accounting (a) of the 2026 handout; `measured` is results/sharding.csv."""
+    table = accounting_table(sizes, world_size)
+    first = table[table["size"] == sizes[0]].set_index("strategy")
+    shown = table[["size", "parameters", "strategy", "params_mib", "grads_mib", "optimizer_mib", "state_mib",
+                   "saving_vs_ddp_mib", "gather_buffers_mib"]]
+    text = [
+        "### fsdp_accounting (a) — expected saving from FSDP (2026 handout, section 7)\n",
+        f"Model state per rank, world size {world_size}: FP32 master weights, FP32 gradients and AdamW's two "
+        "FP32 moments (16 B per parameter), from `parameter_count` of each size. DDP holds all of it on every "
+        "rank, ZeRO-1 shards the optimizer state, FSDP shards everything but the RMSNorm gains. The gathered "
+        "BF16 copies (two units in flight plus one full gradient before its reduce-scatter, the largest "
+        "units assumed) are the buffers the handout says to ignore; they are listed apart.\n",
+        shown.to_markdown(index=False, floatfmt=",.0f"),
+        "",
+        f"**Answer.** The activations do not change, so the peak falls by the model state FSDP shards: for "
+        f"{sizes[0]} on {world_size} ranks, {first.loc['FSDP', 'saving_vs_ddp_mib']:,.0f} MiB against DDP "
+        f"(16·P·(N−1)/N) and {first.loc['ZeRO-1', 'state_mib'] - first.loc['FSDP', 'state_mib']:,.0f} MiB against "
+        f"ZeRO-1 (the parameters and gradients, 8·P·(N−1)/N), minus about "
+        f"{first.loc['FSDP', 'gather_buffers_mib']:,.0f} MiB of gathered BF16 buffers.",
+    ]
+    if measured is not None:
+        peaks = predicted_peaks(measured)
+        if len(peaks):
+            text += ["", "Measured peaks (after the optimizer step, `results/sharding.csv`) against the accounting; "
+                     "the predicted FSDP peak is the measured ZeRO-1 peak less the parameter and gradient state "
+                     "FSDP also shards:\n", peaks.to_markdown(index=False, floatfmt=",.0f")]
+    return "\n".join(text) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     """python -m cs336_systems.report.parallelism_render --allreduce results/allreduce.csv
     --sharding results/sharding.csv --out results/parallelism.md (both inputs optional)."""
     import argparse
     from pathlib import Path
-
-    from cs336_systems.report.fsdp_accounting import render_fsdp_accounting
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--allreduce", help="collective bench CSV (cs336_systems.bench.allreduce)")

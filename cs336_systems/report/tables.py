@@ -6,8 +6,8 @@ import pandas as pd
 
 from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
-from cs336_systems.report import attention_math
-from cs336_systems.report.collectives import all_reduce_rows
+from cs336_systems.analysis import attention_math
+from cs336_systems.analysis.collectives import all_reduce_rows
 from cs336_systems.report.render import mean_std
 
 SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
@@ -169,7 +169,7 @@ def _ms(rows: pd.DataFrame) -> str:
 
 def attention(frame: pd.DataFrame) -> pd.DataFrame:
     """1.2.1: naive attention (eager), forward and backward ms, and its memory by the formulas
-    (report/attention_math.py) beside the memory measured before backward.
+    (analysis/attention_math.py) beside the memory measured before backward.
 
     'Q, K, V' and 'P' are what autograd saves (S is freed once P exists); 'measured − P' is what the
     device held besides P (inputs, output, gradients of earlier passes, workspace); the backward peak
@@ -211,7 +211,7 @@ def flash_sweep(frame: pd.DataFrame) -> pd.DataFrame:
     """1.3.2(e): one row per (dtype, d, seq, pass), median ms per provider as columns (OOM / unsupported
     shown), then ours over SDPA's flash backend and our throughput two ways: by FlashAttention-2's FLOP
     count (forward 2 products, backward 5) and by the products our kernels execute (backward 7;
-    report/attention_math.py)."""
+    analysis/attention_math.py)."""
     frame = frame.assign(executed=attention_math.executed_tflops(frame))
     frame["cell"] = [f"{ms:.3f}" if status == "ok" else status.upper()
                      for ms, status in zip(frame.get("median_ms", pd.Series(float("nan"), index=frame.index)),

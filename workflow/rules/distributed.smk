@@ -147,7 +147,7 @@ rule train_point:
     log:
         f"{LOGS}/train/{{attention}}_{{wrapper}}.log",
     wildcard_constraints:
-        attention="naive|sdpa|flash_pytorch|flash_triton",
+        attention="|".join(re.escape(a) for a in TRAIN["attention"]),
         wrapper="|".join(re.escape(w) for w in TRAIN["wrappers"]),
     conda:
         ENV

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report import attention_math, figures, tables
+from cs336_systems.analysis import attention_math
+from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.flash_sweep import render_flash_sweep
 

@@ -3,13 +3,13 @@ DDP, their profiler traces and the communication accounting."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pandas as pd
 
+from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
+from cs336_systems.distributed.parallelize import DataParallelSpec
 from cs336_systems.report import figures, tables
-from cs336_systems.report.ddp_analysis import (RERUN, allreduce_burst_cost, allreduce_cost, bucket_counts,
-                                               bucket_model, gradient_tensors, rounds_paragraph, timing_method)
+from cs336_systems.report.ddp_analysis import (RERUN, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
+                                               timing_method)
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.tables import round_medians
 
@@ -51,28 +51,14 @@ def missing_world_sizes(table: pd.DataFrame) -> str:
             f"`snakemake results/allreduce.csv --forcerun allreduce --cores 1 --resources gpu={max(counts)}`.")
 
 
-@dataclass(frozen=True)
-class DdpConfig:
-    """What a DDP results row's `config` names: the data-parallel wrapper (`kind`: none, naive, flat,
-    individual[-thread|-inline], bucketed, torch_ddp), its bucket size in MB (bucketed DDP; torch DDP's
-    bucket_cap_mb), and how the optimizer state is sharded (None, 'sharded' for ours, 'zero' for torch's)."""
-    kind: str
-    bucket_mb: float | None
-    optimizer_sharding: str | None
-
-    @property
-    def wrapper(self) -> str:
-        return self.kind if self.bucket_mb is None else f"{self.kind}:{self.bucket_mb:g}"
-
-
-def ddp_specs(frame: pd.DataFrame) -> dict[str, DdpConfig]:
-    """Each config of a DDP results file as its rows' dp_kind, bucket_mb and optimizer_sharding columns
-    say (written by the benchmark from its one parser, cs336_systems.distributed.DataParallelSpec)."""
+def ddp_specs(frame: pd.DataFrame) -> dict[str, DataParallelSpec]:
+    """Each config of a DDP results file as the spec its rows' dp_kind, bucket_mb and optimizer_sharding
+    columns hold (the benchmark writes them from the spec it parsed: DataParallelSpec.to_columns)."""
     specs = {}
     for row in frame.drop_duplicates("config").itertuples():
         bucket = None if pd.isna(row.bucket_mb) else float(row.bucket_mb)
-        sharding = None if pd.isna(row.optimizer_sharding) or row.optimizer_sharding == "none" else row.optimizer_sharding
-        specs[row.config] = DdpConfig(row.dp_kind, bucket, sharding)
+        sharding = "none" if pd.isna(row.optimizer_sharding) else row.optimizer_sharding
+        specs[row.config] = DataParallelSpec(row.dp_kind, bucket, sharding)
     return specs
 
 
@@ -276,8 +262,6 @@ def render_ddp_individual(ctx: Context) -> Section:
 VARIANTS_OF_INDIVIDUAL = (
     ("individual-thread", "the same all-reduces issued from a worker thread instead of by each gradient hook "
                           "on autograd's thread (individual-thread)"),
-    ("individual-inline", "the same all-reduces issued by each gradient hook itself on autograd's thread "
-                          "(individual-inline, from runs where `individual` issued them from a worker thread)"),
     ("torch_ddp:1", "torch DDP with 1 MB buckets, its C++ reducer issuing about one all-reduce per gradient "
                     "(torch_ddp:1)"),
 )
@@ -328,7 +312,7 @@ def render_ddp_bucketed(ctx: Context) -> Section:
 
 
 def small_buckets_paragraph(frame: pd.DataFrame, table: pd.DataFrame, q: Quotes,
-                            specs: dict[str, DdpConfig]) -> tuple[str, list[int]]:
+                            specs: dict[str, DataParallelSpec]) -> tuple[str, list[int]]:
     """2.3 bucketed (a): the results against expectations, for bf16, where the bucket size matters; and
     the bucket counts it quotes."""
     have = set(zip(table["precision"], table["config"]))

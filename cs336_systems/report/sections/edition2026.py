@@ -12,8 +12,7 @@ import pandas as pd
 
 from cs336_systems.model import CheckpointPolicy, checkpoint_cost
 from cs336_systems.report.figures import save_figure
-from cs336_systems.report.fsdp_accounting import render_fsdp_accounting
-from cs336_systems.report.parallelism_render import render_parallelism
+from cs336_systems.report.parallelism_render import render_fsdp_accounting, render_parallelism
 from cs336_systems.report.section import Context, Deliverable, Figure, Table
 
 GIB = 1024.0

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report import attention_math, tables
+from cs336_systems.analysis import attention_math
+from cs336_systems.report import tables
 from cs336_systems.report.section import Context, Quotes, Section, column_values
 
 OURS_VS_SDPA = "ours ÷ SDPA flash"

@@ -11,6 +11,7 @@ Per parameter, in FP32: a master weight (4 B), its gradient (4 B) and AdamW's tw
   handout says to ignore these buffers; they are reported separately.
 Activations are the same under all three (the same batch per rank), so the saving at the peak is the
 difference in model state. Units are whole weight tensors, as the model defines them (`units`).
+The Markdown answer is written from these numbers by report/parallelism_render.py.
 """
 
 from __future__ import annotations
@@ -105,34 +106,3 @@ def predicted_peaks(measured: pd.DataFrame, ddp_config: str = "individual",
                      "predicted_ddp_minus_zero1_mib": table["DDP"] - table["ZeRO-1"],
                      "predicted_fsdp_peak_mib": by_config[zero1_config] - (table["ZeRO-1"] - table["FSDP"])})
     return pd.DataFrame(rows)
-
-
-def render_fsdp_accounting(measured: pd.DataFrame | None = None, sizes: tuple[str, ...] = ("xl", "2.7B"),
-                           world_size: int = 2) -> str:
-    """Markdown answer to fsdp_accounting (a) of the 2026 handout; `measured` is results/sharding.csv."""
-    table = accounting_table(sizes, world_size)
-    first = table[table["size"] == sizes[0]].set_index("strategy")
-    shown = table[["size", "parameters", "strategy", "params_mib", "grads_mib", "optimizer_mib", "state_mib",
-                   "saving_vs_ddp_mib", "gather_buffers_mib"]]
-    text = [
-        "### fsdp_accounting (a) — expected saving from FSDP (2026 handout, section 7)\n",
-        f"Model state per rank, world size {world_size}: FP32 master weights, FP32 gradients and AdamW's two "
-        "FP32 moments (16 B per parameter), from `parameter_count` of each size. DDP holds all of it on every "
-        "rank, ZeRO-1 shards the optimizer state, FSDP shards everything but the RMSNorm gains. The gathered "
-        "BF16 copies (two units in flight plus one full gradient before its reduce-scatter, the largest "
-        "units assumed) are the buffers the handout says to ignore; they are listed apart.\n",
-        shown.to_markdown(index=False, floatfmt=",.0f"),
-        "",
-        f"**Answer.** The activations do not change, so the peak falls by the model state FSDP shards: for "
-        f"{sizes[0]} on {world_size} ranks, {first.loc['FSDP', 'saving_vs_ddp_mib']:,.0f} MiB against DDP "
-        f"(16·P·(N−1)/N) and {first.loc['ZeRO-1', 'state_mib'] - first.loc['FSDP', 'state_mib']:,.0f} MiB against "
-        f"ZeRO-1 (the parameters and gradients, 8·P·(N−1)/N), minus about "
-        f"{first.loc['FSDP', 'gather_buffers_mib']:,.0f} MiB of gathered BF16 buffers.",
-    ]
-    if measured is not None:
-        peaks = predicted_peaks(measured)
-        if len(peaks):
-            text += ["", "Measured peaks (after the optimizer step, `results/sharding.csv`) against the accounting; "
-                     "the predicted FSDP peak is the measured ZeRO-1 peak less the parameter and gradient state "
-                     "FSDP also shards:\n", peaks.to_markdown(index=False, floatfmt=",.0f")]
-    return "\n".join(text) + "\n"

@@ -18,12 +18,18 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from cs336_systems.bench.allreduce import OPS, ring_factor
-
 __all__ = ["OPS", "all_reduce_rows", "alternate_ring_all_reduce_time", "burst_rows", "fit_ring_model",
            "measured_bandwidth", "ring_factor", "ring_model_table", "ring_time", "single_call_rows"]
 
+OPS = ("all_reduce", "all_gather", "reduce_scatter")  # the collectives bench.allreduce times
 GROUP = ["backend", "device_type", "world_size", "op"]
+
+
+def ring_factor(op: str, world: int) -> float:
+    """Bytes a ring sends per rank, as a multiple of the full tensor size S (bus/algorithm bandwidth)."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}; known: {', '.join(OPS)}")
+    return (2 if op == "all_reduce" else 1) * (world - 1) / world
 
 
 def ring_time(op: str, size_bytes, world, bandwidth):

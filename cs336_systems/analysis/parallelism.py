@@ -6,7 +6,7 @@ it, so the code mirrors its equations:
 
 - FLOPs per device = the sum of 2·a·b·c over the matmuls (a, b)(b, c) that device runs, with the
   sharded shapes of the strategy (`_forward_matmuls`, `_backward_matmuls`);
-- communication time = the ring time of each collective (report.collectives) on the bytes it moves;
+- communication time = the ring time of each collective (analysis.collectives) on the bytes it moves;
 - the largest device count = the root in N of compute time = communication time. The check that
   communication/compute grows with N (so the bound is N <= root) is done in sympy, not assumed.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import sympy as sp
 
-from cs336_systems.report.collectives import alternate_ring_all_reduce_time, ring_time
+from cs336_systems.analysis.collectives import alternate_ring_all_reduce_time, ring_time
 
 B, D, F, C, W, S = sp.symbols("B D D_FF C W S", positive=True)
 N, N_DP, N_FSDP, N_TP = sp.symbols("N N_DP N_FSDP N_TP", positive=True)
