@@ -6,16 +6,24 @@ reference and against our Triton FlashAttention-2 forward on awkward shapes (len
 or not, rectangular, d 64/128, the model's strides), error within 2x (plus a small floor) of PyTorch's own bf16
 attention; and the EXACT pipeline check (integer inputs, P = S mod 8: every value exact, so any lost or reordered
 tile, or a register-A hazard, shows as a mismatch).
+
+The wiring into the `flash_triton` backend (`kernels/flash_dispatch.py`): on CPU, the shape rule against the
+measured timings it was written from, and that the CPU and the interpreter take FA2; on an sm_90 GPU, O, L, dQ, dK,
+dV through `FlashAttentionTriton` with the forward forced to Gluon or left to the rule, against float64 and the
+FA2-only path, and `torch.compile(fullgraph=True)` compiling and recompiling as often as with FA2.
 """
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.kernels import flash_gluon
+from cs336_systems.kernels import flash_dispatch, flash_gluon
+from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.flash_dispatch import FORWARD_ENV, GLUON_MIN_KEYS, HOPPER, choose_forward, gluon_pays
 from cs336_systems.kernels.flash_gluon import (
     TILES,
     GluonTile,
@@ -187,3 +195,225 @@ def test_gpu_exact_pipeline(head_dim, causal):
     for _ in range(3):
         out, _ = flash_gluon._forward(q, k, v, causal, exact=True)
         assert torch.equal(out, expected), f"{int((out != expected).sum())} mismatches"
+
+
+# ----------------------------------------------------------------------------------------------
+# wired into the flash_triton backend (kernels/flash_dispatch.py)
+# ----------------------------------------------------------------------------------------------
+TIMINGS = Path(__file__).parents[1] / "results/diagnosis/flash_gluon_stage1/run2/flash_gluon_stage1_timing.csv"
+FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
+
+
+def test_shape_rule_picks_the_faster_forward_at_every_measured_shape():
+    """The rule was written from these H100 timings (NOTES.md, "Gluon forward (stage 1)"): at each shape it must
+    pick whichever of the shipped Gluon program order and our FA2 forward was faster."""
+    rows = pd.read_csv(TIMINGS)
+    gluon = f"gluon_group{flash_gluon.HEADS_PER_GROUP}"
+    times = rows.pivot_table(index=["case", "seq", "head_dim", "causal"], columns="provider", values="ms")
+    assert len(times) >= 5 and times[[gluon, "flash_triton"]].notna().all().all()
+    for (case, seq, head_dim, causal), t in times.iterrows():
+        faster = t[gluon] < t["flash_triton"]
+        assert gluon_pays(HOPPER, seq, seq, bool(causal)) == faster, \
+            f"{case}: Gluon {t[gluon]:.3f} ms, FA2 {t['flash_triton']:.3f} ms"
+
+
+@pytest.mark.parametrize("capability", [None, (8, 0), (8, 9), (10, 0), (12, 0)])
+def test_shape_rule_keeps_fa2_off_hopper(capability):
+    n = 8 * GLUON_MIN_KEYS
+    assert gluon_pays(HOPPER, n, n, True) and not gluon_pays(capability, n, n, True)
+
+
+def test_shape_rule_counts_the_keys_the_longest_row_sees():
+    n = GLUON_MIN_KEYS
+    assert gluon_pays(HOPPER, n, n, True) and not gluon_pays(HOPPER, n - 1, n - 1, False)
+    # causal rows see keys 0..i (aligned at the start): 300 queries see at most 300 keys, however many there are
+    assert not gluon_pays(HOPPER, 300, 8 * n, True) and gluon_pays(HOPPER, 300, 8 * n, False)
+    assert not gluon_pays(HOPPER, 8 * n, 300, True) and not gluon_pays(HOPPER, 8 * n, 300, False)
+
+
+def test_cpu_and_interpreter_take_fa2(monkeypatch):
+    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    n = 2 * GLUON_MIN_KEYS
+    q = torch.empty(1, 2, n, 64, dtype=torch.bfloat16)  # all the Gluon kernel asks for but the device
+    assert layout_problem(q, q, q) is None and gluon_pays(HOPPER, n, n, True)
+    assert choose_forward(q, q, q, True) == "triton"
+    assert choose_forward(q, q, q, True, forward="triton") == "triton"
+    with pytest.raises(ValueError, match="interpreter" if INTERPRET else "needs CUDA tensors"):
+        choose_forward(q, q, q, True, forward="gluon")
+
+
+def test_forward_setting_is_read_at_each_call(monkeypatch):
+    q = torch.empty(1, 2, 40, 64, dtype=torch.bfloat16)
+    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    assert flash_dispatch.forward_setting() == "auto"
+    for value in flash_dispatch.FORWARDS:
+        monkeypatch.setenv(FORWARD_ENV, value)
+        assert flash_dispatch.forward_setting() == value
+    assert flash_dispatch.forward_setting("triton") == "triton"  # the argument wins over the environment
+    assert choose_forward(q, q, q, False, forward="triton") == "triton"
+    monkeypatch.setenv(FORWARD_ENV, "fast")
+    with pytest.raises(ValueError, match="CS336_FLASH_FORWARD='fast': choose one of auto, triton, gluon"):
+        choose_forward(q, q, q, False)
+    with pytest.raises(ValueError, match="forward='Gluon'"):
+        choose_forward(q, q, q, False, forward="Gluon")
+
+
+def test_forced_gluon_reaches_the_eager_path_and_the_custom_op(monkeypatch):
+    """Both run flash_triton.flash_forward, so a Gluon forward forced on the CPU is the dispatcher's error in
+    either (and not a silent FA2 run)."""
+    from cs336_systems.kernels.flash_triton import FlashAttentionTriton
+
+    q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
+    monkeypatch.setenv(FORWARD_ENV, "gluon")
+    with pytest.raises(ValueError, match="Gluon forward was asked for"):
+        FlashAttentionTriton.apply(q, q, q, True)
+    with pytest.raises(ValueError, match="Gluon forward was asked for"):
+        torch.ops.cs336_systems.flash_triton_forward(q, q, q, True)
+
+
+def _counting(compiles: list, backend: str):
+    """A torch.compile backend that counts the graphs Dynamo hands it (one per compile or recompile) and
+    compiles them with `backend` (composed as PyTorch's custom-backend documentation shows)."""
+    from torch._dynamo import lookup_backend
+
+    def compile_graph(gm, example_inputs):
+        compiles.append(gm)
+        return lookup_backend(backend)(gm, example_inputs)
+
+    return compile_graph
+
+
+def _with_grads(fn, q, k, v, do, causal, saved_lse=False):
+    """O, dQ, dK, dV of fn(q, k, v, causal) under autograd; with saved_lse, also the L that fn (one of our
+    Functions, uncompiled) saved for its backward."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal)
+    if saved_lse:
+        [lse] = [t for t in out.grad_fn.saved_tensors if t.dtype == torch.float32 and t.shape == q.shape[:-1]]
+    out.backward(do.to(out.dtype))
+    return out.detach(), q.grad, k.grad, v.grad, (lse.detach() if saved_lse else None)
+
+
+@pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need a GPU or the interpreter")
+def test_compiled_call_does_not_guard_on_the_forward_setting(monkeypatch):
+    """The setting is read inside the custom op, at run time: switching it between calls recompiles nothing."""
+    from cs336_systems.kernels.flash_triton import flash_attention_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.compiler.reset()
+    compiles = []
+    compiled = torch.compile(flash_attention_triton, backend=_counting(compiles, "aot_eager"), fullgraph=True)
+    q, k, v, do = (torch.randn(1, 2, 24, 16, device=device) for _ in range(4))
+    ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), True)
+    for setting in ("triton", "auto", "triton"):
+        monkeypatch.setenv(FORWARD_ENV, setting)
+        got = _with_grads(compiled, q, k, v, do, True)
+        for name, x, want in zip(("O", "dQ", "dK", "dV"), got, ref):
+            assert _rel_err(x, want) < 1e-4, f"{setting}: {name}"
+    assert len(compiles) == 1
+
+
+# (q shape, k shape, causal, model layout): lengths off the 128-row tile, rectangular both ways (causal aligned at
+# the start), 3-d inputs, the model's strides; the last two long enough for "auto" to take Gluon.
+WIRE_CASES = [
+    ((2, 3, 1000, 64), (2, 3, 1000, 64), True, False),
+    ((1, 4, 300, 128), (1, 4, 1000, 128), True, True),
+    ((1, 2, 513, 64), (1, 2, 129, 64), False, False),
+    ((2, 257, 128), (2, 257, 128), True, False),
+    ((1, 2, 4100, 64), (1, 2, 4100, 64), True, True),
+    ((1, 2, 3000, 128), (1, 2, 4133, 128), False, False),
+]
+
+
+def _spy_on_gluon(monkeypatch) -> list:
+    """The q shapes the Gluon forward is called with, from now on."""
+    calls, real = [], flash_gluon.flash_attention_gluon_forward
+
+    def spy(q, k, v, is_causal):
+        calls.append(tuple(q.shape))
+        return real(q, k, v, is_causal)
+
+    monkeypatch.setattr(flash_gluon, "flash_attention_gluon_forward", spy)
+    return calls
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("forward", ["gluon", "auto"])
+@pytest.mark.parametrize("q_shape,k_shape,causal,model_layout", WIRE_CASES)
+def test_gpu_autograd_function_with_the_gluon_forward(q_shape, k_shape, causal, model_layout, forward, monkeypatch):
+    """O, L, dQ, dK, dV through FlashAttentionTriton (the model's backend) with the forward forced to Gluon or left
+    to the rule: within 2x (plus a floor) of PyTorch's own bf16 error against float64, and as close to the
+    FA2-only path; the backward is FA2's in both, fed Gluon's O and L."""
+    from cs336_systems.kernels.flash_triton import FlashAttentionTriton, pinned_tiles
+
+    q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
+    calls = _spy_on_gluon(monkeypatch)
+    takes_gluon = forward == "gluon" or gluon_pays(HOPPER, q_shape[-2], k_shape[-2], causal)
+    with pinned_tiles(FA2_TILE, FA2_TILE):
+        monkeypatch.setenv(FORWARD_ENV, forward)
+        got = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
+        assert calls == [q_shape] * takes_gluon
+        monkeypatch.setenv(FORWARD_ENV, "triton")
+        fa2 = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
+        assert calls == [q_shape] * takes_gluon
+    ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
+    ref_lse = torch.logsumexp(attention_scores(q.double(), k.double(), causal), dim=-1)
+    own = _with_grads(naive_attention, q, k, v, do, causal)  # PyTorch's own attention in bf16
+    what = f"{q_shape} {k_shape} causal={causal} forward={forward}"
+    assert got[0].stride() == q.stride(), what
+    for i, name in enumerate(("O", "dQ", "dK", "dV")):
+        assert torch.isfinite(got[i]).all(), f"{what}: {name} not finite"
+        limit = 2 * _rel_err(own[i], ref[i]) + 2e-3
+        err, err_fa2 = _rel_err(got[i], ref[i]), _rel_err(got[i], fa2[i].double())
+        assert err < limit and err_fa2 < limit, f"{what}: {name} error {err:.2e}, vs FA2 {err_fa2:.2e} ({limit:.2e})"
+    lse, fa2_lse = got[4], fa2[4]
+    assert (lse.double() - ref_lse).abs().max().item() < 1e-3, what  # float32 L of 16-bit scores
+    torch.testing.assert_close(lse, fa2_lse, rtol=0, atol=1e-3)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_dispatch_by_input_on_hopper():
+    """On the device: the rule's long shapes take Gluon; what the kernel does not take goes to FA2 in "auto" and
+    is a clear error when Gluon is forced."""
+    n = GLUON_MIN_KEYS
+    long = torch.empty(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
+    assert choose_forward(long, long, long, True) == "gluon"
+    assert choose_forward(long[:, :, :n - 1], long[:, :, :n - 1], long[:, :, :n - 1], True) == "triton"
+    assert choose_forward(long, long, long, True, forward="triton") == "triton"
+    for other, words in ((long.float(), "dtype torch.float32"), (long[..., :32], "head dim 32")):
+        assert choose_forward(other, other, other, True) == "triton"
+        with pytest.raises(ValueError, match=words):
+            choose_forward(other, other, other, True, forward="gluon")
+
+
+COMPILE_LENGTHS = (1000, 1337)  # the second one new: Dynamo recompiles once (with dynamic lengths)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_compiled_with_the_gluon_forward_recompiles_as_fa2(monkeypatch):
+    """torch.compile(fullgraph=True) (a graph break would raise) with the forward forced to FA2, then to Gluon:
+    the same number of compiles over two calls of different lengths, and the same results."""
+    from cs336_systems.kernels.flash_triton import flash_attention_triton, pinned_tiles
+
+    calls = _spy_on_gluon(monkeypatch)
+    compiles = {}
+    for forward in ("triton", "gluon"):
+        monkeypatch.setenv(FORWARD_ENV, forward)
+        torch.compiler.reset()
+        graphs = []
+        compiled = torch.compile(flash_attention_triton, backend=_counting(graphs, "inductor"), fullgraph=True)
+        for n in COMPILE_LENGTHS:
+            q, k, v, do = (_fresh((1, 2, n, 64), False) for _ in range(4))
+            with pinned_tiles(FA2_TILE, FA2_TILE):
+                got = _with_grads(compiled, q, k, v, do, True)
+            ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), True)
+            own = _with_grads(naive_attention, q, k, v, do, True)
+            for i, name in enumerate(("O", "dQ", "dK", "dV")):
+                limit = 2 * _rel_err(own[i], ref[i]) + 2e-3
+                assert _rel_err(got[i], ref[i]) < limit, f"forward={forward} n={n}: {name}"
+        compiles[forward] = len(graphs)
+        assert len(calls) == (2 if forward == "gluon" else 0)
+    assert 1 <= compiles["gluon"] <= compiles["triton"], compiles

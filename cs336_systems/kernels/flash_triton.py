@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels import flash_tuning
+from cs336_systems.kernels import flash_dispatch, flash_tuning
 from cs336_systems.kernels.common import INTERPRET, check_inputs
 from cs336_systems.kernels.launch import FastLauncher
 from cs336_systems.kernels.flash_tuning import (
@@ -466,6 +466,15 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
     return dq, dk, dv
 
 
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward the autograd Function and its custom op run: on Hopper at long sequences the Gluon kernel
+    (flash_gluon.py), else FA2's; flash_dispatch.choose_forward decides. Both give the O and L the backward needs."""
+    if flash_dispatch.choose_forward(q, k, v, is_causal) == "gluon":
+        return flash_dispatch.gluon_forward(q, k, v, is_causal)
+    return flash_forward_triton(q, k, v, is_causal)
+
+
 # The launchers as PyTorch custom operators: torch.compile then treats each as one opaque call with a
 # known output shape instead of tracing into Triton's autotuner (which Dynamo in torch 2.11 fails on:
 # "Can't construct an AttrSource without a valid base source"), so `torch.compile(FlashAttentionTriton.apply)`
@@ -473,7 +482,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
 @torch.library.custom_op("cs336_systems::flash_triton_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_forward_triton(q, k, v, is_causal)
+    return flash_forward(q, k, v, is_causal)
 
 
 @_forward_op.register_fake
@@ -502,7 +511,7 @@ class FlashAttentionTriton(torch.autograd.Function):
         check_inputs(q, k, v, "FlashAttentionTriton")
         # Eager calls skip the custom-op layer (its dispatch costs host time that short calls feel).
         compiling = torch.compiler.is_compiling()
-        out, lse = (_forward_op if compiling else flash_forward_triton)(q, k, v, is_causal)
+        out, lse = (_forward_op if compiling else flash_forward)(q, k, v, is_causal)
         ctx.save_for_backward(lse, q, k, v, out)
         ctx.is_causal = is_causal
         return out
