@@ -40,9 +40,10 @@ def _layout(value) -> object:
     return value
 
 
-def fast_path_problem(kernel, version: str = triton.__version__) -> str | None:
+def fast_path_problem(kernel, version: str | None = None) -> str | None:
     """Why `kernel` (a JIT function, optionally wrapped by `triton.heuristics` and `triton.autotune`)
-    cannot be launched by the fast path with this Triton, or None when it can."""
+    cannot be launched by the fast path with this Triton (or with Triton `version`), or None when it can."""
+    version = version or triton.__version__
     if ".".join(version.split(".")[:2]) not in CHECKED_TRITON_VERSIONS:
         return f"Triton {version} is not one of the checked releases {', '.join(CHECKED_TRITON_VERSIONS)}"
     runtime = triton.runtime
