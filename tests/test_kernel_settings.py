@@ -130,7 +130,8 @@ def test_fast_launch_falls_back_to_the_public_path_with_one_warning(no_flash_env
     kernel = KernelWithoutTritonInternals()
     launcher = launch.FastLauncher(kernel)
     assert launcher.problem == "KernelWithoutTritonInternals has no .arg_names"
-    with pytest.warns(RuntimeWarning, match=re.escape("has no .arg_names; launching through kernel[grid](...) instead")):
+    fallback = re.escape("has no .arg_names; launching through kernel[grid](...) instead")
+    with pytest.warns(RuntimeWarning, match=fallback):
         launcher((4, 1), "x", 3, BLOCK=16)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once is enough: a second warning would fail here

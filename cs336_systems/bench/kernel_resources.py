@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                         help="tiles to compile instead of each kernel's autotuning list, as outer,inner,warps,stages")
     parser.add_argument("--float32-dots", nargs="+", default=None, choices=["tf32x3", "ieee"],
-                        help="float32 dot precisions to compile (default: the float32_dot setting, CS336_FLASH_FLOAT32_DOT)")
+                        help="float32 dot precisions to compile (default: the float32_dot setting, "
+                             "CS336_FLASH_FLOAT32_DOT)")
     parser.add_argument("--out", required=True, help="CSV file for the rows")
     args = parser.parse_args(argv)
     use_compiler()
