@@ -64,12 +64,13 @@ def test_each_mode_runs_on_cpu(tmp_path, mode, phases):
         assert isinstance(step[column], str) and step[column]
 
 
-def test_train_step_optimizers_change_parameters_alike():
-    """Our two AdamW paths and torch's fused AdamW each update the model, and to the same values."""
+def test_train_step_optimizers_change_parameters_alike(kernel_device):
+    """Our two AdamW paths and torch's fused AdamW each update the model, and to the same values (on
+    the device our fused one runs on in this session)."""
     spec = e2e.RunSpec(size="tiny", mode="train_step", precision="fp32", attention="naive",
-                       batch_size=2, context_length=8, warmup=0, steps=1, device="cpu")
+                       batch_size=2, context_length=8, warmup=0, steps=1, device=kernel_device)
     torch.manual_seed(0)
-    before = e2e.build_model(spec, torch.device("cpu")).state_dict()
+    before = e2e.build_model(spec, torch.device(kernel_device)).state_dict()
     original = e2e.build_model
     after = {}
     for optimizer in ADAMW_IMPLEMENTATIONS:

@@ -21,7 +21,6 @@ import torch
 
 from cs336_systems.kernels.common import INTERPRET
 from cs336_systems.kernels.flash_triton import TUNED_KERNELS, pinned_tiles
-from cs336_systems.kernels import flash_tuning
 from cs336_systems.kernels.flash_tuning import (
     BWD_TILES,
     FLOAT32_DOTS,
@@ -33,17 +32,20 @@ from cs336_systems.kernels.flash_tuning import (
     tile_config,
     tile_configs,
 )
+from cs336_systems.kernels.settings import use_flash_settings
 from cs336_systems.model.attention import attention_scores, naive_attention
 from tests.adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
+from tests.kernel_devices import KERNEL_DEVICE
 
 # `flash_check --repeats` reruns this file with CS336_FLASH_SEED=1, 2, ...: each repeat draws fresh inputs
 # (the per-case seeds below stay distinct within a repeat; 1000 apart keeps repeats from sharing one).
 SEED_OFFSET = 1000 * int(os.environ.get("CS336_FLASH_SEED", "0"))
 IMPLS = {"pytorch": get_flashattention_autograd_function_pytorch(), "triton": get_flashattention_autograd_function_triton()}
-# The Triton kernels run on CPU tensors only under the interpreter (switched on where there is no GPU).
-CPU_IMPLS = sorted(IMPLS) if INTERPRET else ["pytorch"]
-CASES_BY_DEVICE = [(impl, "cpu") for impl in CPU_IMPLS] + (
-    [(impl, "cuda") for impl in sorted(IMPLS)] if torch.cuda.is_available() else [])
+# The PyTorch implementation runs on the CPU and, where there is one, the GPU; the Triton one on the
+# session's kernel device (conftest.py): CUDA, or the CPU under the interpreter where there is no GPU.
+TRITON_DEVICES = [KERNEL_DEVICE] if KERNEL_DEVICE else []
+CASES_BY_DEVICE = ([("pytorch", "cpu")] + [("pytorch", "cuda")] * torch.cuda.is_available()
+                   + [("triton", device) for device in TRITON_DEVICES])
 
 # (q shape, k shape, causal): odd lengths, a single token, rectangular, with and without heads.
 CASES = [
@@ -141,23 +143,22 @@ def test_float32_matches_float64_reference(impl, device):
 
 
 @pytest.mark.parametrize("tma", [True, False])
-@pytest.mark.parametrize("device", ["cpu"] * INTERPRET + ["cuda"] * torch.cuda.is_available())
-def test_forward_loads_by_descriptor_or_pointer(tma, device, monkeypatch):
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_forward_loads_by_descriptor_or_pointer(tma, device):
     """The forward's two load paths (tensor descriptors, which zero-fill past the data, and masked
     pointer loads) on fresh inputs, outputs in the inputs' layout ((batch, seq, heads, dim) viewed)."""
-    monkeypatch.setattr(flash_tuning, "USE_TMA", tma)
-    monkeypatch.setattr(flash_tuning, "TMA_MIN_KEYS", 0)
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    for i, (q_shape, k_shape, causal) in enumerate(_cases(device)):
-        q, k, v, do = _inputs(q_shape, k_shape, torch.float32, device, seed + i)
-        if q.dim() == 4:  # the model's layout: heads interleaved along the sequence
-            q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
-        got = _run(IMPLS["triton"].apply, q, k, v, do, causal)
-        ref = _reference(q, k, v, do, causal)
-        assert got[0].stride() == q.stride() and got[2].stride() == q.stride() and got[3].stride() == k.stride()
-        for j, name in ((0, "O"), (2, "dQ"), (3, "dK"), (4, "dV")):
-            err = _rel_err(got[j], ref[j])
-            assert err < 1e-4, f"tma={tma} {name} {q_shape} {k_shape} causal={causal} seed={seed + i}: {err:.2e}"
+    with use_flash_settings(tma=tma, tma_min_keys=0):  # descriptors at every length, where the layout allows
+        for i, (q_shape, k_shape, causal) in enumerate(_cases(device)):
+            q, k, v, do = _inputs(q_shape, k_shape, torch.float32, device, seed + i)
+            if q.dim() == 4:  # the model's layout: heads interleaved along the sequence
+                q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
+            got = _run(IMPLS["triton"].apply, q, k, v, do, causal)
+            ref = _reference(q, k, v, do, causal)
+            assert got[0].stride() == q.stride() and got[2].stride() == q.stride() and got[3].stride() == k.stride()
+            for j, name in ((0, "O"), (2, "dQ"), (3, "dK"), (4, "dV")):
+                err = _rel_err(got[j], ref[j])
+                assert err < 1e-4, f"tma={tma} {name} {q_shape} {k_shape} causal={causal} seed={seed + i}: {err:.2e}"
 
 
 # float16 everywhere; bfloat16 only on the GPU (the interpreter cannot multiply bfloat16).
@@ -225,11 +226,11 @@ def test_bad_inputs_are_clear_errors(impl):
         apply(x, torch.randn(1, 8, 32), torch.randn(1, 8, 32), False)
 
 
-def test_backends_plug_into_the_model():
+def test_backends_plug_into_the_model(kernel_device):
     from cs336_systems.model import ModelConfig, TransformerLM
 
     config = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=50, context_length=32)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = kernel_device
     torch.manual_seed(SEED_OFFSET)
     reference = TransformerLM(config.replace(attention="naive")).to(device)
     tokens = torch.randint(50, (2, 21), device=device)
@@ -243,7 +244,7 @@ def test_backends_plug_into_the_model():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="tile configs are GPU code; CPU runs use one 16x16 tile")
 @pytest.mark.parametrize("index", range(max(len(FWD_TILES), len(BWD_TILES))))
 def test_every_tile_config(index):
-    from triton.runtime.errors import OutOfResources  # after cs336_systems, which sets the interpreter up
+    from triton.runtime.errors import OutOfResources
 
     forward, backward = FWD_TILES[index % len(FWD_TILES)], BWD_TILES[index % len(BWD_TILES)]
     dtypes = [torch.bfloat16] + ([torch.float32] if max(forward[3], backward[3]) <= MAX_FLOAT32_STAGES else [])
@@ -325,17 +326,14 @@ def test_autotuned_path(capsys):
                              "cuda", 6, "autotuned d=128")
 
 
-def test_pinned_tiles_run_the_given_tile_and_restore():
+def test_pinned_tiles_run_the_given_tile_and_restore(kernel_device):
     """A tile other than the default on CPU too (the interpreter runs any tile, slowly)."""
     kernel = TUNED_KERNELS["forward"]
     before = kernel.configs
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and not INTERPRET:
-        pytest.skip("Triton kernels need a GPU or the interpreter")
     with pinned_tiles((32, 16, 4, 1), (32, 16, 4, 1)):
         assert [c.kwargs for c in kernel.configs] == [{"BLOCK_M": 32, "BLOCK_N": 16}]
-        _check_against_reference(IMPLS["triton"].apply, (2, 45, 16), (2, 45, 16), True, torch.float32, device, 3,
-                                 "pinned 32x16")
+        _check_against_reference(IMPLS["triton"].apply, (2, 45, 16), (2, 45, 16), True, torch.float32,
+                                 kernel_device, 3, "pinned 32x16")
     assert kernel.configs is before
 
 

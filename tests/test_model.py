@@ -119,20 +119,22 @@ def test_cross_entropy_matches_torch():
 
 @pytest.mark.parametrize("implementation", ["foreach", "loop", "fused"])
 @pytest.mark.parametrize("beta1", [0.85, 0.3])  # torch.lerp switches formulas at weight 0.5
-def test_adamw_matches_torch(implementation, beta1):
-    """The multi-tensor update, the per-tensor loop and the fused Triton kernel (under the interpreter
-    on a CPU) against torch.optim.AdamW, both given the same gradients each step (the reference's): a
-    rounding difference in the weights then stays a rounding difference, instead of changing the next
-    gradients, which Adam's normalisation amplifies where a gradient is near zero."""
+def test_adamw_matches_torch(implementation, beta1, request):
+    """The multi-tensor update, the per-tensor loop and the fused Triton kernel (on the session's kernel
+    device: CUDA, or the CPU under the interpreter) against torch.optim.AdamW on the same device, both
+    given the same gradients each step (the reference's): a rounding difference in the weights then
+    stays a rounding difference, instead of changing the next gradients, which Adam's normalisation
+    amplifies where a gradient is near zero."""
+    device = request.getfixturevalue("kernel_device") if implementation == "fused" else "cpu"
     torch.manual_seed(0)
-    model = TransformerLM(TINY)
-    reference = TransformerLM(TINY)
+    model = TransformerLM(TINY).to(device)
+    reference = TransformerLM(TINY).to(device)
     reference.load_state_dict(model.state_dict())
     kwargs = dict(lr=3e-3, betas=(beta1, 0.98), eps=1e-7, weight_decay=0.1)
     ours = AdamW(model.parameters(), foreach=implementation == "foreach", fused=implementation == "fused", **kwargs)
     theirs = torch.optim.AdamW(reference.parameters(), **kwargs)
     for _ in range(5):
-        tokens = torch.randint(TINY.vocab_size, (2, 13))
+        tokens = torch.randint(TINY.vocab_size, (2, 13)).to(device)
         theirs.zero_grad()
         cross_entropy(reference(tokens[:, :-1]), tokens[:, 1:]).backward()
         for p, q in zip(model.parameters(), reference.parameters()):
@@ -175,14 +177,14 @@ def test_fused_adamw_rejects_what_its_kernel_cannot_update():
         AdamW([strided], fused=True).step()
 
 
-def test_fused_adamw_kernel_on_ragged_and_misaligned_tensors():
+def test_fused_adamw_kernel_on_ragged_and_misaligned_tensors(kernel_device):
     """The kernel on awkward tensors: several blocks with a ragged last one, fewer elements than a
     block, a tensor whose address is not 16-byte aligned (a view one element into its storage);
     against torch.optim.AdamW on copies at its fourth step."""
     from cs336_systems.kernels.adamw_triton import BLOCK, adamw_step_
 
     torch.manual_seed(2)
-    params = [torch.randn(n) for n in (2 * BLOCK + 37, 5)] + [torch.randn(101)[1:]]
+    params = [torch.randn(n).to(kernel_device) for n in (2 * BLOCK + 37, 5)] + [torch.randn(101).to(kernel_device)[1:]]
     assert params[-1].data_ptr() % 16 != 0
     grads = [torch.randn_like(p) for p in params]
     moments = [(torch.rand_like(p), torch.rand_like(p)) for p in params]

@@ -36,8 +36,9 @@ FLOAT32_TENSORS = {"L", "DELTA"}  # the logsumexp and rowsum(dO * O) are float32
 
 
 def use_compiler() -> None:
-    """Compiling needs Triton's JIT, not the interpreter that the package turns on where there is no GPU.
-    Triton reads the switch when it and the kernels are imported, so this must come before either is."""
+    """Compiling needs Triton's JIT, not the interpreter that TRITON_INTERPRET=1 (inherited from a CPU
+    test session or smoke-scale job) would switch on. Triton reads the switch when it and the kernels
+    are imported, so this must come before either is."""
     if "triton" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "0"
 
@@ -65,8 +66,10 @@ def _jit_function(kernel):
 
 def _dot_precision(dtype: str, float32_dot: str | None = None) -> str:
     """The kernels' PRECISION for this input dtype (16-bit inputs ignore it); float32 inputs use
-    float32_dot, or the kernels' default."""
-    return (float32_dot or flash_module().FLOAT32_DOT) if dtype == "fp32" else "tf32"
+    float32_dot, or the setting in force (kernels/settings.py)."""
+    from cs336_systems.kernels.settings import flash_settings
+
+    return (float32_dot or flash_settings().float32_dot) if dtype == "fp32" else "tf32"
 
 
 def _source(kernel, dtype: str, head_dim: int, blocks: dict[str, int], float32_dot: str | None = None):
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiles", nargs="+", type=parse_tile, default=None,
                         help="tiles to compile instead of each kernel's autotuning list, as outer,inner,warps,stages")
     parser.add_argument("--float32-dots", nargs="+", default=None, choices=["tf32x3", "ieee"],
-                        help="float32 dot precisions to compile (default: the kernels' FLOAT32_DOT)")
+                        help="float32 dot precisions to compile (default: the float32_dot setting, "
+                             "CS336_FLASH_FLOAT32_DOT)")
     parser.add_argument("--out", required=True, help="CSV file for the rows")
     args = parser.parse_args(argv)
     use_compiler()

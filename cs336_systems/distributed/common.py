@@ -70,12 +70,11 @@ class AsyncAllReduce:
     By default the caller issues each collective. With `background=True` one worker thread issues
     them, in the order they were submitted; c10d releases the GIL while it issues one. The idea: a
     gradient hook runs on autograd's thread, and when the backward pass is limited by the host
-    launching kernels the host cost of every all-reduce lands on its critical path. Measured on
-    2 x H200 (xl, bf16) it does not pay: eager, forward+backward 254 ms with the thread and 246 ms
-    without (c108e32); with the blocks compiled, 170 ms with the thread and 143 ms without (dea68a8),
-    the worker and the compiled backward's Python competing for the GIL. On a GPU the caller records
-    an event where the tensor is ready and the worker's stream waits for it, so each collective
-    starts after its tensor's producer and after nothing later.
+    launching kernels the host cost of every all-reduce lands on its critical path. Measured on two
+    GPUs it does not pay, eager or with the blocks compiled (results/README.md, "Measurements behind
+    choices in the code"): the worker and the compiled backward's Python compete for the GIL. On a
+    GPU the caller records an event where the tensor is ready and the worker's stream waits for it,
+    so each collective starts after its tensor's producer and after nothing later.
     """
 
     def __init__(self, device: torch.device, background: bool = False):

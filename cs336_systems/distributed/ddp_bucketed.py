@@ -15,10 +15,9 @@ gradient this step count as zero) and waits; the averaged gradients are then alr
 As in `DDPIndividualParameters`, `background_issue=True` issues the all-reduces from a worker
 thread instead of the hooks (see `AsyncAllReduce`).
 
-Measured on 2 x H200 (xl, bf16, compiled blocks, our sharded optimizer, results/sharding.csv): peak
-27,263 MiB with buffers let go after each step (815d1e2), 34,364 MiB with buffers kept for the whole
-run (0e37d19), 38,721 MiB with gradients copied back out of the buckets (d6bb1ab); the per-parameter
-wrapper 26,741 MiB, torch DDP with its ZeroRedundancyOptimizer 34,390 MiB (815d1e2).
+Letting the buffers go brings the peak memory close to the per-parameter wrapper's, well below
+keeping them for the whole run or copying the gradients back out of the buckets (the measured peaks
+are in results/README.md, "Measurements behind choices in the code").
 """
 
 from __future__ import annotations

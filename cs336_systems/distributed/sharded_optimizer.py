@@ -11,10 +11,10 @@ since every rank sees the same parameters in the same order). A step runs in two
      and unpacking one chunk overlap the transfer of the other. An all-gather moves every rank's
      shard at once (on two GPUs, both directions of the link), where one broadcast per owner sends
      them one after the other; and the staging memory is bounded, 2 x (1 + world size) chunks,
-     instead of a copy of a whole shard. Measured on 2 x H200 (xl, fp32 parameters, our fused AdamW,
-     commit 6826751; results/diagnosis/): a step took 26.4-31.6 ms with 256 MiB chunks, 29.5-36.3
-     with 64 MiB and 34.0-48.7 with 16 MiB, against 38.4-42.1 ms for a flat broadcast per owner
-     (which added 7.6 GiB at peak) and 36.6-37.5 ms for torch's ZeroRedundancyOptimizer.
+     instead of a copy of a whole shard. Measured on two GPUs, the step is fastest with the largest
+     chunks tried and beats both one flat broadcast per owner (which also needs far more memory at
+     peak) and torch's ZeroRedundancyOptimizer (results/README.md, "Measurements behind choices in
+     the code").
 Gradients are expected to be synchronised already (e.g. by a DDP wrapper). With one rank it is the
 wrapped optimizer.
 """

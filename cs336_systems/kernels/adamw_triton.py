@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.common import check_kernel_device
 
 BLOCK = 1024
 
@@ -50,8 +50,7 @@ def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"fused AdamW needs contiguous float32 tensors; {name} is {t.dtype}"
                              f"{'' if t.is_contiguous() else ', not contiguous'}")
-    if not p.is_cuda and not INTERPRET:
-        raise ValueError(f"fused AdamW needs CUDA tensors (or TRITON_INTERPRET=1), got device {p.device}")
+    check_kernel_device(p, "fused AdamW")
     n = p.numel()
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
         p, grad, exp_avg, exp_avg_sq, n, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,

@@ -1,5 +1,5 @@
-"""What both FlashAttention-2 implementations share: their input checks, and whether Triton kernels
-run under Triton's CPU interpreter in this process.
+"""What the kernels share: the FlashAttention-2 input checks, whether Triton kernels run under
+Triton's CPU interpreter in this process, and the device check every Triton launcher makes.
 
 The plain-PyTorch reference they are checked against is the model's `naive_attention` (with
 `attention_scores` for the logsumexp), in `cs336_systems.model.attention`.
@@ -11,8 +11,10 @@ import os
 
 import torch
 
-# `import cs336_systems` sets TRITON_INTERPRET=1 where there is no GPU; Triton reads it when a kernel
-# is defined, so it holds for the whole process.
+# Triton decides when a kernel is defined (`@triton.jit`, at its module's import) whether it runs
+# compiled or under the CPU interpreter, from TRITON_INTERPRET. The kernel modules import this one just
+# before defining theirs, so this records the mode their kernels have. Nothing in the package sets the
+# variable: the entry points that mean the CPU path do (the test session, smoke-scale workflow jobs).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
@@ -36,3 +38,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str) -
         raise ValueError(f"{name}: head dim {d} is not supported (1..{MAX_HEAD_DIM})")
     if q.shape[-2] == 0 or k.shape[-2] == 0:
         raise ValueError(f"{name}: empty sequence (n_queries={q.shape[-2]}, n_keys={k.shape[-2]})")
+
+
+def check_kernel_device(t: torch.Tensor, name: str) -> None:
+    """A Triton kernel runs on CUDA tensors, or on CPU tensors only where its process runs the kernels
+    under Triton's interpreter (decided before they were defined): a clear error otherwise."""
+    if t.is_cuda or INTERPRET:
+        return
+    raise ValueError(f"{name}: got a tensor on device {t.device}, but the Triton kernels run on CUDA tensors; "
+                     "set TRITON_INTERPRET=1 before importing cs336_systems (or triton) to run them on the CPU "
+                     "under Triton's interpreter")

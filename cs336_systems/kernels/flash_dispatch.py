@@ -8,8 +8,8 @@ run, so `torch.compile` sees one opaque op whichever kernel runs inside it (no g
 choice).
 
 The path can be forced, for tests and benchmarks: `choose_forward(..., forward="triton")`, or for a whole process
-the environment variable CS336_FLASH_FORWARD=auto|triton|gluon, read at each call (so a test or a benchmark can
-switch it between calls). A forced "gluon" that cannot run is a ValueError naming why, never a silent FA2 run.
+the setting `FlashSettings.forward` (`use_flash_settings(forward="triton")`, or the environment variable
+CS336_FLASH_FORWARD=auto|triton|gluon, read at each call, so a test or a benchmark can switch it between calls). A forced "gluon" that cannot run is a ValueError naming why, never a silent FA2 run.
 
 `flash_gluon` is imported on first need only: machines that are not Hopper never load Triton's experimental
 Gluon, whose API has changed with each Triton release.
@@ -18,16 +18,16 @@ Gluon, whose API has changed with each Triton release.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import triton
 
 from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.settings import ENV_VARS, FORWARDS, flash_settings
 
-FORWARD_ENV = "CS336_FLASH_FORWARD"
-FORWARDS = ("auto", "triton", "gluon")
+FORWARD_ENV = ENV_VARS["forward"]
+
 # The Gluon kernel's wgmma and setmaxnreg exist on sm_90a only (H100, H200), not on later architectures.
 HOPPER = (9, 0)
 # Keys a query row attends to at most, from which the Gluon forward runs in "auto". Measured on an H100
@@ -39,12 +39,12 @@ GLUON_MIN_KEYS = 4096
 
 
 def forward_setting(forward: str | None = None) -> str:
-    """`forward` if given, else CS336_FLASH_FORWARD (default "auto"), checked against FORWARDS."""
-    source = "forward" if forward is not None else FORWARD_ENV
-    value = forward if forward is not None else os.environ.get(FORWARD_ENV, "auto")
-    if value not in FORWARDS:
-        raise ValueError(f"{source}={value!r}: choose one of {', '.join(FORWARDS)}")
-    return value
+    """`forward` if given, else the settings' (`FlashSettings.forward`: CS336_FLASH_FORWARD, default "auto")."""
+    if forward is None:
+        return flash_settings().forward
+    if forward not in FORWARDS:
+        raise ValueError(f"forward={forward!r}: choose one of {', '.join(FORWARDS)}")
+    return forward
 
 
 def gluon_pays(capability: tuple[int, int] | None, n_queries: int, n_keys: int, is_causal: bool) -> bool:
@@ -100,7 +100,7 @@ def choose_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     if setting == "gluon":
         problem = gluon_problem(q, k, v)
         if problem:
-            raise ValueError(f"the Gluon forward was asked for ({FORWARD_ENV} or forward='gluon'): {problem}")
+            raise ValueError(f"the Gluon forward was asked for (FlashSettings.forward, CS336_FLASH_FORWARD or forward='gluon'): {problem}")
         return "gluon"
     # auto: the cheap checks first, so short calls and other GPUs never import or inspect anything more
     if not gluon_pays(_capability(q), q.shape[-2], k.shape[-2], is_causal):

@@ -15,11 +15,12 @@ on the diagonal build a mask. Heavy query tiles are scheduled first.
 
 Caveats: head dim up to 128 (padded to a power of two ≥ 16 inside the kernel); any sequence
 lengths (ragged last tiles are masked; EVEN_* heuristics drop the masks when lengths divide the
-tiles); float32 dots use `FLOAT32_DOT` (flash_tuning.py), never plain TF32, so float32 results match
-a float32 reference. Pointer arithmetic only (no block pointers, which Triton 3.9 removed). Without a
-GPU the kernels run under Triton's interpreter, which `import cs336_systems` switches on when CUDA is
-absent. The tile configs and their autotuning are in flash_tuning.py; `pinned_tiles` (below) replaces
-the autotuning by one config per kernel.
+tiles); float32 dots use the `float32_dot` setting (settings.py, read at each call, like the other
+settings), never plain TF32, so float32 results match a float32 reference. Pointer arithmetic only
+(no block pointers, which Triton 3.9 removed). CPU tensors run only under Triton's interpreter, which
+TRITON_INTERPRET=1 switches on if set before this module is imported (the tests and the smoke-scale
+workflow set it where there is no GPU; the package never does). The tile configs and their autotuning
+are in flash_tuning.py; `pinned_tiles` (below) replaces the autotuning by one config per kernel.
 
 Longer than our usual ~400 lines: the three kernels share their jit helpers, and the file reads top
 to bottom as one story (helpers, kernels, launchers, autograd.Function), as Triton's tutorial does.
@@ -33,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels import flash_dispatch, flash_tuning
-from cs336_systems.kernels.common import INTERPRET, check_inputs
+from cs336_systems.kernels import flash_dispatch
+from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
 from cs336_systems.kernels.launch import FastLauncher
+from cs336_systems.kernels.settings import FlashSettings, flash_settings
 from cs336_systems.kernels.flash_tuning import (
-    FLOAT32_DOT,
     TILINGS,
     TUNING_KEY,
     announcing_prune,
@@ -394,23 +395,24 @@ def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
     return t.stride()
 
 
-def _launch_params(q: torch.Tensor, k: torch.Tensor) -> dict:
+def _launch_params(q: torch.Tensor, k: torch.Tensor, settings: FlashSettings) -> dict:
     head_dim = q.shape[-1]
     return dict(
         H=q.shape[1] if q.dim() == 4 else 1,
         N_Q=q.shape[-2], N_K=k.shape[-2], HEAD_DIM=head_dim,
         SEQ_KEY_Q=triton.next_power_of_2(q.shape[-2]), SEQ_KEY_K=triton.next_power_of_2(k.shape[-2]),
-        PRECISION=FLOAT32_DOT if q.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit inputs
+        PRECISION=settings.float32_dot if q.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit inputs
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
     )
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the tensor-copy engine can read these: a Hopper GPU (or the interpreter), unit stride
-    along the head dim, and every other stride and the start 16-byte aligned (TMA's rules)."""
-    if not flash_tuning.USE_TMA or not (INTERPRET or torch.cuda.get_device_capability(tensors[0].device)[0] >= 9):
+def _tma_ok(settings: FlashSettings, *tensors: torch.Tensor) -> bool:
+    """Whether the forward uses the tensor-copy engine: on in `settings`, a Hopper GPU (or the
+    interpreter), enough keys, unit stride along the head dim, and every other stride and the start
+    16-byte aligned (TMA's rules)."""
+    if not settings.tma or not (INTERPRET or torch.cuda.get_device_capability(tensors[0].device)[0] >= 9):
         return False
-    if tensors[1].shape[-2] < flash_tuning.TMA_MIN_KEYS and not INTERPRET:
+    if tensors[1].shape[-2] < settings.tma_min_keys and not INTERPRET:
         return False
     return all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0
                and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]) for t in tensors)
@@ -424,29 +426,25 @@ def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 triton.set_allocator(_descriptor_scratch)
 
 
-def _check_device(q: torch.Tensor) -> None:
-    if not q.is_cuda and not INTERPRET:
-        raise ValueError(f"flash_triton needs CUDA tensors (or TRITON_INTERPRET=1), got device {q.device}")
-
-
 def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (q's dtype, contiguous) and L (float32, shape q.shape[:-1])."""
-    _check_device(q)
-    p = _launch_params(q, k)
+    check_kernel_device(q, "flash_triton")
+    settings = flash_settings()
+    p = _launch_params(q, k, settings)
     batch_heads = q.shape[0] * p["H"]
     out = torch.empty_like(q)  # q's layout: a model's (batch, seq, heads, dim) view needs no copy after
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     qk_scale = q.shape[-1] ** -0.5 * LOG2E
     grid = lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
     LAUNCH["forward"](grid, q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
-                      qk_scale=qk_scale, IS_CAUSAL=is_causal, TMA=_tma_ok(q, k, v, out), **p)
+                      qk_scale=qk_scale, IS_CAUSAL=is_causal, TMA=_tma_ok(settings, q, k, v, out), **p)
     return out, lse
 
 
 def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
-    _check_device(q)
-    p = _launch_params(q, k)
+    check_kernel_device(q, "flash_triton")
+    p = _launch_params(q, k, flash_settings())
     batch_heads = q.shape[0] * p["H"]
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     delta_block = 16 if INTERPRET else 64
@@ -454,7 +452,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
         out, grad_out, delta, *_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"],
         BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"])
     # Gradients in their inputs' layouts: autograd then takes them as .grad without a strided copy
-    # (0.2 ms of 1.1 at 256 heads x 1024 tokens, H100, when they were contiguous).
+    # (which cost a noticeable share of short calls: kernels/NOTES.md, session 7, "Gradient layout").
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     sm_scale = q.shape[-1] ** -0.5
     common = dict(qk_scale=sm_scale * LOG2E, sm_scale=sm_scale, IS_CAUSAL=is_causal, **p)

@@ -1,5 +1,6 @@
-"""How the FlashAttention-2 Triton kernels (`flash_triton.py`) are tuned: their float32 dot precision,
-the tile configs each kernel is autotuned over, how those are pruned per problem, and the tuning key.
+"""How the FlashAttention-2 Triton kernels (`flash_triton.py`) are tuned: the tile configs each kernel
+is autotuned over, how those are pruned per problem, and the tuning key (their settings, the float32
+dot precision among them, are in `settings.py`).
 
 A tile is (outer, inner, warps, stages). The outer tile is the one a program keeps (queries in the
 forward and dQ kernels, keys in the dK/dV kernel); the inner one is streamed. Tuning is keyed on the
@@ -11,30 +12,16 @@ tests and for `bench/kernel_resources.py`, which compiles each config to read it
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
 import triton
 
 from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.settings import FLOAT32_DOTS, flash_settings
 
-# How float32 inputs are multiplied. "tf32x3" (the default) splits each operand into a TF32 high part
-# and a TF32 remainder and sums three tensor-core products (hi·hi + hi·lo + lo·hi), which keeps about
-# float32's accuracy; "ieee" multiplies on the CUDA cores, keeping the operands in registers, where
-# every tile of the 16-bit lists spills at d >= 64 (results/flash_resources.csv). Plain "tf32" (10-bit mantissa) is not
-# offered: it fails float32 checks. Chosen once per process: CS336_FLASH_FLOAT32_DOT=ieee.
-FLOAT32_DOTS = ("tf32x3", "ieee")
-FLOAT32_DOT = os.environ.get("CS336_FLASH_FLOAT32_DOT", "tf32x3")
-if FLOAT32_DOT not in FLOAT32_DOTS:
-    raise ValueError(f"CS336_FLASH_FLOAT32_DOT={FLOAT32_DOT!r}: choose one of {', '.join(FLOAT32_DOTS)}")
-
-# Whether the forward loads Q, K, V and stores O through tensor descriptors (Hopper's tensor-copy
-# engine) where the layout allows (flash_triton._tma_ok) and there are at least TMA_MIN_KEYS keys.
-# Measured on an H100 (results/diagnosis/flash_variants): 4% faster at 32768 keys, d=128; even at
-# 16384, d=64; 12-16% slower at 1024-2048 keys. CS336_FLASH_TMA=0 keeps pointer loads everywhere.
-USE_TMA = os.environ.get("CS336_FLASH_TMA", "1") == "1"
-TMA_MIN_KEYS = 16384
+# How float32 inputs may be multiplied and whether the forward uses tensor descriptors are settings
+# (kernels/settings.py), read at each call; both are part of the tuning key (PRECISION, TMA).
 
 # Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
 # twice the shared memory: `prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
@@ -147,3 +134,11 @@ def describe_bucket(args: dict) -> str:
 def tuning_bench(fn, quantiles):
     """Autotuning needs a ranking, not a precise time: short warm-up and repetition."""
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+def __getattr__(name: str):
+    # FLOAT32_DOT was a constant read from the environment at import; callers not yet moved to
+    # flash_settings().float32_dot (bench/flash_bench.py) get the value in force now.
+    if name == "FLOAT32_DOT":
+        return flash_settings().float32_dot
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,28 +1,37 @@
 """Launching a Triton kernel's compiled binary directly once it has run for the same argument layout.
 
 Each `kernel[grid](...)` of an autotuned kernel goes through Triton's autotuner (building dicts of ~45
-arguments), its heuristics and its argument binder before the launch itself: about 80 µs of host time
-per launch on the H100 machines (results/diagnosis/flash_host.log: a forward+backward of four launches
-took 699 µs of host time for a few tens of µs of GPU work). `FastLauncher` does that once per layout
-(shapes, strides, dtypes, 16-byte alignment of each tensor and every scalar argument, which together
-fix Triton's specialisation and the autotuner's key), keeps the compiled kernel, the tuned config and
-the heuristics' values, and afterwards calls the binary with the arguments in signature order.
+arguments), its heuristics and its argument binder before the launch itself: host time that short
+calls feel (measured in kernels/NOTES.md, session 7, "Host time"). `FastLauncher` does that
+once per layout (shapes, strides, dtypes, 16-byte alignment of each tensor and every scalar argument,
+which together fix Triton's specialisation and the autotuner's key), keeps the compiled kernel, the
+tuned config and the heuristics' values, and afterwards calls the binary with the arguments in
+signature order.
 
-Not under Triton's interpreter (there is no binary; every call goes the normal way), and off with
-CS336_FLASH_FAST_LAUNCH=0. `clear()` forgets every layout (after a kernel's configs are swapped).
+That reads Triton internals with no public equivalent: `Autotuner.fn` and `.best_config`,
+`Heuristics.fn` and `.values`, `JITFunction.arg_names`, and the compiled kernel's `[grid]` launcher.
+`fast_path_problem` checks them, and the Triton version they were checked against
+(CHECKED_TRITON_VERSIONS), once per launcher; where anything differs the launcher says so in one
+warning and takes the public `kernel[grid](...)` path, as it does under Triton's interpreter (there
+is no binary), with the `fast_launch` setting off (settings.py; CS336_FLASH_FAST_LAUNCH=0), and on
+the first call per layout. `clear()` forgets every layout (after a kernel's configs are swapped).
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 from collections.abc import Callable
 
 import torch
 import triton
 
 from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.settings import flash_settings
 
-ENABLED = os.environ.get("CS336_FLASH_FAST_LAUNCH", "1") == "1" and not INTERPRET
+# Triton releases (major.minor) whose internals above were read and checked against the public path
+# (results/diagnosis/flash_fast_launch_check.py); another release takes the public path until checked.
+CHECKED_TRITON_VERSIONS = ("3.6",)
+_warned: set[str] = set()
 
 
 def _layout(value) -> object:
@@ -31,30 +40,80 @@ def _layout(value) -> object:
     return value
 
 
+def fast_path_problem(kernel, version: str | None = None) -> str | None:
+    """Why `kernel` (a JIT function, optionally wrapped by `triton.heuristics` and `triton.autotune`)
+    cannot be launched by the fast path with this Triton (or with Triton `version`), or None when it can."""
+    version = version or triton.__version__
+    if ".".join(version.split(".")[:2]) not in CHECKED_TRITON_VERSIONS:
+        return f"Triton {version} is not one of the checked releases {', '.join(CHECKED_TRITON_VERSIONS)}"
+    runtime = triton.runtime
+    for name in ("Autotuner", "Heuristics"):
+        if not isinstance(getattr(runtime, name, None), type):
+            return f"triton.runtime.{name} is missing"
+    inner = kernel
+    if isinstance(inner, runtime.Autotuner):
+        if not hasattr(inner, "fn"):
+            return "the autotuner has no .fn"
+        inner = inner.fn
+    if isinstance(inner, runtime.Heuristics):
+        if not (hasattr(inner, "fn") and isinstance(getattr(inner, "values", None), dict)):
+            return "the heuristics have no .fn or .values"
+        inner = inner.fn
+    names = getattr(inner, "arg_names", None)
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return f"{type(inner).__name__} has no .arg_names"
+    return None
+
+
+def _warn_once(problem: str) -> None:
+    if problem not in _warned:
+        _warned.add(problem)
+        warnings.warn(f"FastLauncher: {problem}; launching through kernel[grid](...) instead", RuntimeWarning,
+                      stacklevel=3)
+
+
 class FastLauncher:
     """`launcher(grid, *args, **kwargs)` launches `kernel` (a JIT function, optionally wrapped by
     `triton.heuristics` and `triton.autotune`) as `kernel[grid](*args, **kwargs)` would."""
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self.autotuner = kernel if isinstance(kernel, triton.runtime.Autotuner) else None
-        inner = kernel.fn if self.autotuner else kernel
-        self.heuristics = inner if isinstance(inner, triton.runtime.Heuristics) else None
-        self.jit = inner.fn if self.heuristics else inner
-        self.names = self.jit.arg_names
+        self.problem = None if INTERPRET else fast_path_problem(kernel)  # the interpreter never uses it
+        self.autotuner = self.heuristics = self.jit = self.names = None
+        if self.problem is None and not INTERPRET:
+            runtime = triton.runtime
+            self.autotuner = kernel if isinstance(kernel, runtime.Autotuner) else None
+            inner = kernel.fn if self.autotuner else kernel
+            self.heuristics = inner if isinstance(inner, runtime.Heuristics) else None
+            self.jit = inner.fn if self.heuristics else inner
+            self.names = self.jit.arg_names
         self.entries: dict[tuple, tuple] = {}
 
     def clear(self) -> None:
         self.entries.clear()
 
     def __call__(self, grid: Callable[[dict], tuple] | tuple, *args, **kwargs) -> None:
-        if not ENABLED:
+        if INTERPRET or not flash_settings().fast_launch:
+            self.kernel[grid](*args, **kwargs)
+            return
+        if self.problem is not None:
+            _warn_once(self.problem)
             self.kernel[grid](*args, **kwargs)
             return
         key = (tuple(map(_layout, args)), tuple((name, _layout(v)) for name, v in kwargs.items()))
         entry = self.entries.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)  # tunes, compiles and launches as usual
+            self._remember(key, compiled, grid, args, kwargs)
+            return
+        run, fixed = entry
+        values = {**dict(zip(self.names, args)), **kwargs, **fixed}
+        run(*[values[name] for name in self.names])
+
+    def _remember(self, key: tuple, compiled, grid, args: tuple, kwargs: dict) -> None:
+        """Keep the binary and the arguments Triton filled in (tuned tiles, heuristic flags) for `key`;
+        where the internals read after a run are missing, use the public path from now on."""
+        try:
             values = {**dict(zip(self.names, args)), **kwargs}
             if self.autotuner is not None:
                 values.update(self.autotuner.best_config.kwargs)
@@ -63,8 +122,9 @@ class FastLauncher:
             fixed = {name: values[name] for name in self.names if name not in kwargs and name not in
                      self.names[:len(args)]}  # tuned tiles and heuristic flags
             launch_grid = grid(values) if callable(grid) else grid
-            self.entries[key] = (compiled[tuple(launch_grid) + (1,) * (3 - len(launch_grid))], fixed)
+            run = compiled[tuple(launch_grid) + (1,) * (3 - len(launch_grid))]
+        except (AttributeError, KeyError, TypeError) as error:
+            self.problem = f"reading Triton's state after a launch failed ({type(error).__name__}: {error})"
+            _warn_once(self.problem)
             return
-        run, fixed = entry
-        values = {**dict(zip(self.names, args)), **kwargs, **fixed}
-        run(*[values[name] for name in self.names])
+        self.entries[key] = (run, fixed)

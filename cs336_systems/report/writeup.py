@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import yaml
-
 from cs336_systems.report.section import Context, Deliverable, Section
 from cs336_systems.report.sections import DELIVERABLES
 
@@ -47,14 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--figures", required=True, help="figures directory of the same scale")
     parser.add_argument("--scale", required=True)
     parser.add_argument("--device", default="cuda", help="the device this scale measures on (config: device)")
-    parser.add_argument("--anchors", default=None, help="YAML file with reference numbers (config.yaml)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    anchors = {}
-    if args.anchors:
-        anchors = yaml.safe_load(Path(args.anchors).read_text()).get("anchors", {})
     out = Path(args.out)
-    ctx = Context(Path(args.results), Path(args.figures), out.parent, anchors)
+    ctx = Context(Path(args.results), Path(args.figures), out.parent, {})
     out.write_text(build(ctx, args.scale, args.device))
 
 

@@ -14,8 +14,9 @@ import sys
 
 import torch
 
-from cs336_systems.kernels import FlashAttentionTriton, launch
+from cs336_systems.kernels import FlashAttentionTriton
 from cs336_systems.kernels.flash_triton import LAUNCH, pinned_tiles
+from cs336_systems.kernels.settings import flash_settings
 from cs336_systems.model.attention import naive_attention
 
 CASES = [  # (q shape, k shape, causal, model layout)
@@ -61,7 +62,7 @@ def main():
                         failed |= not ok
                         rows.append(dict(dtype=str(dtype), q_shape=q_shape, k_shape=k_shape, causal=causal,
                                          model_layout=model_layout, call=call, tensor=what, rel_err=e, limit=limit,
-                                         ok=ok, fast_launch=launch.ENABLED and call > 0, cached_layouts=fast))
+                                         ok=ok, fast_launch=flash_settings().fast_launch and call > 0, cached_layouts=fast))
                     print(f"{dtype} {q_shape} {k_shape} causal={causal} call {call}: "
                           + " ".join(f"{r['tensor']}={r['rel_err']:.1e}{'' if r['ok'] else ' FAIL'}" for r in rows[-4:]),
                           file=sys.stderr, flush=True)

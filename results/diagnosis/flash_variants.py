@@ -3,7 +3,7 @@
     python results/diagnosis/flash_variants.py --variants tma pointers --out variants.csv --kernels kernels.csv
 
 Each shape is laid out as a model produces it ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)).
-Our kernel in each variant (a setting of kernels/flash_tuning.py flipped in this process; the autotuner
+Our kernel in each variant (a setting of kernels/settings.py flipped in this process; the autotuner
 keys on it, so each variant tunes for itself), SDPA flash and SDPA cuDNN are timed in the same process
 (median of do_bench), with the first call's wall time (autotuning included) and the tile configs chosen.
 --kernels adds each provider's CUDA kernel times per forward+backward (torch.profiler, 5 calls).
@@ -11,6 +11,7 @@ keys on it, so each variant tunes for itself), SDPA flash and SDPA cuDNN are tim
 
 import argparse
 import csv
+import dataclasses
 import sys
 import time
 
@@ -19,7 +20,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from cs336_systems.kernels import flash_triton, flash_tuning
+from cs336_systems.kernels import flash_triton
+from cs336_systems.kernels.settings import FlashSettings, set_flash_settings
 from cs336_systems.kernels.flash_triton import FlashAttentionTriton
 
 SHAPES = [  # (batch, heads, seq, head_dim, causal)
@@ -28,7 +30,7 @@ SHAPES = [  # (batch, heads, seq, head_dim, causal)
     (8, 16, 2048, 128, True),
     (16, 16, 1024, 64, False),
 ]
-VARIANTS = {"tma": {"USE_TMA": True}, "pointers": {"USE_TMA": False}}
+VARIANTS = {"tma": {"tma": True}, "pointers": {"tma": False}}  # FlashSettings fields
 
 
 def sdpa(backend):
@@ -65,8 +67,8 @@ def main():
         providers = [(f"ours_{v}", v, FlashAttentionTriton.apply) for v in args.variants] + \
             [(name, None, fn) for name, fn in SDPA.items()]
         for name, variant, fn in providers:
-            for key, value in (VARIANTS[variant] if variant else {}).items():
-                setattr(flash_tuning, key, value)
+            if variant:
+                set_flash_settings(dataclasses.replace(FlashSettings.from_env(), **VARIANTS[variant]))
             torch.manual_seed(0)
             q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                        for _ in range(3))

@@ -15,6 +15,13 @@ MEASURE = str(config.get("measure", True)).lower() != "false"
 
 # Arguments every benchmark CLI gets at this scale.
 DEVICE_ARGS = f"--device {S['device']}"
+
+# A CPU scale's jobs run the Triton kernels on CPU tensors, which needs Triton's interpreter; Triton
+# reads TRITON_INTERPRET when a kernel is defined, so each job's shell sets it before Python starts.
+# Only the jobs' shells: this process (which imports the package) and GPU scales keep the environment
+# they were given. The prefix replaces Snakemake's default one, which is kept in front.
+if S["device"] == "cpu":
+    shell.prefix("set -euo pipefail; export TRITON_INTERPRET=1; ")
 MODEL_ARGS = f"--batch-size {S['batch_size']} --context-length {S['context_length']}"
 
 

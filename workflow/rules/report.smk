@@ -55,7 +55,6 @@ rule writeup_md:
             name=[n for n in available(TABLE_INPUTS) if n not in NOT_MADE_HERE],
         ),
         figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),
-        anchors="config.yaml",
         accounting=f"{R}/communication_accounting.md",
         mixed_precision=wanted(f"{R}/mixed_precision.csv"),
         overlap=wanted(f"{R}/ddp_overlap.csv"),
@@ -80,7 +79,7 @@ rule writeup_md:
         device=S["device"],
     shell:
         "python -m cs336_systems.report.writeup --results {params.results} --figures {params.figures}"
-        " --scale {params.scale} --device {params.device} --anchors {input.anchors} --out {output} 2> {log}"
+        " --scale {params.scale} --device {params.device} --out {output} 2> {log}"
 
 
 rule writeup_html:

@@ -1,0 +1,130 @@
+"""The FlashAttention-2 Triton kernels' settings: one frozen `FlashSettings`, read when a call needs it.
+
+The defaults come from environment variables, read at call time (so setting one after import takes
+effect at the next call), each documented on its field below:
+
+    CS336_FLASH_FAST_LAUNCH=0|1       fast_launch   (default 1)
+    CS336_FLASH_FLOAT32_DOT=tf32x3|ieee  float32_dot (default tf32x3)
+    CS336_FLASH_TMA=0|1               tma           (default 1)
+    CS336_FLASH_FORWARD=auto|triton|gluon  forward  (default auto)
+
+From code, `set_flash_settings(FlashSettings(...))` replaces them for the whole process (None goes
+back to the environment) and `use_flash_settings(tma=False, ...)` changes some fields for a `with`
+block. Both are process-wide, not per thread: autograd runs a CUDA backward on a thread of its own,
+which must see the settings its forward ran with.
+
+Each setting is part of what the kernels are specialised or autotuned on (PRECISION, TMA) or of how
+they are launched, so a change applies to the next call without stale tuning results. This module
+imports neither Triton nor torch: reading the settings never defines or configures a kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+# How float32 inputs may be multiplied (see FlashSettings.float32_dot).
+FLOAT32_DOTS = ("tf32x3", "ieee")
+# Which kernel computes the forward (see FlashSettings.forward; the rule of "auto" is kernels/flash_dispatch.py).
+FORWARDS = ("auto", "triton", "gluon")
+# The environment variable behind each field that has one.
+ENV_VARS = {"fast_launch": "CS336_FLASH_FAST_LAUNCH", "float32_dot": "CS336_FLASH_FLOAT32_DOT",
+            "tma": "CS336_FLASH_TMA", "forward": "CS336_FLASH_FORWARD"}
+# The allowed values of each text field.
+CHOICES = {"float32_dot": FLOAT32_DOTS, "forward": FORWARDS}
+
+
+@dataclass(frozen=True)
+class FlashSettings:
+    """How the FlashAttention-2 Triton kernels run. The defaults are the ones measured best on an H100
+    (kernels/NOTES.md has the measurements).
+
+    fast_launch: after the first call per argument layout, launch the compiled binary directly instead
+        of going through Triton's autotuner, heuristics and binder again (kernels/launch.py). Off, every
+        launch takes Triton's public path. Never used under the interpreter.
+    float32_dot: how float32 inputs are multiplied. "tf32x3" splits each operand into a TF32 high part
+        and a TF32 remainder and sums three tensor-core products (hi·hi + hi·lo + lo·hi), keeping about
+        float32's accuracy; "ieee" multiplies on the CUDA cores, which keeps the operands in registers
+        and spills at d >= 64 for every 16-bit tile. Plain "tf32" (10-bit mantissa) is not offered: it
+        fails the float32 checks.
+    tma: the forward loads Q, K, V and stores O through tensor descriptors (Hopper's tensor-copy
+        engine) where the layout allows and there are at least `tma_min_keys` keys; off, pointer loads
+        everywhere.
+    tma_min_keys: the fewest keys for which the forward uses tensor descriptors; below it they were
+        slower than pointer loads on the H100. Ignored under the interpreter, which takes the
+        descriptor path at any length when `tma` is on (so CPU tests cover it).
+    forward: which kernel computes the forward: "auto" (the Gluon kernel on sm_90 where it was measured
+        faster, else the Triton FA2 kernel: `flash_dispatch.choose_forward`), "triton" (FA2 always) or
+        "gluon" (an error where it cannot run). The backward is FA2's either way.
+    """
+
+    fast_launch: bool = True
+    float32_dot: str = "tf32x3"
+    tma: bool = True
+    tma_min_keys: int = 16384
+    forward: str = "auto"
+
+    def __post_init__(self):
+        for field, choices in CHOICES.items():
+            if getattr(self, field) not in choices:
+                raise ValueError(f"{field}={getattr(self, field)!r}: choose one of {', '.join(choices)}")
+        if self.tma_min_keys < 0:
+            raise ValueError(f"tma_min_keys must be at least 0, got {self.tma_min_keys}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FlashSettings:
+        """The defaults, with each field that has an environment variable (ENV_VARS) taken from it where set."""
+        values = {}
+        for field, var in ENV_VARS.items():
+            raw = environ.get(var)
+            if raw is None:
+                continue
+            if isinstance(getattr(cls, field), bool):
+                if raw not in ("0", "1"):
+                    raise ValueError(f"{var}={raw!r}: use 1 (on) or 0 (off)")
+                values[field] = raw == "1"
+            elif raw not in CHOICES[field]:
+                raise ValueError(f"{var}={raw!r}: choose one of {', '.join(CHOICES[field])}")
+            else:
+                values[field] = raw
+        return cls(**values)
+
+
+_chosen: FlashSettings | None = None  # set from code; None: from the environment
+_from_env: tuple[tuple, FlashSettings] | None = None  # the last environment read, by its raw values
+
+
+def flash_settings() -> FlashSettings:
+    """The settings in force now: those set from code, else the environment's (read now; parsed again
+    only when one of its variables changed, so a call costs three dictionary lookups)."""
+    global _from_env
+    if _chosen is not None:
+        return _chosen
+    raw = tuple(os.environ.get(var) for var in ENV_VARS.values())
+    if _from_env is None or _from_env[0] != raw:
+        _from_env = (raw, FlashSettings.from_env())
+    return _from_env[1]
+
+
+def set_flash_settings(settings: FlashSettings | None) -> None:
+    """Use `settings` from now on in this process; None goes back to the environment's."""
+    global _chosen
+    if settings is not None and not isinstance(settings, FlashSettings):
+        raise TypeError(f"expected FlashSettings or None, got {type(settings).__name__}")
+    _chosen = settings
+
+
+@contextlib.contextmanager
+def use_flash_settings(**changes) -> Iterator[FlashSettings]:
+    """The settings in force with `changes` (FlashSettings fields) for the `with` block, then the
+    previous ones again: `with use_flash_settings(tma=False): ...`."""
+    previous = _chosen
+    settings = dataclasses.replace(flash_settings(), **changes)
+    set_flash_settings(settings)
+    try:
+        yield settings
+    finally:
+        set_flash_settings(previous)

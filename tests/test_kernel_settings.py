@@ -1,0 +1,198 @@
+"""The kernels' settings (kernels/settings.py) read at call time, the launch fast path's check of
+Triton (kernels/launch.py) and its fallback, and what a kernel says when it cannot run on a tensor."""
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+
+from cs336_systems.kernels import flash_triton, launch
+from cs336_systems.kernels.settings import (
+    ENV_VARS,
+    FlashSettings,
+    flash_settings,
+    set_flash_settings,
+    use_flash_settings,
+)
+from cs336_systems.model.attention import naive_attention
+from tests.kernel_devices import INTERPRET
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_flash_env(monkeypatch):
+    """No CS336_FLASH_* variable set and no settings chosen from code, whatever the caller's shell has."""
+    for var in ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    set_flash_settings(None)
+    yield monkeypatch
+    set_flash_settings(None)
+
+
+def test_environment_variables_are_read_when_the_settings_are_needed(no_flash_env):
+    assert flash_settings() == FlashSettings()
+    no_flash_env.setenv("CS336_FLASH_FLOAT32_DOT", "ieee")
+    no_flash_env.setenv("CS336_FLASH_TMA", "0")
+    assert flash_settings() == FlashSettings(float32_dot="ieee", tma=False)
+    no_flash_env.setenv("CS336_FLASH_FAST_LAUNCH", "0")
+    assert flash_settings() == FlashSettings(float32_dot="ieee", tma=False, fast_launch=False)
+    no_flash_env.delenv("CS336_FLASH_TMA")
+    assert flash_settings() == FlashSettings(float32_dot="ieee", fast_launch=False)
+
+
+def test_bad_settings_are_clear_errors(no_flash_env):
+    no_flash_env.setenv("CS336_FLASH_TMA", "yes")
+    with pytest.raises(ValueError, match="CS336_FLASH_TMA='yes': use 1 .on. or 0 .off."):
+        flash_settings()
+    no_flash_env.setenv("CS336_FLASH_TMA", "1")
+    no_flash_env.setenv("CS336_FLASH_FLOAT32_DOT", "tf32")
+    with pytest.raises(ValueError, match="CS336_FLASH_FLOAT32_DOT='tf32': choose one of tf32x3, ieee"):
+        flash_settings()
+    with pytest.raises(ValueError, match="float32_dot='tf32'"):
+        FlashSettings(float32_dot="tf32")
+    with pytest.raises(ValueError, match="tma_min_keys must be at least 0, got -1"):
+        FlashSettings(tma_min_keys=-1)
+    with pytest.raises(TypeError, match="got dict"):
+        set_flash_settings({"tma": False})
+
+
+def test_settings_from_code_override_the_environment_and_restore(no_flash_env):
+    no_flash_env.setenv("CS336_FLASH_TMA", "0")
+    with use_flash_settings(float32_dot="ieee") as outer:
+        assert outer == flash_settings() == FlashSettings(float32_dot="ieee", tma=False)
+        with use_flash_settings(tma=True, tma_min_keys=0):
+            assert flash_settings() == FlashSettings(float32_dot="ieee", tma=True, tma_min_keys=0)
+        assert flash_settings() == outer
+    assert flash_settings() == FlashSettings(tma=False)
+    set_flash_settings(FlashSettings(fast_launch=False))
+    no_flash_env.setenv("CS336_FLASH_TMA", "1")  # chosen from code: the environment is not read
+    assert flash_settings() == FlashSettings(fast_launch=False)
+
+
+def test_settings_changed_after_import_reach_the_kernels(no_flash_env, kernel_device):
+    """The forward's PRECISION and TMA follow the settings in force at each call, set by environment
+    variable or from code long after the kernels were imported, and the output stays right."""
+    seen = []
+
+    class Spy:  # the forward's launcher, recording what it launches with
+        def __init__(self, launcher):
+            self.launcher = launcher
+
+        def __call__(self, grid, *args, **kwargs):
+            seen.append((kwargs["PRECISION"], kwargs["TMA"]))
+            self.launcher(grid, *args, **kwargs)
+
+        def clear(self):
+            self.launcher.clear()
+
+    no_flash_env.setitem(flash_triton.LAUNCH, "forward", Spy(flash_triton.LAUNCH["forward"]))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16, generator=gen).to(kernel_device) for _ in range(3))
+    expected = naive_attention(q.double(), k.double(), v.double(), True)
+
+    def run():
+        with flash_triton.pinned_tiles((32, 16, 4, 1), (32, 16, 4, 1)):  # on a GPU: no autotuning
+            out = flash_triton.flash_attention_triton(q, k, v, True)
+        assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-4, seen[-1]
+
+    with use_flash_settings(tma=False):
+        run()
+    no_flash_env.setenv("CS336_FLASH_FLOAT32_DOT", "ieee")
+    with use_flash_settings(tma=False):
+        run()
+    no_flash_env.delenv("CS336_FLASH_FLOAT32_DOT")
+    tma_here = INTERPRET or torch.cuda.get_device_capability()[0] >= 9  # Hopper's copy engine, or the interpreter
+    with use_flash_settings(tma=True, tma_min_keys=0):
+        run()
+    assert seen == [("tf32x3", False), ("ieee", False), ("tf32x3", tma_here)]
+
+
+class KernelWithoutTritonInternals:
+    """Launches like a Triton kernel (`kernel[grid](*args)`), without the internals the fast path reads."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+def test_fast_launch_falls_back_to_the_public_path_with_one_warning(no_flash_env):
+    no_flash_env.setattr(launch, "INTERPRET", False)  # as on a GPU: the fast path would be taken
+    no_flash_env.setattr(launch, "_warned", set())
+    kernel = KernelWithoutTritonInternals()
+    launcher = launch.FastLauncher(kernel)
+    assert launcher.problem == "KernelWithoutTritonInternals has no .arg_names"
+    fallback = re.escape("has no .arg_names; launching through kernel[grid](...) instead")
+    with pytest.warns(RuntimeWarning, match=fallback):
+        launcher((4, 1), "x", 3, BLOCK=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once is enough: a second warning would fail here
+        launcher((4, 1), "y", 5, BLOCK=16)
+        launch.FastLauncher(KernelWithoutTritonInternals())((1,), "z")
+    assert kernel.launches == [((4, 1), ("x", 3), {"BLOCK": 16}), ((4, 1), ("y", 5), {"BLOCK": 16})]
+
+
+def test_fast_path_is_only_taken_on_a_checked_triton_release(no_flash_env):
+    kernel = flash_triton.TUNED_KERNELS["forward"]
+    assert launch.fast_path_problem(kernel) is None  # the pinned Triton and its internals as checked
+    assert launch.fast_path_problem(flash_triton._bwd_delta_kernel) is None  # a plain JIT function too
+    assert launch.fast_path_problem(kernel, version="3.9.0") == (
+        "Triton 3.9.0 is not one of the checked releases " + ", ".join(launch.CHECKED_TRITON_VERSIONS))
+    no_flash_env.setattr(launch, "INTERPRET", False)
+    no_flash_env.setattr(triton, "__version__", "3.7.1")
+    assert "Triton 3.7.1" in launch.FastLauncher(kernel).problem
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="the fast path launches compiled kernels")
+def test_fast_path_caches_each_layout_on_the_gpu(no_flash_env):
+    """On the checked Triton the fast path is taken, without a warning: after the first call of a layout,
+    the binary is called directly, with the same result."""
+    q, k, v = (torch.randn(1, 2, 100, 32, device="cuda") for _ in range(3))
+    with warnings.catch_warnings(), flash_triton.pinned_tiles((64, 32, 4, 2), (64, 32, 4, 2)):
+        warnings.simplefilter("error", RuntimeWarning)
+        first = flash_triton.flash_attention_triton(q, k, v, True)
+        assert len(flash_triton.LAUNCH["forward"].entries) == 1
+        again = flash_triton.flash_attention_triton(q, k, v, True)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+
+
+def test_import_sets_no_environment_and_cpu_tensors_without_the_interpreter_are_clear_errors():
+    """In a process without TRITON_INTERPRET (the kernels defined compiled): importing the package sets
+    nothing, and each Triton kernel refuses a CPU tensor, saying how to run it on the CPU."""
+    code = """
+import os
+import torch
+import cs336_systems
+import cs336_systems.kernels
+print(os.environ.get("TRITON_INTERPRET"))
+from cs336_systems.kernels import flash_attention_triton
+from cs336_systems.kernels.adamw_triton import adamw_step_
+x = torch.randn(1, 8, 16)
+calls = {"flash_triton": lambda: flash_attention_triton(x, x, x),
+         "fused AdamW": lambda: adamw_step_(x, x.clone(), x.clone(), x.clone(), lr=1e-3, beta1=0.9, beta2=0.99,
+                                            eps=1e-8, weight_decay=0.0, step=1)}
+for name, call in calls.items():
+    try:
+        call()
+    except ValueError as error:
+        print(error)
+    else:
+        raise SystemExit(f"{name} ran on a CPU tensor without the interpreter")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "None"
+    for line, name in zip(lines[1:], ("flash_triton", "fused AdamW"), strict=True):
+        assert line.startswith(f"{name}: got a tensor on device cpu"), line
+        assert "set TRITON_INTERPRET=1 before importing cs336_systems (or triton) to run them on the CPU" in line
