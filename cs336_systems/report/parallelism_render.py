@@ -207,7 +207,8 @@ def held_out_ring_table(frame: pd.DataFrame) -> pd.DataFrame:
             ar = fit_ring_model(train).iloc[0]
             # bytes as the bench allocates them: float32 elements, rounded down to a multiple of the world size
             size_bytes = int(held["size_mb"] * 2**20) // 4 // int(world) * int(world) * 4
-            predicted = (ar["latency_us"] / 1e6 + ring_time(op, size_bytes, int(world), ar["bandwidth_gbps"] * 1e9)) * 1e3
+            seconds = ar["latency_us"] / 1e6 + ring_time(op, size_bytes, int(world), ar["bandwidth_gbps"] * 1e9)
+            predicted = seconds * 1e3
             fit = ar["fit"]
         rows.append({"backend": backend, "device_type": device_type, "world_size": world, "op": op,
                      "fitted on (MiB)": ", ".join(f"{v:g}" for v in sorted(set(train["size_mb"]))) or "—",

@@ -89,13 +89,14 @@ def _compiled_paragraph(q: Quotes) -> str:
     passes = [p for p in PASS_NAMES if len(rows(p)(q.table))]
     worst = q.table.loc[q.table["compiled ÷ eager"].idxmax()]
     text = ("Under torch.compile our Function's time over its eager time is "
-            + " and ".join(span(p, None, f"{p}, all") for p in passes) + ". A time is fixed-cost bound (column 'fixed cost') where a point of the same pass "
+            + " and ".join(span(p, None, f"{p}, all") for p in passes)
+            + ". A time is fixed-cost bound (column 'fixed cost') where a point of the same pass "
             f"with at least {FLAT}× the work (batch·heads·seq²·d, halved when causal) took no longer: it does not "
             "grow with the work, so it times the call (host time, launch latency), not the kernel. "
             + ("The largest ratios are at such points: " if all(fixed_highest(p) for p in passes) else "Such points: ")
             + ", and ".join(
-                f"{q.derive(lambda t, p=p: len(rows(p, True)(t)), 'd', f'fixed-cost {p} points')} "
-                f"{PASS_NAMES[p]} points, up to {q.derive(lambda t, p=p: rows(p, True)(t).max(), '.2f', f'largest fixed-cost {p} ratio')}×"
+                f"{q.derive(lambda t, p=p: len(rows(p, True)(t)), 'd', f'fixed-cost {p} points')} {PASS_NAMES[p]} "
+                f"points, up to {q.derive(lambda t, p=p: rows(p, True)(t).max(), '.2f', f'largest fixed-cost {p}')}×"
                 for p in passes)
             + f" (the largest: ours {worst['ours (ms)']} ms eager against {worst['ours compiled (ms)']} ms compiled, "
             f"{worst['fixed cost'] or 'neither'} fixed-cost bound). At the others compiled ÷ eager is "
