@@ -152,9 +152,9 @@ def _cost_model_lines(saved: pd.DataFrame | None) -> list[str]:
     return [
         "(a) Ignoring compute, the least peak activation memory is one block's residuals at a time, O(1) blocks, "
         "and nested checkpoints reach it. Recursive halving: checkpoint the whole stack as two halves, each half "
-        "as two quarters, and so on down to single blocks. During the backward pass only the inputs of the "
-        "segments on the current path are stored, one per level, plus the residuals of the one block being "
-        "recomputed: O(1) blocks of residuals and O(log N) boundaries, which the handout's assumption (a block's "
+        "as two quarters, and so on down to single blocks. During the backward pass only segment inputs are "
+        "stored, at most two per level (the input of the segment being backpropagated and of its earlier "
+        "sibling), plus the residuals of the one block being recomputed: O(1) blocks of residuals and O(log N) boundaries, which the handout's assumption (a block's "
         "residuals dominate per-checkpoint bookkeeping) makes negligible, for O(N log N) block forwards (each "
         "level replays its segment once). Keeping even the boundaries constant is possible — store only the "
         "first block's input and replay the prefix before each block's backward — but costs O(N^2) block "
