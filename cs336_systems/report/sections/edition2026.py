@@ -73,7 +73,7 @@ def checkpointed_sentence(totals: pd.DataFrame, listed: pd.DataFrame, mode: str 
             f"{kept:,.2f} MiB: each call "
             f"saves only its inputs, the hidden state ({len(states)} × {states['tensor_bytes'].iloc[0] / 2**20:,.2f} "
             f"MiB: the blocks' input and the first call's output) and the positions tensor ({len(positions)} × "
-            f"{positions['tensor_bytes'].iloc[0] / 2**10:,.0f} KiB), against {unchecked:,.2f} MiB of inputs and "
+            f"{positions['tensor_bytes'].iloc[0]:,} B), against {unchecked:,.2f} MiB of inputs and "
             f"activations for four blocks without checkpointing (counted per tensor, as the handout's hook counts).")
 
 
