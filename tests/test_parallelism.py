@@ -363,3 +363,20 @@ def test_bounds_reject_a_ratio_that_does_not_grow_and_evaluate_names_free_symbol
     with pytest.raises(ValueError, match="N_TP"):
         evaluate(par.derive()["tp_calcs.c.forward"].expr, B200, layer)
     assert evaluate(par.derive()["data_parallel_calcs.c"].expr, Machine("m", 1e12, 1e9, "t"), layer) == 1 + 1024 * 1e-3
+
+
+def test_ring_model_check_predicts_a_size_held_out_of_its_fit():
+    """The validation table once predicted the very points it was fitted on (ratio 1.000 by construction): the
+    predicted size must be left out of the fit, so a measured time off the model at that size shows in the ratio."""
+    from cs336_systems.report.parallelism_render import held_out_ring_table
+
+    frame = _synthetic_collectives()
+    table = held_out_ring_table(frame)
+    assert list(table["held out (MiB)"]) == [100] * 3 and set(table["fitted on (MiB)"]) == {"1, 10"}
+    np.testing.assert_allclose(table["measured_over_predicted"], 1, rtol=1e-6)  # the ideal ring is predicted
+    slow = frame["size_mb"].eq(100) & frame["op"].eq("all_reduce")
+    frame.loc[slow, "median_ms"] *= 1.5
+    ratio = held_out_ring_table(frame).set_index("op")["measured_over_predicted"]
+    assert ratio["all_reduce"] == pytest.approx(1.5, rel=1e-6) and ratio["all_gather"] == pytest.approx(1, rel=1e-6)
+    only = held_out_ring_table(frame[frame["size_mb"].eq(100)])
+    assert only["predicted_ms"].isna().all() and set(only["fitted on (MiB)"]) == {"—"}

@@ -680,3 +680,110 @@ def test_profile_text_compares_gemm_kernels_with_softmax_and_reads_the_diagnosis
     text = profiling.render_profile(Context(tmp_path, tmp_path, tmp_path, {}))
     assert "the first harness (OOM), the harness now (peak 12 MiB), 1.1.6's memory harness (peak 11 MiB)" in text
     assert "So the cause was the harness" in text
+
+
+def test_profile_non_matmul_answer_is_the_forward_pass(committed):
+    """1.1.4(c) asks about the forward pass: every kernel it names, and its share, is of forward kernel time
+    (shares of forward+backward time were quoted once), and no forward kernel above the threshold is left out."""
+    from cs336_systems.report.profile_tables import MATMUL, profile_kernels_of, profile_point
+
+    text = committed["1.1.4 (a–e) nsys_profile: kernel summaries per range"]
+    answer = next(p for p in text.split("\n\n") if p.startswith("(c) "))
+    frame = pd.read_csv(ROOT / "results" / "profile.csv")
+    size, context = profile_point(frame)
+    kernels = profile_kernels_of(frame[(frame["size"] == size) & (frame["context_length"] == context)])
+    forward = kernels[kernels["phase"] == "forward"]
+    other = forward[~forward["name"].str.contains(MATMUL, case=False, regex=True)]
+    shares = other.groupby("name")["ms_per_step"].sum() / forward["ms_per_step"].sum()
+    named = dict(re.findall(r"`([^`]+)` \(([\d.]+)%\)", answer))
+    assert named == {n[:60]: f"{100 * v:.1f}" for n, v in shares[shares >= 0.01].items()}
+    assert f"take {shares.sum():.0%} of the kernel time" in answer
+
+
+def test_checkpointed_blocks_sentence_counts_every_saved_tensor(committed):
+    """3.1: what the checkpointed four blocks keep is the sum of every tensor the saved-tensor list holds for
+    that case (one hidden state per checkpoint call: 160 MiB for the handout's two calls, not one's 80 MiB)."""
+    text = committed["2026 §3.1 autograd residuals: saved tensors"]
+    listed = pd.read_csv(ROOT / "results" / "saved_tensors_list.csv")
+    rows = listed[(listed["case"] == "four_blocks_checkpointed") & (listed["mode"] == "eager")]
+    hidden = rows[rows["tensor_bytes"] == rows["tensor_bytes"].max()]
+    assert f"keep {rows['tensor_bytes'].sum() / 2**20:,.2f} MiB" in text
+    assert f"under {len(hidden)} checkpoint calls" in text and f"({len(hidden)} × " in text
+
+
+def test_checkpointing_model_state_is_weights_and_moments_of_the_swept_model(committed):
+    """3.2(b): the part of the peak no policy touches is what each step starts with: the float32 weights and
+    AdamW's two moments of the swept model (12 B per parameter; the gradients are freed between steps), which
+    the start-of-step allocation must hold with little to spare."""
+    from cs336_systems.model import MODEL_SIZES_2026
+
+    text = committed["2026 §3.2 gradient_checkpointing (a–b)"]
+    frame = pd.read_csv(ROOT / "results" / "checkpointing.csv")
+    config = MODEL_SIZES_2026[frame["size"].iloc[0]]
+    d, f = config.d_model, config.d_ff
+    params = 2 * config.vocab_size * d + config.num_layers * (4 * d * d + 3 * d * f + 2 * d) + d
+    state_gib = 12 * params / 2**30
+    start = frame.loc[frame["status"] == "ok", "baseline_mib"] / 1024
+    assert f"{params / 1e9:.2f}B parameters" in text and f"= {state_gib:.2f} GiB" in text
+    assert start.min() - 0.5 < state_gib <= start.min()  # state fills the start, with under 0.5 GiB besides
+    assert "gradients and AdamW" not in text
+
+
+def test_checkpointing_answer_a_picks_the_policy_with_the_least_modelled_peak(committed):
+    """3.2(a) names recursive halving and O(1) blocks: at the measured block and boundary sizes it must have
+    the least modelled peak of the policies shown, within one block plus two boundaries per level, and the O(1)
+    scheme it also names must be said to cost more compute, not to be the answer."""
+    import math
+
+    from cs336_systems.model import CheckpointPolicy, checkpoint_cost
+
+    text = committed["2026 §3.2 gradient_checkpointing (a–b)"]
+    answer = next(p for p in text.split("\n\n") if p.startswith("(a) "))
+    assert "recursive halving is our answer" in answer and "O(N^2)" in answer
+    saved = pd.read_csv(ROOT / "results" / "saved_tensors.csv").query("mode == 'eager' and case == 'block'")
+    block = saved.loc[saved["kind"] == "activation", "storage_mib"].item()
+    boundary = saved.loc[saved["kind"] == "input", "storage_mib"].item()
+    for n in (8, 32, 128, 512):
+        peaks = {name: checkpoint_cost(policy, n, block, boundary).peak_bytes for name, policy in
+                 {"none": CheckpointPolicy(), "every": CheckpointPolicy.every(1),
+                  "sqrt": CheckpointPolicy.sqrt(n), "binary": CheckpointPolicy.binary(n)}.items()}
+        assert min(peaks, key=peaks.get) == "binary", n
+        assert peaks["binary"] <= block + 2 * math.ceil(math.log2(n)) * boundary, n
+        assert "at most two per level" in answer
+
+
+def test_flash_shapes_compiled_ratio_ranges_cover_every_row_of_their_pass(committed):
+    """'up to 2.48×' was once quoted for all points while only forward+backward rows gave it (forward: 29.4×):
+    each pass's quoted compiled-over-eager range must be that pass's min and max over all its rows, and the
+    'fixed cost' column must flag exactly the times some 4×-larger point of the same pass did not exceed."""
+    body = committed["1.3.3, continued: FlashAttention at Transformer training shapes"]
+    table = body.table
+    paragraph = next(p for p in body.checked if p.startswith("Under torch.compile"))
+    work = (table["batch"] * table["heads"] * table["seq"] ** 2 * table["d"]
+            * np.where(table["causal"].astype(bool), 0.5, 1.0)).to_numpy()
+    for pass_, name in (("forward", "forward"), ("forward_backward", "forward+backward")):
+        ratios = column_values(table, "compiled ÷ eager", lambda t: t["pass"] == pass_).dropna()
+        assert f"{ratios.min():.2f}–{ratios.max():.2f}× {name}" in paragraph
+    for flag, column in (("eager", "ours (ms)"), ("compiled", "ours compiled (ms)")):
+        times, passes = table[column].to_numpy(dtype=float), table["pass"].to_numpy()
+        expected = [bool(((passes == passes[i]) & (work >= 4 * work[i]) & (times <= times[i])).any())
+                    for i in range(len(table))]
+        assert [flag in str(cell).split(", ") for cell in table["fixed cost"]] == expected, flag
+
+
+def test_flash_tflops_figure_draws_full_matrix_providers_at_their_executed_count(drawn):
+    """Naive attention computes the full masked matrix: its line must not use FlashAttention-2's causal-halved
+    count. Each provider's line is checked against FLOPs counted here, per product, over the median time."""
+    from cs336_systems.report import figures
+
+    frame = pd.DataFrame([{"provider": p, "pass": "forward_backward", "status": "ok", "dtype": "bf16",
+                           "head_dim": 64, "seq_len": 1024, "batch": 16, "causal": True, "median_ms": 2.0,
+                           "device_name": "NVIDIA H100 80GB HBM3", "git_commit": "a" * 40}
+                          for p in ("naive", "sdpa_flash")])
+    product = 2 * 16 * 1024 * 1024 * 64  # one (seq × seq × d) matrix product, 16 batch·heads
+    frame["tflops"] = 7 * product / 2 / 2e-3 / 1e12  # FA2's count: 2 + 5 products, halved when causal
+    figures.flash_tflops(frame, "unused.png")
+    (fig, _), = drawn.values()
+    lines = {line.get_label(): line.get_ydata()[0] for line in fig.axes[0].get_lines()}
+    assert lines["naive (executed count)"] == pytest.approx(6 * product / 2e-3 / 1e12)  # 2 + 4 products, in full
+    assert lines["sdpa_flash"] == pytest.approx(7 * product / 2 / 2e-3 / 1e12)

@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.model import CheckpointPolicy, checkpoint_cost
+from cs336_systems.model import CheckpointPolicy, checkpoint_cost, get_config, parameter_count
 from cs336_systems.report.figures import save_figure
 from cs336_systems.report.parallelism_render import render_fsdp_accounting, render_parallelism
 from cs336_systems.report.section import Context, Deliverable, Figure, Table
@@ -48,11 +48,32 @@ def render_saved_tensors(ctx: Context) -> str:
                      f"{compiled:,.0f} MiB ({eager / compiled:.2f}x less): the compiler fuses the elementwise "
                      "chains (RMSNorm, SwiGLU's gate, the softmax) and recomputes their cheap intermediates "
                      "instead of saving them.")
-    if ("four_blocks_checkpointed", "eager") in activations:
-        kept = activations[("four_blocks_checkpointed", "eager")]
-        lines.append(f"Four blocks under one checkpoint keep {kept:,.2f} MiB: only the segment's input (and the "
-                     "positions tensor), against four blocks' residuals without it.")
+    listed = ctx.frame("saved_tensors_list")
+    if ("four_blocks_checkpointed", "eager") in activations and listed is not None:
+        lines.append(checkpointed_sentence(frame, listed))
     return "\n\n".join([*lines, ctx.table("saved_tensors")])
+
+
+def checkpointed_sentence(totals: pd.DataFrame, listed: pd.DataFrame, mode: str = "eager") -> str:
+    """What the handout's four_blocks_checkpoint (two checkpoint calls of two blocks each) keeps, from the
+    saved-tensor list: each checkpoint call saves its inputs (the hidden state and the positions tensor),
+    so the number of saved hidden states is the number of checkpoint calls. Totals count every saved tensor,
+    as the handout's hook does (its 160.00 MiB)."""
+    rows = listed[(listed["case"] == "four_blocks_checkpointed") & (listed["mode"] == mode)]
+    first = totals[totals["case"] == "four_blocks_checkpointed"].iloc[0]
+    hidden = f"{first['batch_size']}x{first['context_length']}x{first['d_model']}"
+    states = rows[rows["shape"] == hidden]
+    positions = rows[rows["shape"] == str(first["context_length"])]
+    kept = totals[(totals["case"] == "four_blocks_checkpointed") & (totals["mode"] == mode)]["tensor_mib"].sum()
+    unchecked = totals[(totals["case"] == "four_blocks") & (totals["mode"] == mode)]
+    unchecked = unchecked[unchecked["kind"] != "parameter"]["tensor_mib"].sum()
+    calls = len(states)
+    return (f"Four blocks under {calls} checkpoint calls of {4 // calls} blocks each (the handout's §3.2.1) keep "
+            f"{kept:,.2f} MiB: each call "
+            f"saves only its inputs, the hidden state ({len(states)} × {states['tensor_bytes'].iloc[0] / 2**20:,.2f} "
+            f"MiB: the blocks' input and the first call's output) and the positions tensor ({len(positions)} × "
+            f"{positions['tensor_bytes'].iloc[0]:,} B), against {unchecked:,.2f} MiB of inputs and "
+            f"activations for four blocks without checkpointing (counted per tensor, as the handout's hook counts).")
 
 
 # ---- 3.2: activation checkpointing --------------------------------------------------------------------
@@ -71,7 +92,8 @@ def checkpointing_table(frame: pd.DataFrame) -> pd.DataFrame:
         "policy": rows["policy"], "status": rows["status"], "block forwards per step": rows["block_forwards"],
         "step (ms, median)": rows["median_ms"].where(ok).round(1),
         "peak memory (GiB)": (rows["peak_memory_mib"] / GIB).where(ok).round(2),
-        "peak by end of backward (GiB)": (rows["peak_fwd_bwd_mib"] / GIB).where(ok).round(2)})
+        "peak by end of backward (GiB)": (rows["peak_fwd_bwd_mib"] / GIB).where(ok).round(2),
+        "allocated at step start (GiB)": (rows["baseline_mib"] / GIB).where(ok).round(2)})
 
 
 def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
@@ -127,13 +149,16 @@ def _cost_model_lines(saved: pd.DataFrame | None) -> list[str]:
                          "block forwards / N": round(cost.block_forwards / n, 2)})
     table = pd.DataFrame(rows).to_markdown(index=False)
     return [
-        "(a) Ignoring compute, the least memory comes from nesting checkpoints recursively: checkpoint the whole "
-        "stack as two halves, each half as two quarters, and so on down to single blocks. During the backward "
-        "pass only the inputs of the segments on the current path are stored, one per level, plus one block's "
-        "residuals while it is recomputed: O(log N) boundaries + O(1) blocks of memory, for O(N log N) block "
-        "forwards (each level replays its segment once). The extreme — store only the first block's input and "
-        "replay the prefix for every block — reaches O(1) blocks of memory at O(N^2) compute. Per-checkpoint "
-        "bookkeeping is negligible here: one boundary is "
+        "(a) Ignoring compute, the least peak activation memory is one block's residuals at a time, O(1) blocks, "
+        "and nested checkpoints reach it. Recursive halving: checkpoint the whole stack as two halves, each half "
+        "as two quarters, and so on down to single blocks. During the backward pass only segment inputs are "
+        "stored, at most two per level (the input of the segment being backpropagated and of its earlier "
+        "sibling), plus the residuals of the one block being recomputed: O(1) blocks of residuals and O(log N) boundaries, which the handout's assumption (a block's "
+        "residuals dominate per-checkpoint bookkeeping) makes negligible, for O(N log N) block forwards (each "
+        "level replays its segment once). Keeping even the boundaries constant is possible — store only the "
+        "first block's input and replay the prefix before each block's backward — but costs O(N^2) block "
+        "forwards for a saving of log N boundary tensors, so recursive halving is our answer. The bookkeeping is "
+        "indeed negligible here: one boundary is "
         f"{boundary:,.0f} MiB against {block:,.0f} MiB of one block's residuals (eager, the handout's setting, "
         "measured above). The cost model of `cs336_systems.model.checkpointing` at those sizes:",
         table,
@@ -148,6 +173,23 @@ def _cost_model_lines(saved: pd.DataFrame | None) -> list[str]:
         "    return checkpoint(run, blocks[half:], x, use_reentrant=False)\n"
         "```",
     ]
+
+
+def model_state(row: pd.Series) -> tuple[float, float]:
+    """(parameters, MiB) of what a step of the sweep starts with besides activations: the float32 weights and
+    AdamW's two moments (3 × 4 bytes per parameter). The gradients are not there: the sweep sets them to None
+    before each step (bench/checkpointing.py), so they are part of the peak above the step's start."""
+    params = parameter_count(get_config(row["size"], str(row["size_table"])))
+    return params, 3 * 4 * params / 2**20
+
+
+def model_state_sentence(ok: pd.DataFrame, first: pd.Series) -> str:
+    params, state = model_state(first)
+    start = ok["baseline_mib"]
+    return (f"Every step starts with {start.min() / GIB:.2f}–{start.max() / GIB:.2f} GiB allocated (the table's last "
+            f"column): the float32 weights and AdamW's two moments of the {params / 1e9:.2f}B parameters, 3 × 4 B × "
+            f"{params:,} = {state / GIB:.2f} GiB, and {start.min() - state:,.0f}–{start.max() - state:,.0f} MiB of "
+            "other buffers; the gradients are freed between steps. No activation policy touches that part of the peak.")
 
 
 def render_checkpointing(ctx: Context) -> str:
@@ -180,8 +222,7 @@ def render_checkpointing(ctx: Context) -> str:
             "residuals of the one segment being recomputed, and the smallest segment wins: checkpoint every "
             f"block. Measured: every {best} peaks at {peak[best]:.1f} GiB ({around}); the peak grows with k "
             f"because the recomputed segment's residuals grow with it. Without checkpointing the step {none_text} "
-            "on this GPU. About 40 GiB of every peak is the model state (fp32 parameters, gradients and "
-            "AdamW's moments of 2.7B parameters), which no activation policy touches.")
+            f"on this GPU. {model_state_sentence(rows[rows['status'].eq('ok')], first)}")
     nested = rows[(rows["policy_kind"] == "nested") & rows["status"].eq("ok")]
     if len(nested) and len(every):
         per = ", ".join(f"{r['policy']}: {r['median_ms']:.0f} ms, {r['peak_memory_mib'] / GIB:.1f} GiB"

@@ -136,7 +136,9 @@ def _flop_convention(q: Quotes, table: pd.DataFrame) -> str:
             "recomputed, then dV, dP, dQ, dK), both halved when causal; SDPA's flash backend executes exactly "
             f"that. Our Triton forward executes {fwd} products, but our backward executes {bwd}: its dK/dV kernel "
             "and its dQ kernel each recompute S and dP, so the two kernels need no atomic adds. The table gives our "
-            "throughput both ways ('FA2 count', the column of every figure and comparison, and 'executed').")
+            "throughput both ways ('FA2 count', the column of every comparison, and 'executed'). The TFLOP/s figure "
+            "uses FA2's count too, except for the providers that compute the full masked matrix (naive attention; "
+            "our PyTorch FA2's backward), drawn at the count they execute: halving their work would under-state it.")
     count, executed = "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed"
     best = table.loc[column_values(table, count).idxmax()] if column_values(table, count).notna().any() else None
     if best is None:

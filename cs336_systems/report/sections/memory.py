@@ -48,10 +48,14 @@ def render_memory(ctx: Context) -> str:
     if {"fp32", "bf16"} <= set(ok["precision"]):
         wide = ok.pivot_table(index=["mode", "context_length"], columns="precision", values="peak_memory_mib")
         delta = (wide["bf16"] - wide["fp32"]).dropna()
-        parts.append(f"(c) bf16 autocast changes the peak by {delta.min():+.0f} to {delta.max():+.0f} MiB: the "
-                     f"peaks are set by float32 tensors that autocast leaves alone (the weights in the forward "
-                     f"pass; weights, gradients and AdamW state in the training step), while what autocast halves, "
-                     f"the activations, is a small part of either peak at these context lengths.")
+        optimizer_peak = train["above"].abs().max() < 0.1 * weights  # as (b): the step's peak is the optimizer's
+        parts.append(f"(c) bf16 autocast changes the peak by {delta.min():+.0f} to {delta.max():+.0f} MiB: neither "
+                     f"peak holds what autocast halves, the activations kept for the backward. The forward pass "
+                     f"(no_grad) keeps none; its peak is the float32 weights plus one layer's working set"
+                     + (", and the training step's peak is its optimizer step (weights, gradients and AdamW "
+                        "state, all float32), after the backward has freed the activations. These rows do not "
+                        "show how bf16 changes the forward+backward peak, which the activations do set."
+                        if optimizer_peak else "."))
     parts.append(f"(d) One residual-stream activation at context {longest} is batch × context × d_model × 4 B = "
                  f"{batch} × {longest} × {config.d_model} × 4 / 1024² = {residual:.1f} MiB.")
     if allocations is not None:
