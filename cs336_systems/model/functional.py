@@ -1,8 +1,9 @@
-"""Loss and model accounting: cross-entropy, parameter count and FLOPs per step (for MFU)."""
+"""Loss and model accounting: cross-entropy, the LM loss of a model, parameter count and FLOPs per step (for MFU)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
 from cs336_systems.model.config import ModelConfig
 
@@ -14,6 +15,21 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     log_z = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (log_z - target_logit).mean()
+
+
+def lm_loss(model: nn.Module, token_ids: torch.Tensor, targets: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
+    """Mean cross-entropy of the model's next-token logits for token_ids (B, T) against targets (B, T).
+
+    fused=True: `model(token_ids, targets=targets)`, the TransformerLM's fused LM head + cross-entropy
+    (`kernels.fused_linear_ce.linear_cross_entropy` of the final hidden states and the head's weight:
+    the (B·T, vocab) logits never exist). fused=False: `cross_entropy(model(token_ids), targets)`, the
+    plain path. `model` is a TransformerLM or any wrapper that passes keyword arguments on to it (the
+    data-parallel wrappers, torch.compile's); the kernel is imported by the model when first called, so
+    this module stays free of Triton. The training step of the handout around it:
+    `zero_grad(set_to_none=True)`, `lm_loss(...)`, `backward()`, `optimizer.step()`."""
+    if fused:
+        return model(token_ids, targets=targets)
+    return cross_entropy(model(token_ids), targets)
 
 
 def parameter_count(config: ModelConfig) -> int:
@@ -39,3 +55,23 @@ def forward_flops(config: ModelConfig, batch_size: int, seq_len: int) -> int:
 def train_step_flops(config: ModelConfig, batch_size: int, seq_len: int) -> int:
     """Forward plus backward (twice the forward: gradients w.r.t. inputs and weights)."""
     return 3 * forward_flops(config, batch_size, seq_len)
+
+
+def leaderboard_flops(config: ModelConfig, batch: int, context: int) -> int:
+    """FLOPs of one training step as the 2026 leaderboard (handout §9, issue 24) counts them, for MFU:
+
+        6 · (non-embedding matmul parameters, LM head included) · tokens
+      + 6 · num_layers · tokens · context · d_model                        (causal attention)
+
+    6 = 2 FLOPs per multiply-add × (forward + 2 × backward). The matmul parameters are the four attention
+    projections and three SwiGLU matrices of each block plus the LM head (vocab × d); the embedding
+    is a lookup and the norms are elementwise, so neither counts. Attention: qkᵀ and pv take
+    2 · 2 · T² · d FLOPs forward per sequence and layer with the full score matrix; causal masking
+    halves that, and ×3 for forward + backward gives 6 · T² · d = 6 · tokens · context · d for the batch.
+    Recomputation (activation checkpointing) is not counted: it is work the step chooses to redo."""
+    if batch <= 0 or context <= 0:
+        raise ValueError(f"batch and context must be positive, got batch={batch}, context={context}")
+    d, f = config.d_model, config.d_ff
+    matmul_params = config.num_layers * (4 * d * d + 3 * d * f) + config.vocab_size * d
+    tokens = batch * context
+    return 6 * matmul_params * tokens + 6 * config.num_layers * tokens * context * d
