@@ -165,10 +165,10 @@ def test_adamw_with_frozen_parameter_and_late_param_group():
 
 
 def test_fused_adamw_rejects_what_its_kernel_cannot_update():
-    half = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-    half.grad = torch.ones_like(half)
-    with pytest.raises(ValueError, match="param is torch.bfloat16"):
-        AdamW([half], fused=True).step()
+    double = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    double.grad = torch.ones_like(double)
+    with pytest.raises(ValueError, match="param is torch.float64"):
+        AdamW([double], fused=True).step()
     strided = torch.nn.Parameter(torch.zeros(4, 6).t())
     strided.grad = torch.ones(6, 4)
     with pytest.raises(ValueError, match="not contiguous"):
@@ -215,3 +215,45 @@ def test_communication_accounting_numbers():
     assert v["per_shard_batch"] == pytest.approx(4.6e14 / (2 * 9e10 * 2))
     assert v["global_batch"] == pytest.approx(16 * v["per_shard_batch"])
     assert XXL().activation_bytes_per_token() == 126 * (16384 + 53248) * 2
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_dtype):
+    """bf16 parameters (awkward sizes, several steps, the same gradients given to both) against
+    torch.optim.AdamW in float32 from the same start. float32 moments are computed from the same values
+    as the reference's, so they match it to float32 rounding; the parameters differ by their bf16
+    rounding each step (at most 1 ulp of 2^-8 relative each, truncating under the interpreter), and
+    bf16 moments add a relative error of a few 2^-8 to each update of size lr."""
+    torch.manual_seed(3)
+    shapes = [(37, 5), (1029,), (3,)]
+    start = [torch.randn(s).bfloat16() for s in shapes]
+    ours_params = [torch.nn.Parameter(p.clone()) for p in start]
+    ref_params = [torch.nn.Parameter(p.float()) for p in start]
+    lr, steps = 1e-2, 4
+    kwargs = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = AdamW(ours_params, foreach=implementation == "foreach", fused=implementation == "fused",
+                 state_dtype=state_dtype, **kwargs)
+    theirs = torch.optim.AdamW(ref_params, **kwargs)
+    for _ in range(steps):
+        for p, q in zip(ours_params, ref_params):
+            g = torch.randn(p.shape).bfloat16()
+            p.grad, q.grad = g, g.float()
+        ours.step()
+        theirs.step()
+    for p, q, p0 in zip(ours_params, ref_params, start):
+        assert p.dtype == torch.bfloat16 and ours.state[p]["exp_avg"].dtype == state_dtype
+        torch.testing.assert_close(p.float(), q.detach(), rtol=steps * 2**-7, atol=steps * lr * 2**-5)
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, ref = ours.state[p][key], theirs.state[q][key]
+            if state_dtype == torch.float32:
+                torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+            else:  # each step rounds the moment once (1 ulp at most), relative to the largest of them
+                assert (mine.float() - ref).abs().max() <= steps * 2**-8 * ref.abs().max(), key
+        # the step moved the weights by much more than the tolerance: the comparison can fail
+        assert (q.detach() - p0.float()).abs().max() > 10 * lr * 2**-5
+
+
+def test_adamw_rejects_an_unknown_state_dtype():
+    with pytest.raises(ValueError, match="state_dtype must be one of .* got torch.float16"):
+        AdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.float16)
