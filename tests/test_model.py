@@ -12,7 +12,10 @@ from cs336_systems.model import (
     cross_entropy,
     forward_flops,
     get_config,
+    leaderboard_flops,
+    lm_loss,
     parameter_count,
+    register_attention,
 )
 from cs336_systems.model.attention import naive_attention, sdpa_attention
 from cs336_systems.model.transformer import RotaryEmbedding
@@ -257,3 +260,63 @@ def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_
 def test_adamw_rejects_an_unknown_state_dtype():
     with pytest.raises(ValueError, match="state_dtype must be one of .* got torch.float16"):
         AdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.float16)
+
+
+# ---- the 8B step's model API ---------------------------------------------------------------------------
+
+
+def test_8b_is_the_2026_leaderboard_model():
+    """Handout 2026 §9: vocab 151936, d_model 4096, d_ff 11008, 34 layers, 32 heads, context 32768;
+    built on the meta device (no memory) in bf16, it has the formula's 8.13B parameters."""
+    config = get_config("8B", edition="2026")
+    assert (config.vocab_size, config.d_model, config.d_ff, config.num_layers, config.num_heads,
+            config.context_length) == (151936, 4096, 11008, 34, 32, 32768)
+    model = TransformerLM(config, dtype=torch.bfloat16, device="meta")
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) == parameter_count(config)
+    assert round(parameter_count(config) / 1e9, 2) == 8.13
+    assert {p.dtype for p in params} == {torch.bfloat16} and {p.device.type for p in params} == {"meta"}
+    assert model.rope.cos.dtype == torch.float32 and model.rope.cos.device.type == "meta"
+
+
+def test_parameter_dtype_at_construction():
+    """Each weight is drawn in float32 and cast: the bf16 model holds the fp32 model's weights rounded
+    (same seed); activations and logits follow the parameters; the default is unchanged (float32)."""
+    torch.manual_seed(4)
+    fp32 = TransformerLM(TINY)
+    torch.manual_seed(4)
+    bf16 = TransformerLM(TINY, dtype=torch.bfloat16)
+    for (name, p), q in zip(fp32.named_parameters(), bf16.parameters()):
+        assert p.dtype == torch.float32 and q.dtype == torch.bfloat16, name
+        assert torch.equal(q, p.to(torch.bfloat16)), name
+    tokens = torch.randint(TINY.vocab_size, (2, 9))
+    assert bf16(tokens).dtype == torch.bfloat16 and bf16.hidden(tokens).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype or None, got torch.int32"):
+        TransformerLM(TINY, dtype=torch.int32)
+
+
+def _matmul_flops_of_a_step(config: ModelConfig, batch: int, context: int, attention: str) -> int:
+    model = TransformerLM(config.replace(attention=attention))
+    tokens = torch.randint(config.vocab_size, (batch, context + 1))
+    with FlopCounterMode(display=False) as counter:
+        lm_loss(model, tokens[:, :-1], tokens[:, 1:], fused=False).backward()
+    return counter.get_total_flops()
+
+
+def test_leaderboard_flops_against_torchs_flop_counter():
+    """Independently: torch's FLOP counter over a whole training step (forward and backward) with an
+    attention that does no matmul (v + 0 (q + k): elementwise, uncounted, and q and k still get
+    gradients, so the step runs every matmul of the projections, MLP and LM head), plus
+    the counter's count of the naive attention's step halved for the causal mask (the naive kernel
+    computes the full score matrix), once per layer."""
+    register_attention("flop_free", lambda q, k, v, is_causal: v + 0 * (q + k))
+    config = TINY.replace(num_layers=3, vocab_size=53, context_length=32)
+    batch, context = 2, 24
+    matmuls = _matmul_flops_of_a_step(config, batch, context, "flop_free")
+    q, k, v = (torch.randn(batch, config.num_heads, context, config.head_dim, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        naive_attention(q, k, v, True).sum().backward()
+    attention = counter.get_total_flops() // 2 * config.num_layers
+    assert leaderboard_flops(config, batch, context) == matmuls + attention
+    with pytest.raises(ValueError, match="batch=0"):
+        leaderboard_flops(config, 0, context)

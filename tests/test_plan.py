@@ -135,6 +135,19 @@ def test_checkpointing_keeps_parameter_names_and_can_be_replaced():
     assert all(type(block).__name__ == "TransformerBlock" for block in model.layers)
 
 
+def test_forward_is_the_lm_head_of_hidden_and_lm_loss_paths_agree():
+    torch.manual_seed(seed(5))
+    model = TransformerLM(CONFIG)
+    tokens = torch.randint(CONFIG.vocab_size, (3, 12))
+    hidden = model.hidden(tokens)
+    assert hidden.shape == (3, 12, CONFIG.d_model)
+    assert torch.equal(model(tokens), hidden @ model.lm_head.weight.T)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    expected = torch.nn.functional.cross_entropy(model(x).double().reshape(-1, CONFIG.vocab_size), y.reshape(-1))
+    for fused in (True, False):
+        torch.testing.assert_close(lm_loss(model, x, y, fused=fused).double(), expected, rtol=1e-6, atol=0)
+
+
 # ---- our step against the plain model ----------------------------------------------------------------
 
 
