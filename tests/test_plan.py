@@ -241,3 +241,19 @@ def _two_ranks_match_one_process(rank: int, world: int) -> None:
 
 def test_two_ranks_with_the_same_plan_match_one_process():
     run_distributed(_two_ranks_match_one_process, 2)
+
+
+def test_cli_helpers_build_the_plan():
+    import argparse
+
+    from cs336_systems.distributed.parallelize import add_plan_arguments, plan_from_args
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    args = parser.parse_args(["--compile", "blocks", "--checkpoint", "selective:1", "--data-parallel", "bucketed:1"])
+    assert str(plan_from_args(args)) == "compile=blocks checkpoint=selective:1 dp=bucketed:1"
+    assert plan_from_args(parser.parse_args([])) == ParallelPlan()
+    own = argparse.ArgumentParser()
+    add_plan_arguments(own, data_parallel_flag=None)  # a CLI with its own spec flag (train.py's --wrapper)
+    plan = plan_from_args(own.parse_args(["--checkpoint", "every:2"]), DataParallelSpec.parse("fsdp"))
+    assert str(plan) == "compile=none checkpoint=every:2 dp=fsdp"

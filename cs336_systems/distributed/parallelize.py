@@ -297,18 +297,23 @@ class ParallelPlan:
                 **self.data_parallel.to_columns()}
 
 
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """--compile, --checkpoint and --data-parallel, read back by `plan_from_args`."""
+def add_plan_arguments(parser: argparse.ArgumentParser, *, data_parallel_flag: str | None = "--data-parallel") -> None:
+    """--compile, --checkpoint and (unless data_parallel_flag is None, for a CLI that has its own
+    spelling of the spec) --data-parallel, read back by `plan_from_args`."""
     parser.add_argument("--compile", choices=COMPILE_SCOPES, default="none",
                         help="torch.compile each block in place (blocks), the whole model (model), or nothing")
     parser.add_argument("--checkpoint", type=CheckpointPolicy.parse, default=CheckpointPolicy(),
                         help="activation checkpointing: none, every:K, nested:K1,K2,..., selective or selective:N")
-    parser.add_argument("--data-parallel", type=DataParallelSpec.parse, default=DataParallelSpec(),
-                        help="data parallelism: KIND[:BUCKET_MB][+SHARDING], e.g. bucketed:25 or fsdp")
+    if data_parallel_flag:
+        parser.add_argument(data_parallel_flag, dest="data_parallel", type=DataParallelSpec.parse,
+                            default=DataParallelSpec(),
+                            help="data parallelism: KIND[:BUCKET_MB][+SHARDING], e.g. bucketed:25 or fsdp")
 
 
-def plan_from_args(args: argparse.Namespace) -> ParallelPlan:
-    return ParallelPlan(compile=args.compile, checkpoint=args.checkpoint, data_parallel=args.data_parallel)
+def plan_from_args(args: argparse.Namespace, data_parallel: DataParallelSpec | None = None) -> ParallelPlan:
+    """The plan of `add_plan_arguments`' flags; data_parallel (if given) replaces args.data_parallel."""
+    spec = data_parallel if data_parallel is not None else args.data_parallel
+    return ParallelPlan(compile=args.compile, checkpoint=args.checkpoint, data_parallel=spec)
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, device: torch.device | str, *,
