@@ -12,10 +12,11 @@ import torch
 
 from cs336_systems.distributed import DataParallelSpec, ParallelPlan, parallelize
 from cs336_systems.distributed.common import broadcast_from_rank0
-from cs336_systems.model import CheckpointPolicy, TransformerLM, get_config, lm_loss, register_attention
+from cs336_systems.model import CheckpointPolicy, TransformerLM, get_config, register_attention
 from cs336_systems.model.attention import naive_attention
 from cs336_systems.model.checkpointing import save_op_outputs
 from cs336_systems.optim import AdamW
+from cs336_systems.train_step import lm_loss
 from tests.distributed_helpers import run_distributed, seed
 
 # Three layers, vocab and d_ff not powers of two; head_dim 16 (the Triton kernel's smallest).
@@ -144,8 +145,8 @@ def test_forward_is_the_lm_head_of_hidden_and_lm_loss_paths_agree():
     assert torch.equal(model(tokens), hidden @ model.lm_head.weight.T)
     x, y = tokens[:, :-1], tokens[:, 1:]
     expected = torch.nn.functional.cross_entropy(model(x).double().reshape(-1, CONFIG.vocab_size), y.reshape(-1))
-    for fused in (True, False):
-        torch.testing.assert_close(lm_loss(model, x, y, fused=fused).double(), expected, rtol=1e-6, atol=0)
+    for loss in (lm_loss(model, x, y), lm_loss(model, x, y, fused=False), model(x, targets=y)):
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-6, atol=0)
 
 
 # ---- our step against the plain model ----------------------------------------------------------------

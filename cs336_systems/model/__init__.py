@@ -7,7 +7,6 @@ from cs336_systems.model.functional import (
     cross_entropy,
     forward_flops,
     leaderboard_flops,
-    lm_loss,
     parameter_count,
     train_step_flops,
 )
@@ -28,7 +27,6 @@ __all__ = [
     "get_attention",
     "get_config",
     "leaderboard_flops",
-    "lm_loss",
     "naive_attention",
     "parameter_count",
     "register_attention",

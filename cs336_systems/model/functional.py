@@ -1,9 +1,8 @@
-"""Loss and model accounting: cross-entropy, the LM loss of a model, parameter count and FLOPs per step (for MFU)."""
+"""Loss and model accounting: cross-entropy, parameter count and FLOPs per step (for MFU)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from cs336_systems.model.config import ModelConfig
 
@@ -15,21 +14,6 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     log_z = torch.logsumexp(logits, dim=-1)
     target_logit = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return (log_z - target_logit).mean()
-
-
-def lm_loss(model: nn.Module, token_ids: torch.Tensor, targets: torch.Tensor, *, fused: bool = True) -> torch.Tensor:
-    """Mean cross-entropy of the model's next-token logits for token_ids (B, T) against targets (B, T).
-
-    fused=True: `model(token_ids, targets=targets)`, the TransformerLM's fused LM head + cross-entropy
-    (`kernels.fused_linear_ce.linear_cross_entropy` of the final hidden states and the head's weight:
-    the (B·T, vocab) logits never exist). fused=False: `cross_entropy(model(token_ids), targets)`, the
-    plain path. `model` is a TransformerLM or any wrapper that passes keyword arguments on to it (the
-    data-parallel wrappers, torch.compile's); the kernel is imported by the model when first called, so
-    this module stays free of Triton. The training step of the handout around it:
-    `zero_grad(set_to_none=True)`, `lm_loss(...)`, `backward()`, `optimizer.step()`."""
-    if fused:
-        return model(token_ids, targets=targets)
-    return cross_entropy(model(token_ids), targets)
 
 
 def parameter_count(config: ModelConfig) -> int:

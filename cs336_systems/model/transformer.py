@@ -16,14 +16,18 @@ Nothing here runs the blocks under checkpoints or compiles them: `cs336_systems.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
 from cs336_systems.model.attention import get_attention
 from cs336_systems.model.config import ModelConfig
+from cs336_systems.model.functional import cross_entropy
 
 Device = torch.device | str | None
+# (hidden (..., d), LM head weight (vocab, d), targets (...)) → mean cross-entropy of hidden @ weightᵀ
+HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _trunc_normal(shape: tuple[int, ...], std: float, dtype: torch.dtype | None, device: Device) -> nn.Parameter:
@@ -178,23 +182,27 @@ class TransformerLM(nn.Module):
         x = self.layers(x, self.rope, positions)
         return self.ln_final(x)
 
-    def forward(self, token_ids: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, *, targets: torch.Tensor | None = None,
+                head_loss: HeadLoss | None = None) -> torch.Tensor:
         """token_ids (B, T) int64 → logits (B, T, vocab_size).
 
-        With `targets` (B, T): the mean cross-entropy of those logits instead, through the fused LM head +
-        cross-entropy kernel, which never holds the (B·T, vocab) logits (`model.functional.lm_loss` calls
-        this). It goes through forward so that data-parallel wrappers, which act around the model's and
-        the head's calls, see it as any other forward."""
+        With `targets` (B, T): the mean cross-entropy of those logits instead, `head_loss(hidden, W, targets)`
+        of the final hidden states and the LM head's weight, computed inside the head's forward (default:
+        the plain `cross_entropy` of the logits). `cs336_systems.train_step.lm_loss` passes the fused LM
+        head + cross-entropy kernel here, which never holds the (B·T, vocab) logits; the model itself
+        imports no kernel. The loss goes through forward so that data-parallel wrappers, which act around
+        the model's and the head's calls (FSDP gathers the head's weight there), see an ordinary forward."""
         h = self.hidden(token_ids)
         if targets is None:
             return self.lm_head(h)
-        # Imported here: the kernels import the model, and `import cs336_systems.model` must not load Triton.
-        from cs336_systems.kernels.fused_linear_ce import linear_cross_entropy
-
-        return self.lm_head(h, fuse=lambda hidden, weight: linear_cross_entropy(hidden, weight, targets))
+        if head_loss is None:
+            return cross_entropy(self.lm_head(h), targets)
+        return self.lm_head(h, fuse=lambda hidden, weight: head_loss(hidden, weight, targets))
 
     def compile_blocks(self, **kwargs) -> None:
         """torch.compile each Transformer block in place (regional compilation: the blocks share one
-        graph, so compile time does not grow with depth); the embedding and the head stay eager."""
+        graph, so compile time does not grow with depth); the embedding and the head stay eager.
+        Kept for existing callers: `cs336_systems.distributed.parallelize` applies compilation in its
+        order with checkpointing and data parallelism (ParallelPlan(compile="blocks"))."""
         for layer in self.layers:
             layer.compile(**kwargs)
