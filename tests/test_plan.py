@@ -264,7 +264,9 @@ def test_cli_helpers_build_the_plan():
 def test_compiled_step_has_no_graph_break_and_no_recompile(compile_scope):
     """The whole model compiled with fullgraph=True (a graph break raises), the fused loss and the
     selective checkpoint inside; three steps on fresh batches with recompilation made an error, and the
-    loss equal to the eager model's."""
+    loss equal to the eager model's. (Dynamo's caches are per code object, so other tests' compiles of
+    the same block code, in other dtypes and attentions, are cleared first.)"""
+    torch._dynamo.reset()
     torch.manual_seed(seed(8))
     config = CONFIG.replace(attention="sdpa")
     model = TransformerLM(config)
