@@ -25,6 +25,14 @@ class AdamW(torch.optim.Optimizer):
     which dominated the optimizer step of the xl model in our first measurements.
     With `fused=True` each tensor is updated by one Triton kernel (`kernels/adamw_triton.py`) that
     reads and writes each tensor once, where the multi-tensor update makes about 20 tensor passes.
+
+    `state_dtype` is the dtype of the moments m and v (None: the parameter's, as torch.optim.AdamW).
+    bf16 parameters with float32 moments keep Adam's statistics exact while the weights take 2 bytes;
+    the update is computed in float32 (the fused kernel always; the multi-tensor path in the wider of the
+    parameter's and the moments' dtypes, on temporary copies) and the parameter rounded once. Caveat:
+    `torch.optim.Optimizer.load_state_dict` casts floating-point state to its parameter's dtype, so
+    float32 moments of bf16 parameters come back as bf16 from a checkpoint (and are widened again, with
+    that rounding, on the next step).
     """
 
     def __init__(
@@ -36,6 +44,7 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         foreach: bool = True,
         fused: bool = False,
+        state_dtype: torch.dtype | None = None,
     ):
         if lr < 0:
             raise ValueError(f"invalid learning rate lr={lr}")
@@ -43,8 +52,10 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid betas={betas}")
         if eps < 0:
             raise ValueError(f"invalid eps={eps}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
-                                      fused=fused))
+                                      fused=fused, state_dtype=state_dtype))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -59,17 +70,21 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
+                state_dtype = group.get("state_dtype") or p.dtype
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
+                elif state["exp_avg"].dtype != state_dtype:  # load_state_dict casts state to the param's dtype
+                    state["exp_avg"] = state["exp_avg"].to(state_dtype)
+                    state["exp_avg_sq"] = state["exp_avg_sq"].to(state_dtype)
                 state["step"] += 1
                 if group["fused"]:
                     # Launched at once: the GPU starts on the first tensor while Python walks the rest
                     # (waiting for the whole walk left the GPU idle: kernels/NOTES.md, session 6).
                     self._update([p], group)
                     continue
-                key = (p.device, p.dtype, state["step"]) if group["foreach"] else (id(p),)
+                key = (p.device, p.dtype, state_dtype, state["step"]) if group["foreach"] else (id(p),)
                 batches[key].append(p)
             for params in batches.values():
                 self._update(params, group)
@@ -90,9 +105,21 @@ class AdamW(torch.optim.Optimizer):
             adamw_step_(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
                         step=t)
             return
-        grads = [p.grad for p in params]
         m = [self.state[p]["exp_avg"] for p in params]
         v = [self.state[p]["exp_avg_sq"] for p in params]
+        # Computed in the wider of the parameters' and the moments' dtypes, on copies where they differ.
+        work = torch.promote_types(params[0].dtype, m[0].dtype)
+        originals = (params, m, v)
+        grads = [p.grad for p in params]
+        params, m, v, grads = (tensors if tensors[0].dtype == work else [x.to(work) for x in tensors]
+                               for tensors in (params, m, v, grads))
+        self._foreach_adamw(params, grads, m, v, lr, beta1, beta2, eps, wd, t)
+        for original, updated in zip(originals, (params, m, v)):
+            if updated is not original:
+                torch._foreach_copy_(original, updated)
+
+    @staticmethod
+    def _foreach_adamw(params, grads, m, v, lr, beta1, beta2, eps, wd, t) -> None:
         step_size = lr / (1 - beta1**t)
         torch._foreach_mul_(params, 1 - lr * wd)
         torch._foreach_lerp_(m, grads, 1 - beta1)
@@ -103,6 +130,8 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, m, denom, value=-step_size)
 
+
+STATE_DTYPES = (None, torch.float32, torch.bfloat16)
 
 # The AdamW implementations the benchmarks choose between: ours with multi-tensor operations, ours with
 # one Triton kernel per tensor, and torch's fused AdamW.

@@ -287,3 +287,22 @@ def test_recursive_halving_peak_is_logarithmic():
         cost = checkpoint_cost(CheckpointPolicy.binary(n), n, 1.0, 1.0)
         assert cost.peak_bytes == 2 * m + 1
         assert n * 2 <= cost.block_forwards <= n * (1 + m)
+
+
+def test_cost_model_of_selective_policies():
+    """Selective: kept blocks store their residuals, the others their input plus attention outputs (the
+    caller's boundary) and are rerun once each; the backward holds one rerun block's residuals more."""
+    A, c = 10.0, 1.5
+    cost = checkpoint_cost(CheckpointPolicy.selective(), 12, A, c)
+    assert (cost.stored_bytes, cost.peak_bytes, cost.block_forwards) == (12 * c, 12 * c + A, 24)
+    cost = checkpoint_cost(CheckpointPolicy.selective(4), 12, A, c)
+    assert (cost.stored_bytes, cost.peak_bytes, cost.block_forwards) == (4 * A + 8 * c, 4 * A + 8 * c + A, 20)
+    everything = checkpoint_cost(CheckpointPolicy.selective(12), 12, A, c)
+    assert everything == checkpoint_cost(CheckpointPolicy(), 12, A, c)
+
+
+@pytest.mark.parametrize("text", ["selective", "selective:2"])
+def test_selective_policy_round_trips_and_rejects_segments(text):
+    assert str(CheckpointPolicy.parse(text)) == text
+    with pytest.raises(ValueError, match="selective or has segments, not both"):
+        CheckpointPolicy(segments=(2,), keep_blocks=0)

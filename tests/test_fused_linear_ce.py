@@ -126,12 +126,46 @@ def test_frozen_weight_and_no_grad(monkeypatch):
     assert asked == [(True, False), (False, False)]
 
 
-def test_second_backward_raises():
+def test_second_backward_accumulates_the_same_gradient():
+    """The backward scales the stored gradients out of place, so it can run again (retain_graph)."""
     hidden, weight, targets = _inputs(shape=(3,))
-    loss = linear_cross_entropy(hidden.requires_grad_(), weight, targets)
+    h = hidden.clone().requires_grad_()
+    loss = linear_cross_entropy(h, weight, targets)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="only once"):
+    first = h.grad.clone()
+    (3 * loss).backward()
+    torch.testing.assert_close(h.grad, 4 * first)
+
+
+def test_custom_op_registration_passes_opcheck():
+    """The operator's schema, fake (meta) implementation and autograd formula against its real
+    implementation (torch.library.opcheck: fake tensors, schema aliasing, AOT dispatch)."""
+    hidden, weight, targets = _inputs(shape=(9,), seed=6)
+    for need in [(True, True), (True, False), (False, False)]:
+        args = (hidden.requires_grad_(need[0]), weight.requires_grad_(need[1]), targets, torch.float32, 4, -100,
+                16, *need)
+        torch.library.opcheck(torch.ops.cs336_systems.linear_cross_entropy.default, args)
+
+
+def test_compiles_into_one_graph_with_the_model_around_it():
+    """torch.compile(fullgraph=True) of a function that calls linear_cross_entropy between other ops:
+    no graph break (fullgraph raises on one), and loss and gradients equal the eager call's.
+    aot_eager runs the captured graphs without Inductor's C++ compiler."""
+    hidden, weight, targets = _inputs(shape=(2, 5), seed=7)
+
+    def step(h, w):
+        return linear_cross_entropy(torch.tanh(h) * 2, w, targets) * 0.5
+
+    results = []
+    for fn in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = fn(h, w)
         loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+    explained = torch._dynamo.explain(step)(hidden.clone().requires_grad_(), weight.clone().requires_grad_())
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
 def test_kernel_rows_match_softmax_minus_onehot():

@@ -12,7 +12,9 @@ from cs336_systems.model import (
     cross_entropy,
     forward_flops,
     get_config,
+    leaderboard_flops,
     parameter_count,
+    register_attention,
 )
 from cs336_systems.model.attention import naive_attention, sdpa_attention
 from cs336_systems.model.transformer import RotaryEmbedding
@@ -167,10 +169,10 @@ def test_adamw_with_frozen_parameter_and_late_param_group():
 
 
 def test_fused_adamw_rejects_what_its_kernel_cannot_update():
-    half = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
-    half.grad = torch.ones_like(half)
-    with pytest.raises(ValueError, match="param is torch.bfloat16"):
-        AdamW([half], fused=True).step()
+    double = torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))
+    double.grad = torch.ones_like(double)
+    with pytest.raises(ValueError, match="param is torch.float64"):
+        AdamW([double], fused=True).step()
     strided = torch.nn.Parameter(torch.zeros(4, 6).t())
     strided.grad = torch.ones(6, 4)
     with pytest.raises(ValueError, match="not contiguous"):
@@ -217,3 +219,105 @@ def test_communication_accounting_numbers():
     assert v["per_shard_batch"] == pytest.approx(4.6e14 / (2 * 9e10 * 2))
     assert v["global_batch"] == pytest.approx(16 * v["per_shard_batch"])
     assert XXL().activation_bytes_per_token() == 126 * (16384 + 53248) * 2
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_dtype):
+    """bf16 parameters (awkward sizes, several steps, the same gradients given to both) against
+    torch.optim.AdamW in float32 from the same start. float32 moments are computed from the same values
+    as the reference's, so they match it to float32 rounding; the parameters differ by their bf16
+    rounding each step (at most 1 ulp of 2^-8 relative each, truncating under the interpreter), and
+    bf16 moments add a relative error of a few 2^-8 to each update of size lr."""
+    torch.manual_seed(3)
+    shapes = [(37, 5), (1029,), (3,)]
+    start = [torch.randn(s).bfloat16() for s in shapes]
+    ours_params = [torch.nn.Parameter(p.clone()) for p in start]
+    ref_params = [torch.nn.Parameter(p.float()) for p in start]
+    lr, steps = 1e-2, 4
+    kwargs = dict(lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = AdamW(ours_params, foreach=implementation == "foreach", fused=implementation == "fused",
+                 state_dtype=state_dtype, **kwargs)
+    theirs = torch.optim.AdamW(ref_params, **kwargs)
+    for _ in range(steps):
+        for p, q in zip(ours_params, ref_params):
+            g = torch.randn(p.shape).bfloat16()
+            p.grad, q.grad = g, g.float()
+        ours.step()
+        theirs.step()
+    for p, q, p0 in zip(ours_params, ref_params, start):
+        assert p.dtype == torch.bfloat16 and ours.state[p]["exp_avg"].dtype == state_dtype
+        torch.testing.assert_close(p.float(), q.detach(), rtol=steps * 2**-7, atol=steps * lr * 2**-5)
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, ref = ours.state[p][key], theirs.state[q][key]
+            if state_dtype == torch.float32:
+                torch.testing.assert_close(mine, ref, rtol=1e-6, atol=1e-7)
+            else:  # each step rounds the moment once (1 ulp at most), relative to the largest of them
+                assert (mine.float() - ref).abs().max() <= steps * 2**-8 * ref.abs().max(), key
+        # the step moved the weights by much more than the tolerance: the comparison can fail
+        assert (q.detach() - p0.float()).abs().max() > 10 * lr * 2**-5
+
+
+def test_adamw_rejects_an_unknown_state_dtype():
+    with pytest.raises(ValueError, match="state_dtype must be one of .* got torch.float16"):
+        AdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.float16)
+
+
+# ---- the 8B step's model API ---------------------------------------------------------------------------
+
+
+def test_8b_is_the_2026_leaderboard_model():
+    """Handout 2026 §9: vocab 151936, d_model 4096, d_ff 11008, 34 layers, 32 heads, context 32768;
+    built on the meta device (no memory) in bf16, it has the formula's 8.13B parameters."""
+    config = get_config("8B", edition="2026")
+    assert (config.vocab_size, config.d_model, config.d_ff, config.num_layers, config.num_heads,
+            config.context_length) == (151936, 4096, 11008, 34, 32, 32768)
+    model = TransformerLM(config, dtype=torch.bfloat16, device="meta")
+    params = list(model.parameters())
+    assert sum(p.numel() for p in params) == parameter_count(config)
+    assert round(parameter_count(config) / 1e9, 2) == 8.13
+    assert {p.dtype for p in params} == {torch.bfloat16} and {p.device.type for p in params} == {"meta"}
+    assert model.rope.cos.dtype == torch.float32 and model.rope.cos.device.type == "meta"
+
+
+def test_parameter_dtype_at_construction():
+    """Each weight is drawn in float32 and cast: the bf16 model holds the fp32 model's weights rounded
+    (same seed); activations and logits follow the parameters; the default is unchanged (float32)."""
+    torch.manual_seed(4)
+    fp32 = TransformerLM(TINY)
+    torch.manual_seed(4)
+    bf16 = TransformerLM(TINY, dtype=torch.bfloat16)
+    for (name, p), q in zip(fp32.named_parameters(), bf16.parameters()):
+        assert p.dtype == torch.float32 and q.dtype == torch.bfloat16, name
+        assert torch.equal(q, p.to(torch.bfloat16)), name
+    tokens = torch.randint(TINY.vocab_size, (2, 9))
+    assert bf16(tokens).dtype == torch.bfloat16 and bf16.hidden(tokens).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype or None, got torch.int32"):
+        TransformerLM(TINY, dtype=torch.int32)
+
+
+def _matmul_flops_of_a_step(config: ModelConfig, batch: int, context: int, attention: str) -> int:
+    model = TransformerLM(config.replace(attention=attention))
+    tokens = torch.randint(config.vocab_size, (batch, context + 1))
+    with FlopCounterMode(display=False) as counter:
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    return counter.get_total_flops()
+
+
+def test_leaderboard_flops_against_torchs_flop_counter():
+    """Independently: torch's FLOP counter over a whole training step (forward and backward) with an
+    attention that does no matmul (v + 0 (q + k): elementwise, uncounted, and q and k still get
+    gradients, so the step runs every matmul of the projections, MLP and LM head), plus
+    the counter's count of the naive attention's step halved for the causal mask (the naive kernel
+    computes the full score matrix), once per layer."""
+    register_attention("flop_free", lambda q, k, v, is_causal: v + 0 * (q + k))
+    config = TINY.replace(num_layers=3, vocab_size=53, context_length=32)
+    batch, context = 2, 24
+    matmuls = _matmul_flops_of_a_step(config, batch, context, "flop_free")
+    q, k, v = (torch.randn(batch, config.num_heads, context, config.head_dim, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False) as counter:
+        naive_attention(q, k, v, True).sum().backward()
+    attention = counter.get_total_flops() // 2 * config.num_layers
+    assert leaderboard_flops(config, batch, context) == matmuls + attention
+    with pytest.raises(ValueError, match="batch=0"):
+        leaderboard_flops(config, 0, context)

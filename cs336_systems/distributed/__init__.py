@@ -9,12 +9,14 @@ from cs336_systems.distributed.parallelize import (
     DataParallel,
     DataParallelSpec,
     NoDataParallel,
+    ParallelPlan,
     TorchDDP,
     apply_data_parallel,
     build_optimizer,
+    parallelize,
 )
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
 
 __all__ = ["DDPBucketed", "DDPIndividualParameters", "DDPNaive", "DataParallel", "DataParallelSpec", "FSDP",
-           "NoDataParallel", "ShardedOptimizer", "TorchDDP", "apply_data_parallel", "build_optimizer",
-           "default_shard_policy", "gather_full_params"]
+           "NoDataParallel", "ParallelPlan", "ShardedOptimizer", "TorchDDP", "apply_data_parallel", "build_optimizer",
+           "default_shard_policy", "gather_full_params", "parallelize"]

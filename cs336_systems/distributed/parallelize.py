@@ -1,4 +1,24 @@
-"""Data parallelism as data: a spec of the setup, and the functions that apply it to a built model.
+"""Parallelism as data: a data-parallel spec, a whole plan (compile, activation checkpointing, data
+parallelism), and the functions that apply them to a built model from outside.
+
+    plan = ParallelPlan.parse("compile=blocks checkpoint=selective dp=bucketed:1")
+    model = parallelize(TransformerLM(config, dtype=torch.bfloat16, device=device), plan, device)
+
+`parallelize` applies, in this fixed order (torchtitan's `parallelize_llama` order):
+  1. activation checkpointing (`model.checkpointing.apply_activation_checkpointing`): it rewraps the
+     blocks, so it must come before anything that holds on to them; and the selective policy's
+     checkpoint must sit inside the compiled region, where it sees the attention operator it saves
+     (a checkpoint around a compiled region sees one opaque call and can select nothing in it);
+  2. compilation: "blocks" compiles each block in place (regional compilation: one graph shared by all
+     blocks; a selectively checkpointed block is compiled whole with its checkpoint inside, as
+     torchtitan does; under a segment policy the checkpoints call the compiled blocks), "model" the
+     whole model; before data parallelism, so that the wrappers' gradient hooks and FSDP's weight
+     swaps stay outside the compiled graphs (our FSDP's Python hooks inside a compiled region make it
+     recompile every step, so a plan refuses fsdp with compile);
+  3. data parallelism (`apply_data_parallel`), last: it wraps the finished model (broadcasting rank 0's
+     weights, hooking gradients, or sharding parameters), and the optimizer is built over its result.
+
+Data parallelism alone:
 
     spec = DataParallelSpec.parse("bucketed:25+sharded")        # once, at the command line
     ddp = apply_data_parallel(model, spec, device)             # the model, wrapped
@@ -30,9 +50,10 @@ so a training loop calls both unconditionally. A new kind is one entry in `_WRAP
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -46,6 +67,7 @@ from cs336_systems.distributed.common import broadcast_from_rank0
 from cs336_systems.distributed.ddp_naive import DDPNaive
 from cs336_systems.distributed.fsdp import FSDP
 from cs336_systems.distributed.sharded_optimizer import ShardedOptimizer
+from cs336_systems.model.checkpointing import CheckpointPolicy, apply_activation_checkpointing
 from cs336_systems.optim import adamw_implementation
 
 TORCH_DDP_DEFAULT_BUCKET_MB = 25.0  # torch DDP's own bucket_cap_mb default, used when the spec names none
@@ -214,3 +236,100 @@ def build_optimizer(model: nn.Module, spec: DataParallelSpec, lr: float,
     if spec.optimizer_sharding == "zero":
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=lr, **extra)
     return optimizer_class(model.parameters(), lr=lr, **extra)
+
+
+# ---- the whole plan ------------------------------------------------------------------------------
+
+COMPILE_SCOPES = ("none", "blocks", "model")
+_PLAN_KEYS = {"compile": str, "checkpoint": CheckpointPolicy.parse, "dp": DataParallelSpec.parse}
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How a built model is trained: what is compiled (`COMPILE_SCOPES`), which activation checkpointing,
+    which data parallelism. Text form (`str` gives it back, `parse` reads it; absent keys take defaults):
+    `compile=none|blocks|model checkpoint=POLICY dp=SPEC`, e.g.
+    `compile=blocks checkpoint=selective dp=bucketed:1`."""
+
+    compile: str = "none"
+    checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
+    data_parallel: DataParallelSpec = field(default_factory=DataParallelSpec)
+
+    def __post_init__(self) -> None:
+        if self.compile not in COMPILE_SCOPES:
+            raise ValueError(f"unknown compile scope {self.compile!r}; known: {', '.join(COMPILE_SCOPES)}")
+        if not isinstance(self.checkpoint, CheckpointPolicy):
+            raise TypeError(f"checkpoint must be a CheckpointPolicy, got {self.checkpoint!r}")
+        if not isinstance(self.data_parallel, DataParallelSpec):
+            raise TypeError(f"data_parallel must be a DataParallelSpec, got {self.data_parallel!r}")
+        if self.data_parallel.kind == "fsdp" and self.compile != "none":
+            raise ValueError(f"compile={self.compile} with dp=fsdp: our FSDP's per-layer Python hooks make a "
+                             "compiled region recompile every step; use compile=none, or dp=torch_fsdp2")
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelPlan:
+        """The plan of `compile=... checkpoint=... dp=...` (any order, each key at most once)."""
+        values: dict[str, object] = {}
+        for item in text.split():
+            key, equals, value = item.partition("=")
+            if not equals or key not in _PLAN_KEYS:
+                raise ValueError(f"bad parallel plan {text!r}: {item!r} is not KEY=VALUE with KEY one of "
+                                 f"{', '.join(_PLAN_KEYS)}")
+            if key in values:
+                raise ValueError(f"bad parallel plan {text!r}: {key} given twice")
+            try:
+                values[key] = _PLAN_KEYS[key](value)
+            except ValueError as error:
+                raise ValueError(f"bad parallel plan {text!r}: {error}") from None
+        if "dp" in values:
+            values["data_parallel"] = values.pop("dp")
+        try:
+            return cls(**values)
+        except ValueError as error:
+            raise ValueError(f"bad parallel plan {text!r}: {error}") from None
+
+    def __str__(self) -> str:
+        return f"compile={self.compile} checkpoint={self.checkpoint} dp={self.data_parallel}"
+
+    def to_columns(self) -> dict[str, object]:
+        """A result row's columns: the plan's text and each part (the data-parallel spec's own columns)."""
+        return {"plan": str(self), "compile_scope": self.compile, "checkpoint": str(self.checkpoint),
+                **self.data_parallel.to_columns()}
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, *, data_parallel_flag: str | None = "--data-parallel") -> None:
+    """--compile, --checkpoint and (unless data_parallel_flag is None, for a CLI that has its own
+    spelling of the spec) --data-parallel, read back by `plan_from_args`."""
+    parser.add_argument("--compile", choices=COMPILE_SCOPES, default="none",
+                        help="torch.compile each block in place (blocks), the whole model (model), or nothing")
+    parser.add_argument("--checkpoint", type=CheckpointPolicy.parse, default=CheckpointPolicy(),
+                        help="activation checkpointing: none, every:K, nested:K1,K2,..., selective or selective:N")
+    if data_parallel_flag:
+        parser.add_argument(data_parallel_flag, dest="data_parallel", type=DataParallelSpec.parse,
+                            default=DataParallelSpec(),
+                            help="data parallelism: KIND[:BUCKET_MB][+SHARDING], e.g. bucketed:25 or fsdp")
+
+
+def plan_from_args(args: argparse.Namespace, data_parallel: DataParallelSpec | None = None) -> ParallelPlan:
+    """The plan of `add_plan_arguments`' flags; data_parallel (if given) replaces args.data_parallel."""
+    spec = data_parallel if data_parallel is not None else args.data_parallel
+    return ParallelPlan(compile=args.compile, checkpoint=args.checkpoint, data_parallel=spec)
+
+
+def parallelize(model: nn.Module, plan: ParallelPlan, device: torch.device | str, *,
+                compute_dtype: torch.dtype | None = None, compile_options: dict | None = None) -> nn.Module:
+    """Apply the plan to a built TransformerLM on `device`: checkpointing, then compilation, then data
+    parallelism (the module docstring says why this order). Returns the data-parallel wrapper (kind
+    "none" included: call it, its loop hooks, and build the optimizer over it). compute_dtype is the
+    FSDP kinds' gather dtype (see `apply_data_parallel`); compile_options go to torch.compile (e.g.
+    backend="aot_eager" in CPU tests). A model is parallelized once."""
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"plan must be a ParallelPlan, got {plan!r}")
+    apply_activation_checkpointing(model, plan.checkpoint)
+    options = compile_options or {}
+    if plan.compile == "blocks":
+        for block in model.layers:
+            block.compile(**options)
+    elif plan.compile == "model":
+        model.compile(**options)
+    return apply_data_parallel(model, plan.data_parallel, torch.device(device), compute_dtype)

@@ -6,7 +6,7 @@ The model names the attention ones as its backends `flash_pytorch` and `flash_tr
 
 from cs336_systems.kernels.flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
 from cs336_systems.kernels.flash_triton import FlashAttentionTriton, flash_attention_triton
-from cs336_systems.kernels.fused_linear_ce import LinearCrossEntropy, linear_cross_entropy, linear_cross_entropy_ref
+from cs336_systems.kernels.fused_linear_ce import linear_cross_entropy, linear_cross_entropy_ref
 
-__all__ = ["FlashAttentionPytorch", "FlashAttentionTriton", "LinearCrossEntropy", "flash_attention_pytorch",
+__all__ = ["FlashAttentionPytorch", "FlashAttentionTriton", "flash_attention_pytorch",
            "flash_attention_triton", "linear_cross_entropy", "linear_cross_entropy_ref"]

@@ -13,8 +13,9 @@ forward pass (the approach of Liger-Kernel's fused linear cross-entropy):
         dH_c  = dZ_c @ W                                (chunk, d) → stored in grad_hidden
         dW   += dZ_cᵀ @ H_c                             (vocab, d), accumulated in float32
 
-`backward` only multiplies the stored gradients by the incoming grad_output (in place: backward can run
-once per forward). The kernel's math is float32; the gradient is stored in the logits' dtype, as the
+`backward` only multiplies the stored gradients by the incoming grad_output. The work is one PyTorch
+custom operator (`cs336_systems::linear_cross_entropy`, with a fake implementation and an autograd
+formula), so torch.compile of a function that calls it has no graph break. The kernel's math is float32; the gradient is stored in the logits' dtype, as the
 plain path's autograd casts its float32 dlogits to bf16 for the matmuls.
 
 Memory beyond the inputs, for N tokens, chunk C, vocab V, model dim d, compute dtype of b bytes:
@@ -34,7 +35,7 @@ Targets out of [0, vocab) (other than ignore_index) raise a ValueError naming th
 free (targets on the CPU) or asked for (`check_targets=True`: one device sync). Unchecked on CUDA, the
 kernel never reads outside the row: such a token's loss and gradient row are NaN, so the loss shows it.
 
-Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (set by `import cs336_systems` without a GPU).
+Runs on CUDA, or on the CPU under TRITON_INTERPRET=1 (set before importing; the tests and smoke jobs do).
 On CUDA with 16-bit compute, dW accumulates through `torch.addmm(..., out_dtype=torch.float32)`
 (cuBLAS bf16 → fp32: no rounding of each chunk's product to bf16) where this torch build accepts a
 float32 accumulator there (probed once per device and dtype), else each chunk's product is rounded to
@@ -50,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.common import INTERPRET, check_kernel_device
 from cs336_systems.model import cross_entropy
 
 MAX_BLOCK_V = 32768  # vocab elements per block; rows of 151936 take 5 blocks per pass
@@ -208,8 +209,7 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     if not (hidden.device == weight.device == targets.device):
         raise ValueError(f"{name}: hidden, weight, targets must be on one device, got {hidden.device},"
                          f" {weight.device}, {targets.device}")
-    if not hidden.is_cuda and not INTERPRET:
-        raise ValueError(f"{name}: needs CUDA tensors (or TRITON_INTERPRET=1), got device {hidden.device}")
+    check_kernel_device(hidden, name)
     if not (isinstance(chunk_tokens, int) and chunk_tokens > 0):
         raise ValueError(f"{name}: chunk_tokens must be a positive int, got {chunk_tokens!r}")
     if targets.numel() == 0:
@@ -225,7 +225,7 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------
-# reference and autograd.Function
+# reference and the custom operator
 # ----------------------------------------------------------------------------------------------
 def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                              ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -235,45 +235,70 @@ def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, targets
     return cross_entropy((hidden @ weight.T)[keep], targets[keep])
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """apply(hidden, weight, targets, compute_dtype, chunk_tokens, ignore_index, block_v, grad_enabled) →
-    scalar float32 loss. The gradients are computed in forward (only those needed: none when grad_enabled,
-    the caller's torch.is_grad_enabled(), is False) and scaled by grad_output in backward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, compute_dtype, chunk_tokens, ignore_index, block_v, grad_enabled):
-        d = hidden.shape[-1]
-        with torch.autocast(hidden.device.type, enabled=False):
-            loss, grad_hidden, grad_weight = _forward_and_grads(
-                hidden.reshape(-1, d), weight, targets.reshape(-1), compute_dtype=compute_dtype,
-                chunk_tokens=chunk_tokens, ignore_index=ignore_index, block_v=block_v,
-                need_hidden_grad=grad_enabled and ctx.needs_input_grad[0],
-                need_weight_grad=grad_enabled and ctx.needs_input_grad[1])
-        ctx.hidden_shape, ctx.weight_dtype, ctx.used = hidden.shape, weight.dtype, False
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        if ctx.used:  # the stored gradients were scaled in place by the first backward
-            raise RuntimeError("LinearCrossEntropy: backward can run only once per forward (retain_graph is not"
-                               " supported); call linear_cross_entropy again")
-        ctx.used = True
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype)).reshape(ctx.hidden_shape)
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+# The chunked forward as a PyTorch custom operator, with its autograd formula and a fake (meta)
+# implementation registered: torch.compile treats it as one opaque call of known output shapes, so a
+# compiled region that calls `linear_cross_entropy` neither breaks its graph nor traces the chunk loop
+# and the Triton launches. Outputs: the loss, and the gradients of the mean loss w.r.t. hidden (N, d) and
+# weight (float32, (V, d)), empty (0,) where not asked for (an operator cannot return None).
+@torch.library.custom_op("cs336_systems::linear_cross_entropy", mutates_args=())
+def _linear_ce_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, compute_dtype: torch.dtype,
+                  chunk_tokens: int, ignore_index: int, block_v: int | None, need_hidden_grad: bool,
+                  need_weight_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss, grad_hidden, grad_weight = _forward_and_grads(
+            hidden, weight, targets, compute_dtype=compute_dtype, chunk_tokens=chunk_tokens,
+            ignore_index=ignore_index, block_v=block_v, need_hidden_grad=need_hidden_grad,
+            need_weight_grad=need_weight_grad)
+    return (loss, hidden.new_empty(0) if grad_hidden is None else grad_hidden,
+            weight.new_empty(0, dtype=torch.float32) if grad_weight is None else grad_weight)
 
 
-@torch.compiler.disable  # a graph break: Dynamo need not trace the chunk loop and the Triton launches
+@_linear_ce_op.register_fake
+def _(hidden, weight, targets, compute_dtype, chunk_tokens, ignore_index, block_v, need_hidden_grad,
+      need_weight_grad):
+    loss = hidden.new_empty((), dtype=torch.float32)
+    grad_hidden = torch.empty_like(hidden) if need_hidden_grad else hidden.new_empty(0)
+    grad_weight = weight.new_empty(weight.shape if need_weight_grad else (0,), dtype=torch.float32)
+    return loss, grad_hidden, grad_weight
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    hidden, weight = inputs[:2]
+    _, grad_hidden, grad_weight = output
+    ctx.weight_dtype = weight.dtype
+    ctx.need = inputs[7:9]
+    ctx.mark_non_differentiable(grad_hidden, grad_weight)
+    ctx.save_for_backward(grad_hidden, grad_weight)
+
+
+def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
+    """The gradients were computed in the forward for a loss weight of 1: scale them by grad_loss."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    need_hidden, need_weight = ctx.need
+    grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype) if need_hidden else None
+    if need_weight:
+        # 16-bit weights: cast, then scale (grad_loss is 1 in training: exact), so that no second
+        # float32 (V, d) tensor is made; float32 weights are scaled in float32.
+        grad_weight = grad_weight.to(ctx.weight_dtype) * grad_loss.to(ctx.weight_dtype)
+    else:
+        grad_weight = None
+    return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+_linear_ce_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, ignore_index: int = IGNORE_INDEX,
                          check_targets: bool | None = None, block_v: int | None = None) -> torch.Tensor:
     """Mean cross-entropy of hidden @ weight.T against targets, never holding more than chunk_tokens
     rows of logits. hidden (..., d) float32/bf16/fp16, weight (vocab, d) (the LM head's `Linear.weight`),
-    targets (...) int64. Returns a float32 scalar; see the module docstring for memory and caveats."""
+    targets (...) int64. Returns a float32 scalar; see the module docstring for memory and caveats.
+    Compiles without a graph break (the work is the custom operator `cs336_systems::linear_cross_entropy`);
+    under torch.compile the free target check on CPU tensors is skipped (its boolean indexing would break
+    the graph) unless check_targets=True."""
+    if check_targets is None and torch.compiler.is_compiling():
+        check_targets = False
     _check_inputs(hidden, weight, targets, chunk_tokens, ignore_index, check_targets)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -283,7 +308,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          " dtype outside autocast")
     else:
         compute_dtype = hidden.dtype
-    # needs_input_grad is set even under torch.no_grad, so the grad mode is passed in: evaluation then
-    # costs one matmul per chunk instead of three
-    return LinearCrossEntropy.apply(hidden, weight, targets.long(), compute_dtype, chunk_tokens, ignore_index,
-                                    block_v, torch.is_grad_enabled())
+    # Only the gradients autograd will ask for are computed (none under torch.no_grad): evaluation then
+    # costs one matmul per chunk instead of three.
+    grad_enabled = torch.is_grad_enabled()
+    d = hidden.shape[-1]
+    loss, _, _ = _linear_ce_op(hidden.reshape(-1, d), weight, targets.reshape(-1).long(), compute_dtype,
+                               chunk_tokens, ignore_index, block_v, grad_enabled and hidden.requires_grad,
+                               grad_enabled and weight.requires_grad)
+    return loss

@@ -3,7 +3,13 @@
 from cs336_systems.model.attention import ATTENTION_BACKENDS, get_attention, naive_attention, register_attention
 from cs336_systems.model.checkpointing import CheckpointPolicy, apply_activation_checkpointing, checkpoint_cost
 from cs336_systems.model.config import MODEL_SIZES, MODEL_SIZES_2026, SIZE_TABLES, ModelConfig, get_config
-from cs336_systems.model.functional import cross_entropy, forward_flops, parameter_count, train_step_flops
+from cs336_systems.model.functional import (
+    cross_entropy,
+    forward_flops,
+    leaderboard_flops,
+    parameter_count,
+    train_step_flops,
+)
 from cs336_systems.model.transformer import TransformerLM
 
 __all__ = [
@@ -20,6 +26,7 @@ __all__ = [
     "forward_flops",
     "get_attention",
     "get_config",
+    "leaderboard_flops",
     "naive_attention",
     "parameter_count",
     "register_attention",

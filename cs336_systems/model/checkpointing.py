@@ -1,43 +1,72 @@
-"""Activation checkpointing of the Transformer blocks (handout 2026, §3.2), and its cost model.
+"""Activation checkpointing of the Transformer blocks (handout 2026, §3.2), applied from outside the
+model, and its cost model.
 
-A policy is data: the block counts of the checkpointed segments, outermost first.
+A policy is data: the block counts of the checkpointed segments, outermost first, or selective.
 
     CheckpointPolicy()              no checkpointing: every block keeps its residuals until backward
     CheckpointPolicy.every(4)       blocks [0..3], [4..7], ... each run under one checkpoint call
     CheckpointPolicy.nested(8, 2)   segments of 8 blocks, and inside each (when it is recomputed in the
                                     backward) segments of 2 blocks, each again under a checkpoint call
+    CheckpointPolicy.selective()    each block under its own checkpoint call, which saves the attention
+                                    kernel's outputs (output and logsumexp) and recomputes everything else
+                                    (torchtitan's selective AC, op-level, through
+                                    torch.utils.checkpoint.create_selective_checkpoint_contexts)
+    CheckpointPolicy.selective(4)   the same, but blocks 0-3 are not checkpointed at all: they keep
+                                    everything (spend free memory on less recomputation)
 
 A segment at the end of the stack (or of its parent segment) may be shorter when the size does not
-divide the count. `apply_activation_checkpointing(model, policy)` sets the policy of a built
-`TransformerLM`; its forward runs the blocks through `run_blocks`, which with no policy is the plain loop.
+divide the count. `apply_activation_checkpointing(model, policy)` rewraps a built `TransformerLM`'s
+blocks; the model itself reads no policy. Segment policies replace `model.layers` by a
+`CheckpointedBlocks` holding the same blocks (so parameter names are unchanged) whose forward runs
+them through `run_blocks`. The selective policy changes each checkpointed block's class to a subclass
+whose forward is the block's forward under a checkpoint call (the way torch's `fully_shard` wraps a
+module in place): the checkpoint is then part of the block, and compiling the block
+(`block.compile()`, regional compilation) compiles the checkpointed block whole, which the selective
+policy needs (an op inside a compiled region is invisible to a checkpoint around it).
 
 Checkpoint calls use `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: in the forward a
 checkpointed segment keeps only its input; in the backward it reruns its forward (saving this time, so
 nested checkpoints inside it save their own inputs) and backpropagates through the rerun. The rerun
 stops once everything the first forward saved is back (torch's early stop), so a nested level skips
 the blocks of its last inner segment; `checkpoint_cost` counts the reruns this way.
+
+Caveat (selective): an attention backend is saved only if its forward is a dispatched operator named in
+`SAVED_OPS` (the SDPA kernels; our Triton kernel's `cs336_systems::flash_triton_forward`, which the
+kernel dispatches under torch.compile). Eagerly the Triton kernel is launched without dispatch, so the
+checkpoint cannot see it and recomputes it with the rest of the block.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint
+
+from cs336_systems.model.transformer import TransformerBlocks
 
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """Which blocks run under checkpoint calls. `segments` are block counts, outermost level first,
     each smaller than the one before (an inner segment as large as its parent would checkpoint the same
-    blocks twice)."""
+    blocks twice). `keep_blocks` is None for segment policies; for the selective policy it is the number
+    of leading blocks that are not checkpointed (0: every block is)."""
 
     segments: tuple[int, ...] = ()
+    keep_blocks: int | None = None
 
     def __post_init__(self) -> None:
+        if self.keep_blocks is not None:
+            if not isinstance(self.keep_blocks, int) or isinstance(self.keep_blocks, bool) or self.keep_blocks < 0:
+                raise ValueError(f"selective checkpointing keeps a non-negative number of blocks, got {self.keep_blocks!r}")
+            if self.segments:
+                raise ValueError(f"a policy is selective or has segments, not both (segments {self.segments!r})")
         for size in self.segments:
             if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
                 raise ValueError(f"checkpoint segment sizes must be positive integers, got {self.segments!r}")
@@ -52,6 +81,10 @@ class CheckpointPolicy:
     @classmethod
     def nested(cls, *blocks: int) -> CheckpointPolicy:
         return cls(tuple(blocks))
+
+    @classmethod
+    def selective(cls, keep_blocks: int = 0) -> CheckpointPolicy:
+        return cls(keep_blocks=keep_blocks)
 
     @classmethod
     def sqrt(cls, num_layers: int) -> CheckpointPolicy:
@@ -74,7 +107,7 @@ class CheckpointPolicy:
 
     @classmethod
     def parse(cls, text: str) -> CheckpointPolicy:
-        """'none', 'every:K' or 'nested:K1,K2,...' (the form `str` writes)."""
+        """'none', 'every:K', 'nested:K1,K2,...', 'selective' or 'selective:N' (the form `str` writes)."""
         kind, _, sizes = text.partition(":")
         try:
             numbers = tuple(int(s) for s in sizes.split(",")) if sizes else ()
@@ -86,10 +119,15 @@ class CheckpointPolicy:
             return cls.every(numbers[0])
         if kind == "nested" and numbers:
             return cls.nested(*numbers)
-        raise ValueError(f"bad checkpoint policy {text!r}; write none, every:K or nested:K1,K2,...")
+        if kind == "selective" and len(numbers) <= 1:
+            return cls.selective(*numbers)
+        raise ValueError(f"bad checkpoint policy {text!r}; write none, every:K, nested:K1,K2,..., selective "
+                         "or selective:N")
 
     @property
     def kind(self) -> str:
+        if self.keep_blocks is not None:
+            return "selective"
         return {0: "none", 1: "every"}.get(len(self.segments), "nested")
 
     @property
@@ -97,10 +135,16 @@ class CheckpointPolicy:
         return len(self.segments)
 
     def __str__(self) -> str:
+        if self.keep_blocks:
+            return f"selective:{self.keep_blocks}"
         return self.kind if not self.segments else f"{self.kind}:{','.join(map(str, self.segments))}"
 
     def check(self, num_layers: int) -> None:
-        """Raise if the outermost segment is longer than the stack it would split."""
+        """Raise if the outermost segment is longer than the stack it would split (or more blocks are
+        kept than there are)."""
+        if self.keep_blocks is not None and self.keep_blocks > num_layers:
+            raise ValueError(f"checkpoint policy {self} keeps {self.keep_blocks} blocks, more than the model's "
+                             f"{num_layers} layers")
         if self.segments and self.segments[0] > num_layers:
             raise ValueError(f"checkpoint policy {self} has segments of {self.segments[0]} blocks, "
                              f"more than the model's {num_layers} layers")
@@ -121,7 +165,8 @@ def _run_segment(blocks: Sequence[nn.Module], x: torch.Tensor, segments: tuple[i
 
 
 def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointPolicy, *args) -> torch.Tensor:
-    """x → blocks[-1](...blocks[0](x, *args)..., *args) under the policy's checkpoint calls.
+    """x → blocks[-1](...blocks[0](x, *args)..., *args) under the policy's checkpoint calls (segment
+    policies; selective blocks carry their own).
 
     Without autograd recording (inference, torch.no_grad) there is nothing to save, so the blocks run
     plainly whatever the policy."""
@@ -130,13 +175,87 @@ def run_blocks(blocks: Sequence[nn.Module], x: torch.Tensor, policy: CheckpointP
     return _run_segment(list(blocks), x, policy.segments, args)
 
 
+class CheckpointedBlocks(TransformerBlocks):
+    """The model's blocks (the same modules, the same names) run under a segment policy's checkpoints."""
+
+    def __init__(self, blocks: Sequence[nn.Module], policy: CheckpointPolicy):
+        super().__init__(blocks)
+        self.policy = policy
+
+    def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
+        return run_blocks(self, x, self.policy, *args)
+
+
+# ---- selective checkpointing ------------------------------------------------------------------------
+
+# Operators whose outputs a selective checkpoint saves (by `OpOverload.name()`): the attention kernels'
+# forwards, whose outputs (and logsumexp) their backwards need. Another kernel registers its own with
+# `save_op_outputs`.
+SAVED_OPS: set[str] = {
+    "cs336_systems::flash_triton_forward",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+}
+
+
+def save_op_outputs(name: str) -> None:
+    """Have selective checkpoints save the outputs of the operator `namespace::name`."""
+    if name.count("::") != 1 or not all(name.split("::")):
+        raise ValueError(f"operator name must be 'namespace::name', got {name!r}")
+    SAVED_OPS.add(name)
+
+
+def _save_attention(ctx, func, *args, **kwargs) -> torch_checkpoint.CheckpointPolicy:
+    if getattr(func, "name", None) and func.name() in SAVED_OPS:
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return torch_checkpoint.create_selective_checkpoint_contexts(_save_attention)
+
+
+class _SelectiveCheckpoint:
+    """Mixed in front of a block's class: the block's forward under a selective checkpoint call."""
+
+    _plain_class: type
+
+    def forward(self, *args):
+        if not torch.is_grad_enabled():
+            return super().forward(*args)
+        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_selective_contexts)
+
+
+@functools.cache
+def _selective_class(cls: type) -> type:
+    return type(f"SelectiveCheckpointed{cls.__name__}", (_SelectiveCheckpoint, cls), {"_plain_class": cls})
+
+
+def _plain_block(block: nn.Module) -> nn.Module:
+    if isinstance(block, _SelectiveCheckpoint):
+        block.__class__ = block._plain_class
+    return block
+
+
 def apply_activation_checkpointing(model: nn.Module, policy: CheckpointPolicy) -> nn.Module:
-    """Set the checkpoint policy of a built TransformerLM (its `layers` are the blocks); returns the model.
-    Parameters and their names are unchanged, so this composes with compilation, DDP and optimizers."""
+    """Checkpoint the blocks of a built TransformerLM (`model.layers`) as the policy says, replacing any
+    policy applied before; returns the model. Parameters and their names are unchanged, so this composes
+    with compilation, DDP and optimizers; apply it before compiling the blocks and before data
+    parallelism (`distributed.parallelize` keeps that order)."""
     if not isinstance(policy, CheckpointPolicy):
         raise TypeError(f"policy must be a CheckpointPolicy, got {policy!r}")
     policy.check(len(model.layers))
-    model.checkpoint_policy = policy
+    blocks = [_plain_block(block) for block in model.layers]
+    if policy.kind == "selective":
+        for block in blocks[policy.keep_blocks:]:
+            block.__class__ = _selective_class(type(block))
+        model.layers = TransformerBlocks(blocks)
+    elif policy.segments:
+        model.layers = CheckpointedBlocks(blocks, policy)
+    else:
+        model.layers = TransformerBlocks(blocks)
     return model
 
 
@@ -192,6 +311,14 @@ def checkpoint_cost(policy: CheckpointPolicy, num_layers: int, block_bytes: floa
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     policy.check(num_layers)
+    if policy.kind == "selective":
+        # kept blocks store everything; the others their input and the attention outputs (count those in
+        # boundary_bytes), and are rerun once in the backward, one at a time
+        keep = policy.keep_blocks
+        stored = keep * block_bytes + (num_layers - keep) * boundary_bytes
+        rerun = num_layers - keep
+        return CheckpointCost(peak_bytes=stored + (block_bytes if rerun else 0.0), stored_bytes=stored,
+                              block_forwards=num_layers + rerun)
     if policy.segments:
         sizes = _segment_sizes(num_layers, policy.segments[0])
         stored = len(sizes) * boundary_bytes

@@ -48,6 +48,7 @@ MODEL_SIZES: dict[str, ModelConfig] = {
 
 # Table 1 of the 2026 handout (§2.1.2). Its `xl` is the 2025 `2.7B`, not the 2025 `xl`, so the two tables
 # are kept apart and every result records which one its size came from. tiny and mini are shared.
+# "8B" is the leaderboard model of the 2026 handout (§9): its own vocabulary and context length.
 MODEL_SIZES_2026: dict[str, ModelConfig] = {
     "tiny": MODEL_SIZES["tiny"],
     "mini": MODEL_SIZES["mini"],
@@ -56,6 +57,8 @@ MODEL_SIZES_2026: dict[str, ModelConfig] = {
     "large": ModelConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
     "xl": ModelConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
     "10B": ModelConfig(d_model=4608, d_ff=12288, num_layers=50, num_heads=36),
+    "8B": ModelConfig(d_model=4096, d_ff=11008, num_layers=34, num_heads=32, vocab_size=151936,
+                      context_length=32768),
 }
 
 # The size tables by handout edition; 2025 is the default, which every 2025 deliverable relies on.
