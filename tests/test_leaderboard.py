@@ -181,9 +181,14 @@ def test_rows_name_what_each_provider_runs():
 
 
 def test_points_run_ablations_only_at_their_batches():
-    config = _tiny(batches=(2, 1), ablation_batches=(1,), ablations=("ours-full_ac",))
-    assert config.points() == [(2, "ours"), (2, "torch_plain_sac"), (2, "torch_plain_ac"), (1, "ours"),
-                               (1, "torch_plain_sac"), (1, "torch_plain_ac"), (1, "ours-full_ac")]
+    main = list(leaderboard.PROVIDERS)
+    config = _tiny(batches=(2, 1), ablation_batches=None, ablations=("ours-full_ac",))  # default: the last batch
+    assert config.points() == [*((2, p) for p in main), *((1, p) for p in main), (1, "ours-full_ac")]
+    config = dataclasses.replace(config, ablation_batches=(2,), ablations=("ours-full_ac", "ours-torch_adamw"))
+    assert config.points() == [*((2, p) for p in main), (2, "ours-full_ac"), (2, "ours-torch_adamw"),
+                               *((1, p) for p in main)]
+    with pytest.raises(ValueError, match="ablation batch 4 is not one of the batches"):
+        dataclasses.replace(config, ablation_batches=(4,))
 
 
 def _documented_flops(config, batch: int, context: int) -> int:

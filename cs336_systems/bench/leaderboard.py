@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -118,15 +119,16 @@ CHECK_FLOORS = {"bf16": {"grad": 1e-2, "loss": 2**-8}, "fp32": {"grad": 1e-4, "l
 
 @dataclass(frozen=True)
 class LeaderboardConfig:
-    """One run: the main providers at each batch, the ablations at each of `ablation_batches`, after the
-    correctness check. Checked on construction (a ValueError naming the bad value)."""
+    """One run: the main providers at each batch, the ablations at each of `ablation_batches` (None: the
+    last of `batches`, the cheapest by default), after the correctness check. Checked on construction (a
+    ValueError naming the bad value)."""
 
     size: str = "8B"
     batches: tuple[int, ...] = (2, 1)
     context_length: int = 32768
     providers: tuple[str, ...] = tuple(PROVIDERS)
     ablations: tuple[str, ...] = tuple(ABLATIONS)
-    ablation_batches: tuple[int, ...] = (1,)
+    ablation_batches: tuple[int, ...] | None = None
     warmup: int = 2
     steps: int = 3
     compile: str = "blocks"
@@ -140,7 +142,10 @@ class LeaderboardConfig:
 
     def __post_init__(self):
         check_not_empty("batches", self.batches)
-        check_positive("batch", *self.batches, *self.ablation_batches)
+        check_positive("batch", *self.batches, *(self.ablation_batches or ()))
+        for batch in self.ablation_batches or ():
+            if batch not in self.batches:
+                raise ValueError(f"ablation batch {batch} is not one of the batches {self.batches}")
         check_positive("context length", self.context_length, self.check_context, self.check_batch)
         check_known("provider", self.providers, PROVIDERS)
         check_known("ablation", self.ablations, ABLATIONS)
@@ -163,8 +168,9 @@ class LeaderboardConfig:
 
     def points(self) -> list[tuple[int, str]]:
         """(batch, provider) in the order they run."""
+        ablation_batches = self.batches[-1:] if self.ablation_batches is None else self.ablation_batches
         return [(batch, name) for batch in self.batches
-                for name in (*self.providers, *(self.ablations if batch in self.ablation_batches else ()))]
+                for name in (*self.providers, *(self.ablations if batch in ablation_batches else ()))]
 
 
 # ---- building a provider ----------------------------------------------------------------------------
@@ -372,13 +378,14 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
         base = {**recipe_columns(provider, config), "size": f"check:{config.check_size}", "world_size": 1,
                 "batch": config.check_batch, "context_length": config.check_context}
         trainee = build(provider, model_config, config, device, weights)
-        errors = _errors(_loss_and_gradients(trainee, inputs, targets), reference)
+        result = _loss_and_gradients(trainee, inputs, targets)
+        errors = _errors(result, reference)
         del trainee
         ok = errors["loss_err"] <= tolerance["loss"] and errors["grad_err"] <= tolerance["grad"]
         row = {**base, "status": "check_ok" if ok else "check_fail", "check_loss_err": errors["loss_err"],
                "check_loss_tol": tolerance["loss"], "check_grad_err": errors["grad_err"],
                "check_grad_tol": tolerance["grad"], "check_worst_param": errors["worst_param"],
-               "loss": reference[0]}
+               "loss": result[0], "check_loss_ref": reference[0]}
         if not ok:
             row["error"] = (f"{provider} differs from the float32 reference by {errors['loss_err']:.3g} (loss) and "
                             f"{errors['grad_err']:.3g} ({errors['worst_param']}); tolerances {tolerance['loss']:.3g} "
@@ -398,6 +405,7 @@ def run(config: LeaderboardConfig, out) -> None:
     device = resolve_device(config.device)
     prov = {**provenance(device), "run_id": uuid.uuid4().hex[:12]}
     rows = PartialRows(out)
+    start = time.monotonic()
     if config.check_size != "none":
         rows.add({**row, **prov} for row in run_check(config, device))
     points = config.points()
@@ -407,7 +415,8 @@ def run(config: LeaderboardConfig, out) -> None:
         row = run_point(provider, batch, config, device)
         shown = (f"{row['step_ms']:.1f} ms/step, MFU {row['mfu']:.1%}, peak {row['peak_mem_gib']:.1f} GiB, "
                  f"first step {row['first_step_s']:.1f} s" if row["status"] == "ok" else row["status"])
-        print(f"[{i}/{len(points)}] {provider} batch={batch}: {shown}", file=sys.stderr, flush=True)
+        print(f"[{i}/{len(points)}] {provider} batch={batch}: {shown} ({time.monotonic() - start:.0f} s into the run)",
+              file=sys.stderr, flush=True)
         rows.add([{**row, **prov}])
     rows.finish()
 
@@ -421,8 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ours and the plain-PyTorch anchors")
     parser.add_argument("--ablations", nargs="*", default=list(ABLATIONS), choices=list(ABLATIONS),
                         help="variants of ours, each with one optimisation switched off (none: no ablations)")
-    parser.add_argument("--ablation-batch", nargs="*", type=positive_int, default=[1],
-                        help="the batch sizes (of --batch) at which the ablations run")
+    parser.add_argument("--ablation-batch", nargs="+", type=positive_int, default=None,
+                        help="the batch sizes (of --batch) at which the ablations run (default: the last of --batch)")
     parser.add_argument("--warmup", type=positive_int, default=2,
                         help="untimed steps, the first (compilation and autotuning) included")
     parser.add_argument("--steps", type=positive_int, default=3, help="timed steps")
@@ -446,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = config_or_usage_error(
         parser, LeaderboardConfig, size=args.size, batches=tuple(args.batch), context_length=args.context,
-        providers=tuple(args.providers), ablations=tuple(args.ablations), ablation_batches=tuple(args.ablation_batch),
+        providers=tuple(args.providers), ablations=tuple(args.ablations), ablation_batches=args.ablation_batch and tuple(args.ablation_batch),
         warmup=args.warmup, steps=args.steps, compile=args.compile, param_dtype=args.param_dtype,
         chunk_tokens=args.chunk_tokens, check_size=args.check_size, check_context=args.check_context,
         device=args.device)
