@@ -33,7 +33,9 @@ check_fail.
 
     python -m cs336_systems.bench.leaderboard --out results/leaderboard_8b.csv     # 8B, batch 2 and 1, 32768
     python -m cs336_systems.bench.leaderboard --size tiny --context 32 --batch 2 --compile none \\
-        --check-size tiny --check-context 32 --warmup 1 --steps 2 --device cpu --out /tmp/lb.csv
+        --param-dtype fp32 --check-size tiny --check-context 32 --warmup 1 --steps 1 --device cpu --out /tmp/lb.csv
+
+On the CPU our kernels run under Triton's interpreter, which cannot multiply bfloat16: use fp32 there.
 
 As a library: `run(LeaderboardConfig(...), "out.csv")`.
 """
