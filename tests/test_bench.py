@@ -434,43 +434,32 @@ def test_collective_bench_rejects_bad_input(tmp_path):
         ring_factor("broadcast", 2)
 
 
-def _plain_weights_from(ours: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Our model's state dict under the baseline's parameter names."""
-    names = {"token_embeddings": "embed", "layers": "blocks", "lm_head": "head", "attn.q_proj": "q",
-             "attn.k_proj": "k", "attn.v_proj": "v", "attn.output_proj": "o", "ffn.": ""}
-    out = {}
-    for name, tensor in ours.state_dict().items():
-        for old, new in names.items():
-            name = name.replace(old, new)
-        out[name] = tensor
-    return out
-
-
 @pytest.mark.parametrize("size", ["small", "medium", "large", "xl", "2.7B"])
 def test_plain_baseline_has_our_parameter_count(size):
-    from cs336_systems.bench.plain_model import PlainTransformerLM
+    from cs336_systems.bench.plain_model import PlainTransformerLM, plain_state_dict
     from cs336_systems.model import TransformerLM, get_config
     from cs336_systems.model.functional import parameter_count
 
     config = get_config(size)
     with torch.device("meta"):  # no memory: only the shapes are compared
         plain, ours = PlainTransformerLM(config), TransformerLM(config)
-    shapes = sorted(tuple(p.shape) for p in plain.parameters())
     assert sum(p.numel() for p in plain.parameters()) == parameter_count(config)
-    assert shapes == sorted(tuple(p.shape) for p in ours.parameters())
+    # the same tensors once q, k and v are stacked into the baseline's fused projection
+    ours_as_plain = plain_state_dict(dict(ours.named_parameters()))
+    assert {n: p.shape for n, p in plain.named_parameters()} == {n: p.shape for n, p in ours_as_plain.items()}
 
 
 def test_plain_baseline_computes_our_model_from_the_same_weights():
     """Same weights in, same logits out (float64, causal, a length shorter than the context): the baseline
     is our architecture written with torch's modules and SDPA, not another model."""
-    from cs336_systems.bench.plain_model import PlainTransformerLM
+    from cs336_systems.bench.plain_model import PlainTransformerLM, plain_state_dict
     from cs336_systems.model import TransformerLM, get_config
 
     config = get_config("tiny", context_length=24)
     torch.manual_seed(0)
     ours = TransformerLM(config).double()
     plain = PlainTransformerLM(config).double()
-    plain.load_state_dict(_plain_weights_from(ours))
+    plain.load_state_dict(plain_state_dict(ours.state_dict()))
     tokens = torch.randint(config.vocab_size, (3, 19))
     # not 1e-12: our RMSNorm normalises in float32 whatever the input dtype (errors ~1e-7 on logits of ~1)
     torch.testing.assert_close(plain(tokens), ours(tokens), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,468 @@
+"""The 2026 leaderboard step (handout 2026 §9, issue 24): one whole training step of the 8B model, ours
+against the plain-PyTorch anchors, in one process on one GPU.
+
+The step is the handout's: `zero_grad(set_to_none=True)`, forward, cross-entropy, backward, AdamW `step()`,
+on random token ids, bf16 parameters built directly on the GPU. Providers, run one after another (each
+model freed, with its compiled code, before the next is built):
+
+- `ours`: our `TransformerLM` in bf16 with our Triton FlashAttention (`flash_triton`), our fused LM head +
+  cross-entropy (`lm_loss(..., fused=True)`), our fused Triton AdamW (moments in the parameters' dtype),
+  selective activation checkpointing and per-block compilation, applied by `parallelize(model, ParallelPlan)`;
+- `torch_plain_sac`, `torch_plain_ac`: the plain-PyTorch anchor (`bench/plain_model.py`: fused QKV, SDPA,
+  per-block compile, chunked checkpointed LM head + CE, `torch.optim.AdamW(fused=True)`) with torchtitan's
+  selective checkpointing, or full per-block checkpointing;
+- ablations of ours, each changing one thing: `ours-no_fused_ce` (the plain CE of the full logits),
+  `ours-torch_adamw` (torch's fused AdamW), `ours-sdpa_attention` (SDPA instead of our kernel),
+  `ours-full_ac` (every block fully recomputed) and `ours-fp32_moments` (the numerics variant: float32
+  AdamW moments beside the bf16 parameters).
+
+Each (batch, provider) point runs `warmup` untimed steps (the first one, compilation and autotuning
+included, is reported as `first_step_s`) and `steps` timed ones, synchronizing around each, and becomes
+one row: mean, std and median step time, TFLOP/s and MFU from the mean against the device's dense bf16
+peak (`timing.peak_flops`), with FLOPs from `model.functional.leaderboard_flops` (6 x non-embedding matmul
+parameters incl. the LM head x tokens + 6 x layers x tokens x context x d_model; recomputation not
+counted), peak memory, and provenance. Out of memory is a row (status=oom) and the run goes on.
+
+Before the timings, a correctness check at a scaled-down config with the same code paths (`--check-size
+scaled`: 2 layers, d_model 256, head dim 128, the 8B vocabulary; `tiny` on the CPU): every main provider and
+a float32 plain reference are given the same weights (rounded to the run's parameter dtype) and tokens;
+each provider's loss and every gradient are compared with the float32 reference, and must be within 2x
+the error of the plain model run eagerly in the same dtype without checkpointing (what torch itself gets
+in that dtype), or within the dtype's floor (`CHECK_FLOORS`). One row per provider, status check_ok or
+check_fail.
+
+    python -m cs336_systems.bench.leaderboard --out results/leaderboard_8b.csv     # 8B, batch 2 and 1, 32768
+    python -m cs336_systems.bench.leaderboard --size tiny --context 32 --batch 2 --compile none \\
+        --param-dtype fp32 --check-size tiny --check-context 32 --warmup 1 --steps 1 --device cpu --out /tmp/lb.csv
+
+On the CPU our kernels run under Triton's interpreter, which cannot multiply bfloat16: use fp32 there.
+
+As a library: `run(LeaderboardConfig(...), "out.csv")`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
+from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, positive_int
+from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
+from cs336_systems.model import ModelConfig, TransformerLM, get_config
+from cs336_systems.provenance import device_name, provenance
+from cs336_systems.results import PartialRows
+from cs336_systems.timing import (
+    DTYPES,
+    is_oom,
+    oom_row,
+    peak_flops,
+    reset_memory,
+    resolve_device,
+    summarize,
+    synchronize,
+    timed,
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a provider runs.
+
+    model: "ours" (TransformerLM) or "plain" (bench/plain_model.py);
+    attention: ours' attention backend (the plain model always calls SDPA);
+    loss: "fused" (our LM head + CE kernel), "full_logits" (plain CE of the whole logits) or "chunked"
+        (the plain model's chunked, checkpointed head + CE);
+    optimizer: "ours_fused" (cs336_systems.optim.AdamW, fused Triton) or "torch_fused";
+    checkpoint: ours: a CheckpointPolicy text ("selective", "every:1"); plain: "sac" or "ac";
+    moments: "param" (AdamW moments in the parameters' dtype) or "fp32"."""
+
+    model: str
+    attention: str
+    loss: str
+    optimizer: str
+    checkpoint: str
+    moments: str = "param"
+
+
+OURS = Recipe("ours", "flash_triton", "fused", "ours_fused", "selective")
+PLAIN_SAC = Recipe("plain", "sdpa", "chunked", "torch_fused", "sac")
+PROVIDERS: dict[str, Recipe] = {
+    "ours": OURS,
+    "torch_plain_sac": PLAIN_SAC,
+    "torch_plain_ac": replace(PLAIN_SAC, checkpoint="ac"),
+}
+# Each ablation switches one of ours' choices off (or, for the moments, changes the numerics).
+ABLATIONS: dict[str, Recipe] = {
+    "ours-no_fused_ce": replace(OURS, loss="full_logits"),
+    "ours-torch_adamw": replace(OURS, optimizer="torch_fused"),
+    "ours-sdpa_attention": replace(OURS, attention="sdpa"),
+    "ours-full_ac": replace(OURS, checkpoint="every:1"),
+    "ours-fp32_moments": replace(OURS, moments="fp32"),
+}
+RECIPES = {**PROVIDERS, **ABLATIONS}
+COMPILE_MODES = ("blocks", "none")
+
+# The correctness check's model: the 8B model's head dim (128), vocabulary and d_ff / d_model ratio at
+# 2 layers of d_model 256; or the tiny size on the CPU.
+CHECK_SIZES = ("scaled", "tiny", "none")
+SCALED_CHECK = ModelConfig(d_model=256, d_ff=688, num_layers=2, num_heads=2, vocab_size=151936)
+# Tolerance floors of the check (relative L2 error of a gradient; relative error of the loss): below
+# these, an error is within the dtype's rounding whatever the plain model's own error happens to be.
+CHECK_FLOORS = {"bf16": {"grad": 1e-2, "loss": 2**-8}, "fp32": {"grad": 1e-4, "loss": 1e-5}}
+
+
+@dataclass(frozen=True)
+class LeaderboardConfig:
+    """One run: the main providers at each batch, the ablations at each of `ablation_batches` (None: the
+    last of `batches`, the cheapest by default), after the correctness check. Checked on construction (a
+    ValueError naming the bad value)."""
+
+    size: str = "8B"
+    batches: tuple[int, ...] = (2, 1)
+    context_length: int = 32768
+    providers: tuple[str, ...] = tuple(PROVIDERS)
+    ablations: tuple[str, ...] = tuple(ABLATIONS)
+    ablation_batches: tuple[int, ...] | None = None
+    warmup: int = 2
+    steps: int = 3
+    compile: str = "blocks"
+    param_dtype: str = "bf16"
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    check_size: str = "scaled"
+    check_context: int = 1024
+    check_batch: int = 2
+    lr: float = 1e-4
+    device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
+
+    def __post_init__(self):
+        check_not_empty("batches", self.batches)
+        check_positive("batch", *self.batches, *(self.ablation_batches or ()))
+        for batch in self.ablation_batches or ():
+            if batch not in self.batches:
+                raise ValueError(f"ablation batch {batch} is not one of the batches {self.batches}")
+        check_positive("context length", self.context_length, self.check_context, self.check_batch)
+        check_known("provider", self.providers, PROVIDERS)
+        check_known("ablation", self.ablations, ABLATIONS)
+        check_known("compile mode", [self.compile], COMPILE_MODES)
+        check_known("parameter dtype", [self.param_dtype], ("bf16", "fp32"))
+        check_known("check size", [self.check_size], CHECK_SIZES)
+        check_positive("warm-up steps (the first step compiles, so at least 1)", self.warmup)
+        check_positive("timed steps", self.steps)
+        check_positive("chunk tokens", self.chunk_tokens)
+        check_positive("learning rate", self.lr)
+        self.model_config()  # an unknown size raises here
+        resolve_device(self.device)
+
+    def model_config(self) -> ModelConfig:
+        return get_config(self.size, edition="2026", context_length=self.context_length)
+
+    def check_config(self) -> ModelConfig:
+        base = SCALED_CHECK if self.check_size == "scaled" else get_config(self.check_size, edition="2026")
+        return base.replace(context_length=self.check_context)
+
+    def points(self) -> list[tuple[int, str]]:
+        """(batch, provider) in the order they run."""
+        ablation_batches = self.batches[-1:] if self.ablation_batches is None else self.ablation_batches
+        return [(batch, name) for batch in self.batches
+                for name in (*self.providers, *(self.ablations if batch in ablation_batches else ()))]
+
+
+# ---- building a provider ----------------------------------------------------------------------------
+
+
+@dataclass
+class Trainee:
+    """A built provider: its loss on (token_ids, targets), its optimizer, and its parameters by name
+    (`as_plain_names` maps a name → tensor dict of them to the plain model's names, for the check)."""
+
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    parameters: dict[str, nn.Parameter]
+    as_plain_names: Callable[[dict], dict]
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        return self.as_plain_names({name: p.grad for name, p in self.parameters.items()})
+
+
+def make_optimizer(recipe: Recipe, params, lr: float) -> torch.optim.Optimizer:
+    if recipe.optimizer == "torch_fused":
+        if recipe.moments != "param":
+            raise ValueError(f"torch's AdamW keeps its moments in the parameters' dtype; {recipe} asks for "
+                             f"{recipe.moments}")
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    from cs336_systems.optim import AdamW
+
+    state_dtype = torch.float32 if recipe.moments == "fp32" else None
+    return AdamW(params, lr=lr, fused=True, state_dtype=state_dtype)
+
+
+def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
+               weights: dict | None = None) -> Trainee:
+    from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, parallelize
+    from cs336_systems.model import CheckpointPolicy, lm_loss
+
+    model = TransformerLM(model_config.replace(attention=recipe.attention), dtype=DTYPES[config.param_dtype],
+                          device=device)
+    if weights is not None:
+        model.load_state_dict(weights)
+    parameters = dict(model.named_parameters())  # before wrapping: the names of TransformerLM itself
+    plan = ParallelPlan(compile=config.compile, checkpoint=CheckpointPolicy.parse(recipe.checkpoint),
+                        data_parallel=DataParallelSpec())
+    wrapped = parallelize(model, plan, device)
+    fused = recipe.loss == "fused"
+    return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused),
+                   optimizer=make_optimizer(recipe, model.parameters(), config.lr),
+                   parameters=parameters, as_plain_names=plain_state_dict)
+
+
+def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
+                weights: dict | None = None) -> Trainee:
+    model = PlainTransformerLM(model_config, checkpoint=recipe.checkpoint, dtype=DTYPES[config.param_dtype],
+                               device=device, chunk_tokens=config.chunk_tokens)
+    if weights is not None:
+        model.load_state_dict(plain_state_dict(weights))
+    if config.compile == "blocks":
+        model.compile_blocks()
+    return Trainee(loss=model.loss, optimizer=make_optimizer(recipe, model.parameters(), config.lr),
+                   parameters=dict(model.named_parameters()), as_plain_names=dict)
+
+
+def build(provider: str, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
+          weights: dict | None = None) -> Trainee:
+    """The provider's model, built directly on the device in the run's dtype (with `weights`, our
+    model's state dict, loaded when given), its loss and its optimizer."""
+    recipe = RECIPES[provider]
+    builder = build_ours if recipe.model == "ours" else build_plain
+    return builder(recipe, model_config, config, device, weights)
+
+
+def train_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The handout's step: zero_grad(set_to_none=True), forward + cross-entropy, backward, AdamW step."""
+    trainee.optimizer.zero_grad(set_to_none=True)
+    loss = trainee.loss(inputs, targets)
+    loss.backward()
+    trainee.optimizer.step()
+    return loss.detach()
+
+
+def recipe_columns(provider: str, config: LeaderboardConfig) -> dict:
+    recipe = RECIPES[provider]
+    return {"provider": provider, "model": recipe.model, "attention": recipe.attention, "loss_path": recipe.loss,
+            "optimizer": recipe.optimizer, "checkpoint": recipe.checkpoint, "compile": config.compile,
+            "param_dtype": config.param_dtype,
+            "optimizer_state_dtype": config.param_dtype if recipe.moments == "param" else recipe.moments}
+
+
+def _fresh(device: torch.device) -> None:
+    """Forget the previous provider: its compiled code (each provider compiles afresh, so its first
+    step counts its own compilation) and its memory."""
+    torch.compiler.reset()
+    reset_memory(device)
+
+
+def _tokens(vocab: int, batch: int, context: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randint(vocab, (batch, context), device=device, generator=generator) for _ in range(2))
+
+
+# ---- the timed points -------------------------------------------------------------------------------
+
+
+def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
+    """Build the provider, run its steps, and return the timing columns (times in ms)."""
+    model_config = config.model_config()
+    torch.manual_seed(0)
+    trainee = build(provider, model_config, config, device)
+    inputs, targets = _tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
+    times = []
+    total = config.warmup + config.steps
+    for step in range(total):
+        loss = None
+
+        def one_step():
+            nonlocal loss
+            loss = train_step(trainee, inputs, targets)
+
+        times.append(timed(one_step, device))
+        phase = "first (compile)" if step == 0 else "warm-up" if step < config.warmup else "timed"
+        print(f"  [{provider} batch={batch}] step {step + 1}/{total} ({phase}): {times[-1]:.1f} ms",
+              file=sys.stderr, flush=True)
+    synchronize(device)
+    summary = summarize(times[config.warmup:])
+    return {"step_ms": summary["mean_ms"], "step_std_ms": summary["std_ms"], "step_median_ms": summary["median_ms"],
+            "n_steps": summary["n"], "first_step_s": times[0] / 1e3, "loss": loss.item(),
+            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan}
+
+
+def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
+    """One (batch, provider) row; out of memory becomes a status=oom row."""
+    model_config = config.model_config()
+    flops = leaderboard_flops(model_config, batch, config.context_length)
+    base = {**recipe_columns(provider, config), "size": config.size, "world_size": 1, "batch": batch,
+            "context_length": config.context_length, "warmup": config.warmup, "flops": flops}
+    _fresh(device)
+    try:
+        result = measure(provider, batch, config, device)
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not is_oom(error):
+            raise
+        row = oom_row(base, error)
+    else:
+        seconds = result["step_ms"] / 1e3
+        tflops = flops / seconds / 1e12
+        row = {**base, **result, "tflops": tflops, "mfu": tflops * 1e12 / peak_flops(device_name(device), "bf16"),
+               "status": "ok"}
+    _fresh(device)  # the frames of a failed step are gone once the except block is left
+    return row
+
+
+def leaderboard_flops(model_config: ModelConfig, batch: int, context: int) -> int:
+    """The FLOPs the leaderboard counts for one step (model.functional.leaderboard_flops)."""
+    from cs336_systems.model.functional import leaderboard_flops as count
+
+    return count(model_config, batch, context)
+
+
+# ---- the correctness check ----------------------------------------------------------------------------
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    reference = reference.double()
+    return ((value.double() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
+
+
+def _loss_and_gradients(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict]:
+    loss = trainee.loss(inputs, targets)
+    loss.backward()
+    return loss.item(), trainee.gradients()
+
+
+def _errors(result: tuple[float, dict], reference: tuple[float, dict]) -> dict:
+    """Relative error of the loss, and the largest relative L2 error over the gradients (and whose)."""
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    missing = sorted(set(ref_grads) - {n for n, g in grads.items() if g is not None})
+    if missing:
+        raise RuntimeError(f"no gradient for {', '.join(missing)}")
+    per_param = {name: _relative_error(grads[name], ref) for name, ref in ref_grads.items()}
+    worst = max(per_param, key=per_param.get)
+    return {"loss_err": abs(loss - ref_loss) / abs(ref_loss), "grad_err": per_param[worst], "worst_param": worst}
+
+
+def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]:
+    """The check's rows, one per main provider (see the module docstring)."""
+    model_config = config.check_config()
+    dtype = DTYPES[config.param_dtype]
+    torch.manual_seed(0)
+    with device:
+        source = TransformerLM(model_config)  # float32 weights, our initialisation
+    weights = {name: t.to(dtype) for name, t in source.state_dict().items()}  # what every run starts from
+    inputs, targets = _tokens(model_config.vocab_size, config.check_batch, config.check_context, device, seed=2)
+
+    def plain_eager(param_dtype: str) -> tuple[float, dict]:
+        eager = replace(config, compile="none", param_dtype=param_dtype)
+        trainee = build_plain(replace(PLAIN_SAC, checkpoint="none"), model_config, eager, device, weights)
+        return _loss_and_gradients(trainee, inputs, targets)
+
+    reference = plain_eager("fp32")
+    anchor = _errors(plain_eager(config.param_dtype), reference)  # torch's own error in this dtype
+    floors = CHECK_FLOORS[config.param_dtype]
+    tolerance = {"loss": max(2 * anchor["loss_err"], floors["loss"]), "grad": max(2 * anchor["grad_err"], floors["grad"])}
+    for provider in config.providers:
+        _fresh(device)
+        base = {**recipe_columns(provider, config), "size": f"check:{config.check_size}", "world_size": 1,
+                "batch": config.check_batch, "context_length": config.check_context}
+        trainee = build(provider, model_config, config, device, weights)
+        result = _loss_and_gradients(trainee, inputs, targets)
+        errors = _errors(result, reference)
+        del trainee
+        ok = errors["loss_err"] <= tolerance["loss"] and errors["grad_err"] <= tolerance["grad"]
+        row = {**base, "status": "check_ok" if ok else "check_fail", "check_loss_err": errors["loss_err"],
+               "check_loss_tol": tolerance["loss"], "check_grad_err": errors["grad_err"],
+               "check_grad_tol": tolerance["grad"], "check_worst_param": errors["worst_param"],
+               "loss": result[0], "check_loss_ref": reference[0]}
+        if not ok:
+            row["error"] = (f"{provider} differs from the float32 reference by {errors['loss_err']:.3g} (loss) and "
+                            f"{errors['grad_err']:.3g} ({errors['worst_param']}); tolerances {tolerance['loss']:.3g} "
+                            f"and {tolerance['grad']:.3g}")
+        print(f"check {provider}: {row['status']} (loss error {errors['loss_err']:.2e}, worst gradient "
+              f"{errors['worst_param']} {errors['grad_err']:.2e}; tolerances {tolerance['loss']:.2e}, "
+              f"{tolerance['grad']:.2e})", file=sys.stderr, flush=True)
+        yield row
+    _fresh(device)
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+
+def run(config: LeaderboardConfig, out) -> None:
+    """The check, then every (batch, provider) point; rows written to `out` (OUT.partial as they come)."""
+    device = resolve_device(config.device)
+    prov = {**provenance(device), "run_id": uuid.uuid4().hex[:12]}
+    rows = PartialRows(out)
+    start = time.monotonic()
+    if config.check_size != "none":
+        rows.add({**row, **prov} for row in run_check(config, device))
+    points = config.points()
+    for i, (batch, provider) in enumerate(points, 1):
+        print(f"[{i}/{len(points)}] {provider} batch={batch} context={config.context_length}", file=sys.stderr,
+              flush=True)
+        row = run_point(provider, batch, config, device)
+        shown = (f"{row['step_ms']:.1f} ms/step, MFU {row['mfu']:.1%}, peak {row['peak_mem_gib']:.1f} GiB, "
+                 f"first step {row['first_step_s']:.1f} s" if row["status"] == "ok" else row["status"])
+        print(f"[{i}/{len(points)}] {provider} batch={batch}: {shown} ({time.monotonic() - start:.0f} s into the run)",
+              file=sys.stderr, flush=True)
+        rows.add([{**row, **prov}])
+    rows.finish()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="8B", help="model size of the 2026 table (8B; tiny or mini for a CPU smoke run)")
+    parser.add_argument("--batch", nargs="+", type=positive_int, default=[2, 1], help="batch sizes, one point each")
+    parser.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
+    parser.add_argument("--providers", nargs="*", default=list(PROVIDERS), choices=list(PROVIDERS),
+                        help="ours and the plain-PyTorch anchors")
+    parser.add_argument("--ablations", nargs="*", default=list(ABLATIONS), choices=list(ABLATIONS),
+                        help="variants of ours, each with one optimisation switched off (none: no ablations)")
+    parser.add_argument("--ablation-batch", nargs="+", type=positive_int, default=None,
+                        help="the batch sizes (of --batch) at which the ablations run (default: the last of --batch)")
+    parser.add_argument("--warmup", type=positive_int, default=2,
+                        help="untimed steps, the first (compilation and autotuning) included")
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps")
+    parser.add_argument("--compile", default="blocks", choices=COMPILE_MODES,
+                        help="torch.compile each block (blocks) or run eagerly (none: CPU smoke runs)")
+    parser.add_argument("--param-dtype", default="bf16", choices=["bf16", "fp32"],
+                        help="parameter (and compute) dtype of every provider")
+    parser.add_argument("--chunk-tokens", type=positive_int, default=DEFAULT_CHUNK_TOKENS,
+                        help="tokens per chunk of the plain anchor's LM head + cross-entropy")
+    parser.add_argument("--check-size", default="scaled", choices=CHECK_SIZES,
+                        help="the correctness check's model: scaled (2 layers, d 256, the 8B head dim and vocab), "
+                             "tiny, or none (no check)")
+    parser.add_argument("--check-context", type=positive_int, default=1024, help="tokens per sequence of the check")
+    add_device_argument(parser)
+    parser.add_argument("--out", required=True, help="CSV file for the rows")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    config = config_or_usage_error(
+        parser, LeaderboardConfig, size=args.size, batches=tuple(args.batch), context_length=args.context,
+        providers=tuple(args.providers), ablations=tuple(args.ablations), ablation_batches=args.ablation_batch and tuple(args.ablation_batch),
+        warmup=args.warmup, steps=args.steps, compile=args.compile, param_dtype=args.param_dtype,
+        chunk_tokens=args.chunk_tokens, check_size=args.check_size, check_context=args.check_context,
+        device=args.device)
+    run(config, args.out)
+
+
+if __name__ == "__main__":
+    main()

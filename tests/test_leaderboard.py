@@ -1,0 +1,251 @@
+"""The 8B leaderboard benchmark and its plain-PyTorch anchor, on the CPU at tiny sizes.
+
+The anchor must compute our model's function (same weights in, same logits, loss and gradients out), its
+checkpointing must not change the gradients (and the selective mode must really keep attention), and the
+benchmark writes its rows (the check, each provider, OOM as a row, the documented FLOP count)."""
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+
+import pandas as pd
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cs336_systems.bench import leaderboard
+from cs336_systems.bench.plain_model import SDPA_OPS, PlainTransformerLM, plain_state_dict
+from cs336_systems.model import TransformerLM, cross_entropy, get_config
+
+
+def _missing_api() -> str | None:
+    """What of the 8B-step library API (prompts/api24: H4's parts) this checkout lacks, or None."""
+    model = importlib.import_module("cs336_systems.model")
+    parallelize = importlib.import_module("cs336_systems.distributed.parallelize")
+    from cs336_systems.model.config import SIZE_TABLES
+    from cs336_systems.optim import AdamW
+
+    missing = [name for name, ok in [
+        ("model.lm_loss", hasattr(model, "lm_loss")),
+        ("model.functional.leaderboard_flops", hasattr(model, "leaderboard_flops")),
+        ("parallelize.ParallelPlan / parallelize", hasattr(parallelize, "ParallelPlan")),
+        ("the 2026 size '8B'", "8B" in SIZE_TABLES["2026"]),
+        ("AdamW(state_dtype=)", "state_dtype" in inspect.signature(AdamW).parameters),
+        ("TransformerLM(dtype=, device=)", "dtype" in inspect.signature(TransformerLM).parameters),
+    ] if not ok]
+    return f"the 8B-step API is not in this checkout yet: {', '.join(missing)}" if missing else None
+
+
+needs_api = pytest.mark.skipif(_missing_api() is not None, reason=str(_missing_api()))
+
+# float32: Triton's CPU interpreter, which runs our kernels here, cannot multiply bfloat16
+TINY = ["--size", "tiny", "--context", "24", "--batch", "2", "--compile", "none", "--check-size", "tiny",
+        "--check-context", "24", "--warmup", "1", "--steps", "1", "--chunk-tokens", "20", "--param-dtype", "fp32",
+        "--device", "cpu"]
+
+
+def _tiny(**overrides) -> leaderboard.LeaderboardConfig:
+    fields = dict(size="tiny", batches=(2,), context_length=24, compile="none", check_size="tiny", check_context=24,
+                  warmup=1, steps=2, chunk_tokens=20, device="cpu", ablation_batches=(2,))
+    return leaderboard.LeaderboardConfig(**{**fields, **overrides})
+
+
+# ---- the plain anchor -----------------------------------------------------------------------------------
+
+
+def _ours_and_plain(checkpoint: str = "none", chunk_tokens: int = 7):
+    config = get_config("tiny", context_length=32)  # our model with naive attention: the reference
+    torch.manual_seed(0)
+    ours = TransformerLM(config)
+    plain = PlainTransformerLM(config, checkpoint=checkpoint, chunk_tokens=chunk_tokens)
+    plain.load_state_dict(plain_state_dict(ours.state_dict()))
+    return config, ours, plain
+
+
+def test_plain_anchor_computes_our_model_from_the_same_weights():
+    """float32, a length below the context and not a multiple of the loss chunk (19 tokens x 3 rows, chunks
+    of 7): logits, loss and every gradient agree to float32 rounding."""
+    config, ours, plain = _ours_and_plain()
+    torch.manual_seed(1)
+    tokens, targets = torch.randint(config.vocab_size, (2, 3, 19))
+    torch.testing.assert_close(plain(tokens), ours(tokens), rtol=1e-5, atol=1e-5)
+    loss_plain, loss_ours = plain.loss(tokens, targets), cross_entropy(ours(tokens), targets)
+    torch.testing.assert_close(loss_plain, loss_ours, rtol=1e-6, atol=0)
+    loss_plain.backward()
+    loss_ours.backward()
+    ours_grads = plain_state_dict({name: p.grad for name, p in ours.named_parameters()})
+    assert set(ours_grads) == {name for name, _ in plain.named_parameters()}
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.grad, ours_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        plain.blocks[1].qkv.weight[100, 3] += 0.5  # a k-projection weight (rows 64-127): a different model shows
+    assert not torch.allclose(plain(tokens), ours(tokens), rtol=1e-3, atol=1e-4)
+
+
+class _CountAttention(TorchDispatchMode):
+    """Counts the SDPA kernels dispatched while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in SDPA_OPS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode, reruns_of_attention", [("ac", 1), ("sac", 0)])
+def test_checkpointing_keeps_the_gradients_and_sac_keeps_attention(mode, reruns_of_attention):
+    """Same gradients as without checkpointing; in the backward, full checkpointing reruns each block's
+    attention and selective checkpointing none (its outputs were saved)."""
+    config, _, reference = _ours_and_plain()
+    _, _, plain = _ours_and_plain(mode)
+    torch.manual_seed(2)
+    tokens, targets = torch.randint(config.vocab_size, (2, 2, 29))
+    reference.loss(tokens, targets).backward()
+    loss = plain.loss(tokens, targets)
+    with _CountAttention() as counter:
+        loss.backward()
+    assert counter.calls == reruns_of_attention * config.num_layers
+    for (name, p), (_, q) in zip(plain.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_plain_anchor_builds_in_the_given_dtype_and_names_bad_values():
+    config = get_config("tiny", context_length=16)
+    plain = PlainTransformerLM(config, dtype=torch.bfloat16)
+    assert {p.dtype for p in plain.parameters()} == {torch.bfloat16}
+    assert plain.rope_cos.dtype == torch.float32  # the angle tables stay float32; cast per forward
+    assert plain(torch.zeros(1, 16, dtype=torch.long)).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="'full'"):
+        PlainTransformerLM(config, checkpoint="full")
+    with pytest.raises(ValueError, match="context_length 16"):
+        plain(torch.zeros(1, 17, dtype=torch.long))
+
+
+# ---- the benchmark ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("param_dtype", ["fp32", "bf16"])
+def test_check_passes_the_anchors_and_fails_a_wrong_model(param_dtype, monkeypatch):
+    """The correctness check against the float32 reference: the plain anchors pass; a provider whose loss
+    is 3% off (a wrong model) fails with its error named."""
+    config = _tiny(providers=("torch_plain_sac", "torch_plain_ac"), param_dtype=param_dtype)
+    rows = list(leaderboard.run_check(config, torch.device("cpu")))
+    assert [r["status"] for r in rows] == ["check_ok", "check_ok"]
+    assert all(r["check_grad_err"] <= r["check_grad_tol"] for r in rows)
+    real_build = leaderboard.build
+
+    def off_by_three_percent(provider, *args, **kwargs):
+        trainee = real_build(provider, *args, **kwargs)
+        if provider == "torch_plain_ac":
+            loss = trainee.loss
+            trainee.loss = lambda x, y: 1.03 * loss(x, y)
+        return trainee
+
+    monkeypatch.setattr(leaderboard, "build", off_by_three_percent)
+    ok, failed = leaderboard.run_check(config, torch.device("cpu"))
+    assert ok["status"] == "check_ok" and failed["status"] == "check_fail"
+    assert "torch_plain_ac differs" in failed["error"] and failed["check_loss_err"] == pytest.approx(0.03, abs=3e-3)
+
+
+def test_config_names_bad_values():
+    for overrides, message in [({"batches": (0,)}, "batch must be positive, got 0"),
+                               ({"providers": ("ours", "mine")}, "unknown provider 'mine'"),
+                               ({"ablations": ("ours-no_flash",)}, "unknown ablation 'ours-no_flash'"),
+                               ({"compile": "model"}, "unknown compile mode 'model'"),
+                               ({"size": "9B"}, "unknown model size '9B'"),
+                               ({"warmup": 0}, "at least 1")]:
+        with pytest.raises(ValueError, match=message):
+            _tiny(**overrides)
+
+
+def test_every_flag_has_help_text(monkeypatch):
+    """argparse lists a parser's arguments only in its `_actions` (there is no public accessor)."""
+    parser = leaderboard.build_parser()
+    assert not [a.dest for a in parser._actions if not a.help and not isinstance(a, argparse._HelpAction)]
+
+
+def test_rows_name_what_each_provider_runs():
+    columns = {name: leaderboard.recipe_columns(name, _tiny(param_dtype="bf16")) for name in leaderboard.RECIPES}
+    assert columns["ours"] == {"provider": "ours", "model": "ours", "attention": "flash_triton", "loss_path": "fused",
+                               "optimizer": "ours_fused", "checkpoint": "selective", "compile": "none",
+                               "param_dtype": "bf16", "optimizer_state_dtype": "bf16"}
+    assert columns["torch_plain_sac"]["optimizer"] == columns["ours-torch_adamw"]["optimizer"] == "torch_fused"
+    assert columns["ours-fp32_moments"]["optimizer_state_dtype"] == "fp32"
+    # each ablation differs from ours in exactly one choice
+    for name in leaderboard.ABLATIONS:
+        changed = {k for k, v in columns[name].items() if v != columns["ours"][k]} - {"provider"}
+        assert len(changed) == 1, (name, changed)
+
+
+def test_points_run_ablations_only_at_their_batches():
+    main = list(leaderboard.PROVIDERS)
+    config = _tiny(batches=(2, 1), ablation_batches=None, ablations=("ours-full_ac",))  # default: the last batch
+    assert config.points() == [*((2, p) for p in main), *((1, p) for p in main), (1, "ours-full_ac")]
+    config = dataclasses.replace(config, ablation_batches=(2,), ablations=("ours-full_ac", "ours-torch_adamw"))
+    assert config.points() == [*((2, p) for p in main), (2, "ours-full_ac"), (2, "ours-torch_adamw"),
+                               *((1, p) for p in main)]
+    with pytest.raises(ValueError, match="ablation batch 4 is not one of the batches"):
+        dataclasses.replace(config, ablation_batches=(4,))
+
+
+def _documented_flops(config, batch: int, context: int) -> int:
+    """6 x (non-embedding matmul parameters, LM head included) x tokens + 6 x layers x tokens x context x d:
+    the parameters counted here from the built model's weight shapes, not from the formula's terms."""
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    matmul = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embeddings" not in name)
+    tokens = batch * context
+    return 6 * matmul * tokens + 6 * config.num_layers * tokens * context * config.d_model
+
+
+@needs_api
+def test_cli_runs_at_tiny_on_cpu_and_writes_the_columns(tmp_path):
+    out = tmp_path / "lb.csv"
+    leaderboard.main([*TINY, "--ablations", "ours-sdpa_attention", "--ablation-batch", "2", "--out", str(out)])
+    rows = pd.read_csv(out)
+    required = ["provider", "step_ms", "step_std_ms", "step_median_ms", "mfu", "tflops", "peak_mem_gib", "world_size",
+                "batch", "context_length", "param_dtype", "optimizer_state_dtype", "status", "run_id",
+                "first_step_s", "device_name", "torch_version", "triton_version", "git_commit", "timestamp"]
+    assert not set(required) - set(rows.columns)
+    checks, timed = rows[rows["size"] == "check:tiny"], rows[rows["size"] == "tiny"]
+    assert list(checks["status"]) == ["check_ok"] * 3 and list(checks["provider"]) == list(leaderboard.PROVIDERS)
+    assert list(timed["provider"]) == [*leaderboard.PROVIDERS, "ours-sdpa_attention"]
+    assert (timed["status"] == "ok").all() and (timed["step_ms"] > 0).all() and (timed["first_step_s"] > 0).all()
+    assert rows["run_id"].nunique() == 1 and (timed["world_size"] == 1).all()
+    assert (timed["param_dtype"] == "fp32").all() and (timed["optimizer_state_dtype"] == "fp32").all()
+    config = get_config("tiny", edition="2026", context_length=24)
+    assert (timed["flops"] == _documented_flops(config, 2, 24)).all()
+    # TFLOP/s from the mean step time and the documented count; no datasheet peak for a CPU
+    assert timed["tflops"].tolist() == pytest.approx((timed["flops"] / timed["step_ms"] / 1e9).tolist())
+    assert timed["mfu"].isna().all()
+
+
+@needs_api
+def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    real_measure = leaderboard.measure
+
+    def measure(provider, *args):
+        if provider == "torch_plain_sac":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real_measure(provider, *args)
+
+    monkeypatch.setattr(leaderboard, "measure", measure)
+    out = tmp_path / "lb.csv"
+    leaderboard.main([*TINY, "--check-size", "none", "--providers", "torch_plain_sac", "torch_plain_ac", "--ablations",
+                      "--out", str(out)])
+    rows = pd.read_csv(out).set_index("provider")
+    assert rows.loc["torch_plain_sac", "status"] == "oom" and "out of memory" in rows.loc["torch_plain_sac", "error"]
+    assert rows.loc["torch_plain_ac", "status"] == "ok" and rows.loc["torch_plain_ac", "step_ms"] > 0
+    assert not (tmp_path / "lb.csv.partial").exists()
+
+
+@needs_api
+def test_8b_is_the_default_size_and_its_flops_are_the_documented_formula():
+    config = dataclasses.replace(_tiny(), size="8B", context_length=32768)
+    model_config = config.model_config()
+    assert (model_config.d_model, model_config.num_layers, model_config.vocab_size) == (4096, 34, 151936)
+    assert leaderboard.leaderboard_flops(model_config, 2, 32768) == _documented_flops(model_config, 2, 32768)
+    assert leaderboard.LeaderboardConfig.__dataclass_fields__["size"].default == "8B"
