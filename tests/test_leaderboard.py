@@ -6,8 +6,6 @@ benchmark writes its rows (the check, each provider, OOM as a row, the documente
 
 import argparse
 import dataclasses
-import importlib
-import inspect
 
 import pandas as pd
 import pytest
@@ -19,25 +17,6 @@ from cs336_systems.bench.plain_model import SDPA_OPS, PlainTransformerLM, plain_
 from cs336_systems.model import TransformerLM, cross_entropy, get_config
 
 
-def _missing_api() -> str | None:
-    """What of the 8B-step library API (prompts/api24: H4's parts) this checkout lacks, or None."""
-    model = importlib.import_module("cs336_systems.model")
-    parallelize = importlib.import_module("cs336_systems.distributed.parallelize")
-    from cs336_systems.model.config import SIZE_TABLES
-    from cs336_systems.optim import AdamW
-
-    missing = [name for name, ok in [
-        ("model.lm_loss", hasattr(model, "lm_loss")),
-        ("model.functional.leaderboard_flops", hasattr(model, "leaderboard_flops")),
-        ("parallelize.ParallelPlan / parallelize", hasattr(parallelize, "ParallelPlan")),
-        ("the 2026 size '8B'", "8B" in SIZE_TABLES["2026"]),
-        ("AdamW(state_dtype=)", "state_dtype" in inspect.signature(AdamW).parameters),
-        ("TransformerLM(dtype=, device=)", "dtype" in inspect.signature(TransformerLM).parameters),
-    ] if not ok]
-    return f"the 8B-step API is not in this checkout yet: {', '.join(missing)}" if missing else None
-
-
-needs_api = pytest.mark.skipif(_missing_api() is not None, reason=str(_missing_api()))
 
 # float32: Triton's CPU interpreter, which runs our kernels here, cannot multiply bfloat16
 TINY = ["--size", "tiny", "--context", "24", "--batch", "2", "--compile", "none", "--check-size", "tiny",
@@ -201,7 +180,6 @@ def _documented_flops(config, batch: int, context: int) -> int:
     return 6 * matmul * tokens + 6 * config.num_layers * tokens * context * config.d_model
 
 
-@needs_api
 def test_cli_runs_at_tiny_on_cpu_and_writes_the_columns(tmp_path):
     out = tmp_path / "lb.csv"
     leaderboard.main([*TINY, "--ablations", "ours-sdpa_attention", "--ablation-batch", "2", "--out", str(out)])
@@ -223,7 +201,6 @@ def test_cli_runs_at_tiny_on_cpu_and_writes_the_columns(tmp_path):
     assert timed["mfu"].isna().all()
 
 
-@needs_api
 def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     real_measure = leaderboard.measure
 
@@ -242,7 +219,6 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     assert not (tmp_path / "lb.csv.partial").exists()
 
 
-@needs_api
 def test_8b_is_the_default_size_and_its_flops_are_the_documented_formula():
     config = dataclasses.replace(_tiny(), size="8B", context_length=32768)
     model_config = config.model_config()

@@ -56,9 +56,12 @@ import torch.nn as nn
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, positive_int
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
-from cs336_systems.model import ModelConfig, TransformerLM, get_config
+from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, parallelize
+from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops
+from cs336_systems.optim import AdamW
 from cs336_systems.provenance import device_name, provenance
 from cs336_systems.results import PartialRows
+from cs336_systems.train_step import lm_loss
 from cs336_systems.timing import (
     DTYPES,
     is_oom,
@@ -198,17 +201,12 @@ def make_optimizer(recipe: Recipe, params, lr: float) -> torch.optim.Optimizer:
             raise ValueError(f"torch's AdamW keeps its moments in the parameters' dtype; {recipe} asks for "
                              f"{recipe.moments}")
         return torch.optim.AdamW(params, lr=lr, fused=True)
-    from cs336_systems.optim import AdamW
-
     state_dtype = torch.float32 if recipe.moments == "fp32" else None
     return AdamW(params, lr=lr, fused=True, state_dtype=state_dtype)
 
 
 def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
                weights: dict | None = None) -> Trainee:
-    from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, parallelize
-    from cs336_systems.model import CheckpointPolicy, lm_loss
-
     model = TransformerLM(model_config.replace(attention=recipe.attention), dtype=DTYPES[config.param_dtype],
                           device=device)
     if weights is not None:
@@ -322,13 +320,6 @@ def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torc
                "status": "ok"}
     _fresh(device)  # the frames of a failed step are gone once the except block is left
     return row
-
-
-def leaderboard_flops(model_config: ModelConfig, batch: int, context: int) -> int:
-    """The FLOPs the leaderboard counts for one step (model.functional.leaderboard_flops)."""
-    from cs336_systems.model.functional import leaderboard_flops as count
-
-    return count(model_config, batch, context)
 
 
 # ---- the correctness check ----------------------------------------------------------------------------

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.common import INTERPRET, check_kernel_device
+from cs336_systems.kernels.common import check_kernel_device
 from cs336_systems.model import cross_entropy
 
 MAX_BLOCK_V = 32768  # vocab elements per block; rows of 151936 take 5 blocks per pass
