@@ -223,7 +223,7 @@ def test_communication_accounting_numbers():
 
 @pytest.mark.parametrize("implementation", ["foreach", "fused"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_dtype):
+def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_dtype, kernel_device):
     """bf16 parameters (awkward sizes, several steps, the same gradients given to both) against
     torch.optim.AdamW in float32 from the same start. float32 moments are computed from the same values
     as the reference's, so they match it to float32 rounding; the parameters differ by their bf16
@@ -231,7 +231,7 @@ def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_
     bf16 moments add a relative error of a few 2^-8 to each update of size lr."""
     torch.manual_seed(3)
     shapes = [(37, 5), (1029,), (3,)]
-    start = [torch.randn(s).bfloat16() for s in shapes]
+    start = [torch.randn(s, device=kernel_device).bfloat16() for s in shapes]
     ours_params = [torch.nn.Parameter(p.clone()) for p in start]
     ref_params = [torch.nn.Parameter(p.float()) for p in start]
     lr, steps = 1e-2, 4
@@ -241,7 +241,7 @@ def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_
     theirs = torch.optim.AdamW(ref_params, **kwargs)
     for _ in range(steps):
         for p, q in zip(ours_params, ref_params):
-            g = torch.randn(p.shape).bfloat16()
+            g = torch.randn(p.shape, device=kernel_device).bfloat16()
             p.grad, q.grad = g, g.float()
         ours.step()
         theirs.step()

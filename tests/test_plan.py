@@ -18,6 +18,7 @@ from cs336_systems.model.checkpointing import save_op_outputs
 from cs336_systems.optim import AdamW
 from cs336_systems.train_step import lm_loss
 from tests.distributed_helpers import run_distributed, seed
+from tests.kernel_devices import interpreter_in_child_processes
 
 # Three layers, vocab and d_ff not powers of two; head_dim 16 (the Triton kernel's smallest).
 CONFIG = get_config("tiny", vocab_size=37, d_ff=72, num_layers=3, context_length=16)
@@ -136,10 +137,10 @@ def test_checkpointing_keeps_parameter_names_and_can_be_replaced():
     assert all(type(block).__name__ == "TransformerBlock" for block in model.layers)
 
 
-def test_forward_is_the_lm_head_of_hidden_and_lm_loss_paths_agree():
+def test_forward_is_the_lm_head_of_hidden_and_lm_loss_paths_agree(kernel_device):
     torch.manual_seed(seed(5))
-    model = TransformerLM(CONFIG)
-    tokens = torch.randint(CONFIG.vocab_size, (3, 12))
+    model = TransformerLM(CONFIG, device=kernel_device)
+    tokens = torch.randint(CONFIG.vocab_size, (3, 12), device=kernel_device)
     hidden = model.hidden(tokens)
     assert hidden.shape == (3, 12, CONFIG.d_model)
     assert torch.equal(model(tokens), hidden @ model.lm_head.weight.T)
@@ -162,7 +163,7 @@ def _relative_errors(model, loss, reference, ref_loss) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_our_step_matches_the_plain_model(dtype):
+def test_our_step_matches_the_plain_model(dtype, kernel_device):
     """The 8B step's code paths at a tiny size: parameters built in `dtype`, the Triton attention (under
     the interpreter, which cannot multiply bf16: SDPA there, whose CPU kernel is the operator the
     selective policy saves), selective checkpointing inside compiled blocks, the fused LM head + CE; the plain
@@ -172,15 +173,15 @@ def test_our_step_matches_the_plain_model(dtype):
     gradients (about 2% of a gradient's largest element here; an error of a single gradient varies
     with where rounding lands, up to 2x either way between the two models)."""
     torch.manual_seed(seed(1))
-    attention = "flash_triton" if dtype == torch.float32 or torch.cuda.is_available() else "sdpa"
-    ours_model = TransformerLM(CONFIG.replace(attention=attention), dtype=dtype)
-    plain = TransformerLM(CONFIG, dtype=dtype)
+    attention = "flash_triton" if dtype == torch.float32 or kernel_device == "cuda" else "sdpa"
+    ours_model = TransformerLM(CONFIG.replace(attention=attention), dtype=dtype, device=kernel_device)
+    plain = TransformerLM(CONFIG, dtype=dtype, device=kernel_device)
     plain.load_state_dict(ours_model.state_dict())
     reference = copy.deepcopy(plain).double()
-    tokens = torch.randint(CONFIG.vocab_size, (2, 17))
+    tokens = torch.randint(CONFIG.vocab_size, (2, 17), device=kernel_device)
     x, y = tokens[:, :-1], tokens[:, 1:]
     plan = ParallelPlan.parse("compile=blocks checkpoint=selective")
-    ours = parallelize(ours_model, plan, "cpu", compile_options=AOT_EAGER)
+    ours = parallelize(ours_model, plan, kernel_device, compile_options=AOT_EAGER)
     loss = lm_loss(ours, x, y)
     loss.backward()
     plain_loss = lm_loss(plain, x, y, fused=False)
@@ -241,7 +242,8 @@ def _two_ranks_match_one_process(rank: int, world: int) -> None:
 
 
 def test_two_ranks_with_the_same_plan_match_one_process():
-    run_distributed(_two_ranks_match_one_process, 2)
+    with interpreter_in_child_processes():  # gloo ranks run the fused loss and AdamW on CPU tensors
+        run_distributed(_two_ranks_match_one_process, 2)
 
 
 def test_cli_helpers_build_the_plan():
@@ -261,7 +263,7 @@ def test_cli_helpers_build_the_plan():
 
 
 @pytest.mark.parametrize("compile_scope", ["model", "blocks"])
-def test_compiled_step_has_no_graph_break_and_no_recompile(compile_scope):
+def test_compiled_step_has_no_graph_break_and_no_recompile(compile_scope, kernel_device):
     """The whole model compiled with fullgraph=True (a graph break raises), the fused loss and the
     selective checkpoint inside; three steps on fresh batches with recompilation made an error, and the
     loss equal to the eager model's. (Dynamo's caches are per code object, so other tests' compiles of
@@ -269,13 +271,13 @@ def test_compiled_step_has_no_graph_break_and_no_recompile(compile_scope):
     torch._dynamo.reset()
     torch.manual_seed(seed(8))
     config = CONFIG.replace(attention="sdpa")
-    model = TransformerLM(config)
+    model = TransformerLM(config, device=kernel_device)
     eager = copy.deepcopy(model)
     plan = ParallelPlan(compile=compile_scope, checkpoint=CheckpointPolicy.selective())
-    wrapped = parallelize(model, plan, "cpu", compile_options=AOT_EAGER)
+    wrapped = parallelize(model, plan, kernel_device, compile_options=AOT_EAGER)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):
-            tokens = torch.randint(config.vocab_size, (2, 17))
+            tokens = torch.randint(config.vocab_size, (2, 17), device=kernel_device)
             model.zero_grad(set_to_none=True)
             loss = lm_loss(wrapped, tokens[:, :-1], tokens[:, 1:])
             loss.backward()

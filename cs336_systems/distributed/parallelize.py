@@ -119,13 +119,18 @@ class TorchFSDP2(NoDataParallel):
     wrappers do."""
 
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None):
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         broadcast_from_rank0(module)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32 if compute_dtype else None)
+        # The mesh on the module's own device type: left to itself, fully_shard takes CUDA wherever CUDA exists,
+        # so CPU ranks on a host with fewer GPUs than ranks would each claim a GPU by rank.
+        mesh = init_device_mesh(next(module.parameters()).device.type, (dist.get_world_size(),))
         for block in getattr(module, "layers", ()):
-            fully_shard(block, mp_policy=policy)
-        fully_shard(module, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(module, mesh=mesh, mp_policy=policy)
         super().__init__(module)
 
 
