@@ -5,7 +5,9 @@
         --data tokens.bin --steps 1000 --checkpoint-dir ckpt --loss-log train.csv
 
 `--wrapper` is a data-parallel spec, KIND[:BUCKET_MB][+SHARDING] (see
-cs336_systems.distributed.parallelize); started without torchrun, the run is one rank.
+cs336_systems.distributed.parallelize); started without torchrun, the run is one rank. With `--compile`
+and `--checkpoint` it makes the run's ParallelPlan, which `parallelize` applies in its fixed order
+(checkpointing, compilation, data parallelism).
 Data: `--data` names a flat file of uint16 token ids (read through np.memmap); without it, random
 tokens. Every step draws a global batch of `batch_size * world` windows from one seeded generator;
 rank r takes rows r, r+world, ... so ranks see disjoint data and the run does not depend on timing.
@@ -31,9 +33,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
+from cs336_systems.distributed import DataParallelSpec, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.distributed.parallelize import KINDS, SHARDINGS
+from cs336_systems.distributed.parallelize import KINDS, SHARDINGS, add_plan_arguments, parallelize, plan_from_args
 from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
@@ -146,7 +148,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     with device:
         model = TransformerLM(get_config(args.size, context_length=args.context_length, attention=args.attention))
     data = load_tokens(args.data, model.config.vocab_size, args.context_length) if args.data else None
-    ddp = apply_data_parallel(model, spec, device)
+    ddp = parallelize(model, plan_from_args(args, spec), device)
     optimizer = build_optimizer(ddp, spec, args.lr)
     start = 0
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
@@ -223,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: bucketed:25)")
     parser.add_argument("--sharded-optimizer", action="store_true",
                         help="deprecated: write --wrapper KIND+sharded (ZeRO-1, our sharded AdamW)")
+    add_plan_arguments(parser, data_parallel_flag=None)  # --compile, --checkpoint; --wrapper is the spec
     parser.add_argument("--attention", default="sdpa", choices=sorted(ATTENTION_BACKENDS),
                         help="attention backend (cs336_systems.model.attention): %(choices)s")
     parser.add_argument("--batch-size", type=_at_least(1), default=4, help="sequences per rank and step")
@@ -264,6 +267,8 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 def check_args(args: argparse.Namespace) -> None:
     """Errors argparse's per-flag checks cannot see, raised as ValueError before any rank starts."""
     get_attention(args.attention)  # imports the backend's module: an error there shows before any rank starts
+    plan_from_args(args, args.wrapper)  # a plan the flags cannot make (fsdp with --compile) fails here
+    args.checkpoint.check(get_config(args.size).num_layers)  # and a policy longer than the model's stack
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
     if args.checkpoint_dir and not args.resume and saved_steps(Path(args.checkpoint_dir), complete_only=False):

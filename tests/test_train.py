@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from cs336_systems.distributed import DataParallelSpec
+from cs336_systems.distributed import DataParallelSpec, parallelize
 from cs336_systems.model import get_config
 from cs336_systems.train import (
     COMPLETE,
@@ -52,6 +52,35 @@ def test_wrappers_follow_torch_ddp_loss_curve(tmp_path):
         np.testing.assert_allclose(losses, reference, rtol=1e-5)
     sharded = _losses(tmp_path, "sharded", "--wrapper", "bucketed:0.01", "--sharded-optimizer", "--steps", "5")
     np.testing.assert_allclose(sharded, reference, rtol=1e-5)
+
+
+def _run_seeing_the_plan(rank, world, argv, out):
+    """_run, also recording the plan train hands to parallelize and what it made of the blocks."""
+    import cs336_systems.train as train_module
+
+    applied = []
+
+    def spy(model, plan, device, **kwargs):
+        wrapped = parallelize(model, plan, device, **kwargs)
+        applied.append({"plan": str(plan), "blocks": type(model.layers).__name__})
+        return wrapped
+
+    train_module.parallelize = spy
+    log = train(parse_args(argv), rank, world, torch.device("cpu"))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"losses": [row["loss"] for row in log], "applied": applied}, f)
+
+
+def test_checkpoint_flag_reaches_the_plan_and_keeps_the_loss_curve(tmp_path):
+    reference = _losses(tmp_path, "plain", "--wrapper", "bucketed:0.01", "--steps", "3")
+    out = tmp_path / "checkpointed.json"
+    run_distributed(_run_seeing_the_plan, 2,
+                    [*COMMON, "--wrapper", "bucketed:0.01", "--steps", "3", "--checkpoint", "every:1"], str(out))
+    seen = json.loads(out.read_text())
+    assert seen["applied"] == [{"plan": "compile=none checkpoint=every:1 dp=bucketed:0.01",
+                                "blocks": "CheckpointedBlocks"}]
+    np.testing.assert_allclose(seen["losses"], reference, rtol=1e-5)  # recomputation changes no value
 
 
 def test_one_plain_process_without_torchrun(tmp_path):
@@ -164,6 +193,8 @@ def test_bad_arguments(tmp_path, capsys):
     assert "must be at least 1, got 0" in _error(capsys, ["--keep-checkpoints", "0"])
     assert "must be positive, got -1" in _error(capsys, ["--lr", "-1"])
     assert "argument --attention: invalid choice: 'nope'" in _error(capsys, ["--attention", "nope"])
+    assert "compile=blocks with dp=fsdp" in _error(capsys, ["--wrapper", "fsdp", "--compile", "blocks"])
+    assert "more than the model's 2 layers" in _error(capsys, ["--size", "tiny", "--checkpoint", "every:3"])
     used = tmp_path / "ckpt"
     step_dir(used, 3).mkdir(parents=True)
     assert "already holds checkpoints: pass --resume" in _error(capsys, ["--checkpoint-dir", str(used)])

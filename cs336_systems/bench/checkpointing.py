@@ -37,12 +37,12 @@ from cs336_systems.timing import (
     summarize,
     timed,
 )
+from cs336_systems.distributed.parallelize import ParallelPlan, parallelize
 from cs336_systems.model import (
     ATTENTION_BACKENDS,
     SIZE_TABLES,
     CheckpointPolicy,
     TransformerLM,
-    apply_activation_checkpointing,
     checkpoint_cost,
     cross_entropy,
     get_attention,
@@ -78,9 +78,9 @@ def measure(spec: SweepSpec, policy: CheckpointPolicy) -> dict:
     config = get_config(spec.size, spec.size_table, context_length=spec.context_length, attention=spec.attention)
     with device:
         model = TransformerLM(config)
-    apply_activation_checkpointing(model, policy)
-    if spec.compile == "blocks":
-        model.compile_blocks()
+    # Checkpointing, then compilation (the selective policy's checkpoint inside each compiled block);
+    # no data parallelism: the returned wrapper only passes calls through, so the model is used directly.
+    parallelize(model, ParallelPlan(compile=spec.compile, checkpoint=policy), device)
     optimizer = make_optimizer(spec.optimizer, model.parameters())
     tokens = torch.randint(config.vocab_size, (spec.batch_size, spec.context_length + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]

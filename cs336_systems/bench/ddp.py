@@ -50,8 +50,8 @@ from torch.profiler import ProfilerActivity, profile
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, synchronize
-from cs336_systems.distributed import DataParallelSpec, apply_data_parallel, build_optimizer
-from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS, KINDS, SHARDINGS
+from cs336_systems.distributed import DataParallelSpec, build_optimizer
+from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS, KINDS, SHARDINGS, ParallelPlan, parallelize
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_config
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
@@ -88,7 +88,7 @@ class DDPBenchConfig:
         sharded = [str(spec) for spec in self.specs if spec.kind in FULLY_SHARDED_KINDS]
         if self.compile == "blocks" and sharded:
             # Our FSDP's per-layer hooks make Dynamo recompile every step (see distributed/fsdp.py), and
-            # torch's fully_shard hooks sit on the very blocks compile_blocks compiles in place.
+            # torch's fully_shard hooks sit on the very blocks --compile blocks compiles in place.
             raise ValueError(f"--compile blocks is not supported with {', '.join(sharded)}: measure the "
                              "fully-sharded kinds with --compile none")
 
@@ -158,10 +158,10 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
     with device:
         model = TransformerLM(get_config(cfg.size, context_length=cfg.context_length, attention=cfg.attention))
     params = sum(p.numel() * p.element_size() for p in model.parameters())  # the full model, before any sharding
-    if cfg.compile == "blocks":  # before wrapping: the wrappers' gradient hooks sit on the parameters
-        model.compile_blocks()
     compute_dtype = None if precision == "fp32" else DTYPES[precision]  # what the FSDP kinds gather in
-    ddp = apply_data_parallel(model, spec, device, compute_dtype)
+    # parallelize compiles before wrapping: the wrappers' gradient hooks stay outside the compiled blocks
+    ddp = parallelize(model, ParallelPlan(compile=cfg.compile, data_parallel=spec), device,
+                      compute_dtype=compute_dtype)
     optimizer = build_optimizer(ddp, spec, cfg.lr, cfg.adamw)
     after_init = memory_mib(device)
     data = torch.Generator(device="cpu").manual_seed(1234)  # the same global batches on every rank
