@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from cs336_systems.report import memory
-from cs336_systems.report.section import Quotes, Section, column_values
+from cs336_systems.report.section import Quotes, Section, cell_number, column_values
 from cs336_systems.report.sections import DELIVERABLES
 
 MiB = 2**20
@@ -266,7 +266,8 @@ def committed(request):
 QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.5 (c) fp32", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile",
            "1.3.2 flash_forward", "1.3.2 (e) flash_benchmarking", "1.3.2 (e), continued", "1.3.3",
            "1.3.3, continued", "2.1",
-            "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end"]
+            "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end",
+           "2026 §9 leaderboard:"]
 
 
 @pytest.mark.parametrize("section", [item.section for item in DELIVERABLES])
@@ -787,3 +788,49 @@ def test_flash_tflops_figure_draws_full_matrix_providers_at_their_executed_count
     lines = {line.get_label(): line.get_ydata()[0] for line in fig.axes[0].get_lines()}
     assert lines["naive (executed count)"] == pytest.approx(6 * product / 2e-3 / 1e12)  # 2 + 4 products, in full
     assert lines["sdpa_flash"] == pytest.approx(7 * product / 2 / 2e-3 / 1e12)
+
+
+def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
+    """The 8B step section: every prose number is a cell or a recomputed formula over cells (a changed ratio is
+    caught); each ratio cell is the row's mean step over the SAC anchor's of the same run and batch, recomputed
+    here from the CSV; OOM rows print OOM; the target verdict follows the cells."""
+    from cs336_systems.report.sections.leaderboard import ablation_table
+
+    body = committed["2026 §9 leaderboard: the 8B training step on one H200"]
+    assert isinstance(body, Section) and unquoted(body) == []
+    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
+    timed = frame[frame["status"].isin(["ok", "oom"])]
+    assert len(body.table) == len(timed)
+    for (_, row), (_, cells) in zip(timed.iterrows(), body.table.iterrows()):
+        anchor = timed[(timed["run_id"] == row["run_id"]) & (timed["provider"] == "torch_plain_sac")]["step_ms"].iloc[0]
+        if row["status"] == "oom":
+            assert cells["step (ms, mean ± std)"] == "OOM" and cells["÷ SAC anchor"] == "—"
+        else:
+            assert abs(float(cells["÷ SAC anchor"]) - row["step_ms"] / anchor) < 2e-3, row["provider"]
+    ours_b2 = timed[(timed["provider"] == "ours") & (timed["batch"] == 2)]["step_ms"].iloc[0]
+    sac_b2 = timed[(timed["provider"] == "torch_plain_sac") & (timed["batch"] == 2)]["step_ms"].iloc[0]
+    gap = body.checked[0]
+    assert f"{ours_b2 / sac_b2:.3f}×" in gap and ("not met yet" in gap) == (ours_b2 / sac_b2 > 0.9)
+    ablations = ablation_table(frame)
+    sdpa = ablations[ablations["ablation"] == "ours-sdpa_attention"].iloc[0]
+    ours_b1 = timed[(timed["provider"] == "ours") & (timed["batch"] == sdpa["batch"])]["step_ms"].iloc[0]
+    assert abs(float(sdpa["÷ ours"]) - cell_number(sdpa["step (ms, mean ± std)"]) / ours_b1) < 2e-3
+    wrong = body.checked[0].replace(f"{ours_b2 / sac_b2:.3f}", f"{ours_b2 / sac_b2 - 0.07:.3f}")
+    assert unquoted(replace(body, checked=[wrong, *body.checked[1:]]))
+
+
+def test_leaderboard_8b_section_renders_at_smoke_scale(tmp_path):
+    """At smoke scale (CPU: no MFU, no peak memory, one run with one ablation) the section still renders, says
+    so instead of printing nan, and its prose is still its cells."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.leaderboard import render_leaderboard
+
+    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
+    smoke = frame[frame["provider"].isin(["ours", "torch_plain_sac", "torch_plain_ac", "ours-full_ac"])
+                  & (frame["batch"] == 1)].assign(mfu=np.nan, tflops=np.nan, peak_mem_gib=np.nan,
+                                                   device_name="cpu (x86_64, 2 cores)")
+    smoke.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
+    body = render_leaderboard(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(body) == [] and "nan" not in body.markdown()
+    assert "this device measures no MFU" in body.markdown() and "`ours-full_ac` takes" in body.markdown()
+    assert "SDPA attention in place" not in body.markdown()  # no such ablation in this run

@@ -11,11 +11,11 @@ import math
 import re
 
 from cs336_systems.report.section import Deliverable, Figure, Table
-from cs336_systems.report.sections import (attention, benchmarking, distributed, edition2026, flash_shapes, memory,
-                                           profiling, sharding, training)
+from cs336_systems.report.sections import (attention, benchmarking, distributed, edition2026, flash_shapes, leaderboard,
+                                           memory, profiling, sharding, training)
 
 # The 2026 handout's sections come last (their "2026 §..." labels sort after every 2025 number).
-PARTS = (benchmarking, profiling, memory, attention, flash_shapes, distributed, sharding, training, edition2026)
+PARTS = (benchmarking, profiling, memory, attention, flash_shapes, distributed, sharding, training, edition2026, leaderboard)
 
 
 def handout_order(item: Deliverable) -> tuple[tuple[float, ...], str]:
