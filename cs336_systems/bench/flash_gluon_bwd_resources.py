@@ -1,0 +1,85 @@
+"""Compile the Gluon FlashAttention backward (`kernels/flash_gluon_bwd.py`) for sm_90 without a GPU and read what
+each configuration costs: registers, spills (the gate: 0 B) and shared memory. The sibling of
+`bench.flash_gluon_resources` (the forward's), with its stand-in driver: the backward's own host code
+(`flash_gluon_bwd.kernel_launch`: real TMA descriptors, arguments, launch options) goes through
+`JITFunction.warmup`, which compiles without launching, and `ptxas -v` of Triton's wheel reads the result.
+
+    python -m cs336_systems.bench.flash_gluon_bwd_resources --out results/diagnosis/flash_gluon_stage2/resources.csv
+
+Run in a process of its own (see bench.flash_gluon_resources).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+from cs336_systems.bench.flash_gluon_resources import use_compile_only_driver
+
+CONFIGS = [(d, causal, dtype) for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
+
+
+def compile_config(head_dim: int, is_causal: bool, dtype: str, n: int = 1000) -> dict:
+    """One configuration compiled through the launcher's host code, on CPU stand-in tensors of the model's layout
+    ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)), a ragged length."""
+    import torch
+
+    from cs336_systems.bench.kernel_resources import ptxas_usage
+    from cs336_systems.kernels import flash_gluon_bwd as bwd
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    tile = bwd.tile_for(head_dim)
+    q = torch.empty(2, n, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
+    dq_acc = torch.empty(2, 4, n, head_dim, dtype=torch.float32)
+    rows = torch.empty(8, bwd.padded_queries(n, tile), dtype=torch.float32)
+    args, grid, options = bwd.kernel_launch(q, q, q, q, q, q, dq_acc, rows, rows, is_causal, head_dim**-0.5)
+    row = {"kernel": "flash_gluon_backward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
+           **{k: v for k, v in vars(tile).items() if k != "head_dim"}, "tile_shared_bytes": tile.shared_bytes()}
+    start = time.time()
+    try:
+        compiled = bwd._flash_bwd_gluon_kernel.warmup(*args, grid=grid, **options)
+        usage = ptxas_usage(compiled.asm["ptx"])
+    except Exception as error:  # a configuration that fails to compile is a row, not the end of the table
+        return {**row, "status": "error", "error": f"{type(error).__name__}: {error}"[-1500:]}
+    ptx = compiled.asm["ptx"]
+    setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    return {**row, **usage, "shared_bytes": compiled.metadata.shared,
+            "setmaxnreg": " ".join(f"{kind}{regs}" for kind, regs in setmaxnreg),
+            "tma_reduce_ops": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
+            "compile_s": round(time.time() - start, 1), "status": "ok"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dims", nargs="+", type=int, default=None, help="only these head dims (64, 128)")
+    parser.add_argument("--only-first", action="store_true", help="only the first selected configuration (tests)")
+    parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")
+    args = parser.parse_args(argv)
+    use_compile_only_driver()
+    from cs336_systems.provenance import provenance
+    from cs336_systems.results import write_rows
+
+    rows = []
+    for head_dim, causal, dtype in CONFIGS:
+        if args.head_dims and head_dim not in args.head_dims:
+            continue
+        row = compile_config(head_dim, causal, dtype)
+        rows.append(row)
+        shown = (f"{row['registers']} registers, {row['spill_store_bytes']} B spill stores, "
+                 f"{row['spill_load_bytes']} B spill loads, {row['shared_bytes']} B shared, setmaxnreg "
+                 f"{row['setmaxnreg']}, {row['tma_reduce_ops']} TMA reduce ops, {row['compile_s']} s"
+                 if row["status"] == "ok" else row["error"])
+        print(f"d={head_dim} causal={causal} {dtype}: {shown}", flush=True)
+        if args.only_first:
+            break
+    if args.out:
+        prov = provenance("cpu")
+        write_rows([{**row, **prov} for row in rows], args.out)
+    if any(row["status"] != "ok" for row in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""FlashAttention backward for Hopper (sm_90) in Triton's Gluon: warp-specialised, FA3-shaped (issue #26, stage 2).
+
+Inputs are what the forwards write (`flash_gluon` and `flash_triton` alike): Q, K, V, O, dO and L, the natural-log
+logsumexp (float32, contiguous q.shape[:-1]). Three launches:
+  1. preprocessing (plain Triton): L2 = L * log2(e) and D = rowsum(dO * O), both float32, one row per (batch·head)
+     padded to a whole number of query tiles (L2 = +inf and D = 0 past the last query, so padded queries give
+     P = 0 and need no mask in the main loop);
+  2. the main kernel, one program (CTA) per key tile of BLOCK_N = 128 keys of one (batch, head), in three
+     partitions (Shah et al., FlashAttention-3, 2024, section 3.3, as we read it; the code is ours):
+       consumer c = 0, 1 (one warpgroup each)  keys [64 c, 64 c + 64) of the tile: dK_c and dV_c in float32
+                                               registers, accumulated over the query tiles
+       producer (one warp)                     TMA loads of K and V once, of Q_i and dO_i into a ring of slots
+     Per query tile i of BLOCK_M = 64 rows, each consumer computes, transposed (keys along the rows, so that the
+     16-bit P^T and dS^T are the register A operand of the next wgmmas):
+       S^T = K_c Q_i^T,  dP^T = V_c dO_i^T                    (two async wgmmas from shared memory)
+       P^T = exp2(S^T * scale * log2(e) - L2_i)               (masked on the causal diagonal)
+       dV_c += P^T dO_i,  dS^T = P^T (dP^T - D_i),  dK_c += dS^T Q_i   (register-A wgmmas)
+       dQ_i += dS_i K_c: dS^T goes to shared memory, read transposed by a wgmma, and the (64, d) float32 partial
+       leaves by a TMA reduce-add into a float32 dQ accumulator (`_tma_reduce_add`);
+  3. dQ = accumulator * scale, cast to q's dtype into q's layout (a torch copy).
+
+Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
+  kv_bar                producer -> consumers: both consumers' K and V sub-tiles landed (expect-tx bytes)
+  ready[i]              producer -> consumers: slot i holds Q and dO of the next query tile (expect-tx bytes)
+  empty[i]              consumers -> producer: both consumers' wgmmas reading slot i have retired (count 2)
+Hazards kept (triton #9433, #11781): P^T and dS^T in registers are kept alive (`deps` of the wait) until the
+wgmmas reading them have retired; a slot is released only after every wgmma reading it (S, dP, dV, dK) has
+retired; dS^T's shared buffer is rewritten only after the dQ wgmma that read it has retired (it is waited on in
+the same step), and dQ's shared buffer only after the reduce-add reading it has finished (`tma.store_wait`).
+
+Causal (query i sees keys 0..i, aligned at the start, as flash_triton): a key tile starting at key n0 (a multiple
+of BLOCK_N) visits query tiles from n0 // BLOCK_M on; only the first two of them (BLOCK_N // BLOCK_M) touch the
+diagonal and are masked. Keys past the end need no mask: their K and V rows load as zeros, so their dS^T rows
+meet a zero K row in dQ, and their dK, dV rows are clipped on store. Key tiles at or past the last query (causal,
+n_k > n_q) visit nothing and store zeros. Programs are ordered one head after another, heaviest key tile first.
+
+Caveats: sm_90 only; bf16 or fp16; head dims 64 and 128; q, k, v, dO with 16-byte aligned strides and starts (dO
+is copied contiguous where it is not, e.g. the stride-0 dO of `o.sum().backward()`); a float32 dQ accumulator of
+q's size (4 bytes per element) is allocated per call. TMA reduce-add has no public Gluon call in Triton 3.6:
+`_tma_reduce_add` wraps the private builder call and fails with a clear error on a Triton without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from cs336_systems.kernels.flash_gluon import DTYPES, _as_2d, _as_4d, _descriptor, _next_slot, device_problem, layout_problem
+
+LOG2E = 1.4426950408889634
+CONSUMERS = 2  # consumer warpgroups per program, each owning block_n / CONSUMERS keys
+_CONSUMERS = gl.constexpr(CONSUMERS)
+
+
+@dataclass(frozen=True)
+class BwdTile:
+    """One program's shape and resources. block_m: query rows per step (a wgmma's M for dQ, its N for S^T);
+    block_n: keys per program (= CONSUMERS x 64: a consumer's dK and dV are (64, d) float32 in registers, which at
+    d = 128 is 128 of its registers); num_slots: Q/dO ring depth; registers as in flash_gluon.GluonTile."""
+
+    head_dim: int
+    block_m: int = 64
+    block_n: int = 128
+    num_slots: int = 2
+    consumer_registers: int = 240
+    producer_registers: int = 24
+    maxnreg: int = 168
+
+    def __post_init__(self):
+        if self.block_n != CONSUMERS * 64:
+            raise ValueError(f"{self}: block_n must be {CONSUMERS} x 64 (one 64-key wgmma M per consumer)")
+        if self.block_n % self.block_m:
+            raise ValueError(f"{self}: block_m must divide block_n (only the first block_n // block_m query tiles "
+                             "of a causal key tile are masked)")
+
+    @property
+    def keys_per_consumer(self) -> int:
+        return self.block_n // CONSUMERS
+
+    @property
+    def masked_steps(self) -> int:
+        """Causal: the query tiles of a key tile that touch the diagonal (the first ones it visits)."""
+        return self.block_n // self.block_m
+
+    def shared_bytes(self, element_size: int = 2) -> int:
+        """Tiles only (the barriers add a few hundred bytes): K and V, the Q/dO ring, dS^T (16-bit) and dQ
+        (float32) per consumer."""
+        d = self.head_dim
+        kv = 2 * self.block_n * d * element_size
+        ring = 2 * self.num_slots * self.block_m * d * element_size
+        ds = CONSUMERS * self.keys_per_consumer * self.block_m * element_size
+        dq = CONSUMERS * self.block_m * d * 4
+        return kv + ring + ds + dq
+
+
+# d=128: 2 slots make 208 KiB of the H100's 227 KiB; d=64: 4 slots, 144 KiB.
+TILES = {64: BwdTile(64, num_slots=4), 128: BwdTile(128, num_slots=2)}
+
+
+def tile_for(head_dim: int) -> BwdTile:
+    if head_dim not in TILES:
+        raise ValueError(f"flash_gluon_bwd: head dim {head_dim} is not supported "
+                         f"(supported: {', '.join(map(str, TILES))})")
+    return TILES[head_dim]
+
+
+# ----------------------------------------------------------------------------------------------
+# the schedule, in plain Python (the kernel computes the same)
+# ----------------------------------------------------------------------------------------------
+def program_order(n_kv_tiles: int, batch_heads: int) -> list[tuple[int, int]]:
+    """(key tile, batch·head) of program 0, 1, ...: one head after another, key tiles in order, which is
+    heaviest first when causal (key tile t visits the query tiles from its diagonal on)."""
+    return [(pid % n_kv_tiles, pid // n_kv_tiles) for pid in range(n_kv_tiles * batch_heads)]
+
+
+def query_steps(kv_tile: int, n_queries: int, tile: BwdTile, is_causal: bool) -> tuple[int, int]:
+    """(first query tile, number of query tiles) a program visits (the kernel computes the same)."""
+    n_q_tiles = triton.cdiv(n_queries, tile.block_m)
+    first = kv_tile * tile.block_n // tile.block_m if is_causal else 0
+    return first, max(n_q_tiles - first, 0)
+
+
+def padded_queries(n_queries: int, tile: BwdTile) -> int:
+    """The row length of the preprocessed L2 and D: whole query tiles, so the main loop reads them unmasked."""
+    return triton.cdiv(n_queries, tile.block_m) * tile.block_m
+
+
+# ----------------------------------------------------------------------------------------------
+# TMA reduce-add: Triton 3.6 has the op (the builder's create_async_tma_reduce, used by its own Blackwell kernels
+# and lowered for sm_90 as cp.reduce.async.bulk.tensor) but no public Gluon call. Kept here, alone.
+# ----------------------------------------------------------------------------------------------
+def tma_reduce_problem() -> str | None:
+    """Why this Triton cannot build the reduce-add, or None."""
+    from triton._C.libtriton import gluon_ir, ir
+
+    if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce") or not hasattr(ir, "DESCRIPTOR_REDUCE_KIND"):
+        return (f"flash_gluon_bwd: TMA reduce-add uses Triton 3.6's private GluonOpBuilder.create_async_tma_reduce, "
+                f"which Triton {triton.__version__} does not have; port _tma_reduce_add to this version's public "
+                "call if it has one")
+    return None
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[coord box] += src (a shared-memory tile), asynchronously; complete with tma.store_wait."""
+    problem = tma_reduce_problem()
+    if problem:
+        raise RuntimeError(problem)
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+# ----------------------------------------------------------------------------------------------
+# preprocessing (plain Triton)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh,
+                           stride_don, stride_dod, H, N_Q, N_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """L2 = L * log2(e) and D = rowsum(dO * O) into (batch·head, N_PAD) rows; +inf and 0 past N_Q. O and dO are
+    read in their own strides (a stride-0 dO is read as it is)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    offs_m = pid * BLOCK + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    live = offs_m < N_Q
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
+                mask=live[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
+                 mask=live[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    lse = tl.load(L + bh * N_Q + offs_m, mask=live, other=float("inf")) * 1.4426950408889634
+    tl.store(L2 + bh * N_PAD + offs_m, lse)
+    tl.store(DELTA + bh * N_PAD + offs_m, delta)
+
+
+# ----------------------------------------------------------------------------------------------
+# partitions
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _producer(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
+              b, h, n0, m_first, n_steps):
+    NUM: gl.constexpr = q_ring.shape[0]
+    BM: gl.constexpr = desc_q.block_type.shape[2]
+    BNC: gl.constexpr = desc_k.block_type.shape[2]
+    mbarrier.expect(kv_bar, 2 * _CONSUMERS * desc_k.block_type.nbytes)
+    for c in gl.static_range(_CONSUMERS):
+        tma.async_copy_global_to_shared(desc_k, [b, h, n0 + c * BNC, 0], kv_bar, k_smem.index(c))
+        tma.async_copy_global_to_shared(desc_v, [b, h, n0 + c * BNC, 0], kv_bar, v_smem.index(c))
+    idx = 0
+    phase = 1  # the slots start out free
+    for i in range(n_steps):
+        mbarrier.wait(empty.index(idx), phase)
+        mbarrier.expect(ready.index(idx), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
+        row = (m_first + i) * BM
+        tma.async_copy_global_to_shared(desc_q, [b, h, row, 0], ready.index(idx), q_ring.index(idx))
+        tma.async_copy_global_to_shared(desc_do, [b, h, row, 0], ready.index(idx), do_ring.index(idx))
+        idx, phase = _next_slot(idx, phase, NUM)
+
+
+@gluon.jit
+def _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2, DELTA, dk, dv, idx, phase,
+                b, h, row_base, q_row, offs_n, qk_scale, MASKED: gl.constexpr):
+    """One query tile (rows q_row..q_row+BM) against this consumer's keys: dK, dV accumulated, dQ reduced."""
+    NUM: gl.constexpr = q_ring.shape[0]
+    BM: gl.constexpr = q_ring.shape[3]
+    BNC: gl.constexpr = k_c.shape[0]
+    D: gl.constexpr = k_c.shape[1]
+    dtype: gl.constexpr = k_c.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    q_s = _as_2d(q_ring, idx)
+    do_s = _as_2d(do_ring, idx)
+    offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+    lse = gl.load(L2 + row_base + offs_m)  # padded rows: no mask (+inf past the end gives P = 0)
+    delta = gl.load(DELTA + row_base + offs_m)
+    s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
+
+    mbarrier.wait(ready.index(idx), phase)
+    s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
+    p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+    if MASKED:
+        p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dP^T retired (issued before dV); dV may still run
+    ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+    ds_c.store(ds_t)  # the dQ wgmma that read ds_c last step has retired (waited on below, every step)
+    fence_async_shared()
+    # dV and dK retire before dQ's accumulator is live: P^T, dS^T (kept alive to here) and dQ never share registers
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+    dq = warpgroup_mma(ds_c.permute((1, 0)), k_c, gl.zeros([BM, D], gl.float32, kv_layout), use_acc=False,
+                       is_async=True)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    mbarrier.arrive(empty.index(idx), count=1)  # every wgmma reading Q_i and dO_i has retired
+    tma.store_wait(0)  # the previous reduce-add has finished reading dq_c
+    dq_c.reshape([BM, D]).store(dq)
+    fence_async_shared()
+    _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
+    nidx, nphase = _next_slot(idx, phase, NUM)
+    return dk, dv, nidx, nphase
+
+
+@gluon.jit
+def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty,
+              L2, DELTA, b, h, bh, n_pad, n0, m_first, n_steps, qk_scale, sm_scale,
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED_STEPS: gl.constexpr):
+    BM: gl.constexpr = q_ring.shape[3]
+    BNC: gl.constexpr = k_smem.shape[3]
+    D: gl.constexpr = k_smem.shape[4]
+    dtype: gl.constexpr = desc_dk.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    k_c = _as_2d(k_smem, CID)
+    v_c = _as_2d(v_smem, CID)
+    ds_c = ds_smem.index(CID)
+    dq_c = dq_smem.index(CID)
+    key0 = n0 + CID * BNC
+    offs_n = key0 + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
+    row_base = bh * n_pad
+    dk = gl.zeros([BNC, D], gl.float32, kv_layout)
+    dv = gl.zeros([BNC, D], gl.float32, kv_layout)
+    mbarrier.wait(kv_bar, 0)
+
+    idx = 0
+    phase = 0
+    n_masked = 0
+    if IS_CAUSAL:  # the diagonal's query tiles come first
+        n_masked = gl.minimum(n_steps, MASKED_STEPS)
+        for i in range(0, n_masked):
+            dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2, DELTA,
+                                             dk, dv, idx, phase, b, h, row_base, (m_first + i) * BM, offs_n,
+                                             qk_scale, True)
+    for i in range(n_masked, n_steps):
+        dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2, DELTA,
+                                         dk, dv, idx, phase, b, h, row_base, (m_first + i) * BM, offs_n,
+                                         qk_scale, False)
+
+    # dK and dV leave through this consumer's K and V buffers (every wgmma reading them has retired); rows past
+    # the last key are clipped
+    k_c.store((dk * sm_scale).to(dtype))
+    v_c.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_dk, [b, h, key0, 0], k_smem.index(CID))
+    tma.async_copy_shared_to_global(desc_dv, [b, h, key0, 0], v_smem.index(CID))
+    tma.store_wait(0)  # also the last reduce-add
+
+
+# Lengths and counts enter only addresses and loop bounds: not specialised on, so new lengths do not recompile.
+@gluon.jit(do_not_specialize=["H", "n_queries", "n_pad", "n_kv_tiles"])
+def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, L2, DELTA,
+                            H, n_queries, n_pad, n_kv_tiles, qk_scale, sm_scale,
+                            IS_CAUSAL: gl.constexpr, NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            PRODUCER_REGS: gl.constexpr):
+    BM: gl.constexpr = desc_q.block_type.shape[2]
+    BNC: gl.constexpr = desc_k.block_type.shape[2]
+    D: gl.constexpr = desc_q.block_type.shape[3]
+    dtype: gl.constexpr = desc_q.dtype
+    k_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_v.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_q.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_do.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, BNC, BM],
+                                        gl.NVMMASharedLayout.get_default_for([BNC, BM], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS, 1, 1, BM, D], desc_dq.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=_CONSUMERS)
+
+    pid = gl.program_id(0)
+    bh = pid // n_kv_tiles
+    kv_tile = pid % n_kv_tiles  # causal: the first key tiles see the most queries
+    b = bh // H
+    h = bh % H
+    n0 = kv_tile * (_CONSUMERS * BNC)
+    m_first = 0
+    if IS_CAUSAL:
+        m_first = n0 // BM
+    n_steps = gl.maximum(gl.cdiv(n_queries, BM) - m_first, 0)
+    MASKED_STEPS: gl.constexpr = _CONSUMERS * BNC // BM
+    gl.warp_specialize([
+        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready,
+                     empty, L2, DELTA, b, h, bh, n_pad, n0, m_first, n_steps, qk_scale, sm_scale, 0, IS_CAUSAL,
+                     MASKED_STEPS)),
+        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready,
+                     empty, L2, DELTA, b, h, bh, n_pad, n0, m_first, n_steps, qk_scale, sm_scale, 1, IS_CAUSAL,
+                     MASKED_STEPS)),
+        (_producer, (desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
+                     b, h, n0, m_first, n_steps)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# launcher
+# ----------------------------------------------------------------------------------------------
+def _float32_descriptor(t: torch.Tensor, rows: int):
+    """A (batch, head, row, col) TMA descriptor of the float32 dQ accumulator, (1, 1, rows, d) boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    block = [1, 1, rows, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float):
+    """The main kernel's arguments, grid and launch options for 4-d tensors, without touching a device (so that
+    `bench.flash_gluon_bwd_resources` compiles exactly what a launch would)."""
+    tile = tile_for(q.shape[-1])
+    batch, heads, n_queries, _ = q.shape
+    n_kv_tiles = triton.cdiv(k.shape[-2], tile.block_n)
+    bnc = tile.keys_per_consumer
+    args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
+            _descriptor(dk, bnc), _descriptor(dv, bnc), _float32_descriptor(dq_acc, tile.block_m), lse2, delta,
+            heads, n_queries, padded_queries(n_queries, tile), n_kv_tiles, scale * LOG2E, scale, is_causal,
+            tile.num_slots, tile.consumer_registers, tile.producer_registers)
+    grid = (n_kv_tiles * batch * heads,)
+    return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
+
+
+def _tma_problem(name: str, t: torch.Tensor) -> str | None:
+    if t.stride(-1) != 1 or any(s == 0 or s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        return f"flash_gluon_bwd: {name} (strides {t.stride()}) is not a TMA layout"
+    return None
+
+
+def backward_problem(q, k, v, o, do, lse) -> str | None:
+    """What in these inputs the kernel does not take, or None. dO that TMA cannot read is copied, not refused."""
+    problem = layout_problem(q, k, v) or device_problem(q)
+    if problem:
+        return problem.replace("flash_gluon:", "flash_gluon_bwd:")
+    if o.shape != q.shape or do.shape != q.shape or o.dtype != q.dtype or do.dtype != q.dtype:
+        return (f"flash_gluon_bwd: o {tuple(o.shape)} {o.dtype} and do {tuple(do.shape)} {do.dtype} must match q "
+                f"{tuple(q.shape)} {q.dtype}")
+    if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous():
+        return (f"flash_gluon_bwd: lse must be contiguous float32 of shape {tuple(q.shape[:-1])}, got "
+                f"{tuple(lse.shape)} {lse.dtype} contiguous={lse.is_contiguous()}")
+    return tma_reduce_problem()
+
+
+def gluon_backward_supported(q, k, v, o, do, lse) -> bool:
+    """Whether flash_backward_gluon takes these inputs (backward_problem says why not)."""
+    return backward_problem(q, k, v, o, do, lse) is None
+
+
+def flash_backward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, scale: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (each in its input's dtype and layout) of softmax attention O = softmax(scale Q K^T) V, from
+    the forward's O and natural-log logsumexp L (as flash_triton.flash_backward_triton takes them): q, o, do
+    (..., n_q, d), k, v (..., n_k, d), one or two leading dims. scale defaults to 1/sqrt(d), the forwards' scale
+    (L must have been computed with the same one). Raises ValueError naming what is unsupported."""
+    problem = backward_problem(q, k, v, o, do, lse)
+    if problem:
+        raise ValueError(problem)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    tile = tile_for(q.shape[-1])
+    q4, k4, v4, o4, do4 = map(_as_4d, (q, k, v, o, do))
+    if _tma_problem("do", do4):
+        do4 = do4.contiguous()  # e.g. the stride-0 dO of o.sum().backward()
+    batch, heads, n_queries, head_dim = q4.shape
+    n_pad = padded_queries(n_queries, tile)
+    lse2 = torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse2)
+    _bwd_preprocess_kernel[(n_pad // tile.block_m, batch * heads)](
+        o4, do4, lse, lse2, delta, *o4.stride(), *do4.stride(), heads, n_queries, n_pad, HEAD_DIM=head_dim, BLOCK=tile.block_m)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for name, t in (("dk", dk), ("dv", dv)):
+        if _tma_problem(name, _as_4d(t)):  # empty_like of an odd layout: check what TMA will write
+            raise ValueError(_tma_problem(name, _as_4d(t)))
+    dq_acc = torch.zeros(batch, heads, n_queries, head_dim, dtype=torch.float32, device=q.device)
+    args, grid, options = kernel_launch(q4, k4, v4, do4, _as_4d(dk), _as_4d(dv), dq_acc, lse2, delta, causal, scale)
+    _flash_bwd_gluon_kernel[grid](*args, **options)
+    _as_4d(dq).copy_(dq_acc.mul_(scale))
+    return dq, dk, dv
