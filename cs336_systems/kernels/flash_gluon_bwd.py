@@ -193,8 +193,8 @@ def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, stride_ob, stride_oh, stride_on,
 # partitions
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _producer(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
-              b, h, n0, m_first, n_steps):
+def _producer(desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
+              delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps):
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BNC: gl.constexpr = desc_k.block_type.shape[2]
@@ -206,16 +206,19 @@ def _producer(desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_ring, do_ring, 
     phase = 1  # the slots start out free
     for i in range(n_steps):
         mbarrier.wait(empty.index(idx), phase)
-        mbarrier.expect(ready.index(idx), desc_q.block_type.nbytes + desc_do.block_type.nbytes)
+        mbarrier.expect(ready.index(idx), desc_q.block_type.nbytes + desc_do.block_type.nbytes
+                        + desc_l2.block_type.nbytes + desc_delta.block_type.nbytes)
         row = (m_first + i) * BM
         tma.async_copy_global_to_shared(desc_q, [b, h, row, 0], ready.index(idx), q_ring.index(idx))
         tma.async_copy_global_to_shared(desc_do, [b, h, row, 0], ready.index(idx), do_ring.index(idx))
+        tma.async_copy_global_to_shared(desc_l2, [bh, row], ready.index(idx), l2_ring.index(idx))
+        tma.async_copy_global_to_shared(desc_delta, [bh, row], ready.index(idx), delta_ring.index(idx))
         idx, phase = _next_slot(idx, phase, NUM)
 
 
 @gluon.jit
-def _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2, DELTA, dk, dv, idx, phase,
-                b, h, row_base, q_row, offs_n, qk_scale, MASKED: gl.constexpr):
+def _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_c, dq_c, desc_dq, dk, dv, idx,
+                phase, b, h, q_row, offs_n, qk_scale, MASKED: gl.constexpr):
     """One query tile (rows q_row..q_row+BM) against this consumer's keys: dK, dV accumulated, dQ reduced."""
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
@@ -227,22 +230,22 @@ def _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     q_s = _as_2d(q_ring, idx)
     do_s = _as_2d(do_ring, idx)
-    offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-    lse = gl.load(L2 + row_base + offs_m)  # padded rows: no mask (+inf past the end gives P = 0)
-    delta = gl.load(DELTA + row_base + offs_m)
     s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
 
     mbarrier.wait(ready.index(idx), phase)
     s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
-    p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+    # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
+    # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
+    p_t = gl.exp2(s_t * qk_scale - l2_ring.index(idx).load(s_layout))  # padded queries: L2 = +inf, P = 0
     if MASKED:
+        offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
-    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
+    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)  # dV's tensor-core work overlaps dS^T below
     dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dP^T retired (issued before dV); dV may still run
-    ds_t = (p_t * (dp_t - delta[None, :])).to(dtype)
+    ds_t = (p_t * (dp_t - delta_ring.index(idx).load(s_layout))).to(dtype)
     ds_op = gl.convert_layout(ds_t, a_layout)
     dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
     ds_c.store(ds_t)  # the dQ wgmma that read ds_c last step has retired (waited on below, every step)
@@ -262,8 +265,8 @@ def _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2
 
 
 @gluon.jit
-def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready, empty,
-              L2, DELTA, b, h, bh, n_pad, n0, m_first, n_steps, qk_scale, sm_scale,
+def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem, dq_smem,
+              kv_bar, ready, empty, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
               CID: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED_STEPS: gl.constexpr):
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
@@ -277,7 +280,6 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_sme
     dq_c = dq_smem.index(CID)
     key0 = n0 + CID * BNC
     offs_n = key0 + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
-    row_base = bh * n_pad
     dk = gl.zeros([BNC, D], gl.float32, kv_layout)
     dv = gl.zeros([BNC, D], gl.float32, kv_layout)
     mbarrier.wait(kv_bar, 0)
@@ -288,12 +290,12 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_sme
     if IS_CAUSAL:  # the diagonal's query tiles come first
         n_masked = gl.minimum(n_steps, MASKED_STEPS)
         for i in range(0, n_masked):
-            dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2, DELTA,
-                                             dk, dv, idx, phase, b, h, row_base, (m_first + i) * BM, offs_n,
+            dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_c, dq_c,
+                                             desc_dq, dk, dv, idx, phase, b, h, (m_first + i) * BM, offs_n,
                                              qk_scale, True)
     for i in range(n_masked, n_steps):
-        dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, ready, empty, ds_c, dq_c, desc_dq, L2, DELTA,
-                                         dk, dv, idx, phase, b, h, row_base, (m_first + i) * BM, offs_n,
+        dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_c, dq_c,
+                                         desc_dq, dk, dv, idx, phase, b, h, (m_first + i) * BM, offs_n,
                                          qk_scale, False)
 
     # dK and dV leave through this consumer's K and V buffers (every wgmma reading them has retired); rows past
@@ -307,9 +309,9 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_sme
 
 
 # Lengths and counts enter only addresses and loop bounds: not specialised on, so new lengths do not recompile.
-@gluon.jit(do_not_specialize=["H", "n_queries", "n_pad", "n_kv_tiles"])
-def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, L2, DELTA,
-                            H, n_queries, n_pad, n_kv_tiles, qk_scale, sm_scale,
+@gluon.jit(do_not_specialize=["H", "n_queries", "n_kv_tiles"])
+def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
+                            H, n_queries, n_kv_tiles, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
@@ -323,6 +325,8 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     ds_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, BNC, BM],
                                         gl.NVMMASharedLayout.get_default_for([BNC, BM], dtype))
     dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS, 1, 1, BM, D], desc_dq.layout)
+    l2_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_l2.layout)
+    delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_delta.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -343,25 +347,26 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     n_steps = gl.maximum(gl.cdiv(n_queries, BM) - m_first, 0)
     MASKED_STEPS: gl.constexpr = _CONSUMERS * BNC // BM
     gl.warp_specialize([
-        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready,
-                     empty, L2, DELTA, b, h, bh, n_pad, n0, m_first, n_steps, qk_scale, sm_scale, 0, IS_CAUSAL,
+        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
+                     dq_smem, kv_bar, ready, empty, b, h, n0, m_first, n_steps, qk_scale, sm_scale, 0, IS_CAUSAL,
                      MASKED_STEPS)),
-        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, ds_smem, dq_smem, kv_bar, ready,
-                     empty, L2, DELTA, b, h, bh, n_pad, n0, m_first, n_steps, qk_scale, sm_scale, 1, IS_CAUSAL,
+        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
+                     dq_smem, kv_bar, ready, empty, b, h, n0, m_first, n_steps, qk_scale, sm_scale, 1, IS_CAUSAL,
                      MASKED_STEPS)),
-        (_producer, (desc_q, desc_do, desc_k, desc_v, k_smem, v_smem, q_ring, do_ring, kv_bar, ready, empty,
-                     b, h, n0, m_first, n_steps)),
+        (_producer, (desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
+                     delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------
-def _float32_descriptor(t: torch.Tensor, rows: int):
-    """A (batch, head, row, col) TMA descriptor of the float32 dQ accumulator, (1, 1, rows, d) boxes."""
+def _float32_descriptor(t: torch.Tensor, block: list[int]):
+    """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, row, col) in
+    (1, 1, block_m, d) boxes, the preprocessed rows (batch·head, padded query) in (1, block_m) boxes (unswizzled:
+    one row)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    block = [1, 1, rows, t.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
@@ -374,8 +379,8 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     n_kv_tiles = triton.cdiv(k.shape[-2], tile.block_n)
     bnc = tile.keys_per_consumer
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
-            _descriptor(dk, bnc), _descriptor(dv, bnc), _float32_descriptor(dq_acc, tile.block_m), lse2, delta,
-            heads, n_queries, padded_queries(n_queries, tile), n_kv_tiles, scale * LOG2E, scale, is_causal,
+            _descriptor(dk, bnc), _descriptor(dv, bnc), _float32_descriptor(dq_acc, [1, 1, tile.block_m, q.shape[-1]]),
+            _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]), heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
             tile.num_slots, tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
