@@ -69,12 +69,16 @@ _CONSUMERS = gl.constexpr(CONSUMERS)
 class BwdTile:
     """One program's shape and resources. block_m: query rows per step (a wgmma's M for dQ, its N for S^T);
     block_n: keys per program (= CONSUMERS x 64: a consumer's dK and dV are (64, d) float32 in registers, which at
-    d = 128 is 128 of its registers); num_slots: Q/dO ring depth; registers as in flash_gluon.GluonTile."""
+    d = 128 is 128 of its registers); num_slots: Q/dO ring depth; split_dq: dQ of a step computed once for the
+    program's block_n keys, each consumer taking half of the head dim (half the dQ registers and half the
+    reduce-add traffic, for a barrier between the consumers each step), else per consumer over its own keys;
+    registers as in flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
     block_n: int = 128
     num_slots: int = 2
+    split_dq: bool = True
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
@@ -95,18 +99,23 @@ class BwdTile:
         """Causal: the query tiles of a key tile that touch the diagonal (the first ones it visits)."""
         return self.block_n // self.block_m
 
+    @property
+    def dq_columns(self) -> int:
+        """The dQ columns one consumer computes and reduces per step."""
+        return self.head_dim // CONSUMERS if self.split_dq else self.head_dim
+
     def shared_bytes(self, element_size: int = 2) -> int:
-        """Tiles only (the barriers add a few hundred bytes): K and V, the Q/dO ring, dS^T (16-bit) and dQ
-        (float32) per consumer."""
+        """Tiles only (the barriers add a few hundred bytes): K and V, the Q/dO ring with its L2 and D rows, dS^T
+        (16-bit; two buffers when split) and each consumer's float32 dQ."""
         d = self.head_dim
         kv = 2 * self.block_n * d * element_size
-        ring = 2 * self.num_slots * self.block_m * d * element_size
-        ds = CONSUMERS * self.keys_per_consumer * self.block_m * element_size
-        dq = CONSUMERS * self.block_m * d * 4
+        ring = self.num_slots * self.block_m * (2 * d * element_size + 2 * 4)
+        ds = (2 if self.split_dq else 1) * self.block_n * self.block_m * element_size
+        dq = CONSUMERS * self.block_m * self.dq_columns * 4
         return kv + ring + ds + dq
 
 
-# d=128: 2 slots make 208 KiB of the H100's 227 KiB; d=64: 4 slots, 144 KiB.
+# d=128: 2 slots make 194 KiB of the H100's 227 KiB; d=64: 4 slots, 129 KiB.
 TILES = {64: BwdTile(64, num_slots=4), 128: BwdTile(128, num_slots=2)}
 
 
@@ -217,17 +226,24 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_sm
 
 
 @gluon.jit
-def _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_c, dq_c, desc_dq, dk, dv, idx,
-                phase, b, h, q_row, offs_n, qk_scale, MASKED: gl.constexpr):
-    """One query tile (rows q_row..q_row+BM) against this consumer's keys: dK, dV accumulated, dQ reduced."""
+def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_c, desc_dq,
+                dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
+                SPLIT_DQ: gl.constexpr):
+    """One query tile (rows q_row..q_row+BM) against this consumer's keys: dK, dV accumulated, dQ reduced.
+    SPLIT_DQ: dQ_i = dS_i K over both consumers' keys, each consumer taking half of the head dim (both dS^T in
+    shared memory, buffered by step parity, ds_ready says both are written); else each consumer reduces its own
+    keys' (BM, d) partial."""
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
-    BNC: gl.constexpr = k_c.shape[0]
-    D: gl.constexpr = k_c.shape[1]
-    dtype: gl.constexpr = k_c.dtype
+    BNC: gl.constexpr = k_smem.shape[3]
+    D: gl.constexpr = k_smem.shape[4]
+    DQ: gl.constexpr = dq_c.shape[3]  # dQ columns this consumer reduces: D / 2 when split, else D
+    dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    k_c = _as_2d(k_smem, CID)
     q_s = _as_2d(q_ring, idx)
     do_s = _as_2d(do_ring, idx)
     s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
@@ -239,7 +255,7 @@ def _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds
     # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
     # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
     p_t = gl.exp2(s_t * qk_scale - l2_ring.index(idx).load(s_layout))  # padded queries: L2 = +inf, P = 0
-    if MASKED:
+    if masked:  # a runtime branch: only the diagonal's tiles pay for the mask
         offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(dtype), a_layout)
@@ -248,26 +264,46 @@ def _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds
     ds_t = (p_t * (dp_t - delta_ring.index(idx).load(s_layout))).to(dtype)
     ds_op = gl.convert_layout(ds_t, a_layout)
     dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-    ds_c.store(ds_t)  # the dQ wgmma that read ds_c last step has retired (waited on below, every step)
+    # dS^T to shared memory for dQ. Its buffer was last read by the dQ wgmmas of step - 2 (split: both consumers';
+    # the other one's retired before it arrived on ds_ready in step - 1, which this one waited for) or step - 1
+    # (not split: this consumer's own, waited on below)
+    if SPLIT_DQ:
+        ds_buf = ds_smem.index(step % 2)
+    else:
+        ds_buf = ds_smem.index(0)
+    ds_buf.slice(CID * BNC, BNC).store(ds_t)
     fence_async_shared()
     # dV and dK retire before dQ's accumulator is live: P^T, dS^T (kept alive to here) and dQ never share registers
     dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-    dq = warpgroup_mma(ds_c.permute((1, 0)), k_c, gl.zeros([BM, D], gl.float32, kv_layout), use_acc=False,
-                       is_async=True)
+    if SPLIT_DQ:
+        gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
+        mbarrier.arrive(ds_ready.index(step % 2), count=1)
+        mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
+        # dQ_i[:, this half] = sum over the consumers' key blocks j of dS_ij K_j[:, this half]
+        dq = warpgroup_mma(ds_buf.slice(0, BNC).permute((1, 0)), _as_2d(k_smem, 0).slice(CID * DQ, DQ, dim=1),
+                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_buf.slice(BNC, BNC).permute((1, 0)), _as_2d(k_smem, 1).slice(CID * DQ, DQ, dim=1),
+                           dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_buf.slice(CID * BNC, BNC).permute((1, 0)), k_c, gl.zeros([BM, DQ], gl.float32, dq_layout),
+                           use_acc=False, is_async=True)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(empty.index(idx), count=1)  # every wgmma reading Q_i and dO_i has retired
     tma.store_wait(0)  # the previous reduce-add has finished reading dq_c
-    dq_c.reshape([BM, D]).store(dq)
+    dq_c.reshape([BM, DQ]).store(dq)
     fence_async_shared()
-    _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
+    if SPLIT_DQ:
+        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
+    else:
+        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
     nidx, nphase = _next_slot(idx, phase, NUM)
     return dk, dv, nidx, nphase
 
 
 @gluon.jit
 def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem, dq_smem,
-              kv_bar, ready, empty, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, MASKED_STEPS: gl.constexpr):
+              kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, MASKED_STEPS: gl.constexpr):
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
     D: gl.constexpr = k_smem.shape[4]
@@ -276,7 +312,6 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     k_c = _as_2d(k_smem, CID)
     v_c = _as_2d(v_smem, CID)
-    ds_c = ds_smem.index(CID)
     dq_c = dq_smem.index(CID)
     key0 = n0 + CID * BNC
     offs_n = key0 + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
@@ -289,19 +324,22 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
     n_masked = 0
     if IS_CAUSAL:  # the diagonal's query tiles come first
         n_masked = gl.minimum(n_steps, MASKED_STEPS)
-        for i in range(0, n_masked):
-            dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_c, dq_c,
-                                             desc_dq, dk, dv, idx, phase, b, h, (m_first + i) * BM, offs_n,
-                                             qk_scale, True)
-    for i in range(n_masked, n_steps):
-        dk, dv, idx, phase = _query_step(k_c, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_c, dq_c,
-                                         desc_dq, dk, dv, idx, phase, b, h, (m_first + i) * BM, offs_n,
-                                         qk_scale, False)
+    # One loop with a branch for the diagonal's tiles: peeling them into a loop of their own (as the forward does)
+    # left more values live across the two loops, and the unmasked loop spilled at d=128
+    for i in range(0, n_steps):
+        dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
+                                         ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
+                                         (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ)
 
-    # dK and dV leave through this consumer's K and V buffers (every wgmma reading them has retired); rows past
-    # the last key are clipped
-    k_c.store((dk * sm_scale).to(dtype))
+    # dK and dV leave through this consumer's K and V buffers, rows past the last key clipped. Split dQ: the other
+    # consumer's dQ wgmmas read this one's K rows too, so wait until both have left the loop (each retired its
+    # last dQ wgmma before arriving)
     v_c.store(dv.to(dtype))
+    if SPLIT_DQ:
+        gl.thread_barrier()
+        mbarrier.arrive(done, count=1)
+        mbarrier.wait(done, 0)
+    k_c.store((dk * sm_scale).to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_dk, [b, h, key0, 0], k_smem.index(CID))
     tma.async_copy_shared_to_global(desc_dv, [b, h, key0, 0], v_smem.index(CID))
@@ -312,28 +350,35 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
 @gluon.jit(do_not_specialize=["H", "n_queries", "n_kv_tiles"])
 def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
                             H, n_queries, n_kv_tiles, qk_scale, sm_scale,
-                            IS_CAUSAL: gl.constexpr, NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            PRODUCER_REGS: gl.constexpr):
+                            IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, NUM_SLOTS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BNC: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
+    DQ: gl.constexpr = desc_dq.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
+    DS_BUFFERS: gl.constexpr = 2 if SPLIT_DQ else 1
     k_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_v.layout)
     q_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_q.layout)
     do_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_do.layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, BNC, BM],
-                                        gl.NVMMASharedLayout.get_default_for([BNC, BM], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS, 1, 1, BM, D], desc_dq.layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, _CONSUMERS * BNC, BM],
+                                        gl.NVMMASharedLayout.get_default_for([_CONSUMERS * BNC, BM], dtype))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS, 1, 1, BM, DQ], desc_dq.layout)
     l2_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_l2.layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_delta.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_SLOTS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=_CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=_CONSUMERS)
+    mbarrier.init(done, count=_CONSUMERS)
 
     pid = gl.program_id(0)
     bh = pid // n_kv_tiles
@@ -348,11 +393,11 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     MASKED_STEPS: gl.constexpr = _CONSUMERS * BNC // BM
     gl.warp_specialize([
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
-                     dq_smem, kv_bar, ready, empty, b, h, n0, m_first, n_steps, qk_scale, sm_scale, 0, IS_CAUSAL,
-                     MASKED_STEPS)),
+                     dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
+                     0, IS_CAUSAL, SPLIT_DQ, MASKED_STEPS)),
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
-                     dq_smem, kv_bar, ready, empty, b, h, n0, m_first, n_steps, qk_scale, sm_scale, 1, IS_CAUSAL,
-                     MASKED_STEPS)),
+                     dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
+                     1, IS_CAUSAL, SPLIT_DQ, MASKED_STEPS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
                      delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -379,9 +424,9 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     n_kv_tiles = triton.cdiv(k.shape[-2], tile.block_n)
     bnc = tile.keys_per_consumer
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
-            _descriptor(dk, bnc), _descriptor(dv, bnc), _float32_descriptor(dq_acc, [1, 1, tile.block_m, q.shape[-1]]),
+            _descriptor(dk, bnc), _descriptor(dv, bnc), _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]), heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
-            tile.num_slots, tile.consumer_registers, tile.producer_registers)
+            tile.split_dq, tile.num_slots, tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
 
