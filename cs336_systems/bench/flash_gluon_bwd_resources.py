@@ -18,10 +18,27 @@ import time
 
 from cs336_systems.bench.flash_gluon_resources import use_compile_only_driver
 
-CONFIGS = [(d, causal, dtype) for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
+# (head dim, causal, dtype, variant): what the launcher ships, then (bf16) the alternative dQ scheme, for the record:
+# "shipped" is TILES' tile; "split_dq" / "per_consumer_dq" force that dQ scheme (flash_gluon_bwd.BwdTile.split_dq)
+CONFIGS = [(d, causal, dtype, "shipped") for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
+CONFIGS += [(d, causal, "bf16", "per_consumer_dq") for d in (64, 128) for causal in (True, False)]
 
 
-def compile_config(head_dim: int, is_causal: bool, dtype: str, n: int = 1000) -> dict:
+def variant_tile(head_dim: int, variant: str):
+    """The tile of a variant name (see CONFIGS)."""
+    from dataclasses import replace
+
+    from cs336_systems.kernels import flash_gluon_bwd as bwd
+
+    tile = bwd.tile_for(head_dim)
+    if variant == "shipped":
+        return tile
+    if variant in ("split_dq", "per_consumer_dq"):
+        return replace(tile, split_dq=variant == "split_dq")
+    raise ValueError(f"unknown variant {variant!r} (shipped, split_dq, per_consumer_dq)")
+
+
+def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "shipped", n: int = 1000) -> dict:
     """One configuration compiled through the launcher's host code, on CPU stand-in tensors of the model's layout
     ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)), a ragged length."""
     import torch
@@ -30,13 +47,14 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, n: int = 1000) ->
     from cs336_systems.kernels import flash_gluon_bwd as bwd
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    tile = bwd.tile_for(head_dim)
+    tile = variant_tile(head_dim, variant)
     q = torch.empty(2, n, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
     dq_acc = torch.empty(2, 4, n, head_dim, dtype=torch.float32)
     rows = torch.empty(8, bwd.padded_queries(n, tile), dtype=torch.float32)
-    args, grid, options = bwd.kernel_launch(q, q, q, q, q, q, dq_acc, rows, rows, is_causal, head_dim**-0.5)
+    args, grid, options = bwd.kernel_launch(q, q, q, q, q, q, dq_acc, rows, rows, is_causal, head_dim**-0.5,
+                                            tile)
     row = {"kernel": "flash_gluon_backward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
-           **{k: v for k, v in vars(tile).items() if k != "head_dim"}, "tile_shared_bytes": tile.shared_bytes()}
+           "variant": variant, **{k: v for k, v in vars(tile).items() if k != "head_dim"}, "tile_shared_bytes": tile.shared_bytes()}
     start = time.time()
     try:
         compiled = bwd._flash_bwd_gluon_kernel.warmup(*args, grid=grid, **options)
@@ -54,6 +72,7 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, n: int = 1000) ->
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", nargs="+", type=int, default=None, help="only these head dims (64, 128)")
+    parser.add_argument("--shipped-only", action="store_true", help="skip the alternative dQ scheme's rows")
     parser.add_argument("--only-first", action="store_true", help="only the first selected configuration (tests)")
     parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")
     args = parser.parse_args(argv)
@@ -62,16 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     from cs336_systems.results import write_rows
 
     rows = []
-    for head_dim, causal, dtype in CONFIGS:
-        if args.head_dims and head_dim not in args.head_dims:
+    for head_dim, causal, dtype, variant in CONFIGS:
+        if (args.head_dims and head_dim not in args.head_dims) or (variant != "shipped" and args.shipped_only):
             continue
-        row = compile_config(head_dim, causal, dtype)
+        row = compile_config(head_dim, causal, dtype, variant)
         rows.append(row)
         shown = (f"{row['registers']} registers, {row['spill_store_bytes']} B spill stores, "
                  f"{row['spill_load_bytes']} B spill loads, {row['shared_bytes']} B shared, setmaxnreg "
                  f"{row['setmaxnreg']}, {row['tma_reduce_ops']} TMA reduce ops, {row['compile_s']} s"
                  if row["status"] == "ok" else row["error"])
-        print(f"d={head_dim} causal={causal} {dtype}: {shown}", flush=True)
+        print(f"d={head_dim} causal={causal} {dtype} {variant}: {shown}", flush=True)
         if args.only_first:
             break
     if args.out:

@@ -15,22 +15,30 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
        S^T = K_c Q_i^T,  dP^T = V_c dO_i^T                    (two async wgmmas from shared memory)
        P^T = exp2(S^T * scale * log2(e) - L2_i)               (masked on the causal diagonal)
        dV_c += P^T dO_i,  dS^T = P^T (dP^T - D_i),  dK_c += dS^T Q_i   (register-A wgmmas)
-       dQ_i += dS_i K_c: dS^T goes to shared memory, read transposed by a wgmma, and the (64, d) float32 partial
-       leaves by a TMA reduce-add into a float32 dQ accumulator (`_tma_reduce_add`);
+       dQ_i += dS_i K: both consumers' dS^T go to shared memory (two buffers, by step parity); once both are
+       written, consumer c computes columns [c d/2, (c+1) d/2) of dS_i K over the program's 128 keys (two wgmmas
+       reading dS^T transposed) and adds its (64, d/2) float32 part to a float32 dQ accumulator in global memory
+       by a TMA reduce-add (`_tma_reduce_add`). Splitting the head dim, not the keys, halves both the dQ
+       registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False keeps the per-consumer
+       variant, which spills there) and the reduce-add traffic;
   3. dQ = accumulator * scale, cast to q's dtype into q's layout (a torch copy).
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
   kv_bar                producer -> consumers: both consumers' K and V sub-tiles landed (expect-tx bytes)
-  ready[i]              producer -> consumers: slot i holds Q and dO of the next query tile (expect-tx bytes)
+  ready[i]              producer -> consumers: slot i holds Q, dO, L2 and D of the next query tile (expect-tx)
   empty[i]              consumers -> producer: both consumers' wgmmas reading slot i have retired (count 2)
+  ds_ready[p]           consumer <-> consumer: both dS^T of a step of parity p are in shared memory (count 2)
+  done                  consumer <-> consumer: both left the loop, so no dQ wgmma reads K any more (count 2)
 Hazards kept (triton #9433, #11781): P^T and dS^T in registers are kept alive (`deps` of the wait) until the
 wgmmas reading them have retired; a slot is released only after every wgmma reading it (S, dP, dV, dK) has
-retired; dS^T's shared buffer is rewritten only after the dQ wgmma that read it has retired (it is waited on in
-the same step), and dQ's shared buffer only after the reduce-add reading it has finished (`tma.store_wait`).
+retired; a dS^T buffer is rewritten two steps after it was read, and the other consumer arrived on ds_ready in
+between, after retiring its dQ wgmma of that step; a dQ buffer is rewritten only after the reduce-add reading it
+has finished (`tma.store_wait`); dK leaves through K's buffer only after `done`.
 
 Causal (query i sees keys 0..i, aligned at the start, as flash_triton): a key tile starting at key n0 (a multiple
 of BLOCK_N) visits query tiles from n0 // BLOCK_M on; only the first two of them (BLOCK_N // BLOCK_M) touch the
-diagonal and are masked. Keys past the end need no mask: their K and V rows load as zeros, so their dS^T rows
+diagonal and are masked (a runtime branch inside the one loop: a peeled loop of their own spilled at d=128).
+Keys past the end need no mask: their K and V rows load as zeros, so their dS^T rows
 meet a zero K row in dQ, and their dK, dV rows are clipped on store. Key tiles at or past the last query (causal,
 n_k > n_q) visit nothing and store zeros. Programs are ordered one head after another, heaviest key tile first.
 
@@ -38,6 +46,8 @@ Caveats: sm_90 only; bf16 or fp16; head dims 64 and 128; q, k, v, dO with 16-byt
 is copied contiguous where it is not, e.g. the stride-0 dO of `o.sum().backward()`); a float32 dQ accumulator of
 q's size (4 bytes per element) is allocated per call. TMA reduce-add has no public Gluon call in Triton 3.6:
 `_tma_reduce_add` wraps the private builder call and fails with a clear error on a Triton without it.
+Written and compiled without a GPU: at d=64 the split dQ reads K in 32-column halves, inside one 128-byte swizzle
+atom, which Triton accepted but only a GPU run shows correct (the stage-2 script checks both dQ schemes).
 """
 
 from __future__ import annotations
@@ -115,7 +125,7 @@ class BwdTile:
         return kv + ring + ds + dq
 
 
-# d=128: 2 slots make 194 KiB of the H100's 227 KiB; d=64: 4 slots, 129 KiB.
+# Shared memory (tiles): d=128, 2 slots: 193 KiB of the H100's 227 KiB; d=64, 4 slots: 146 KiB.
 TILES = {64: BwdTile(64, num_slots=4), 128: BwdTile(128, num_slots=2)}
 
 
@@ -416,10 +426,12 @@ def _float32_descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float):
+def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float,
+                  tile: BwdTile | None = None):
     """The main kernel's arguments, grid and launch options for 4-d tensors, without touching a device (so that
-    `bench.flash_gluon_bwd_resources` compiles exactly what a launch would)."""
-    tile = tile_for(q.shape[-1])
+    `bench.flash_gluon_bwd_resources` compiles exactly what a launch would). `tile` overrides TILES (to measure
+    an alternative)."""
+    tile = tile or tile_for(q.shape[-1])
     batch, heads, n_queries, _ = q.shape
     n_kv_tiles = triton.cdiv(k.shape[-2], tile.block_n)
     bnc = tile.keys_per_consumer
@@ -457,17 +469,20 @@ def gluon_backward_supported(q, k, v, o, do, lse) -> bool:
 
 
 def flash_backward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-                         lse: torch.Tensor, causal: bool, scale: float | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         lse: torch.Tensor, causal: bool, scale: float | None = None,
+                         tile: BwdTile | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype and layout) of softmax attention O = softmax(scale Q K^T) V, from
     the forward's O and natural-log logsumexp L (as flash_triton.flash_backward_triton takes them): q, o, do
     (..., n_q, d), k, v (..., n_k, d), one or two leading dims. scale defaults to 1/sqrt(d), the forwards' scale
-    (L must have been computed with the same one). Raises ValueError naming what is unsupported."""
+    (L must have been computed with the same one). `tile` overrides TILES (diagnosis only). Raises ValueError
+    naming what is unsupported."""
     problem = backward_problem(q, k, v, o, do, lse)
     if problem:
         raise ValueError(problem)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    tile = tile_for(q.shape[-1])
+    tile = tile or tile_for(q.shape[-1])
+    if tile.head_dim != q.shape[-1]:
+        raise ValueError(f"flash_gluon_bwd: tile for head dim {tile.head_dim} given for head dim {q.shape[-1]}")
     q4, k4, v4, o4, do4 = map(_as_4d, (q, k, v, o, do))
     if _tma_problem("do", do4):
         do4 = do4.contiguous()  # e.g. the stride-0 dO of o.sum().backward()
@@ -482,7 +497,8 @@ def flash_backward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: t
         if _tma_problem(name, _as_4d(t)):  # empty_like of an odd layout: check what TMA will write
             raise ValueError(_tma_problem(name, _as_4d(t)))
     dq_acc = torch.zeros(batch, heads, n_queries, head_dim, dtype=torch.float32, device=q.device)
-    args, grid, options = kernel_launch(q4, k4, v4, do4, _as_4d(dk), _as_4d(dv), dq_acc, lse2, delta, causal, scale)
+    args, grid, options = kernel_launch(q4, k4, v4, do4, _as_4d(dk), _as_4d(dv), dq_acc, lse2, delta, causal, scale,
+                                        tile)
     _flash_bwd_gluon_kernel[grid](*args, **options)
     _as_4d(dq).copy_(dq_acc.mul_(scale))
     return dq, dk, dv
