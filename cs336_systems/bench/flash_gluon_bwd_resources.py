@@ -54,7 +54,8 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "s
     args, grid, options = bwd.kernel_launch(q, q, q, q, q, q, dq_acc, rows, rows, is_causal, head_dim**-0.5,
                                             tile)
     row = {"kernel": "flash_gluon_backward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
-           "variant": variant, **{k: v for k, v in vars(tile).items() if k != "head_dim"}, "tile_shared_bytes": tile.shared_bytes()}
+           "variant": variant, **{k: v for k, v in vars(tile).items() if k != "head_dim"},
+           "tile_shared_bytes": tile.shared_bytes()}
     start = time.time()
     try:
         compiled = bwd._flash_bwd_gluon_kernel.warmup(*args, grid=grid, **options)

@@ -68,7 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from cs336_systems.kernels.flash_gluon import DTYPES, _as_2d, _as_4d, _descriptor, _next_slot, device_problem, layout_problem
+from cs336_systems.kernels.flash_gluon import _as_2d, _as_4d, _descriptor, _next_slot, device_problem, layout_problem
 
 LOG2E = 1.4426950408889634
 CONSUMERS = 2  # consumer warpgroups per program, each owning block_n / CONSUMERS keys
@@ -436,8 +436,10 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     n_kv_tiles = triton.cdiv(k.shape[-2], tile.block_n)
     bnc = tile.keys_per_consumer
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
-            _descriptor(dk, bnc), _descriptor(dv, bnc), _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
-            _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]), heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
+            _descriptor(dk, bnc), _descriptor(dv, bnc),
+            _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
+            _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
+            heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
             tile.split_dq, tile.num_slots, tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
@@ -450,8 +452,9 @@ def _tma_problem(name: str, t: torch.Tensor) -> str | None:
 
 
 def backward_problem(q, k, v, o, do, lse) -> str | None:
-    """What in these inputs the kernel does not take, or None. dO that TMA cannot read is copied, not refused."""
-    problem = layout_problem(q, k, v) or device_problem(q)
+    """What in these inputs the kernel does not take, or None; the device is checked last, so that shape and dtype
+    problems are named on any device. dO that TMA cannot read is copied, not refused."""
+    problem = layout_problem(q, k, v)
     if problem:
         return problem.replace("flash_gluon:", "flash_gluon_bwd:")
     if o.shape != q.shape or do.shape != q.shape or o.dtype != q.dtype or do.dtype != q.dtype:
@@ -460,6 +463,12 @@ def backward_problem(q, k, v, o, do, lse) -> str | None:
     if lse.shape != q.shape[:-1] or lse.dtype != torch.float32 or not lse.is_contiguous():
         return (f"flash_gluon_bwd: lse must be contiguous float32 of shape {tuple(q.shape[:-1])}, got "
                 f"{tuple(lse.shape)} {lse.dtype} contiguous={lse.is_contiguous()}")
+    if not (q.device == o.device == do.device == lse.device):
+        return (f"flash_gluon_bwd: q, o, do, lse must be on one device, got {q.device}, {o.device}, {do.device}, "
+                f"{lse.device}")
+    problem = device_problem(q)
+    if problem:
+        return problem.replace("flash_gluon:", "flash_gluon_bwd:")
     return tma_reduce_problem()
 
 
@@ -491,7 +500,8 @@ def flash_backward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: t
     lse2 = torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
     _bwd_preprocess_kernel[(n_pad // tile.block_m, batch * heads)](
-        o4, do4, lse, lse2, delta, *o4.stride(), *do4.stride(), heads, n_queries, n_pad, HEAD_DIM=head_dim, BLOCK=tile.block_m)
+        o4, do4, lse, lse2, delta, *o4.stride(), *do4.stride(), heads, n_queries, n_pad,
+        HEAD_DIM=head_dim, BLOCK=tile.block_m)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for name, t in (("dk", dk), ("dv", dv)):
         if _tma_problem(name, _as_4d(t)):  # empty_like of an odd layout: check what TMA will write
