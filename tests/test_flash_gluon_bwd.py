@@ -1,0 +1,222 @@
+"""The Gluon FlashAttention backward for Hopper (`kernels/flash_gluon_bwd.py`).
+
+On CPU: its plain-Python parts (tiles, the program order, which query tiles a key tile visits and masks, the padded
+row length, the support checks and their errors, the TMA reduce-add's version check), the preprocessing kernel
+(plain Triton: under the interpreter on CPU, compiled on a GPU) against torch, and, in a process of its own, a
+compile for sm_90 with 0 spills. On an sm_90 GPU (marked `gpu`): dQ, dK, dV against a float64 autograd reference and
+against our Triton FA2 backward on awkward shapes (lengths not tile multiples, causal or not, rectangular both ways,
+3-d inputs, the model's strides, a stride-0 dO), with both dQ schemes.
+"""
+
+import dataclasses
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from cs336_systems.kernels import flash_gluon_bwd as bwd
+from cs336_systems.kernels.flash_gluon_bwd import (
+    TILES,
+    BwdTile,
+    backward_problem,
+    gluon_backward_supported,
+    padded_queries,
+    program_order,
+    query_steps,
+)
+from cs336_systems.model.attention import naive_attention
+
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 GPU")
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# plain Python, on CPU
+# ----------------------------------------------------------------------------------------------
+def test_tiles_fit_shared_memory_and_keep_the_masking_assumption():
+    for d, tile in TILES.items():
+        assert tile.head_dim == d and tile.keys_per_consumer == 64
+        assert tile.shared_bytes() <= 227 * 1024
+        assert tile.masked_steps * tile.block_m == tile.block_n
+        assert tile.dq_columns * (2 if tile.split_dq else 1) == d
+    with pytest.raises(ValueError, match="block_n must be 2 x 64"):
+        BwdTile(64, block_n=256)
+    with pytest.raises(ValueError, match="block_m must divide block_n"):
+        BwdTile(64, block_m=96)
+    with pytest.raises(ValueError, match="head dim 32"):
+        bwd.tile_for(32)
+
+
+@pytest.mark.parametrize("n_kv_tiles,batch_heads", [(5, 3), (1, 4), (7, 1)])
+def test_program_order_covers_every_tile_once_one_head_at_a_time(n_kv_tiles, batch_heads):
+    order = program_order(n_kv_tiles, batch_heads)
+    assert sorted(order) == [(t, bh) for t in range(n_kv_tiles) for bh in range(batch_heads)]
+    assert [bh for _, bh in order] == sorted(bh for _, bh in order)  # one head after another
+    tile = TILES[64]
+    n = n_kv_tiles * tile.block_n - 5
+    work = [query_steps(t, n, tile, True)[1] for t, bh in order if bh == 0]
+    assert work == sorted(work, reverse=True)  # causal: heaviest key tile first
+
+
+@pytest.mark.parametrize("n_q,n_k", [(1000, 1000), (1, 1), (300, 1000), (1000, 300), (128, 129), (129, 64), (65, 700)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_query_steps_visit_every_visible_pair_and_mask_only_the_first(n_q, n_k, head_dim):
+    """Brute force over (query, key) pairs: a key tile visits every query tile holding a query that sees one of its
+    keys; causal, every query tile where some valid query does not see some valid key of it is among the first
+    `masked_steps` visited (the kernel masks only those)."""
+    tile = TILES[head_dim]
+    queries = torch.arange(n_q)
+    for causal in (True, False):
+        for kv_tile in range(-(-n_k // tile.block_n)):
+            keys = torch.arange(kv_tile * tile.block_n, min((kv_tile + 1) * tile.block_n, n_k))
+            first, steps = query_steps(kv_tile, n_q, tile, causal)
+            visited = set(range(first, first + steps))
+            sees = (keys[None, :] <= queries[:, None]) if causal else torch.ones(n_q, len(keys), dtype=torch.bool)
+            needed = set((queries[sees.any(1)] // tile.block_m).tolist())
+            assert needed <= visited, (causal, kv_tile)
+            if causal:
+                partly_hidden = set((queries[~sees.all(1)] // tile.block_m).tolist()) & visited
+                assert partly_hidden <= set(range(first, first + tile.masked_steps)), kv_tile
+
+
+def test_padded_queries_are_whole_tiles():
+    tile = TILES[128]
+    assert [padded_queries(n, tile) for n in (1, 63, 64, 65, 1000)] == [64, 64, 64, 128, 1024]
+
+
+def test_support_checks_name_the_problem():
+    bf16 = torch.bfloat16
+    q = torch.empty(2, 4, 100, 64, dtype=bf16)
+    lse = torch.empty(2, 4, 100)
+    problems = {
+        "dtype torch.float32": (torch.empty(2, 4, 100, 64), None, None),
+        "head dim 32": (torch.empty(2, 4, 100, 32, dtype=bf16), None, None),
+        "must match q": (q, torch.empty(2, 4, 100, 64, dtype=torch.float16), None),
+        "lse must be contiguous float32": (q, q, torch.empty(2, 4, 99)),
+    }
+    for words, (qq, o, ll) in problems.items():
+        o = qq if o is None else o
+        ll = torch.empty(qq.shape[:-1]) if ll is None else ll
+        assert words in backward_problem(qq, qq, qq, o, o, ll), words
+    assert "needs CUDA tensors" in backward_problem(q, q, q, q, q, lse)  # the device last: everything else fits
+    assert not gluon_backward_supported(q, q, q, q, q, lse)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        bwd.flash_backward_gluon(q, q, q, q, q, lse, True)
+
+
+def test_tma_reduce_add_is_available_and_its_absence_is_named(monkeypatch):
+    assert bwd.tma_reduce_problem() is None  # Triton 3.6, which the project pins
+    from triton._C.libtriton import gluon_ir
+
+    monkeypatch.delattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce")
+    assert "create_async_tma_reduce" in bwd.tma_reduce_problem()
+
+
+def test_preprocess_kernel_matches_torch(kernel_device):
+    """L2 = L log2(e) and D = rowsum(dO O) per padded row, +inf and 0 past the last query; O in the model's strides,
+    dO once with stride 0 (what o.sum().backward() gives)."""
+    tile = TILES[64]
+    batch, heads, n, d = 2, 3, 70, 64
+    o = torch.randn(batch, n, heads, d, device=kernel_device).to(torch.bfloat16).transpose(1, 2)
+    lse = torch.randn(batch, heads, n, device=kernel_device)
+    n_pad = padded_queries(n, tile)
+    for do in (torch.randn(batch, heads, n, d, device=kernel_device).to(torch.bfloat16),
+               torch.ones((), device=kernel_device, dtype=torch.bfloat16).expand(batch, heads, n, d)):
+        l2 = torch.empty(batch * heads, n_pad, device=kernel_device)
+        delta = torch.empty_like(l2)
+        bwd._bwd_preprocess_kernel[(n_pad // tile.block_m, batch * heads)](
+            o, do, lse, l2, delta, *o.stride(), *do.stride(), heads, n, n_pad, HEAD_DIM=d, BLOCK=tile.block_m)
+        expected = (o.float() * do.float()).sum(-1).reshape(batch * heads, n)
+        torch.testing.assert_close(delta[:, :n], expected, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(l2[:, :n], lse.reshape(batch * heads, n) * LOG2E)
+        assert (delta[:, n:] == 0).all() and torch.isposinf(l2[:, n:]).all()
+
+
+def test_compiles_for_sm90_without_spills(tmp_path):
+    """The shipped d=128 causal bf16 configuration compiled for the H100 on this machine through the launcher's own
+    host code: 0 spills, the tiles' shared memory, the dQ reduce-add lowered to TMA. In a process of its own
+    (Triton's JIT, a stand-in driver)."""
+    out = tmp_path / "gluon_bwd.csv"
+    subprocess.run([sys.executable, "-m", "cs336_systems.bench.flash_gluon_bwd_resources", "--head-dims", "128",
+                    "--shipped-only", "--only-first", "--out", str(out)], check=True, capture_output=True, text=True,
+                   timeout=600)
+    rows = pd.read_csv(out)
+    assert len(rows) == 1 and (rows["status"] == "ok").all(), rows.to_dict("records")
+    row = rows.iloc[0]
+    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0
+    assert TILES[128].shared_bytes() <= row["shared_bytes"] <= TILES[128].shared_bytes() + 1024
+    assert row["tma_reduce_ops"] >= 1
+
+
+# ----------------------------------------------------------------------------------------------
+# on an sm_90 GPU
+# ----------------------------------------------------------------------------------------------
+# (q shape, k shape, causal, model layout): lengths off the 64-row and 128-key tiles, one query, rectangular both
+# ways (causal aligned at the start; n_q < n_k leaves key tiles that no query sees), 3-d inputs, the model's strides.
+GPU_CASES = [
+    ((2, 3, 1000, 64), (2, 3, 1000, 64), True, False),
+    ((2, 3, 777, 128), (2, 3, 777, 128), False, True),
+    ((1, 4, 513, 128), (1, 4, 513, 128), True, True),
+    ((1, 4, 300, 128), (1, 4, 1000, 128), True, False),
+    ((1, 4, 1000, 64), (1, 4, 300, 64), True, True),
+    ((1, 2, 513, 64), (1, 2, 129, 64), False, False),
+    ((3, 1, 64), (3, 1, 64), True, False),
+    ((2, 257, 128), (2, 257, 128), True, False),
+]
+FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
+
+
+def _rel_err(x, ref):
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1.0)).item()
+
+
+def _fresh(shape, model_layout, dtype=torch.bfloat16):
+    t = torch.randn(shape, device="cuda", dtype=torch.float64)
+    if model_layout:
+        t = t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.to(dtype)
+
+
+def _check_against_float64_and_fa2(q, k, v, do, causal, tile=None):
+    from cs336_systems.kernels.flash_gluon import flash_attention_gluon_forward
+    from cs336_systems.kernels.flash_triton import flash_backward_triton, pinned_tiles
+
+    o, lse = flash_attention_gluon_forward(q, k, v, causal)
+    grads = bwd.flash_backward_gluon(q, k, v, o, do, lse, causal, tile=tile)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(naive_attention(*leaves, causal), leaves, do.double())
+    with pinned_tiles(FA2_TILE, FA2_TILE):
+        fa2 = flash_backward_triton(q, k, v, o, lse, do, causal)
+    for name, g, f, r, t in zip(("dQ", "dK", "dV"), grads, fa2, ref, (q, k, v)):
+        assert g.dtype == t.dtype and g.stride() == t.stride(), name
+        assert torch.isfinite(g).all(), name
+        # our FA2 backward's own error on the same O and L, with a floor for the one-token cases (errors ~0)
+        err, limit = _rel_err(g, r), 2 * _rel_err(f, r) + 2e-3
+        assert err < limit, f"{name}: error {err:.2e} vs float64 (limit {limit:.2e})"
+        assert _rel_err(g, f) < limit, name
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("q_shape,k_shape,causal,model_layout", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype):
+    q, k, v = (_fresh(s, model_layout, dtype) for s in (q_shape, k_shape, k_shape))
+    _check_against_float64_and_fa2(q, k, v, _fresh(q_shape, model_layout, dtype), causal)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_other_dq_scheme_and_stride0_grad_out(head_dim, causal):
+    """The dQ scheme TILES does not ship (kept for measurement) on a ragged length, with the dO of o.sum()."""
+    shape = (2, 3, 777, head_dim)
+    q, k, v = (_fresh(shape, False) for _ in range(3))
+    do = torch.ones((), device="cuda", dtype=q.dtype).expand(shape)
+    tile = TILES[head_dim]
+    _check_against_float64_and_fa2(q, k, v, do, causal, dataclasses.replace(tile, split_dq=not tile.split_dq))
+    _check_against_float64_and_fa2(q, k, v, do, causal)
