@@ -92,7 +92,7 @@ def check_rows(timeout_s):
         faulthandler.dump_traceback_later(timeout_s, exit=True)
         q, k, v = fresh(q_shape, model_layout), fresh(k_shape, model_layout), fresh(k_shape, model_layout)
         o, lse = flash_gluon.flash_attention_gluon_forward(q, k, v, causal)
-        do = torch.ones((), device="cuda", dtype=q.dtype).expand(q.shape) if stride0 else fresh(q_shape, model_layout)
+        do = torch.ones((), device=q.device, dtype=q.dtype).expand(q.shape) if stride0 else fresh(q_shape, model_layout)
         ref = reference_grads(q, k, v, do, causal)
         own = reference_grads(q, k, v, do, causal, q.dtype)
         with pinned_tiles(FA2_TILE, FA2_TILE):
@@ -140,19 +140,20 @@ def time_shape(name, batch, heads, n, d, causal, with_fa2: bool):
 
     q, k, v, do = (fresh((batch, heads, n, d)) for _ in range(4))
     o, lse = flash_gluon.flash_attention_gluon_forward(q, k, v, causal)
-    providers = {f"gluon_{variant}": (lambda t=tile: flash_gluon_bwd.flash_backward_gluon(q, k, v, o, do, lse, causal,
-                                                                                         tile=t))
-                 for variant, tile in variants(d)}
-    providers["cudnn"] = sdpa_backward(SDPBackend.CUDNN_ATTENTION, q, k, v, do, causal)
-    providers["sdpa_flash"] = sdpa_backward(SDPBackend.FLASH_ATTENTION, q, k, v, do, causal)
+    # provider -> a function making the timed call (SDPA's forward runs there, so a refusal is caught per provider)
+    providers = {f"gluon_{variant}": (lambda t=tile: lambda: flash_gluon_bwd.flash_backward_gluon(
+        q, k, v, o, do, lse, causal, tile=t)) for variant, tile in variants(d)}
+    providers["cudnn"] = lambda: sdpa_backward(SDPBackend.CUDNN_ATTENTION, q, k, v, do, causal)
+    providers["sdpa_flash"] = lambda: sdpa_backward(SDPBackend.FLASH_ATTENTION, q, k, v, do, causal)
     if with_fa2:
-        providers["flash_triton"] = lambda: flash_backward_triton(q, k, v, o, lse, do, causal)
+        providers["flash_triton"] = lambda: lambda: flash_backward_triton(q, k, v, o, lse, do, causal)
     flops = 10.0 * batch * heads * n * n * d / (2 if causal else 1)
     rows, times, grads = [], {}, {}
-    for provider, fn in providers.items():
+    for provider, make in providers.items():
         row = {"section": "timing", "case": name, "batch": batch, "heads": heads, "seq": n, "head_dim": d,
                "causal": causal, "dtype": "bfloat16", "provider": provider}
         try:
+            fn = make()
             grads[provider] = fn()  # also compiles / autotunes before timing
             torch.cuda.synchronize()
             ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
