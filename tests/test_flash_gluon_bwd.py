@@ -135,6 +135,27 @@ def test_preprocess_kernel_matches_torch(kernel_device):
         assert (delta[:, n:] == 0).all() and torch.isposinf(l2[:, n:]).all()
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_exact_reference_is_exact_in_the_kernels_precisions(causal):
+    """The EXACT check's premise: with exact_inputs, the kernel's arithmetic (16-bit P^T and dS^T, float32 products
+    and sums) gives the float64 reference's integers exactly, so the GPU test may compare bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, do = bwd.exact_inputs((2, 3, 200, 64), (2, 3, 150, 64), "cpu", gen)
+    ref = bwd.exact_reference(q, k, v, do, causal)
+    s = q.float() @ k.float().transpose(-1, -2)
+    p = s - torch.floor(s / 8) * 8
+    if causal:
+        p = p.masked_fill(torch.ones(200, 150, dtype=torch.bool).triu(1), 0.0)
+    ds = (p * (do.float() @ v.float().transpose(-1, -2))).to(torch.bfloat16).float()
+    p = p.to(torch.bfloat16).float()
+    emulated = (ds @ k.float(), ds.transpose(-1, -2) @ q.float(), p.transpose(-1, -2) @ do.float())
+    for e, r in zip(emulated, ref):
+        assert torch.equal(e.to(torch.bfloat16), r.to(torch.bfloat16))
+        assert r.abs().max() > 8  # not trivially zero
+    with pytest.raises(ValueError, match="not exact"):  # dP x 37^2: dS beyond what bf16 holds exactly
+        bwd.exact_reference(q, k, v * 37, do * 37, causal)
+
+
 def test_compiles_for_sm90_without_spills(tmp_path):
     """The shipped d=128 causal bf16 configuration compiled for the H100 on this machine through the launcher's own
     host code: 0 spills, the tiles' shared memory, the dQ reduce-add lowered to TMA. In a process of its own
@@ -220,3 +241,24 @@ def test_gpu_other_dq_scheme_and_stride0_grad_out(head_dim, causal):
     tile = TILES[head_dim]
     _check_against_float64_and_fa2(q, k, v, do, causal, dataclasses.replace(tile, split_dq=not tile.split_dq))
     _check_against_float64_and_fa2(q, k, v, do, causal)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("split_dq", [True, False])
+def test_gpu_exact_pipeline(head_dim, causal, split_dq):
+    """EXACT: P^T = S^T mod 8 with integer inputs, O = 0 and scale 1, so every product and sum is an exact integer:
+    dQ, dK, dV must equal the float64 reference rounded to bf16, bit for bit, on repeated launches (any lost,
+    repeated or reordered tile, a barrier race or a register-A hazard shows as a mismatch). Ragged lengths,
+    rectangular."""
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    q, k, v, do = bwd.exact_inputs((2, 3, 777, head_dim), (2, 3, 1000, head_dim), "cuda", gen)
+    expected = [g.to(torch.bfloat16) for g in bwd.exact_reference(q, k, v, do, causal)]
+    o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
+    tile = dataclasses.replace(TILES[head_dim], split_dq=split_dq)
+    for _ in range(3):
+        grads = bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
+        for name, g, e in zip(("dQ", "dK", "dV"), grads, expected):
+            assert torch.equal(g, e), f"{name}: {int((g != e).sum())} mismatches"

@@ -19,9 +19,11 @@ import time
 from cs336_systems.bench.flash_gluon_resources import use_compile_only_driver
 
 # (head dim, causal, dtype, variant): what the launcher ships, then (bf16) the alternative dQ scheme, for the record:
-# "shipped" is TILES' tile; "split_dq" / "per_consumer_dq" force that dQ scheme (flash_gluon_bwd.BwdTile.split_dq)
+# "shipped" is TILES' tile; "split_dq" / "per_consumer_dq" force that dQ scheme (flash_gluon_bwd.BwdTile.split_dq);
+# "exact" is the shipped tile with EXACT (P^T = S^T mod 8), which the GPU tests run
 CONFIGS = [(d, causal, dtype, "shipped") for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
 CONFIGS += [(d, causal, "bf16", "per_consumer_dq") for d in (64, 128) for causal in (True, False)]
+CONFIGS += [(d, causal, "bf16", "exact") for d in (64, 128) for causal in (True, False)]  # the GPU tests' EXACT
 
 
 def variant_tile(head_dim: int, variant: str):
@@ -31,11 +33,11 @@ def variant_tile(head_dim: int, variant: str):
     from cs336_systems.kernels import flash_gluon_bwd as bwd
 
     tile = bwd.tile_for(head_dim)
-    if variant == "shipped":
+    if variant in ("shipped", "exact"):
         return tile
     if variant in ("split_dq", "per_consumer_dq"):
         return replace(tile, split_dq=variant == "split_dq")
-    raise ValueError(f"unknown variant {variant!r} (shipped, split_dq, per_consumer_dq)")
+    raise ValueError(f"unknown variant {variant!r} (shipped, exact, split_dq, per_consumer_dq)")
 
 
 def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "shipped", n: int = 1000) -> dict:
@@ -52,7 +54,7 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "s
     dq_acc = torch.empty(2, 4, n, head_dim, dtype=torch.float32)
     rows = torch.empty(8, bwd.padded_queries(n, tile), dtype=torch.float32)
     args, grid, options = bwd.kernel_launch(q, q, q, q, q, q, dq_acc, rows, rows, is_causal, head_dim**-0.5,
-                                            tile)
+                                            tile, variant == "exact")
     row = {"kernel": "flash_gluon_backward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
            "variant": variant, **{k: v for k, v in vars(tile).items() if k != "head_dim"},
            "tile_shared_bytes": tile.shared_bytes()}

@@ -46,6 +46,7 @@ Caveats: sm_90 only; bf16 or fp16; head dims 64 and 128; q, k, v, dO with 16-byt
 is copied contiguous where it is not, e.g. the stride-0 dO of `o.sum().backward()`); a float32 dQ accumulator of
 q's size (4 bytes per element) is allocated per call. TMA reduce-add has no public Gluon call in Triton 3.6:
 `_tma_reduce_add` wraps the private builder call and fails with a clear error on a Triton without it.
+EXACT (tests only) replaces the softmax by P^T = S^T mod 8, as flash_gluon's EXACT does for the forward.
 Written and compiled without a GPU: at d=64 the split dQ reads K in 32-column halves, inside one 128-byte swizzle
 atom, which Triton accepted but only a GPU run shows correct (the stage-2 script checks both dQ schemes).
 """
@@ -157,6 +158,32 @@ def padded_queries(n_queries: int, tile: BwdTile) -> int:
     return triton.cdiv(n_queries, tile.block_m) * tile.block_m
 
 
+def exact_inputs(shape_q, shape_k, device, generator=None, dtype=torch.bfloat16):
+    """q, k, v, do for an EXACT check: q, k in {-1, 0, 1}; v, do sparse in {-1, 0, 1}, so that dP and dS = P dP
+    stay small integers (a 16-bit float holds every integer up to 256 exactly)."""
+    def draw(shape, density):
+        values = torch.randint(-1, 2, shape, device=device, generator=generator)
+        return (values * (torch.rand(shape, device=device, generator=generator) < density)).to(dtype)
+
+    return draw(shape_q, 1.0), draw(shape_k, 1.0), draw(shape_k, 0.25), draw(shape_q, 0.25)
+
+
+def exact_reference(q, k, v, do, causal: bool):
+    """float64 dQ, dK, dV of the EXACT kernel (the plain-PyTorch reference its test compares against bit for bit,
+    after rounding to q's dtype): P = S mod 8 with S = Q K^T (0 where causal hides a key), dS = P * dP, dP = dO V^T
+    (D = 0 as O = 0, scale 1). Raises ValueError if some dS is not exact in q's dtype (draw other inputs)."""
+    from cs336_systems.model.attention import causal_mask
+
+    s = q.double() @ k.double().transpose(-1, -2)
+    p = s - torch.floor(s / 8) * 8
+    if causal:
+        p = p.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device), 0.0)
+    ds = p * (do.double() @ v.double().transpose(-1, -2))
+    if not torch.equal(ds.to(q.dtype).double(), ds):
+        raise ValueError(f"exact_reference: |dS| up to {ds.abs().max().item():.0f} is not exact in {q.dtype}")
+    return ds @ k.double(), ds.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ do.double()
+
+
 # ----------------------------------------------------------------------------------------------
 # TMA reduce-add: Triton 3.6 has the op (the builder's create_async_tma_reduce, used by its own Blackwell kernels
 # and lowered for sm_90 as cp.reduce.async.bulk.tensor) but no public Gluon call. Kept here, alone.
@@ -238,7 +265,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_sm
 @gluon.jit
 def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_c, desc_dq,
                 dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
-                SPLIT_DQ: gl.constexpr):
+                SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
     """One query tile (rows q_row..q_row+BM) against this consumer's keys: dK, dV accumulated, dQ reduced.
     SPLIT_DQ: dQ_i = dS_i K over both consumers' keys, each consumer taking half of the head dim (both dS^T in
     shared memory, buffered by step parity, ds_ready says both are written); else each consumer reduces its own
@@ -264,7 +291,10 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
     # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
     # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
-    p_t = gl.exp2(s_t * qk_scale - l2_ring.index(idx).load(s_layout))  # padded queries: L2 = +inf, P = 0
+    if EXACT:  # tests only: integer arithmetic, every value exact (see the module docstring)
+        p_t = s_t - gl.floor(s_t * 0.125) * 8.0
+    else:
+        p_t = gl.exp2(s_t * qk_scale - l2_ring.index(idx).load(s_layout))  # padded queries: L2 = +inf, P = 0
     if masked:  # a runtime branch: only the diagonal's tiles pay for the mask
         offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
@@ -313,7 +343,8 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
 @gluon.jit
 def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem, dq_smem,
               kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, MASKED_STEPS: gl.constexpr):
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr,
+              MASKED_STEPS: gl.constexpr):
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
     D: gl.constexpr = k_smem.shape[4]
@@ -339,7 +370,7 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
     for i in range(0, n_steps):
         dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
                                          ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
-                                         (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ)
+                                         (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ, EXACT)
 
     # dK and dV leave through this consumer's K and V buffers, rows past the last key clipped. Split dQ: the other
     # consumer's dQ wgmmas read this one's K rows too, so wait until both have left the loop (each retired its
@@ -360,7 +391,8 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
 @gluon.jit(do_not_specialize=["H", "n_queries", "n_kv_tiles"])
 def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
                             H, n_queries, n_kv_tiles, qk_scale, sm_scale,
-                            IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, NUM_SLOTS: gl.constexpr,
+                            IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr,
+                            NUM_SLOTS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BNC: gl.constexpr = desc_k.block_type.shape[2]
@@ -404,10 +436,10 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     gl.warp_specialize([
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
                      dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     0, IS_CAUSAL, SPLIT_DQ, MASKED_STEPS)),
+                     0, IS_CAUSAL, SPLIT_DQ, EXACT, MASKED_STEPS)),
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
                      dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     1, IS_CAUSAL, SPLIT_DQ, MASKED_STEPS)),
+                     1, IS_CAUSAL, SPLIT_DQ, EXACT, MASKED_STEPS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
                      delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -427,7 +459,7 @@ def _float32_descriptor(t: torch.Tensor, block: list[int]):
 
 
 def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float,
-                  tile: BwdTile | None = None):
+                  tile: BwdTile | None = None, exact: bool = False):
     """The main kernel's arguments, grid and launch options for 4-d tensors, without touching a device (so that
     `bench.flash_gluon_bwd_resources` compiles exactly what a launch would). `tile` overrides TILES (to measure
     an alternative)."""
@@ -440,7 +472,7 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
             _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
-            tile.split_dq, tile.num_slots, tile.consumer_registers, tile.producer_registers)
+            tile.split_dq, exact, tile.num_slots, tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
 
@@ -485,6 +517,14 @@ def flash_backward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: t
     (..., n_q, d), k, v (..., n_k, d), one or two leading dims. scale defaults to 1/sqrt(d), the forwards' scale
     (L must have been computed with the same one). `tile` overrides TILES (diagnosis only). Raises ValueError
     naming what is unsupported."""
+    return _backward(q, k, v, o, do, lse, causal, scale, tile)
+
+
+def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, tile: BwdTile | None = None,
+              exact: bool = False):
+    """flash_backward_gluon, plus EXACT (tests only: P^T = S^T mod 8 in place of the softmax, L unused; with
+    integer inputs, O = 0 (so D = 0) and scale 1 every value is an exact integer, so the whole pipeline is checkable
+    bit for bit)."""
     problem = backward_problem(q, k, v, o, do, lse)
     if problem:
         raise ValueError(problem)
@@ -508,7 +548,7 @@ def flash_backward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: t
             raise ValueError(_tma_problem(name, _as_4d(t)))
     dq_acc = torch.zeros(batch, heads, n_queries, head_dim, dtype=torch.float32, device=q.device)
     args, grid, options = kernel_launch(q4, k4, v4, do4, _as_4d(dk), _as_4d(dv), dq_acc, lse2, delta, causal, scale,
-                                        tile)
+                                        tile, exact)
     _flash_bwd_gluon_kernel[grid](*args, **options)
     _as_4d(dq).copy_(dq_acc.mul_(scale))
     return dq, dk, dv

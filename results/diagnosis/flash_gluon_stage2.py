@@ -9,7 +9,8 @@ float64 autograd reference (plain math, `naive_attention` in float64), each with
 backward's own error on the same O and L; also FA2's and PyTorch's same-dtype errors for the record, dK and dV
 bitwise repeatable across two launches, gradients in their inputs' layouts. Cases: lengths 1000, 777, 513, 257 and 1,
 rectangular causal both ways (n_q < n_k visits key tiles past the last query), 3-d inputs, the model's strides, a
-stride-0 dO (as `o.sum().backward()` gives).
+stride-0 dO (as `o.sum().backward()` gives). EXACT (P^T = S^T mod 8 with integer inputs): dQ, dK, dV bit for bit
+against the float64 reference on 3 launches, both dQ schemes.
 Timing: `triton.testing.do_bench` medians of the backward alone at the issue's shapes (bf16, contiguous (batch,
 heads, seq, dim)): ours from O, L, dO; FA2's the same; SDPA's as `torch.autograd.grad` of its output with the
 graph retained (its backward kernels only). TFLOP/s counts 10 n_q n_k d per head (five products), halved when
@@ -87,7 +88,6 @@ def reference_grads(q, k, v, do, causal, dtype=torch.float64):
 
 
 def check_rows(timeout_s):
-    rows = []
     for q_shape, k_shape, causal, model_layout, stride0 in CHECKS:
         faulthandler.dump_traceback_later(timeout_s, exit=True)
         q, k, v = fresh(q_shape, model_layout), fresh(k_shape, model_layout), fresh(k_shape, model_layout)
@@ -114,14 +114,37 @@ def check_rows(timeout_s):
             row["dkdv_repeatable"] = bool(torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]))
             row["layouts_kept"] = all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
             row["ok"] = ok and row["dkdv_repeatable"] and row["layouts_kept"]
-            rows.append(row)
+            yield row
             print(f"check {case} causal={causal} layout={'model' if model_layout else 'bhnd'}"
                   f"{' dO stride 0' if stride0 else ''} {variant}: "
                   + " ".join(f"{n} {row[f'{n}_rel_err']:.2e} (FA2 {row[f'{n}_fa2_rel_err']:.2e})"
                              for n in ("dq", "dk", "dv"))
                   + f" {'ok' if row['ok'] else 'FAIL'}", flush=True)
         faulthandler.cancel_dump_traceback_later()
-    return rows
+    yield from exact_rows(timeout_s)
+
+
+def exact_rows(timeout_s):
+    """EXACT (P^T = S^T mod 8, integer inputs, O = 0, scale 1): dQ, dK, dV bit for bit against the float64
+    reference rounded to bf16 on 3 launches, both dQ schemes, ragged and rectangular (777 queries, 1000 keys)."""
+    for head_dim in (64, 128):
+        for causal in (True, False):
+            faulthandler.dump_traceback_later(timeout_s, exit=True)
+            q, k, v, do = flash_gluon_bwd.exact_inputs((2, 3, 777, head_dim), (2, 3, 1000, head_dim), "cuda")
+            expected = [g.to(torch.bfloat16) for g in flash_gluon_bwd.exact_reference(q, k, v, do, causal)]
+            o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
+            for variant, tile in variants(head_dim):
+                mismatches = []
+                for _ in range(3):
+                    grads = flash_gluon_bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
+                    mismatches.append([int((g != e).sum()) for g, e in zip(grads, expected)])
+                ok = not any(any(m) for m in mismatches)
+                print(f"exact d={head_dim} causal={causal} {variant}: mismatches (dQ, dK, dV) per launch {mismatches}"
+                      f" {'ok' if ok else 'FAIL'}", flush=True)
+                yield {"section": "exact", "case": f"q{list(q.shape)} k{list(k.shape)}", "causal": causal,
+                       "dtype": "bfloat16", "variant": variant, "split_dq": tile.split_dq,
+                       "mismatches_dq_dk_dv": str(mismatches), "ok": ok}
+            faulthandler.cancel_dump_traceback_later()
 
 
 def sdpa_backward(backend, q, k, v, do, causal):
@@ -179,13 +202,11 @@ def time_shape(name, batch, heads, n, d, causal, with_fa2: bool):
 
 
 def time_rows(with_fa2: bool, timeout_s: float):
-    rows = []
     for shape in SHAPES:
         faulthandler.dump_traceback_later(timeout_s, exit=True)
-        rows += time_shape(*shape, with_fa2)
+        yield from time_shape(*shape, with_fa2)
         torch.cuda.empty_cache()
         faulthandler.cancel_dump_traceback_later()
-    return rows
 
 
 def main():
@@ -204,13 +225,13 @@ def main():
     prov = provenance("cuda")
     rows = []
     start = time.time()
-    if not args.only_timing:
-        rows += check_rows(args.case_timeout)
-        write_rows([{**row, **prov} for row in rows], args.out)
-        print(f"checks done in {time.time() - start:.0f} s", flush=True)
-    if not args.only_checks:
-        rows += time_rows(not args.no_fa2_timing, args.case_timeout)
-        write_rows([{**row, **prov} for row in rows], args.out)
+    sections = ([] if args.only_timing else [check_rows(args.case_timeout)]) + \
+        ([] if args.only_checks else [time_rows(not args.no_fa2_timing, args.case_timeout)])
+    for section in sections:
+        for row in section:  # the CSV rewritten after every row: a watchdog exit keeps what was measured
+            rows.append(row)
+            write_rows([{**row, **prov} for row in rows], args.out)
+        print(f"section done at {time.time() - start:.0f} s", flush=True)
     failed = [row for row in rows if row["section"] != "timing" and not row["ok"]]
     print(f"{len(failed)} failed checks; {time.time() - start:.0f} s", flush=True)
     sys.exit(1 if failed else 0)
