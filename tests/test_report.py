@@ -645,15 +645,20 @@ def test_warmup_text_follows_the_per_step_times(tmp_path):
             "device_name": "GPU", "torch_version": "t", "triton_version": "t", "git_commit": "c" * 12,
             "timestamp": "2026-11-23T00:00:00+00:00"}
     times = {0: [600.0, 55.0, 54.0, 54.0], 1: [54.0, 70.0, 54.0, 54.0], 5: [54.0, 54.5, 54.0, 54.2]}
-    rows = [{**base, "size": size, "warmup": w, "samples_ms": " ".join(map(str, t)), "mean_ms": np.mean(t) * scale,
-             "std_ms": np.std(t, ddof=1), "median_ms": np.median(t) * scale}
+    rows = [{**base, "size": size, "warmup": w, "samples_ms": " ".join(str(x * scale) for x in t),
+             "mean_ms": np.mean(t) * scale, "std_ms": np.std(t, ddof=1) * scale, "median_ms": np.median(t) * scale}
             for size, scale in (("small", 1.0), ("xl", 10.0)) for w, t in times.items()]
     write_rows(rows, tmp_path / "e2e_warmup.csv")
     body = benchmarking.render_warmup(Context(tmp_path, tmp_path, tmp_path, {}))
     assert "pending" not in body.markdown() and unquoted(body) == []
     per_step = body.checked[1]
-    assert "first step small" in per_step and "600.0" in per_step  # warm-up 0: the first step carries the excess
-    assert "a later step small" in per_step  # warm-up 1: a later step stands out
+    # warm-up 0: the first step carries the excess, at both sizes (600 ms against a warmed mean of ~54 ms)
+    assert "more than 10% above it at: small, xl)" in per_step
+    first_over_warm = 600.0 / np.mean(times[5])
+    assert f"{first_over_warm:.2f}–{first_over_warm:.2f}× the mean step of 5 warm-up steps" in per_step
+    # warm-up 1: its first measured step is normal, but a later one stands out, which 0 and 5 do not show
+    assert "no more than 10% above that mean at: small, xl," in per_step
+    assert "at some size, after 1 warm-up steps)" in per_step
     assert body.table.loc[0, "warmup=1 slowest later (ms)"] == 70.0
 
 

@@ -23,7 +23,27 @@ def _memory_model(t: pd.DataFrame, d: int) -> tuple[float, float, float]:
     return (per_token2, *attention_math.remainder_line(rows.loc[fitted, "seq"], besides[fitted]))
 
 
-def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
+# From this length on the seq² matrices dominate the memory of the sweep's points (P is 512 MiB at 4096, batch 8).
+LONG_SEQ = 4096
+
+
+def _added_squares(t: pd.DataFrame, d: int) -> pd.Series:
+    """At head dim d and seq >= LONG_SEQ: (measured backward peak − memory before backward) / P, the number of
+    seq²-sized matrices the backward holds at its peak besides what it started with."""
+    rows = t[(t["d"] == d) & (t["seq"] >= LONG_SEQ)]
+    added = column_values(rows, "measured backward peak (MiB)") - column_values(rows, "memory before backward (MiB)")
+    return (added / column_values(rows, "P saved (MiB)")).dropna()
+
+
+def _backward_squares(t: pd.DataFrame, d: int) -> int | None:
+    """seq² matrices alive at the backward's peak, P included, as measured (None where no peak was measured)."""
+    if "measured backward peak (MiB)" not in t:
+        return None
+    added = _added_squares(t, d)
+    return None if added.empty else 1 + round(added.median())
+
+
+def _memory_working(q: Quotes, table: pd.DataFrame, device: str) -> list[str]:
     """The memory of the largest measured point by tensor, and where an 80 GB H100 runs out (1.2.1)."""
     measured = table[column_values(table, "memory before backward (MiB)").notna()]
     if measured.empty:
@@ -37,12 +57,24 @@ def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
         f"freed as soon as P exists, and the forward's peak holds S and P together. The device held "
         f"{row['memory before backward (MiB)']} MiB before backward: P and {row['measured − P (MiB)']:.0f} MiB "
         f"besides (Q, K, V, the output O, the incoming gradient dO, the gradients left by earlier passes, "
-        f"cuBLAS's workspace). The backward adds dP and dS, two more seq² matrices alive with P: "
+        f"cuBLAS's workspace). Counting dP and dS, two more seq² matrices alive with P, the backward would peak at "
         f"{row['memory before backward (MiB)']} + 2 × {row['P saved (MiB)']:.0f} = "
-        f"{row['backward peak, + dP and dS (MiB)']} MiB at its peak")
-    if "measured backward peak (MiB)" in row and row["measured backward peak (MiB)"] == row["measured backward peak (MiB)"]:
-        working += f"; measured: {row['measured backward peak (MiB)']:.0f} MiB."
+        f"{row['backward peak, + dP and dS (MiB)']} MiB")
+    squares = _backward_squares(table, d)
+    if squares is not None:
+        fewest = q.derive(lambda t: _added_squares(t, d).min(), '.2f', 'seq² matrices the backward adds, fewest')
+        most = q.derive(lambda t: _added_squares(t, d).max(), '.2f', 'seq² matrices the backward adds, most')
+        added = fewest if fewest == most else f"{fewest}–{most}"
+        working += (
+            f"; measured: {row['measured backward peak (MiB)']:.0f} MiB. At every length from {LONG_SEQ} on (d={d}) "
+            f"the backward added {added} "
+            f"seq² matrices to the memory it started with (measured peak − memory before backward, over P's size), "
+            f"not 2: one seq² buffer beside dP and dS is alive at the backward's peak (which operation holds it is "
+            f"not traced here; candidates are a temporary of the softmax backward and the gradient of the 1/√d "
+            f"scaling, both seq²-sized). The model below counts the {squares} seq² matrices measured at the peak, "
+            f"P included.")
     else:
+        squares = 3  # P, dP and dS
         working += (" (predicted; the measured peak is pending: rerun "
                     "`snakemake results/attention.csv --cores all --resources gpu=1 --forcerun attention_timing`).")
 
@@ -50,28 +82,28 @@ def _memory_working(q: Quotes, table: pd.DataFrame) -> list[str]:
         return lambda t: _memory_model(t, d)[column]
 
     def threshold(t: pd.DataFrame, dim: int = d) -> float:
-        return attention_math.oom_seq_len(*_memory_model(t, dim))
+        return attention_math.oom_seq_len(*_memory_model(t, dim), squares=squares)
 
     smallest = int(measured["d"].min())
 
     def doubled(t: pd.DataFrame, dim: int = smallest) -> float:
-        return attention_math.peak_mib(*_memory_model(t, dim), seq=2 * int(t["seq"].max())) / 1024
+        return attention_math.peak_mib(*_memory_model(t, dim), seq=2 * int(t["seq"].max()), squares=squares) / 1024
 
     def doubled_p(t: pd.DataFrame) -> float:
         return _memory_model(t, smallest)[0] * (2 * int(t["seq"].max())) ** 2 / 1024
 
     extrapolation = (
-        f"Where it runs out of memory on an 80 GB H100 (this sweep ran on a larger GPU): at d={d} the memory "
+        f"Where it runs out of memory on an 80 GB H100 (this sweep ran on the {device}): at d={d} the memory "
         f"besides P is a line in seq, {q.derive(fit(2), '.0f', 'fixed memory besides P (MiB)')} MiB + "
         f"{q.derive(lambda t: fit(1)(t) * 1024, '.0f', 'MiB besides P per 1024 tokens')} MiB per 1024 tokens "
         f"(least squares over the table's 'measured − P' column), and each seq² matrix is P's size, 8·seq²·4 B. "
-        f"The backward runs out when 3 seq² matrices and the line exceed 80 GiB (81920 MiB): solving the "
+        f"The backward runs out when {squares} seq² matrices and the line exceed 80 GiB (81920 MiB): solving the "
         f"quadratic gives seq ≈ {q.derive(threshold, ',.0f', 'sequence length that fills 80 GiB')} "
         f"(d={smallest}: {q.derive(lambda t: threshold(t, smallest), ',.0f', 'same at the smallest d')}; "
-        f"the seq² terms dominate, so d hardly matters). Every length of the sweep therefore fits on an H100 "
-        f"as well. Were the grid to keep doubling, the smallest configuration to run out would be "
+        f"the seq² terms dominate, so d hardly matters). Every length of the sweep therefore fits on an 80 GB "
+        f"H100. Were the grid to keep doubling, the smallest configuration to run out would be "
         f"d={smallest}, seq {q.derive(lambda t: 2 * t['seq'].max(), 'd', 'the next doubling')}: there P alone "
-        f"is {q.derive(doubled_p, '.0f', 'GiB of P at the next doubling')} GiB, and P, dP and dS with the line "
+        f"is {q.derive(doubled_p, '.0f', 'GiB of P at the next doubling')} GiB, and {squares} such matrices with the line "
         f"need {q.derive(doubled, '.1f', 'GiB at the next doubling')} GiB "
         f"({q.derive(lambda t: doubled(t, d), '.1f', 'GiB at the next doubling, largest d')} GiB at d={d}).")
     return [working, extrapolation]
@@ -121,7 +153,7 @@ def render_attention(ctx: Context) -> Section:
                 f"×{q.derive(growth, '.1f', 'growth of memory before backward')} "
                 f"({prev['memory before backward (MiB)']:.0f} → {largest['memory before backward (MiB)']:.0f} MiB at "
                 f"d={largest['d']}), while the inputs grow only ×{factor}.")
-        checked += _memory_working(q, measured)
+        checked += _memory_working(q, measured, eager['device_name'].iloc[0])
     else:
         checked.append("The memory columns are measured on a GPU only (pending: `snakemake results/attention.csv "
                        "--cores all --resources gpu=1`); the formulas' columns stand alone.")

@@ -130,7 +130,13 @@ def _oom_paragraph(ctx: Context, ooms) -> str:
             f"({peak('profile, hold_previous_graph')}), the harness now ({peak('profile, fixed')}), 1.1.6's memory "
             f"harness ({peak('memory harness')}).")
     if held == "oom" and fixed == "ok":
-        text += f" So the cause was the harness: {hypothesis}. The grid above predates the fix."
+        text += f" So the cause was the harness: {hypothesis}."
+        grid = ctx.frame("profile")
+        point_rows = grid[(grid["size"] == point["size"]) & (grid["context_length"] == point["context_length"])]
+        if len(point_rows) and (point_rows["status"] == "ok").all():
+            text += " The grid above was measured with the harness as it is now: the point ran."
+        else:
+            text += " The grid above predates the fix."
     else:
         text += " The held graph does not explain it alone: the difference lies elsewhere."
     return text
