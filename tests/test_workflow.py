@@ -32,6 +32,18 @@ def test_full_scale_gpu_rules_ask_for_a_gpu():
     assert "gpu=1" in result.stdout and "--device cuda" in result.stdout
 
 
+def test_one_gpu_writeup_never_asks_for_two():
+    """On one GPU (max_gpus 1) remeasuring everything plans no job that takes two GPUs (the two-GPU deliverables
+    keep their committed tables); with max_gpus=2 the same plan has them."""
+    one = snakemake("writeup", "-n", "--forceall", "--cores", "1", "--resources", "gpu=1", "--config", "scale=full")
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "gpu=2" not in one.stdout
+    two = snakemake("writeup", "-n", "--forceall", "--cores", "1", "--resources", "gpu=2", "--config", "scale=full",
+                    "max_gpus=2")
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "gpu=2" in two.stdout and "fsdp_point" in two.stdout
+
+
 def test_unknown_scale_is_rejected():
     result = snakemake("-n", "--cores", "1", "--config", "scale=huge")
     assert result.returncode != 0

@@ -35,11 +35,32 @@ def join(values):
     return " ".join(str(v) for v in values)
 
 
+# The most GPUs one job of this run may take (config max_gpus; on two GPUs: --resources gpu=2 --config
+# max_gpus=2). A run that measures leaves the results of rules needing more out of its plan altogether, so that
+# `snakemake writeup --forceall --resources gpu=1` remeasures every single-GPU deliverable and never waits for a
+# second GPU; their sections keep the committed tables (or say pending, with the command).
+MAX_GPUS = int(config["max_gpus"])
+# results path -> GPUs its rule takes, for rules that take more than one (rules/*.smk fill it)
+GPUS_NEEDED = {}
+
+
+def needs_gpus(gpus, *paths):
+    """Record that the rule making `paths` runs on `gpus` GPUs."""
+    for path in paths:
+        GPUS_NEEDED[path] = gpus
+
+
+def usable(path):
+    """Whether the report may ask for `path`: this run can make it, or it only reports and `path` is here."""
+    fits = GPUS_NEEDED.get(path, 0) <= MAX_GPUS
+    return fits if MEASURE else os.path.exists(path)
+
+
 def available(inputs):
-    """The names whose data exists, or all of them when this run may measure."""
-    return [name for name, data in inputs.items() if MEASURE or os.path.exists(data)]
+    """The names whose data this run may ask for."""
+    return [name for name, data in inputs.items() if usable(data)]
 
 
 def wanted(*paths):
-    """The paths, unless this run only reports (measure=false) and they were never measured."""
-    return [p for p in paths if MEASURE or os.path.exists(p)]
+    """The paths this run may ask for."""
+    return [p for p in paths if usable(p)]

@@ -5,6 +5,25 @@ ALLREDUCE_POINTS = [f"gloo_{n}" for n in S["allreduce"]["gloo_world_sizes"]] + [
     f"nccl_{n}" for n in S["allreduce"]["nccl_world_sizes"]
 ]
 DDP = S["ddp"]
+TRAIN = S["train_matrix"]
+FSDP_CFG = S["fsdp"]
+
+needs_gpus(max(S["allreduce"]["nccl_world_sizes"], default=0), f"{R}/allreduce.csv")
+needs_gpus(
+    DDP["gpus"],
+    *(f"{R}/{name}.csv" for name in DDP["configs"]),
+    f"{R}/ddp_traces.csv",
+    f"{R}/ddp_traces",
+    f"{R}/ddp_overlap.csv",
+)
+needs_gpus(TRAIN["gpus"], f"{R}/train_matrix.csv")
+needs_gpus(
+    FSDP_CFG["gpus"],
+    f"{R}/fsdp.csv",
+    f"{R}/fsdp_traces.csv",
+    f"{R}/fsdp_traces",
+    f"{R}/fsdp_overlap.csv",
+)
 
 
 rule allreduce_point:
@@ -136,7 +155,6 @@ rule ddp_overlap:
 
 
 # End to end: short training runs of our model, attention backend x data-parallel wrapper (train.py).
-TRAIN = S["train_matrix"]
 
 
 # The wrapper wildcard is a data-parallel spec from config.yaml, passed verbatim (train.py parses it);
@@ -188,7 +206,6 @@ rule train_matrix:
 
 # 2026 handout, section 7 (fsdp, fsdp_accounting): our FSDP against torch's FSDP2, our bucketed DDP and our
 # ZeRO-1, all in one run per model size (bench.ddp with the fully-sharded kinds), and a trace of one step.
-FSDP_CFG = S["fsdp"]
 
 
 rule fsdp_point:
