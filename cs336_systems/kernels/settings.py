@@ -65,7 +65,9 @@ class FlashSettings:
     backward: which kernel computes the backward, from the forward's O and L (either forward's: they write
         them alike): "auto" (the Gluon backward, flash_gluon_bwd.py, on sm_90 where it was measured faster,
         else the Triton FA2 kernels: `flash_dispatch.choose_backward`), "triton" (FA2 always) or "gluon" (an
-        error where it cannot run). Read when the backward runs, which may be on autograd's own thread.
+        error where it cannot run). Read when the backward runs, which may be on autograd's own thread. The
+        Gluon backward's dQ is summed by float32 reduce-adds in arrival order, so it is not bitwise repeatable
+        across runs (FA2's is): "triton" where that matters.
     """
 
     fast_launch: bool = True
