@@ -169,7 +169,7 @@ def gluon_backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 # ----------------------------------------------------------------------------------------------
 # the choice
 # ----------------------------------------------------------------------------------------------
-def _choose(field: str, setting: str, problem: Callable[[], str | None], pays: bool,
+def _choose(field: str, setting: str, *, problem: Callable[[], str | None], pays: bool,
             load: Callable[[], tuple[ModuleType | None, str | None]], supported: Callable[[ModuleType], bool]) -> str:
     """The rule both passes share: "triton" always FA2; "gluon" always Gluon, or a ValueError with `problem()`;
     "auto" Gluon where the shape rule `pays`, the module `load`s and `supported(module)` holds (the cheap checks
@@ -197,9 +197,9 @@ def choose_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     "auto"): "auto" takes Gluon where the device is Hopper, the shape rule `gluon_pays` holds and the inputs are
     ones the kernel takes (bf16/fp16, head dim 64/128, TMA-aligned strides: flash_gluon.layout_problem), FA2
     otherwise; "triton" always FA2; "gluon" always Gluon, or a ValueError naming why it cannot."""
-    return _choose("forward", forward_setting(forward), lambda: gluon_problem(q, k, v),
-                   gluon_pays(_capability(q), q.shape[-2], k.shape[-2], is_causal), _gluon,
-                   lambda module: module.gluon_supported(q, k, v, is_causal))
+    return _choose("forward", forward_setting(forward), problem=lambda: gluon_problem(q, k, v),
+                   pays=gluon_pays(_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon,
+                   supported=lambda module: module.gluon_supported(q, k, v, is_causal))
 
 
 def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -209,9 +209,10 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     rule `gluon_backward_pays` holds and the kernel takes the inputs (as the forward's, plus O and dO in q's shape
     and dtype, L contiguous float32: flash_gluon_bwd.backward_problem), FA2 otherwise; "triton" always FA2;
     "gluon" always Gluon, or a ValueError naming why it cannot."""
-    return _choose("backward", backward_setting(backward), lambda: gluon_backward_problem(q, k, v, out, lse, grad_out),
-                   gluon_backward_pays(_capability(q), q.shape[-2], k.shape[-2], is_causal), _gluon_bwd,
-                   lambda module: module.gluon_backward_supported(q, k, v, out, grad_out, lse))
+    return _choose("backward", backward_setting(backward),
+                   problem=lambda: gluon_backward_problem(q, k, v, out, lse, grad_out),
+                   pays=gluon_backward_pays(_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon_bwd,
+                   supported=lambda module: module.gluon_backward_supported(q, k, v, out, grad_out, lse))
 
 
 # ----------------------------------------------------------------------------------------------
