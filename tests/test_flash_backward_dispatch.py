@@ -1,7 +1,8 @@
 """The Gluon backward wired into the `flash_triton` backend (`kernels/flash_dispatch.choose_backward`).
 
 On CPU: the backward's shape rule (against the stage-2 H100 timings it was written from, where that CSV is in the
-tree), the capability and setting that pick a path, a forced Gluon backward being a clear error on the CPU in both
+tree), the capability and setting that pick a path (with the device checks answering as an H100 would, the
+inputs reach the Gluon entry in its argument order), a forced Gluon backward being a clear error on the CPU in both
 the eager path and the custom op, the setting read at each call, and that the CPU interpreter path runs FA2's
 backward (spied on), correct against float64, also under torch.compile without a recompile when the setting
 changes. On an sm_90 GPU (marked `gpu`): O, dQ, dK, dV through `FlashAttentionTriton` with the backward forced to
@@ -95,6 +96,26 @@ def test_cpu_and_interpreter_take_fa2(no_flash_choice):
     no_flash_choice.setenv(BACKWARD_ENV, "gluon")
     with pytest.raises(ValueError, match="FlashSettings.backward, CS336_FLASH_BACKWARD or backward='gluon'"):
         choose_backward(*inputs, True)
+
+
+def test_auto_on_a_pretend_hopper_hands_the_inputs_to_the_gluon_backward(no_flash_choice):
+    """The "auto" branch that takes Gluon, on CPU: with the device checks answering as an H100 would, long inputs
+    reach flash_backward_gluon through flash_triton.flash_backward, each tensor in the argument it belongs to
+    (the Gluon entry takes o, do, lse in another order than FA2's), and what the kernel does not take stays FA2."""
+    no_flash_choice.setattr(flash_dispatch, "_capability", lambda q: HOPPER)
+    no_flash_choice.setattr(flash_gluon_bwd, "device_problem", lambda q: None)
+    calls = []
+    no_flash_choice.setattr(flash_gluon_bwd, "flash_backward_gluon", lambda *args: calls.append(args) or "gluon ran")
+    n = GLUON_BACKWARD_MIN_KEYS
+    q, k, v, out, lse, grad_out = _backward_inputs((1, 2, n, 64), (1, 2, n, 64))
+    assert flash_triton.flash_backward(q, k, v, out, lse, grad_out, True) == "gluon ran"
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], (q, k, v, out, grad_out, lse, True), strict=True))
+    for other in (_backward_inputs((1, 2, n - 1, 64), (1, 2, n - 1, 64)),  # shorter than the rule
+                  _backward_inputs((1, 2, n, 64), (1, 2, n, 64), dtype=torch.float32),  # a dtype it does not take
+                  _backward_inputs((1, 2, n, 32), (1, 2, n, 32))):  # a head dim it does not take
+        assert choose_backward(*other, True) == "triton"
+    assert choose_backward(q, k, v, out, lse.double(), grad_out, True) == "triton"  # an L no forward of ours writes
+    assert choose_backward(q, k, v, out, lse, grad_out, True, backward="triton") == "triton"
 
 
 def test_backward_setting_is_read_at_each_call(no_flash_choice):
