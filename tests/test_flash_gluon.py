@@ -23,7 +23,8 @@ import torch
 
 from cs336_systems.kernels import flash_dispatch, flash_gluon
 from cs336_systems.kernels.common import INTERPRET
-from cs336_systems.kernels.flash_dispatch import FORWARD_ENV, GLUON_MIN_KEYS, HOPPER, choose_forward, gluon_pays
+from cs336_systems.kernels.flash_dispatch import (BACKWARD_ENV, FORWARD_ENV, GLUON_MIN_KEYS, HOPPER, choose_forward,
+                                                  gluon_pays)
 from cs336_systems.kernels.flash_gluon import (
     TILES,
     GluonTile,
@@ -344,10 +345,12 @@ def _spy_on_gluon(monkeypatch) -> list:
 def test_gpu_autograd_function_with_the_gluon_forward(q_shape, k_shape, causal, model_layout, forward, monkeypatch):
     """O, L, dQ, dK, dV through FlashAttentionTriton (the model's backend) with the forward forced to Gluon or left
     to the rule: within 2x (plus a floor) of PyTorch's own bf16 error against float64, and as close to the
-    FA2-only path; the backward is FA2's in both, fed Gluon's O and L."""
+    FA2-only path; the backward is FA2's in both (pinned: "auto" would take the Gluon backward at the long cases),
+    fed Gluon's O and L."""
     from cs336_systems.kernels.flash_triton import FlashAttentionTriton, pinned_tiles
 
     q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
+    monkeypatch.setenv(BACKWARD_ENV, "triton")
     calls = _spy_on_gluon(monkeypatch)
     takes_gluon = forward == "gluon" or gluon_pays(HOPPER, q_shape[-2], k_shape[-2], causal)
     with pinned_tiles(FA2_TILE, FA2_TILE):

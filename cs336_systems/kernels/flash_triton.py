@@ -443,6 +443,7 @@ def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
 
 
 def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool):
+    """FA2's dQ, dK, dV (each in its input's layout) from the forward's O and L and dO."""
     check_kernel_device(q, "flash_triton")
     p = _launch_params(q, k, flash_settings())
     batch_heads = q.shape[0] * p["H"]
@@ -473,6 +474,16 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return flash_forward_triton(q, k, v, is_causal)
 
 
+def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward the autograd Function and its custom op run: on Hopper at long sequences the Gluon kernel
+    (flash_gluon_bwd.py), else FA2's; flash_dispatch.choose_backward decides, independently of which forward wrote
+    O and L (both write them alike)."""
+    if flash_dispatch.choose_backward(q, k, v, out, lse, grad_out, is_causal) == "gluon":
+        return flash_dispatch.gluon_backward(q, k, v, out, lse, grad_out, is_causal)
+    return flash_backward_triton(q, k, v, out, lse, grad_out, is_causal)
+
+
 # The launchers as PyTorch custom operators: torch.compile then treats each as one opaque call with a
 # known output shape instead of tracing into Triton's autotuner (which Dynamo in torch 2.11 fails on:
 # "Can't construct an AttrSource without a valid base source"), so `torch.compile(FlashAttentionTriton.apply)`
@@ -491,7 +502,7 @@ def _(q, k, v, is_causal):  # the same layouts as the launchers give
 @torch.library.custom_op("cs336_systems::flash_triton_backward", mutates_args=())
 def _backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                  grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward_triton(q, k, v, out, lse, grad_out, is_causal)
+    return flash_backward(q, k, v, out, lse, grad_out, is_causal)
 
 
 @_backward_op.register_fake
@@ -517,7 +528,7 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         lse, q, k, v, out = ctx.saved_tensors
-        backward = _backward_op if torch.compiler.is_compiling() else flash_backward_triton
+        backward = _backward_op if torch.compiler.is_compiling() else flash_backward
         dq, dk, dv = backward(q, k, v, out, lse, grad_out, ctx.is_causal)
         return dq, dk, dv, None
 

@@ -7,6 +7,7 @@ effect at the next call), each documented on its field below:
     CS336_FLASH_FLOAT32_DOT=tf32x3|ieee  float32_dot (default tf32x3)
     CS336_FLASH_TMA=0|1               tma           (default 1)
     CS336_FLASH_FORWARD=auto|triton|gluon  forward  (default auto)
+    CS336_FLASH_BACKWARD=auto|triton|gluon backward (default auto)
 
 From code, `set_flash_settings(FlashSettings(...))` replaces them for the whole process (None goes
 back to the environment) and `use_flash_settings(tma=False, ...)` changes some fields for a `with`
@@ -28,13 +29,15 @@ from dataclasses import dataclass
 
 # How float32 inputs may be multiplied (see FlashSettings.float32_dot).
 FLOAT32_DOTS = ("tf32x3", "ieee")
-# Which kernel computes the forward (see FlashSettings.forward; the rule of "auto" is kernels/flash_dispatch.py).
+# Which kernel computes the forward, and the backward (see FlashSettings.forward and .backward; the rules of
+# "auto" are in kernels/flash_dispatch.py).
 FORWARDS = ("auto", "triton", "gluon")
+BACKWARDS = ("auto", "triton", "gluon")
 # The environment variable behind each field that has one.
 ENV_VARS = {"fast_launch": "CS336_FLASH_FAST_LAUNCH", "float32_dot": "CS336_FLASH_FLOAT32_DOT",
-            "tma": "CS336_FLASH_TMA", "forward": "CS336_FLASH_FORWARD"}
+            "tma": "CS336_FLASH_TMA", "forward": "CS336_FLASH_FORWARD", "backward": "CS336_FLASH_BACKWARD"}
 # The allowed values of each text field.
-CHOICES = {"float32_dot": FLOAT32_DOTS, "forward": FORWARDS}
+CHOICES = {"float32_dot": FLOAT32_DOTS, "forward": FORWARDS, "backward": BACKWARDS}
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,13 @@ class FlashSettings:
         descriptor path at any length when `tma` is on (so CPU tests cover it).
     forward: which kernel computes the forward: "auto" (the Gluon kernel on sm_90 where it was measured
         faster, else the Triton FA2 kernel: `flash_dispatch.choose_forward`), "triton" (FA2 always) or
-        "gluon" (an error where it cannot run). The backward is FA2's either way.
+        "gluon" (an error where it cannot run).
+    backward: which kernel computes the backward, from the forward's O and L (either forward's: they write
+        them alike): "auto" (the Gluon backward, flash_gluon_bwd.py, on sm_90 where it was measured faster,
+        else the Triton FA2 kernels: `flash_dispatch.choose_backward`), "triton" (FA2 always) or "gluon" (an
+        error where it cannot run). Read when the backward runs, which may be on autograd's own thread. The
+        Gluon backward's dQ is summed by float32 reduce-adds in arrival order, so it is not bitwise repeatable
+        across runs (FA2's is): "triton" where that matters.
     """
 
     fast_launch: bool = True
@@ -66,6 +75,7 @@ class FlashSettings:
     tma: bool = True
     tma_min_keys: int = 16384
     forward: str = "auto"
+    backward: str = "auto"
 
     def __post_init__(self):
         for field, choices in CHOICES.items():
@@ -99,7 +109,7 @@ _from_env: tuple[tuple, FlashSettings] | None = None  # the last environment rea
 
 def flash_settings() -> FlashSettings:
     """The settings in force now: those set from code, else the environment's (read now; parsed again
-    only when one of its variables changed, so a call costs three dictionary lookups)."""
+    only when one of its variables changed, so a call costs one dictionary lookup per variable)."""
     global _from_env
     if _chosen is not None:
         return _chosen

@@ -1,0 +1,288 @@
+"""The Gluon backward wired into the `flash_triton` backend (`kernels/flash_dispatch.choose_backward`).
+
+On CPU: the backward's shape rule (against the stage-2 H100 timings it was written from, where that CSV is in the
+tree), the capability and setting that pick a path (with the device checks answering as an H100 would, the
+inputs reach the Gluon entry in its argument order), a forced Gluon backward being a clear error on the CPU in both
+the eager path and the custom op, the setting read at each call, and that the CPU interpreter path runs FA2's
+backward (spied on), correct against float64, also under torch.compile without a recompile when the setting
+changes. On an sm_90 GPU (marked `gpu`): O, dQ, dK, dV through `FlashAttentionTriton` with the backward forced to
+Gluon or left to the rule, against float64 and the FA2 backward, causal or not, d 64/128, ragged lengths, a Gluon
+backward fed by the FA2 forward; the dispatch by input; and `torch.compile(fullgraph=True)` with the Gluon backward.
+"""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from cs336_systems.kernels import flash_dispatch, flash_gluon_bwd, flash_triton
+from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.flash_dispatch import (
+    BACKWARD_ENV,
+    FORWARD_ENV,
+    GLUON_BACKWARD_MIN_KEYS,
+    HOPPER,
+    choose_backward,
+    gluon_backward_pays,
+)
+from cs336_systems.kernels.settings import FlashSettings, use_flash_settings
+from cs336_systems.model.attention import naive_attention
+from tests.test_flash_gluon import FA2_TILE, _counting, _fresh, _rel_err, _with_grads
+
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 GPU")
+# The stage-2 run's CSV (results/diagnosis/flash_gluon_stage2.py --out ..., H100, commit 5eab24b; NOTES.md,
+# "Wiring the backward").
+TIMINGS = Path(__file__).parents[1] / "results/diagnosis/flash_gluon_stage2/stage2.csv"
+
+
+def _backward_inputs(q_shape, k_shape, dtype=torch.bfloat16, device="cpu"):
+    """q, k, v, out, lse, dO as the backward gets them (values unused by the choice)."""
+    q, out, grad_out = (torch.empty(q_shape, dtype=dtype, device=device) for _ in range(3))
+    k, v = (torch.empty(k_shape, dtype=dtype, device=device) for _ in range(2))
+    return q, k, v, out, torch.empty(q_shape[:-1], device=device), grad_out
+
+
+@pytest.fixture
+def no_flash_choice(monkeypatch):
+    """Neither pass forced by the caller's shell."""
+    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    return monkeypatch
+
+
+# ----------------------------------------------------------------------------------------------
+# the rule, on CPU
+# ----------------------------------------------------------------------------------------------
+def test_shape_rule_picks_the_faster_backward_at_every_measured_shape():
+    """The rule was written from these H100 timings: at each shape it must pick whichever of the shipped Gluon
+    backward and our FA2 backward was faster."""
+    if not TIMINGS.exists():
+        pytest.skip(f"{TIMINGS} is not in this tree (the stage-2 run's CSV)")
+    rows = pd.read_csv(TIMINGS)
+    rows = rows[rows["section"] == "timing"]
+    times = rows.pivot_table(index=["case", "seq", "head_dim", "causal"], columns="provider", values="ms")
+    assert len(times) >= 4 and times[["gluon_shipped", "flash_triton"]].notna().all().all()
+    for (case, seq, head_dim, causal), t in times.iterrows():
+        faster = t["gluon_shipped"] < t["flash_triton"]
+        assert gluon_backward_pays(HOPPER, seq, seq, bool(causal)) == faster, \
+            f"{case}: Gluon {t['gluon_shipped']:.3f} ms, FA2 {t['flash_triton']:.3f} ms"
+
+
+@pytest.mark.parametrize("capability", [None, (8, 0), (8, 9), (10, 0), (12, 0)])
+def test_shape_rule_keeps_fa2_off_hopper(capability):
+    n = 8 * GLUON_BACKWARD_MIN_KEYS
+    assert gluon_backward_pays(HOPPER, n, n, True) and not gluon_backward_pays(capability, n, n, True)
+
+
+def test_shape_rule_counts_the_keys_the_longest_row_sees():
+    n = GLUON_BACKWARD_MIN_KEYS
+    assert gluon_backward_pays(HOPPER, n, n, True) and not gluon_backward_pays(HOPPER, n - 1, n - 1, False)
+    # causal rows see keys 0..i (aligned at the start): 300 queries see at most 300 keys, however many there are
+    assert not gluon_backward_pays(HOPPER, 300, 8 * n, True) and gluon_backward_pays(HOPPER, 300, 8 * n, False)
+    assert not gluon_backward_pays(HOPPER, 8 * n, 300, True) and not gluon_backward_pays(HOPPER, 8 * n, 300, False)
+
+
+def test_cpu_and_interpreter_take_fa2(no_flash_choice):
+    n = 2 * GLUON_BACKWARD_MIN_KEYS
+    inputs = _backward_inputs((1, 2, n, 64), (1, 2, n, 64))  # all the Gluon backward asks for but the device
+    assert flash_gluon_bwd.layout_problem(*inputs[:3]) is None and gluon_backward_pays(HOPPER, n, n, True)
+    assert choose_backward(*inputs, True) == "triton"
+    assert choose_backward(*inputs, True, backward="triton") == "triton"
+    with pytest.raises(ValueError, match="Gluon backward was asked for .* " +
+                       ("interpreter" if INTERPRET else "needs CUDA tensors, got device cpu")):
+        choose_backward(*inputs, True, backward="gluon")
+    no_flash_choice.setenv(BACKWARD_ENV, "gluon")
+    with pytest.raises(ValueError, match="FlashSettings.backward, CS336_FLASH_BACKWARD or backward='gluon'"):
+        choose_backward(*inputs, True)
+
+
+def test_auto_on_a_pretend_hopper_hands_the_inputs_to_the_gluon_backward(no_flash_choice):
+    """The "auto" branch that takes Gluon, on CPU: with the device checks answering as an H100 would, long inputs
+    reach flash_backward_gluon through flash_triton.flash_backward, each tensor in the argument it belongs to
+    (the Gluon entry takes o, do, lse in another order than FA2's), and what the kernel does not take stays FA2."""
+    no_flash_choice.setattr(flash_dispatch, "_capability", lambda q: HOPPER)
+    no_flash_choice.setattr(flash_gluon_bwd, "device_problem", lambda q: None)
+    calls = []
+    no_flash_choice.setattr(flash_gluon_bwd, "flash_backward_gluon", lambda *args: calls.append(args) or "gluon ran")
+    n = GLUON_BACKWARD_MIN_KEYS
+    q, k, v, out, lse, grad_out = _backward_inputs((1, 2, n, 64), (1, 2, n, 64))
+    assert flash_triton.flash_backward(q, k, v, out, lse, grad_out, True) == "gluon ran"
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], (q, k, v, out, grad_out, lse, True), strict=True))
+    for other in (_backward_inputs((1, 2, n - 1, 64), (1, 2, n - 1, 64)),  # shorter than the rule
+                  _backward_inputs((1, 2, n, 64), (1, 2, n, 64), dtype=torch.float32),  # a dtype it does not take
+                  _backward_inputs((1, 2, n, 32), (1, 2, n, 32))):  # a head dim it does not take
+        assert choose_backward(*other, True) == "triton"
+    assert choose_backward(q, k, v, out, lse.double(), grad_out, True) == "triton"  # an L no forward of ours writes
+    assert choose_backward(q, k, v, out, lse, grad_out, True, backward="triton") == "triton"
+
+
+def test_backward_setting_is_read_at_each_call(no_flash_choice):
+    inputs = _backward_inputs((1, 2, 40, 64), (1, 2, 40, 64))
+    assert flash_dispatch.backward_setting() == "auto"
+    for value in flash_dispatch.BACKWARDS:
+        no_flash_choice.setenv(BACKWARD_ENV, value)
+        assert flash_dispatch.backward_setting() == value
+    assert flash_dispatch.backward_setting("triton") == "triton"  # the argument wins over the environment
+    assert choose_backward(*inputs, False, backward="triton") == "triton"
+    with use_flash_settings(backward="triton"):  # set from code: the environment is not read
+        assert flash_dispatch.backward_setting() == "triton" and choose_backward(*inputs, False) == "triton"
+    # the two passes are set apart
+    no_flash_choice.setenv(FORWARD_ENV, "triton")
+    assert flash_dispatch.backward_setting() == "gluon" and flash_dispatch.forward_setting() == "triton"
+    no_flash_choice.setenv(BACKWARD_ENV, "fast")
+    with pytest.raises(ValueError, match="CS336_FLASH_BACKWARD='fast': choose one of auto, triton, gluon"):
+        choose_backward(*inputs, False)
+    with pytest.raises(ValueError, match="backward='Gluon'"):
+        choose_backward(*inputs, False, backward="Gluon")
+    with pytest.raises(ValueError, match="backward='cudnn': choose one of auto, triton, gluon"):
+        FlashSettings(backward="cudnn")
+
+
+def test_forced_gluon_reaches_the_eager_path_and_the_custom_op(no_flash_choice, kernel_device):
+    """Both run flash_triton.flash_backward, so a Gluon backward forced where it cannot run (float32, which the
+    Gluon kernel never takes, on any device) is the dispatcher's error in either, not a silent FA2 run; the forward
+    (FA2's here) is not affected by the backward's setting."""
+    q, k, v = (torch.randn(1, 2, 40, 64, device=kernel_device, requires_grad=True) for _ in range(3))
+    no_flash_choice.setenv(BACKWARD_ENV, "gluon")
+    out = flash_triton.FlashAttentionTriton.apply(q, k, v, True)
+    lse = out.grad_fn.saved_tensors[0]  # (lse, q, k, v, out), as the Function saves them
+    with pytest.raises(ValueError, match="Gluon backward was asked for"):
+        out.sum().backward()
+    with pytest.raises(ValueError, match="Gluon backward was asked for"):
+        torch.ops.cs336_systems.flash_triton_backward(q, k, v, out, lse, torch.ones_like(out), True)
+
+
+class _Spies:
+    """Which backward kernels flash_triton.flash_backward launches, from now on (each spy runs the real one)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name, module, attribute in (("triton", flash_triton, "flash_backward_triton"),
+                                        ("gluon", flash_gluon_bwd, "flash_backward_gluon")):
+            monkeypatch.setattr(module, attribute, self._spy(name, getattr(module, attribute)))
+
+    def _spy(self, name, real):
+        def spy(*args, **kwargs):
+            self.calls.append(name)
+            return real(*args, **kwargs)
+        return spy
+
+
+def test_small_calls_run_fa2s_backward_everywhere(no_flash_choice, kernel_device):
+    """Short sequences take FA2's backward in "auto" on any device (the CPU interpreter included), eagerly and
+    compiled: correct against float64, and switching the setting between compiled calls recompiles nothing (it is
+    read inside the custom op, at run time)."""
+    spies = _Spies(no_flash_choice)
+    q, k, v, do = (torch.randn(1, 2, 24, 16, device=kernel_device) for _ in range(4))
+    ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), True)
+    torch.compiler.reset()
+    compiles = []
+    compiled = torch.compile(flash_triton.flash_attention_triton, backend=_counting(compiles, "aot_eager"),
+                             fullgraph=True)
+    for fn, setting in ((flash_triton.flash_attention_triton, "auto"), (compiled, "triton"), (compiled, "auto")):
+        no_flash_choice.setenv(BACKWARD_ENV, setting)
+        got = _with_grads(fn, q, k, v, do, True)
+        for name, x, want in zip(("O", "dQ", "dK", "dV"), got, ref):
+            assert _rel_err(x, want) < 1e-4, f"{setting}: {name}"
+    assert spies.calls == ["triton"] * 3 and len(compiles) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# on an sm_90 GPU
+# ----------------------------------------------------------------------------------------------
+# (q shape, k shape, causal, model layout, forward): lengths off the 128-key and 64-query tiles, rectangular both
+# ways (causal aligned at the start), 3-d inputs, the model's strides; the FA2 forward feeding the Gluon backward;
+# the last three long enough for "auto" to take the Gluon backward.
+WIRE_CASES = [
+    ((2, 3, 1000, 64), (2, 3, 1000, 64), True, False, "auto"),
+    ((1, 2, 777, 128), (1, 2, 777, 128), False, True, "auto"),
+    ((1, 4, 300, 128), (1, 4, 1000, 128), True, True, "auto"),
+    ((1, 2, 513, 64), (1, 2, 129, 64), False, False, "auto"),
+    ((2, 257, 128), (2, 257, 128), True, False, "triton"),
+    ((1, 2, 4100, 64), (1, 2, 4100, 64), True, True, "auto"),
+    ((1, 2, 3000, 128), (1, 2, 4133, 128), False, False, "triton"),
+    ((1, 2, 4097, 128), (1, 2, 4097, 128), True, False, "auto"),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("backward", ["gluon", "auto"])
+@pytest.mark.parametrize("q_shape,k_shape,causal,model_layout,forward", WIRE_CASES)
+def test_gpu_autograd_function_with_the_gluon_backward(q_shape, k_shape, causal, model_layout, forward, backward,
+                                                       no_flash_choice):
+    """O, dQ, dK, dV through FlashAttentionTriton (the model's backend) with the backward forced to Gluon or left to
+    the rule: within 2x (plus a floor) of PyTorch's own bf16 error against float64, and as close to the FA2
+    backward fed the same forward."""
+    q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
+    spies = _Spies(no_flash_choice)
+    takes_gluon = backward == "gluon" or gluon_backward_pays(HOPPER, q_shape[-2], k_shape[-2], causal)
+    no_flash_choice.setenv(FORWARD_ENV, forward)
+    with flash_triton.pinned_tiles(FA2_TILE, FA2_TILE):
+        no_flash_choice.setenv(BACKWARD_ENV, backward)
+        got = _with_grads(flash_triton.FlashAttentionTriton.apply, q, k, v, do, causal)
+        no_flash_choice.setenv(BACKWARD_ENV, "triton")
+        fa2 = _with_grads(flash_triton.FlashAttentionTriton.apply, q, k, v, do, causal)
+    assert spies.calls == ["gluon" if takes_gluon else "triton", "triton"]
+    ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
+    own = _with_grads(naive_attention, q, k, v, do, causal)  # PyTorch's own attention in bf16
+    what = f"{q_shape} {k_shape} causal={causal} forward={forward} backward={backward}"
+    for i, name in enumerate(("O", "dQ", "dK", "dV")):
+        assert torch.isfinite(got[i]).all(), f"{what}: {name} not finite"
+        limit = 2 * _rel_err(own[i], ref[i]) + 2e-3
+        err, err_fa2 = _rel_err(got[i], ref[i]), _rel_err(got[i], fa2[i].double())
+        assert err < limit and err_fa2 < limit, f"{what}: {name} error {err:.2e}, vs FA2 {err_fa2:.2e} ({limit:.2e})"
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_dispatch_by_input_on_hopper(no_flash_choice):
+    """On the device: the rule's long shapes take the Gluon backward; what the kernel does not take goes to FA2 in
+    "auto" and is a clear error when Gluon is forced."""
+    n = GLUON_BACKWARD_MIN_KEYS
+    long = _backward_inputs((1, 2, n, 64), (1, 2, n, 64), device="cuda")
+    short = _backward_inputs((1, 2, n - 1, 64), (1, 2, n - 1, 64), device="cuda")
+    assert choose_backward(*long, True) == "gluon" and choose_backward(*short, True) == "triton"
+    assert choose_backward(*long, True, backward="triton") == "triton"
+    assert choose_backward(*short, True, backward="gluon") == "gluon"
+    for dtype, head_dim, words in ((torch.float32, 64, "dtype torch.float32"), (torch.bfloat16, 32, "head dim 32")):
+        other = _backward_inputs((1, 2, n, head_dim), (1, 2, n, head_dim), dtype=dtype, device="cuda")
+        assert choose_backward(*other, True) == "triton"
+        with pytest.raises(ValueError, match=words):
+            choose_backward(*other, True, backward="gluon")
+    q, k, v, out, lse, do = long
+    with pytest.raises(ValueError, match="lse must be contiguous float32"):  # an L that no forward of ours writes
+        choose_backward(q, k, v, out, lse.double(), do, True, backward="gluon")
+
+
+COMPILE_LENGTHS = (1000, 1337)  # the second one new: Dynamo recompiles once (with dynamic lengths)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_compiled_with_the_gluon_backward(no_flash_choice):
+    """torch.compile(fullgraph=True) (a graph break would raise) with the backward forced to FA2, then to Gluon:
+    the Gluon backward runs inside the compiled graph's one custom op, with as many compiles as with FA2 over two
+    calls of different lengths, and the same accuracy."""
+    spies = _Spies(no_flash_choice)
+    compiles = {}
+    for backward in ("triton", "gluon"):
+        no_flash_choice.setenv(BACKWARD_ENV, backward)
+        torch.compiler.reset()
+        graphs = []
+        compiled = torch.compile(flash_triton.flash_attention_triton, backend=_counting(graphs, "inductor"),
+                                 fullgraph=True)
+        for n in COMPILE_LENGTHS:
+            q, k, v, do = (_fresh((1, 2, n, 64), False) for _ in range(4))
+            with flash_triton.pinned_tiles(FA2_TILE, FA2_TILE):
+                got = _with_grads(compiled, q, k, v, do, True)
+            ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), True)
+            own = _with_grads(naive_attention, q, k, v, do, True)
+            for i, name in enumerate(("O", "dQ", "dK", "dV")):
+                limit = 2 * _rel_err(own[i], ref[i]) + 2e-3
+                assert _rel_err(got[i], ref[i]) < limit, f"backward={backward} n={n}: {name}"
+        compiles[backward] = len(graphs)
+    assert spies.calls == ["triton"] * 2 + ["gluon"] * 2
+    assert 1 <= compiles["gluon"] <= compiles["triton"], compiles
