@@ -1,4 +1,8 @@
-"""Each handout table as a function of its results rows (tidy frames in, display frames out)."""
+"""Each handout table as a function of its results rows.
+
+Converted builders return a NumericTable (report/frame.py: numbers plus one format per column, printed by
+one formatter for the Markdown, the LaTeX and the prose); the others still return display frames of
+strings, which the sections not converted yet read (section.cell_number parses them back)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
 from cs336_systems.analysis import attention_math
 from cs336_systems.analysis.collectives import all_reduce_rows
+from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.render import mean_std
 
 SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
@@ -207,27 +212,34 @@ def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def flash_sweep(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.2(e): one row per (dtype, d, seq, pass), median ms per provider as columns (OOM / unsupported
-    shown), then ours over SDPA's flash backend and our throughput two ways: by FlashAttention-2's FLOP
-    count (forward 2 products, backward 5) and by the products our kernels execute (backward 7;
-    analysis/attention_math.py)."""
+FLASH_OURS = ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed")
+
+
+def flash_sweep(frame: pd.DataFrame) -> NumericTable:
+    """1.3.2(e): one row per (dtype, d, seq, pass), median ms per provider as columns (a status such as OOM
+    where a provider did not run), then ours over SDPA's flash backend and our throughput two ways: by
+    FlashAttention-2's FLOP count (forward 2 products, backward 5) and by the products our kernels execute
+    (backward 7; analysis/attention_math.py)."""
     frame = frame.assign(executed=attention_math.executed_tflops(frame))
-    frame["cell"] = [f"{ms:.3f}" if status == "ok" else status.upper()
-                     for ms, status in zip(frame.get("median_ms", pd.Series(float("nan"), index=frame.index)),
-                                           frame["status"])]
+    if "median_ms" not in frame:
+        frame = frame.assign(median_ms=float("nan"))
     keys = ["dtype", "head_dim", "seq_len", "pass"]
-    wide = frame.pivot_table(index=keys, columns="provider", values="cell", aggfunc="first")
+    wide = frame.pivot_table(index=keys, columns="provider", values="median_ms", aggfunc="first", dropna=False)
+    states = frame.pivot_table(index=keys, columns="provider", values="status", aggfunc="first")
+    providers = list(states.columns)
+    wide = wide.reindex(index=states.index, columns=providers)
     ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")].set_index(keys)
     anchor = frame[(frame["provider"] == "sdpa_flash") & (frame["status"] == "ok")].set_index(keys)
-    wide["ours ÷ SDPA flash"] = (ours["median_ms"] / anchor["median_ms"]).round(2)
-    wide["ours TFLOP/s, FA2 count"] = ours["tflops"].round(1)
-    wide["ours TFLOP/s, executed"] = ours["executed"].round(1)
-    for column in ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed"):
-        wide[column] = wide[column].astype(object).where(wide[column].notna(), "—")  # not measured / no anchor
-    wide = wide.reset_index()
-    wide.columns.name = None
-    return wide.rename(columns={"head_dim": "d", "seq_len": "seq"})
+    ratio, fa2, executed = FLASH_OURS
+    wide[ratio] = ours["median_ms"] / anchor["median_ms"]
+    wide[fa2] = ours["tflops"]
+    wide[executed] = ours["executed"]
+    data = wide.reset_index().rename(columns={"head_dim": "d", "seq_len": "seq"})
+    data.columns.name = None
+    status = {p: {i: str(s) for i, s in enumerate(states[p]) if isinstance(s, str) and s != "ok"} for p in providers}
+    columns = (Col("dtype"), Col("d", "d"), Col("seq", "d"), Col("pass"), *(Col(p, ".3f") for p in providers),
+               Col(ratio, ".2f"), Col(fa2, ".1f"), Col(executed, ".1f"))
+    return NumericTable(data, columns, status)
 
 
 def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
@@ -283,51 +295,48 @@ def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
                         ).fillna("—").reset_index()
 
 
-def allreduce(frame: pd.DataFrame) -> pd.DataFrame:
-    """2.1: all-reduce time and bandwidth per backend, process count and size."""
+def allreduce(frame: pd.DataFrame) -> NumericTable:
+    """2.1: all-reduce time and bandwidth per backend, process count and size; one statistic, the median
+    over the timed iterations (the bandwidths are computed from it)."""
     rows = all_reduce_rows(frame).sort_values(["backend", "world_size", "size_mb"])
-    return pd.DataFrame({
-        "backend": rows["backend"], "processes": rows["world_size"], "size (MB)": rows["size_mb"],
-        "median (ms)": rows["median_ms"].round(3), "mean ± std (ms)": [
-            mean_std(m, s, 3) for m, s in zip(rows["mean_ms"], rows["std_ms"])],
-        "algbw (GB/s)": rows["algbw_gbps"].round(2), "busbw (GB/s)": rows["busbw_gbps"].round(2)})
+    data = pd.DataFrame({"backend": rows["backend"], "processes": rows["world_size"], "size (MB)": rows["size_mb"],
+                         "median (ms)": rows["median_ms"], "algbw (GB/s)": rows["algbw_gbps"],
+                         "busbw (GB/s)": rows["busbw_gbps"]})
+    return NumericTable(data, (Col("backend"), Col("processes", "d"), Col("size (MB)", "g"), Col("median (ms)", ".3f"),
+                               Col("algbw (GB/s)", ".2f"), Col("busbw (GB/s)", ".2f")))
 
 
-def round_medians(row: pd.Series) -> str:
-    """The range of a config's per-round median step times ('—' for runs of one round)."""
-    if pd.isna(row.get("rounds")) or row["rounds"] < 2:
-        return "—"
-    return f"{row['step_round_median_min_ms']:.1f}–{row['step_round_median_max_ms']:.1f}"
+# The DDP tables' one statistic: means over every measured step of every round. The step's parts are means
+# too, so forward+backward + communication wait + optimizer add up to the step, and the communication share
+# is a ratio of two means.
+DDP_STEP = "step (ms)"
+DDP_PARTS = ("forward+backward (ms)", "communication wait (ms)", "optimizer (ms)")
 
 
-def ddp(frame: pd.DataFrame) -> pd.DataFrame:
-    """2.2–2.3: time per training step and its parts, per wrapper and precision."""
-    out = []
-    for _, row in frame.iterrows():
-        record = {"precision": row["precision"], "config": row["config"]}
-        if row["status"] != "ok":
-            record["step (ms)"] = str(row["status"]).upper()
-        else:
-            record.update({"step (ms)": mean_std(row["step_ms"], row["step_std_ms"], 1),
-                           "step median (ms)": round(row["step_median_ms"], 1),
-                           "round medians (ms)": round_medians(row),
-                           "forward+backward (ms)": round(row["forward_backward_ms"], 1),
-                           "communication wait (ms)": round(row["communication_ms"], 1),
-                           "optimizer (ms)": round(row["optimizer_ms"], 1),
-                           "comm share": f"{row['communication_ms'] / row['step_ms']:.1%}",
-                           "final loss": round(row["final_loss"], 4)})
-        out.append(record)
-    return pd.DataFrame(out)
+def ddp(frame: pd.DataFrame) -> NumericTable:
+    """2.2–2.3: time per training step (mean ± std) and its parts (means), per wrapper and precision; a
+    config that did not run shows its status in the step column."""
+    ok = frame["status"] == "ok"
+
+    def where_ok(column: str) -> pd.Series:
+        return frame[column].where(ok)
+
+    data = pd.DataFrame({
+        "precision": frame["precision"], "config": frame["config"], DDP_STEP: where_ok("step_ms"),
+        "step std (ms)": where_ok("step_std_ms"),
+        **{part: where_ok(column) for part, column in zip(DDP_PARTS, ("forward_backward_ms", "communication_ms",
+                                                                       "optimizer_ms"))},
+        "comm share": where_ok("communication_ms") / where_ok("step_ms"), "final loss": where_ok("final_loss")})
+    status = {DDP_STEP: {i: str(s) for i, s in enumerate(frame["status"]) if s != "ok"}}
+    return NumericTable(data, (Col("precision"), Col("config"), Col(DDP_STEP, ".1f", second="step std (ms)"),
+                               *(Col(part, ".1f") for part in DDP_PARTS), Col("comm share", ".1%"),
+                               Col("final loss", ".4f")), status)
 
 
-def _mib(value: float) -> str:
-    return "—" if pd.isna(value) else f"{value:.0f}"  # memory is measured on CUDA only
-
-
-def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
+def train_matrix(frame: pd.DataFrame) -> NumericTable:
     """Training runs by attention backend and wrapper: speed over the second half of the steps (the
-    first half includes warm-up and, for flash_triton, autotuning), memory, and how far each loss
-    curve strays from torch DDP's with the same backend."""
+    first half includes warm-up and, for flash_triton, autotuning; medians, the table's one statistic),
+    memory, and how far each loss curve strays from torch DDP's with the same backend."""
     out = []
     for (attention, wrapper), run in frame.groupby(["attention", "wrapper"], sort=False):
         run = run.sort_values("step")
@@ -337,9 +346,10 @@ def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
         drift = (abs(run["loss"].to_numpy() - reference["loss"].to_numpy()).max()
                  if len(reference) == len(run) else float("nan"))
         out.append({"attention": attention, "wrapper": "single GPU" if wrapper == "none" else wrapper,
-                    "ranks": int(run["world_size"].iloc[0]), "step (ms, median)": round(step_ms, 1),
-                    "tokens/s": round(run["tokens_per_step"].iloc[0] / step_ms * 1e3),
-                    "peak memory (MiB)": _mib(run["peak_memory_mib"].iloc[0]),
-                    "final loss": round(run["loss"].iloc[-1], 4),
-                    "max |loss − torch DDP|": float(f"{drift:.2g}")})
-    return pd.DataFrame(out)
+                    "ranks": int(run["world_size"].iloc[0]), "step (ms, median)": step_ms,
+                    "tokens/s": run["tokens_per_step"].iloc[0] / step_ms * 1e3,
+                    "peak memory (MiB)": run["peak_memory_mib"].iloc[0],  # NaN where not CUDA: printed '—'
+                    "final loss": run["loss"].iloc[-1], "max |loss − torch DDP|": drift})
+    return NumericTable(pd.DataFrame(out), (
+        Col("attention"), Col("wrapper"), Col("ranks", "d"), Col("step (ms, median)", ".1f"), Col("tokens/s", ",.0f"),
+        Col("peak memory (MiB)", ".0f"), Col("final loss", ".4f"), Col("max |loss − torch DDP|", ".2g")))
