@@ -95,7 +95,7 @@ class NumericTable:
         """The position of the one row whose columns equal `keys` (e.g. precision='bf16', config='flat')."""
         mask = pd.Series(True, index=self.data.index)
         for name, value in keys.items():
-            mask &= self.data[name].astype(str) == str(value)
+            mask &= self.data[name] == value
         found = list(self.data.index[mask])
         if len(found) != 1:
             raise KeyError(f"{len(found)} rows match {keys} (one expected)")
