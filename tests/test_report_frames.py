@@ -186,3 +186,33 @@ def test_table_rule_writes_the_frame(tmp_path):
     assert out["md"].read_text().startswith(table.to_markdown())
     assert table.quote("median (ms)", processes=2, **{"size (MB)": 10}) == "1.950"
     assert re.search(r"1\.950", out["tex"].read_text())
+
+
+def test_converted_sections_never_rebuild_their_tables(monkeypatch):
+    """One build per table: with every numeric table's builder made to fail, the sections that quote numeric
+    tables still render from the committed results (they read results/tables/NAME.json)."""
+    import importlib
+    import os
+
+    from cs336_systems.report.section import Context, Section
+    from cs336_systems.report.sections import DELIVERABLES
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a section rebuilt a table the `table` rule already built")
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        ctx = Context(Path("results"), Path("figures"), Path("results"), {})
+        converted = [item for item in DELIVERABLES if item.tables and all(
+            (ROOT / "results" / "tables" / f"{t.name}.json").exists() and
+            any(c.numeric for c in NumericTable.load(ROOT / "results" / "tables" / f"{t.name}.json").columns)
+            for t in item.tables) and all(ctx.frame(n) is not None for n in item.data)]
+        for item in converted:
+            for table in item.tables:  # the builder by the name its module calls it
+                monkeypatch.setattr(importlib.import_module(table.build.__module__), table.build.__name__, refuse)
+        rendered = [item.render(ctx) for item in converted]
+    finally:
+        os.chdir(here)
+    # (the checkpointing sections still write their prose from the results rows: text, not a Section)
+    assert len(rendered) >= 10 and sum(isinstance(body, Section) for body in rendered) >= 8
