@@ -1,4 +1,7 @@
-"""python -m cs336_systems.report {table,figure} NAME INPUT.csv... — render one table or figure."""
+"""python -m cs336_systems.report {table,figure} NAME INPUT.csv... — render one table or figure.
+
+A table is built once: its Markdown, its LaTeX and its numeric frame (--json, report/frame.py), which the
+writeup reads back to quote the same numbers the Markdown prints."""
 
 from __future__ import annotations
 

@@ -165,7 +165,9 @@ class NumericTable:
         return self.display().to_markdown(index=False, disable_numparse=True, colalign=align)
 
     def to_latex(self, caption: str) -> str:
-        return self.display().to_latex(index=False, caption=caption.replace("_", r"\_"), escape=True)
+        align = "".join("r" if c.numeric else "l" for c in self.columns)
+        return self.display().to_latex(index=False, caption=caption.replace("_", r"\_"), escape=True,
+                                       column_format=align)
 
     # --- storage: results/tables/NAME.json ------------------------------------------------------------------
     def to_json(self) -> str:
