@@ -231,8 +231,9 @@ def render_checkpointing(ctx: Context) -> str:
             f"on this GPU. {model_state_sentence(rows[rows['status'].eq('ok')], first)}")
     nested = rows[(rows["policy_kind"] == "nested") & rows["status"].eq("ok")]
     if len(nested) and len(every):
-        per = ", ".join(f"{r['policy']}: {r['median_ms']:.0f} ms, {r['peak_memory_mib'] / GIB:.1f} GiB"
-                        for _, r in nested.iterrows())
+        table = ctx.numeric("checkpointing")  # quoted as the table prints it ('—' where not measured)
+        per = ", ".join(f"{p}: {table.quote('step (ms, median)', policy=p)} ms, "
+                        f"{table.quote('peak memory (GiB)', policy=p)} GiB" for p in nested["policy"])
         lines.append(f"Nesting buys no memory at this model size and costs compute ({per}), as (a) predicts when "
                      "a boundary is small against a block.")
     return "\n\n".join([*lines, ctx.table("checkpointing"), ctx.figure("checkpointing", "checkpoint block size")])
@@ -282,9 +283,11 @@ def render_fsdp(ctx: Context) -> Section:
 
         ratio = q.derive(lambda t, k=keys: _fsdp_cell(t, k, "fsdp", step) / _fsdp_cell(t, k, "torch_fsdp2", step),
                          ".2f", f"{size} {precision} ours over FSDP2")
+        measured = all(pd.notna(table.value(h, **keys, config=c)) for h in peaks for c in ("fsdp", "torch_fsdp2"))
+        memory = (f"peak {peak('fsdp')} MiB against {peak('torch_fsdp2')} MiB" if measured else
+                  "memory is measured on CUDA only")
         checked.append(f"{size}, {precision}: ours {table.quote(step, **keys, config='fsdp')} ms per step against "
-                       f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); peak "
-                       f"{peak('fsdp')} MiB against {peak('torch_fsdp2')} MiB.")
+                       f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); {memory}.")
     return Section([intro, *checked, ctx.table("fsdp")], table, checked, q.derived)
 
 
