@@ -6,6 +6,9 @@ strings, which the sections not converted yet read (section.cell_number parses t
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
+
 import pandas as pd
 
 from cs336_systems.bench.e2e import COMPILE_SCOPES
@@ -34,53 +37,119 @@ def _cell(rows: pd.DataFrame, render=lambda row: mean_std(row["mean_ms"], row["s
     return render(row)
 
 
-def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> pd.DataFrame:
-    """One row per model size; for each named column filter (e.g. precision=fp32) and phase, the cell
-    'mean ± std' in ms (or OOM). An OOM row has phase 'step', so it is looked up under any phase."""
-    out = []
+# --- compatibility: display frames for the sections not converted yet ------------------------------------
+
+def display_frame(table: NumericTable, strings: Collection[str] = ()) -> pd.DataFrame:
+    """The display frame a builder returned before it was numeric, for the sections that still read one
+    (benchmarking, attention: section.cell_number parses its strings): the `strings` columns as their printed
+    cells, the other numeric columns as numbers rounded to their format's digits (None where missing, the
+    status where one is set), text columns as they are. Goes once those sections read NumericTables."""
+    out = {}
+    for column in table.columns:
+        if column.header in strings:
+            out[column.header] = [table.cell_text(i, column.header) for i in range(len(table))]
+        elif column.numeric:
+            out[column.header] = [_rounded(table, i, column) for i in range(len(table))]
+        else:
+            out[column.header] = table.data[column.header].tolist()
+    return pd.DataFrame(out, columns=table.headers)
+
+
+def _rounded(table: NumericTable, row: int, column: Col):
+    status = table.status.get(column.header, {}).get(row)
+    if status:
+        return str(status).upper()
+    value = table.data.at[row, column.header]
+    if pd.isna(value):
+        return None
+    digits = re.search(r"\.(\d+)[f%]", column.fmt)
+    if column.fmt.endswith("d"):
+        return int(round(value))
+    return round(float(value), int(digits[1]) + (2 if column.fmt.endswith("%") else 0)) if digits else value
+
+
+# --- 1.1.3 and 1.1.5: step times per model size ---------------------------------------------------------
+
+def phase_numeric(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> NumericTable:
+    """One row per model size; for each named column filter (e.g. precision=fp32) and phase, the mean ms ±
+    its std (or the status, OOM, of a run that did not finish; '—' where nothing ran). An OOM row has phase
+    'step', so it is looked up under any phase."""
+    out, status, headers = [], {}, []
     for size, rows in ordered_by_size(frame).groupby("size", observed=True, sort=True):
-        record = {"size": size}
+        record = {"size": str(size)}
         for label, where in columns.items():
             selected = rows
             for key, value in where.items():
                 selected = selected[selected[key] == value]
             for phase in phases:
-                cell_rows = selected[(selected["phase"] == phase) | (selected["status"] != "ok")]
-                record[f"{label} {phase} (ms)" if label else f"{phase} (ms)"] = _cell(cell_rows)
+                header = f"{label} {phase} (ms)" if label else f"{phase} (ms)"
+                headers += [header] if header not in headers else []
+                cell = selected[(selected["phase"] == phase) | (selected["status"] != "ok")]
+                ok = len(cell) and cell["status"].iloc[0] == "ok"
+                record[header] = cell["mean_ms"].iloc[0] if ok else float("nan")
+                record[f"{header} std"] = cell["std_ms"].iloc[0] if ok else float("nan")
+                if len(cell) and not ok:
+                    status.setdefault(header, {})[len(out)] = str(cell["status"].iloc[0])
         out.append(record)
-    return pd.DataFrame(out)
+    data = pd.DataFrame(out, columns=["size", *(h for header in headers for h in (header, f"{header} std"))])
+    return NumericTable(data, (Col("size"), *(Col(h, ".2f", second=f"{h} std") for h in headers)), status)
 
 
-def e2e_timing(frame: pd.DataFrame) -> pd.DataFrame:
+def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> pd.DataFrame:
+    """phase_numeric as a display frame (sections not converted yet)."""
+    table = phase_numeric(frame, columns, phases)
+    return display_frame(table, table.headers[1:])
+
+
+def e2e_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.1.3(b): forward and backward time per size (fp32), our naive attention and SDPA."""
     fp32 = frame[(frame["precision"] == "fp32") & (frame["mode"] == "forward_backward")]
     columns = {name: {"attention": name} for name in sorted(set(fp32["attention"]))}
-    return phase_table(fp32, columns, ["forward", "backward"])
+    return phase_numeric(fp32, columns, ["forward", "backward"])
 
 
-def e2e_warmup(frame: pd.DataFrame) -> pd.DataFrame:
+def e2e_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    table = e2e_timing_numeric(frame)
+    return display_frame(table, table.headers[1:])
+
+
+def e2e_warmup_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.1.3(c): the forward+backward step time for each number of warm-up steps; where the rows carry every
     measured step's time (`samples_ms`), also the first measured step and the slowest of the others."""
     columns = {f"warmup={w}": {"warmup": w} for w in sorted(set(frame["warmup"]))}
-    table = phase_table(frame, columns, ["step"])
+    table = phase_numeric(frame, columns, ["step"])
     if "samples_ms" not in frame or frame["samples_ms"].isna().all():
         return table
     steps = frame[(frame["phase"] == "step") & (frame["status"] == "ok") & frame["samples_ms"].notna()]
+    data, extra = table.data.copy(), []
     for w in sorted(set(steps["warmup"])):
         times = steps[steps["warmup"] == w].set_index("size")["samples_ms"].map(lambda s: [float(t) for t in s.split()])
-        table[f"warmup={w} 1st step (ms)"] = table["size"].astype(str).map(times.map(lambda t: round(t[0], 2)))
-        table[f"warmup={w} slowest later (ms)"] = table["size"].astype(str).map(
-            times.map(lambda t: round(max(t[1:]), 2) if len(t) > 1 else None))
-    return table
+        first, later = f"warmup={w} 1st step (ms)", f"warmup={w} slowest later (ms)"
+        data[first] = data["size"].map(times.map(lambda t: t[0]))
+        data[later] = data["size"].map(times.map(lambda t: max(t[1:]) if len(t) > 1 else float("nan")))
+        extra += [Col(first, ".2f"), Col(later, ".2f")]
+    return NumericTable(data, (*table.columns, *extra), table.status)
+
+
+def e2e_warmup(frame: pd.DataFrame) -> pd.DataFrame:
+    table = e2e_warmup_numeric(frame)
+    return display_frame(table, [c.header for c in table.columns if c.second])
+
+
+def mixed_precision_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.1.5(c): forward and backward time per size, fp32 versus bf16 autocast (naive attention), and the
+    speed-up (fp32 median step over bf16's)."""
+    rows = frame[(frame["mode"] == "forward_backward") & (frame["attention"] == "naive")]
+    columns = {p: {"precision": p} for p in ["fp32", "bf16"] if p in set(rows["precision"])}
+    table = phase_numeric(rows, columns, ["forward", "backward"])
+    speedups = precision_speedup(rows).assign(size=lambda t: t["size"].astype(str))
+    data = table.data.merge(speedups, on="size", how="left")
+    return NumericTable(data, (*table.columns, Col("bf16 speed-up", ".2f")), table.status)
 
 
 def mixed_precision(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.1.5(c): forward and backward time per size, fp32 versus bf16 autocast (naive attention)."""
-    rows = frame[(frame["mode"] == "forward_backward") & (frame["attention"] == "naive")]
-    columns = {p: {"precision": p} for p in ["fp32", "bf16"] if p in set(rows["precision"])}
-    table = phase_table(rows, columns, ["forward", "backward"])
-    speedups = precision_speedup(rows)
-    return table.merge(speedups, on="size", how="left")
+    table = mixed_precision_numeric(frame)
+    return display_frame(table, [c.header for c in table.columns if c.second])
 
 
 def precision_speedup(frame: pd.DataFrame) -> pd.DataFrame:
@@ -89,7 +158,7 @@ def precision_speedup(frame: pd.DataFrame) -> pd.DataFrame:
     wide = steps.pivot_table(index="size", columns="precision", values="median_ms", observed=True)
     if not {"fp32", "bf16"} <= set(wide.columns):
         return pd.DataFrame({"size": [], "bf16 speed-up": []})
-    return (wide["fp32"] / wide["bf16"]).round(2).rename("bf16 speed-up").reset_index()
+    return (wide["fp32"] / wide["bf16"]).rename("bf16 speed-up").reset_index()
 
 
 def compile_scope(frame: pd.DataFrame) -> pd.Series:
