@@ -220,21 +220,43 @@ def compile_column(what: str, scope: str, scopes: list[str]) -> str:
 ADAMW_BYTES_PER_PARAM = 7 * 4
 
 
-def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
-    """The optimizer phase of a training step per size and optimizer, with the bandwidth it would take to
-    move AdamW's least traffic in that time."""
-    out = []
+def _first(rows: pd.DataFrame) -> tuple[float, float, str | None]:
+    """(mean ms, std ms, status) of the first row; the status is set where it did not run ('—' if no row)."""
+    if rows.empty:
+        return float("nan"), float("nan"), None
+    row = rows.iloc[0]
+    if row["status"] != "ok":
+        return float("nan"), float("nan"), str(row["status"])
+    return row["mean_ms"], row["std_ms"], None
+
+
+def optimizer_timing_numeric(frame: pd.DataFrame) -> NumericTable:
+    """The optimizer phase of a training step per size and optimizer (mean ± std), with the bandwidth it
+    would take to move AdamW's least traffic in its median time."""
+    out, status = [], {}
     for (size, optimizer), rows in ordered_by_size(frame).groupby(["size", "optimizer"], observed=True, sort=True):
-        phase = rows[rows["phase"].eq("optimizer") | rows["status"].ne("ok")]
-        step = rows[rows["phase"].eq("step") | rows["status"].ne("ok")]
         params = parameter_count(get_config(str(size)))
-        record = {"size": size, "parameters (M)": round(params / 1e6), "optimizer": optimizer,
-                  "optimizer step (ms)": _cell(phase), "training step (ms)": _cell(step)}
-        ok = phase["status"].eq("ok").all() and len(phase)
-        seconds = phase["median_ms"].iloc[0] / 1e3 if ok else None
-        record["GB/s at 28 B/param"] = round(params * ADAMW_BYTES_PER_PARAM / seconds / 1e9) if ok else None
+        record = {"size": str(size), "parameters (M)": params / 1e6, "optimizer": optimizer}
+        for header, phase in (("optimizer step (ms)", "optimizer"), ("training step (ms)", "step")):
+            mean, std, state = _first(rows[rows["phase"].eq(phase) | rows["status"].ne("ok")])
+            record[header], record[f"{header} std"] = mean, std
+            if state:
+                status.setdefault(header, {})[len(out)] = state
+        phase = rows[rows["phase"].eq("optimizer") | rows["status"].ne("ok")]
+        ok = len(phase) and phase["status"].eq("ok").all()
+        record["GB/s at 28 B/param"] = (params * ADAMW_BYTES_PER_PARAM / (phase["median_ms"].iloc[0] / 1e3) / 1e9
+                                        if ok else float("nan"))
         out.append(record)
-    return pd.DataFrame(out)
+    columns = ["size", "parameters (M)", "optimizer", "optimizer step (ms)", "optimizer step (ms) std",
+               "training step (ms)", "training step (ms) std", "GB/s at 28 B/param"]
+    return NumericTable(pd.DataFrame(out, columns=columns), (
+        Col("size"), Col("parameters (M)", "d"), Col("optimizer"),
+        Col("optimizer step (ms)", ".2f", second="optimizer step (ms) std"),
+        Col("training step (ms)", ".2f", second="training step (ms) std"), Col("GB/s at 28 B/param", "d")), status)
+
+
+def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(optimizer_timing_numeric(frame), ["optimizer step (ms)", "training step (ms)"])
 
 
 def _ms(rows: pd.DataFrame) -> str:
@@ -269,16 +291,25 @@ def attention(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.1(a): eager versus compiled naive attention, side by side."""
-    out = []
+def attention_compile_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.3.1(a): eager versus compiled naive attention, side by side (mean ms)."""
+    out, status = [], {}
+    headers = [f"{phase} {impl} (ms)" for phase in ("forward", "backward") for impl in ("eager", "compiled")]
     for (d, seq), group in frame.groupby(["head_dim", "seq_len"]):
         record = {"d": d, "seq": seq}
-        for phase in ("forward", "backward"):
-            for impl in ("eager", "compiled"):
-                record[f"{phase} {impl} (ms)"] = _ms(group[(group["phase"] == phase) & (group["impl"] == impl)])
+        for header in headers:
+            phase, impl = header.split()[:2]
+            record[header], _, state = _first(group[(group["phase"] == phase) & (group["impl"] == impl)])
+            if state:
+                status.setdefault(header, {})[len(out)] = state
         out.append(record)
-    return pd.DataFrame(out)
+    return NumericTable(pd.DataFrame(out, columns=["d", "seq", *headers]),
+                        (Col("d", "d"), Col("seq", "d"), *(Col(h, ".3f") for h in headers)), status)
+
+
+def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
+    table = attention_compile_numeric(frame)
+    return display_frame(table, table.headers[2:])
 
 
 FLASH_OURS = ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed")
@@ -311,39 +342,53 @@ def flash_sweep(frame: pd.DataFrame) -> NumericTable:
     return NumericTable(data, columns, status)
 
 
-def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.3: the leaderboard case per provider, with the ratio to SDPA's flash backend."""
+def flash_leaderboard_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.3.3: the leaderboard case per provider, with the ratio of means to SDPA's flash backend."""
     out = []
     for pass_, group in frame.groupby("pass", sort=False):
         anchor = group.loc[group["provider"] == "sdpa_flash", "mean_ms"]
         for _, row in group.iterrows():
             out.append({"pass": pass_, "provider": row["provider"], "torch.compile": bool(row["compiled"]),
-                        "mean (ms)": round(row["mean_ms"], 3), "TFLOP/s": round(row["tflops"]),
-                        "÷ SDPA flash": round(row["mean_ms"] / anchor.iloc[0], 3) if len(anchor) else None})
-    return pd.DataFrame(out)
+                        "mean (ms)": row["mean_ms"], "TFLOP/s": row["tflops"],
+                        "÷ SDPA flash": row["mean_ms"] / anchor.iloc[0] if len(anchor) else float("nan")})
+    return NumericTable(pd.DataFrame(out), (Col("pass"), Col("provider"), Col("torch.compile"), Col("mean (ms)", ".3f"),
+                                            Col("TFLOP/s", "d"), Col("÷ SDPA flash", ".3f")))
+
+
+def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(flash_leaderboard_numeric(frame))
+
+
+def flash_correctness_numeric(frame: pd.DataFrame) -> NumericTable:
+    """Per test: how many of its runs passed (each repeat draws fresh inputs; rows without a `repeat`
+    column are one run each), how many were skipped, and its median seconds."""
+    out = [{"test": test, "passed": int((group["outcome"] == "passed").sum()), "runs": len(group),
+            "skipped": int((group["outcome"] == "skipped").sum()), "seconds (median)": group["seconds"].median()}
+           for test, group in frame.groupby("test", sort=False)]
+    return NumericTable(pd.DataFrame(out), (Col("test"), Col("passed", "d"), Col("runs", "d"), Col("skipped", "d"),
+                                            Col("seconds (median)", ".2f")))
 
 
 def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per test: how many of its runs passed (each repeat draws fresh inputs; rows without a `repeat`
-    column are one run each), how many were skipped, and its median seconds."""
-    repeat = frame["repeat"] if "repeat" in frame else pd.Series(0, index=frame.index)
-    frame = frame.assign(repeat=repeat)
-    out = [{"test": test, "passed": int((group["outcome"] == "passed").sum()), "runs": len(group),
-            "skipped": int((group["outcome"] == "skipped").sum()), "seconds (median)": round(group["seconds"].median(), 2)}
-           for test, group in frame.groupby("test", sort=False)]
-    return pd.DataFrame(out)
+    return display_frame(flash_correctness_numeric(frame))
 
 
-def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
+def flash_accuracy_numeric(frame: pd.DataFrame) -> NumericTable:
     """bfloat16 error against float64 per implementation, case and tensor: ours and SDPA's (mean over
     seeds), and ours over SDPA's."""
     keys = ["impl", "reference", "shape", "causal", "tensor"]
     mean = frame.groupby(keys, sort=False)[["ours_error", "sdpa_error"]].mean().reset_index()
     seeds = frame.groupby(keys, sort=False)["seed"].nunique().to_numpy()
-    return pd.DataFrame({"implementation": mean["impl"], "SDPA backend": mean["reference"].str.removeprefix("sdpa_"),
+    data = pd.DataFrame({"implementation": mean["impl"], "SDPA backend": mean["reference"].str.removeprefix("sdpa_"),
                          "(batch, heads, seq, d)": mean["shape"], "causal": mean["causal"], "tensor": mean["tensor"],
-                         "seeds": seeds, "ours": mean["ours_error"].round(6), "SDPA": mean["sdpa_error"].round(6),
-                         "ours ÷ SDPA": (mean["ours_error"] / mean["sdpa_error"]).round(2)})
+                         "seeds": seeds, "ours": mean["ours_error"], "SDPA": mean["sdpa_error"],
+                         "ours ÷ SDPA": mean["ours_error"] / mean["sdpa_error"]})
+    return NumericTable(data, (*(Col(c) for c in data.columns[:5]), Col("seeds", "d"), Col("ours", ".6f"),
+                               Col("SDPA", ".6f"), Col("ours ÷ SDPA", ".2f")))
+
+
+def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(flash_accuracy_numeric(frame))
 
 
 def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
