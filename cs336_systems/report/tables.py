@@ -42,7 +42,7 @@ def _cell(rows: pd.DataFrame, render=lambda row: mean_std(row["mean_ms"], row["s
 def display_frame(table: NumericTable, strings: Collection[str] = ()) -> pd.DataFrame:
     """The display frame a builder returned before it was numeric, for the sections that still read one
     (benchmarking, attention: section.cell_number parses its strings): the `strings` columns as their printed
-    cells, the other numeric columns as numbers rounded to their format's digits (None where missing, the
+    cells, the other numeric columns as numbers rounded to their format's digits (NaN where missing, the
     status where one is set), text columns as they are. Goes once those sections read NumericTables."""
     out = {}
     for column in table.columns:
@@ -61,7 +61,7 @@ def _rounded(table: NumericTable, row: int, column: Col):
         return str(status).upper()
     value = table.data.at[row, column.header]
     if pd.isna(value):
-        return None
+        return float("nan")  # as the old builders' round(nan) or None in a column of numbers printed: 'nan'
     digits = re.search(r"\.(\d+)[f%]", column.fmt)
     if column.fmt.endswith("d"):
         return int(round(value))
@@ -167,47 +167,68 @@ def compile_scope(frame: pd.DataFrame) -> pd.Series:
     return scope.fillna("blocks").where(frame["compile"].astype(bool), "none")
 
 
-def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
+def compile_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): eager versus compiled (per compile scope), forward-only and full training step, per attention
-    backend; per scope the speed-up over eager (eager median ÷ that scope's median), and the MFU of the
-    fastest compiled scope."""
-    out = []
+    backend: the step time (mean ± std); per scope the speed-up over eager (eager median ÷ that scope's
+    median), and the MFU of the fastest compiled scope (by median)."""
+    out, status = [], {}
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
     scopes = [s for s in COMPILE_SCOPES if s != "none" and s in set(steps["scope"])]  # "none" is the eager column
+    times = ["eager (ms)", *(compile_column("compiled", scope, scopes) + " (ms)" for scope in scopes)]
+    speedups = [compile_column("speed-up", scope, scopes) for scope in scopes]
     for (size, attention, mode), rows in ordered_by_size(steps).groupby(["size", "attention", "mode"], observed=True):
-        eager = rows[rows["scope"] == "none"]
-        eager_ok = len(eager) and eager["status"].eq("ok").all()
-        record = {"size": size, "attention": attention, "mode": mode, "eager (ms)": _cell(eager)}
-        best, speedups = None, {}
-        for scope in scopes:
-            compiled = rows[rows["scope"] == scope]
-            record[compile_column("compiled", scope, scopes) + " (ms)"] = _cell(compiled)
-            ok = len(compiled) and compiled["status"].eq("ok").all()
-            speedups[compile_column("speed-up", scope, scopes)] = (  # a dash, not nan, where a scope did not run
-                f"{eager['median_ms'].iloc[0] / compiled['median_ms'].iloc[0]:.2f}" if ok and eager_ok else "—")
-            if ok and (best is None or compiled["median_ms"].iloc[0] < best["median_ms"].iloc[0]):
-                best = compiled
-        record.update(speedups)
-        record["compiled MFU"] = round(best["mfu"].iloc[0], 3) if best is not None else None
+        record = {"size": str(size), "attention": attention, "mode": mode}
+        by_scope = {"none": rows[rows["scope"] == "none"], **{s: rows[rows["scope"] == s] for s in scopes}}
+        ran = {s: r for s, r in by_scope.items() if len(r) and r["status"].eq("ok").all()}
+        for header, scope in zip(times, ["none", *scopes]):
+            record[header], record[f"{header} std"], state = _first(by_scope[scope])
+            if state:
+                status.setdefault(header, {})[len(out)] = state
+        for header, scope in zip(speedups, scopes):
+            record[header] = (ran["none"]["median_ms"].iloc[0] / ran[scope]["median_ms"].iloc[0]
+                              if "none" in ran and scope in ran else float("nan"))
+        compiled = [r for s, r in ran.items() if s != "none"]
+        best = min(compiled, key=lambda r: r["median_ms"].iloc[0]) if compiled else None
+        record["compiled MFU"] = best["mfu"].iloc[0] if best is not None else float("nan")
         out.append(record)
-    return pd.DataFrame(out)
+    columns = ["size", "attention", "mode", *(h for header in times for h in (header, f"{header} std")), *speedups,
+               "compiled MFU"]
+    return NumericTable(pd.DataFrame(out, columns=columns), (
+        Col("size"), Col("attention"), Col("mode"), *(Col(h, ".2f", second=f"{h} std") for h in times),
+        *(Col(h, ".2f") for h in speedups), Col("compiled MFU", ".3f")), status)
 
 
-def baseline_timing(frame: pd.DataFrame) -> pd.DataFrame:
+def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    table = compile_timing_numeric(frame)
+    return display_frame(table, [c.header for c in table.columns if c.second or c.header.startswith("speed-up")])
+
+
+def baseline_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope
     and model, the training step (mean ± std and median), its MFU, and its median over the baseline's."""
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
-    out = []
+    out, status = [], {}
     for (size, scope), rows in ordered_by_size(steps).groupby(["size", "scope"], observed=True, sort=True):
         plain = rows[(rows["model"] == "plain") & rows["status"].eq("ok")]
         for _, row in rows.sort_values("model").iterrows():
             ok = row["status"] == "ok"
-            out.append({"size": size, "compiled": scope, "model": row["model"], "attention": row["attention"],
-                        "optimizer": row["optimizer"], "step (ms)": _cell(rows.loc[[row.name]]),
-                        "median (ms)": round(row["median_ms"], 2) if ok else None,
-                        "MFU": round(row["mfu"], 3) if ok else None,
-                        "÷ plain": round(row["median_ms"] / plain["median_ms"].iloc[0], 3) if ok and len(plain) else None})
-    return pd.DataFrame(out)
+            if not ok:
+                status.setdefault("step (ms)", {})[len(out)] = str(row["status"])
+            nan = float("nan")
+            out.append({"size": str(size), "compiled": scope, "model": row["model"], "attention": row["attention"],
+                        "optimizer": row["optimizer"], "step (ms)": row["mean_ms"] if ok else nan,
+                        "step std (ms)": row["std_ms"] if ok else nan, "median (ms)": row["median_ms"] if ok else nan,
+                        "MFU": row["mfu"] if ok else nan,
+                        "÷ plain": row["median_ms"] / plain["median_ms"].iloc[0] if ok and len(plain) else nan})
+    columns = ["size", "compiled", "model", "attention", "optimizer", "step (ms)", "step std (ms)", "median (ms)",
+               "MFU", "÷ plain"]
+    return NumericTable(pd.DataFrame(out, columns=columns), (
+        *(Col(c) for c in columns[:5]), Col("step (ms)", ".2f", second="step std (ms)"), Col("median (ms)", ".2f"),
+        Col("MFU", ".3f"), Col("÷ plain", ".3f")), status)
+
+
+def baseline_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(baseline_timing_numeric(frame), ["step (ms)"])
 
 
 def compile_column(what: str, scope: str, scopes: list[str]) -> str:
