@@ -216,3 +216,31 @@ def test_converted_sections_never_rebuild_their_tables(monkeypatch):
         os.chdir(here)
     # (the checkpointing sections still write their prose from the results rows: text, not a Section)
     assert len(rendered) >= 10 and sum(isinstance(body, Section) for body in rendered) >= 8
+
+
+def test_phase_tables_keep_numbers_and_the_display_shim_prints_them_as_before():
+    """e2e_timing as numbers (mean, std, an OOM status) and, for the sections not converted yet, the same
+    display frame as before: 'mean ± std' strings, 'OOM', '—' where nothing ran."""
+    from cs336_systems.report.tables import display_frame, e2e_timing, e2e_timing_numeric
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for size in ("small", "medium"):
+        for attention in ("naive", "sdpa"):
+            for phase in ("forward", "backward"):
+                rows.append({"size": size, "attention": attention, "phase": phase, "precision": "fp32",
+                             "mode": "forward_backward", "status": "ok", "mean_ms": rng.uniform(1, 100),
+                             "std_ms": rng.uniform(0, 1)})
+    rows = [r for r in rows if not (r["size"] == "medium" and r["attention"] == "naive")]
+    rows.append({"size": "medium", "attention": "naive", "phase": "step", "precision": "fp32",
+                 "mode": "forward_backward", "status": "oom", "mean_ms": float("nan"), "std_ms": float("nan")})
+    frame = pd.DataFrame(rows)
+    table = e2e_timing_numeric(frame)
+    small = frame[(frame["size"] == "small") & (frame["attention"] == "sdpa") & (frame["phase"] == "backward")].iloc[0]
+    assert table.value("sdpa backward (ms)", size="small") == small["mean_ms"]  # the number, not its print
+    assert math.isnan(table.value("naive forward (ms)", size="medium"))
+    assert table.status == {"naive forward (ms)": {1: "oom"}, "naive backward (ms)": {1: "oom"}}
+    shown = e2e_timing(frame).set_index("size")
+    assert shown.loc["small", "sdpa backward (ms)"] == f"{small['mean_ms']:.2f} ± {small['std_ms']:.2f}"
+    assert shown.loc["medium", "naive forward (ms)"] == "OOM"
+    assert display_frame(table, table.headers[1:]).equals(e2e_timing(frame))
