@@ -1,8 +1,11 @@
 """Each handout table as a function of its results rows.
 
-Converted builders return a NumericTable (report/frame.py: numbers plus one format per column, printed by
-one formatter for the Markdown, the LaTeX and the prose); the others still return display frames of
-strings, which the sections not converted yet read (section.cell_number parses them back)."""
+Builders return a NumericTable (report/frame.py: numbers plus one format per column, printed by one
+formatter for the Markdown, the LaTeX and the prose). The tables of the sections not converted yet
+(benchmarking, attention) keep their old names as display frames of strings, which those sections read
+(section.cell_number parses them back): `NAME(frame)` is `display_frame(NAME_numeric(frame), ...)`, the
+same frame the builder returned before it was numeric. A section converts by registering NAME_numeric as
+its Table.build and quoting `ctx.numeric(name)`."""
 
 from __future__ import annotations
 
@@ -16,7 +19,6 @@ from cs336_systems.model import get_config, parameter_count
 from cs336_systems.analysis import attention_math
 from cs336_systems.analysis.collectives import all_reduce_rows
 from cs336_systems.report.frame import Col, NumericTable
-from cs336_systems.report.render import mean_std
 
 SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
 
@@ -27,29 +29,22 @@ def ordered_by_size(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("size")
 
 
-def _cell(rows: pd.DataFrame, render=lambda row: mean_std(row["mean_ms"], row["std_ms"])) -> str:
-    """The first row rendered, its status (OOM, …) if it did not run, or a dash if there is none."""
-    if rows.empty:
-        return "—"
-    row = rows.iloc[0]
-    if row["status"] != "ok":
-        return str(row["status"]).upper()
-    return render(row)
-
-
 # --- compatibility: display frames for the sections not converted yet ------------------------------------
 
-def display_frame(table: NumericTable, strings: Collection[str] = ()) -> pd.DataFrame:
+def display_frame(table: NumericTable, strings: Collection[str] = (), dashes: Collection[str] = ()) -> pd.DataFrame:
     """The display frame a builder returned before it was numeric, for the sections that still read one
     (benchmarking, attention: section.cell_number parses its strings): the `strings` columns as their printed
     cells, the other numeric columns as numbers rounded to their format's digits (NaN where missing, the
-    status where one is set), text columns as they are. Goes once those sections read NumericTables."""
+    status where one is set; '—' in the `dashes` columns), text columns as they are. Goes once those
+    sections read NumericTables."""
     out = {}
     for column in table.columns:
         if column.header in strings:
             out[column.header] = [table.cell_text(i, column.header) for i in range(len(table))]
         elif column.numeric:
             out[column.header] = [_rounded(table, i, column) for i in range(len(table))]
+            if column.header in dashes:
+                out[column.header] = ["—" if pd.isna(v) else v for v in out[column.header]]
         else:
             out[column.header] = table.data[column.header].tolist()
     return pd.DataFrame(out, columns=table.headers)
@@ -248,7 +243,7 @@ def _first(rows: pd.DataFrame) -> tuple[float, float, str | None]:
     row = rows.iloc[0]
     if row["status"] != "ok":
         return float("nan"), float("nan"), str(row["status"])
-    return row["mean_ms"], row["std_ms"], None
+    return row["mean_ms"], row.get("std_ms", float("nan")), None  # some sweeps record no std
 
 
 def optimizer_timing_numeric(frame: pd.DataFrame) -> NumericTable:
@@ -280,36 +275,51 @@ def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
     return display_frame(optimizer_timing_numeric(frame), ["optimizer step (ms)", "training step (ms)"])
 
 
-def _ms(rows: pd.DataFrame) -> str:
-    return _cell(rows, lambda row: f"{row['mean_ms']:.3f}")
-
-
-def attention(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.2.1: naive attention (eager), forward and backward ms, and its memory by the formulas
+def attention_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.2.1: naive attention (eager), forward and backward mean ms, and its memory by the formulas
     (analysis/attention_math.py) beside the memory measured before backward.
 
     'Q, K, V' and 'P' are what autograd saves (S is freed once P exists); 'measured − P' is what the
     device held besides P (inputs, output, gradients of earlier passes, workspace); the backward peak
-    adds dP and dS, two more (batch, seq, seq) matrices, to the measured memory."""
+    adds dP and dS, two more (batch, seq, seq) matrices, to the measured memory. Memory is measured on a
+    GPU only (the CPU has no allocator statistics: 0 there): elsewhere the measured columns are '—'."""
     rows = frame[frame["impl"] == "eager"]
-    out = []
+    out, status, nan = [], {}, float("nan")
     for (d, seq), group in rows.groupby(["head_dim", "seq_len"]):
         fwd, bwd = group[group["phase"] == "forward"], group[group["phase"] == "backward"]
         ok = (group["status"] == "ok").all()
         batch = int(group["batch"].iloc[0])
         square = attention_math.square_mib(batch, seq)
-        measured = fwd["memory_before_backward_mib"].iloc[0] if ok else float("nan")
-        on_gpu = measured > 0  # the CPU has no allocator statistics: 0 there, and no memory columns to derive
-        out.append({"d": d, "seq": seq, "forward (ms)": _ms(fwd), "backward (ms)": _ms(bwd),
-                    "Q, K, V saved (MiB)": round(3 * attention_math.vector_mib(batch, seq, d), 1),
-                    "P saved (MiB)": round(square, 1),
-                    "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20),
-                    "memory before backward (MiB)": round(measured) if ok else "OOM",
-                    "measured − P (MiB)": round(measured - square, 1) if on_gpu else "—",
-                    "backward peak, + dP and dS (MiB)": round(measured + 2 * square) if on_gpu else "—"})
-        if "peak_memory_mib" in group and on_gpu:  # measured by runs from this column's commit on
-            out[-1]["measured backward peak (MiB)"] = round(bwd["peak_memory_mib"].iloc[0])
-    return pd.DataFrame(out)
+        measured = fwd["memory_before_backward_mib"].iloc[0] if ok else nan
+        on_gpu = measured > 0
+        record = {"d": d, "seq": seq}
+        for header, part in (("forward (ms)", fwd), ("backward (ms)", bwd)):
+            record[header], _, state = _first(part)
+            if state:
+                status.setdefault(header, {})[len(out)] = state
+        if not ok:
+            status.setdefault("memory before backward (MiB)", {})[len(out)] = "oom"
+        record.update({"Q, K, V saved (MiB)": 3 * attention_math.vector_mib(batch, seq, d), "P saved (MiB)": square,
+                       "predicted saved (MiB)": group["saved_for_backward_bytes"].iloc[0] / 2**20,
+                       "memory before backward (MiB)": measured,
+                       "measured − P (MiB)": measured - square if on_gpu else nan,
+                       "backward peak, + dP and dS (MiB)": measured + 2 * square if on_gpu else nan,
+                       "measured backward peak (MiB)": (bwd["peak_memory_mib"].iloc[0]  # runs from that column on
+                                                        if "peak_memory_mib" in group and on_gpu else nan)})
+        out.append(record)
+    data = pd.DataFrame(out)
+    columns = [Col("d", "d"), Col("seq", "d"), Col("forward (ms)", ".3f"), Col("backward (ms)", ".3f"),
+               Col("Q, K, V saved (MiB)", ".1f"), Col("P saved (MiB)", ".1f"), Col("predicted saved (MiB)", "d"),
+               Col("memory before backward (MiB)", "d"), Col("measured − P (MiB)", ".1f"),
+               Col("backward peak, + dP and dS (MiB)", "d"), Col("measured backward peak (MiB)", "d")]
+    if data["measured backward peak (MiB)"].isna().all():  # no run measured it: no column
+        columns, data = columns[:-1], data.drop(columns="measured backward peak (MiB)")
+    return NumericTable(data, tuple(columns), status)
+
+
+def attention(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(attention_numeric(frame), ["forward (ms)", "backward (ms)"],
+                         dashes=["measured − P (MiB)", "backward peak, + dP and dS (MiB)"])
 
 
 def attention_compile_numeric(frame: pd.DataFrame) -> NumericTable:
@@ -412,22 +422,38 @@ def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
     return display_frame(flash_accuracy_numeric(frame))
 
 
-def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
+def flash_resources_numeric(frame: pd.DataFrame) -> NumericTable:
     """Per kernel and tile config, 'registers / bytes spilled' per thread for each dtype (float32 by its
-    dot precision) and head dim."""
+    dot precision) and head dim; 'error' where the config did not compile, '—' where it was not compiled."""
     dots = frame["dot"] if "dot" in frame else pd.Series("", index=frame.index)
     frame = frame.assign(tile=[f"{o}×{i}, {w} warps, {s} stages" for o, i, w, s in
                                zip(frame["outer"], frame["inner"], frame["warps"], frame["stages"])],
                          case=[f"{t} {dot} d={d}" if t == "fp32" and isinstance(dot, str) and dot else f"{t} d={d}"
                                for t, dot, d in zip(frame["dtype"], dots, frame["head_dim"])])
-    frame["cell"] = [f"{int(r)} / {int(b)}" if status == "ok" else "error" for r, b, status in
-                     zip(frame["registers"].fillna(0), frame["spill_store_bytes"].fillna(0), frame["status"])]
     cases = list(dict.fromkeys(frame.assign(dot_key=dots.fillna("").astype(str))
                                .sort_values(["dtype", "dot_key", "head_dim"])["case"]))
-    wide = frame.pivot_table(index=["kernel", "tile"], columns="case", values="cell", aggfunc="first")
     rows = list(dict.fromkeys(zip(frame["kernel"], frame["tile"])))  # kernels and tiles in the order compiled
-    return wide.reindex(index=pd.MultiIndex.from_tuples(rows, names=["kernel", "tile"]), columns=cases
-                        ).fillna("—").reset_index()
+    first = frame.groupby(["kernel", "tile", "case"], sort=False).first()
+    data = pd.DataFrame(rows, columns=["kernel", "tile"])
+    status = {}
+    for case in cases:
+        found = [first.loc[(k, t, case)] if (k, t, case) in first.index else None for k, t in rows]
+        ok = [row is not None and row["status"] == "ok" for row in found]
+        data[case] = [row["registers"] if good else float("nan") for row, good in zip(found, ok)]
+        data[f"{case} spilled (B)"] = [row["spill_store_bytes"] if good else float("nan") for row, good in zip(found, ok)]
+        # a config that failed shows 'error' (what the section counts); an unknown registers count prints 0
+        data[case] = [0 if good and pd.isna(v) else v for v, good in zip(data[case], ok)]
+        data[f"{case} spilled (B)"] = [0 if good and pd.isna(v) else v for v, good in zip(data[f"{case} spilled (B)"], ok)]
+        failed = {i: "error" for i, row in enumerate(found) if row is not None and row["status"] != "ok"}
+        if failed:
+            status[case] = failed
+    return NumericTable(data, (Col("kernel"), Col("tile"),
+                               *(Col(c, "d", second=f"{c} spilled (B)", joiner=" / ") for c in cases)), status)
+
+
+def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
+    table = flash_resources_numeric(frame)
+    return display_frame(table, table.headers[2:]).replace({"ERROR": "error"})
 
 
 def allreduce(frame: pd.DataFrame) -> NumericTable:
