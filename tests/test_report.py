@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from cs336_systems.report import memory
-from cs336_systems.report.section import Quotes, Section, cell_number, column_values
+from cs336_systems.report.frame import NumericTable
+from cs336_systems.report.section import Quotes, Section, cell_number, column_values, formula_frame
 from cs336_systems.report.sections import DELIVERABLES
 
 MiB = 2**20
@@ -123,10 +124,14 @@ def test_train_matrix_table_speed_and_loss_drift():
 
     frame = pd.concat([run("torch_ddp", 2, [4.0, 3.0, 2.0, 1.0], [900, 10, 10, 10]),
                        run("none", 1, [4.0, 3.0, 2.5, 1.0], [900, 20, 20, 20])])
-    table = train_matrix(frame).set_index("wrapper")
+    numeric = train_matrix(frame)
+    table = numeric.data.set_index("wrapper")
     assert table.loc["torch_ddp", "step (ms, median)"] == 10 and table.loc["torch_ddp", "tokens/s"] == 100_000
     assert table.loc["single GPU", "max |loss − torch DDP|"] == 0.5
     assert table.loc["single GPU", "ranks"] == 1 and table.loc["single GPU", "final loss"] == 1.0
+    # no peak memory off CUDA: printed as a dash, and tokens/s with thousands separators
+    assert numeric.quote("peak memory (MiB)", wrapper="torch_ddp") == "—"
+    assert numeric.quote("tokens/s", wrapper="torch_ddp") == "100,000"
 
 
 def test_writeup_html_keeps_tables_and_figure_links(tmp_path):
@@ -205,9 +210,18 @@ def printed(token: str) -> str:
     return token.replace(",", "").replace("−", "-").lstrip("+")
 
 
-def in_table(token: str, percent: bool, table: pd.DataFrame) -> bool:
-    """Whether some number the table prints is `token` at the token's precision (a prose 125.7 quotes a
-    cell 125.72 ± 18.51), or, for a percentage, a fraction the table prints."""
+def printed_by_cells(table: NumericTable) -> set[tuple[str, bool]]:
+    """Every number a numeric table's cells print, as the prose would state it (with whether it is a
+    percentage): a number of the prose must be one of these exactly, printed by the cell's own format."""
+    return {(printed(token).lstrip("-"), percent) for cell in table.cell_texts() for token, percent in prose_numbers(cell)}
+
+
+def in_table(token: str, percent: bool, table: NumericTable | pd.DataFrame) -> bool:
+    """Whether some number the table prints is `token`: for a numeric table exactly as a cell prints it;
+    for a display frame (sections not converted) at the token's precision (a prose 125.7 quotes a cell
+    125.72 ± 18.51), or, for a percentage, a fraction the table prints."""
+    if isinstance(table, NumericTable):
+        return (printed(token).lstrip("-"), percent) in printed_by_cells(table)
     target = printed(token)
     if "e" in target:  # a number printed in scientific notation: compare its significant digits
         mantissa = target.split("e")[0].lstrip("-")
@@ -231,8 +245,9 @@ def table_numbers(table: pd.DataFrame) -> list[float]:
 def unquoted(section: Section) -> list[str]:
     """What in a section's checked prose is not its table's: numbers that are neither a cell nor a declared
     derived value nor wording, and derived values the table no longer gives."""
-    problems = [f"{d.what}: the prose says {d.text}, the table gives {format(d.formula(section.table), d.fmt)}"
-                for d in section.derived if format(d.formula(section.table), d.fmt) != d.text]
+    frame = formula_frame(section.table)
+    problems = [f"{d.what}: the prose says {d.text}, the table gives {format(d.formula(frame), d.fmt)}"
+                for d in section.derived if format(d.formula(frame), d.fmt) != d.text]
     declared = {printed(d.text).lstrip("-") for d in section.derived} | {printed(w) for w in section.wording}
     for paragraph in section.checked:
         for token, percent in prose_numbers(paragraph):
@@ -454,13 +469,12 @@ def test_every_committed_figure_is_stamped_and_has_no_bars_on_a_log_axis(drawn):
 
 def _ddp_rows(run, configs, precision="bf16", commit="a" * 40):
     return pd.DataFrame({"config": configs, "precision": precision, "status": "ok", "results_file": run,
-                         "step_median_ms": [100.0 + i for i in range(len(configs))],
-                         "step_round_median_min_ms": [95.0] * len(configs),
-                         "step_round_median_max_ms": [120.0] * len(configs),
+                         "step_ms": [100.0 + i for i in range(len(configs))], "step_std_ms": [5.0] * len(configs),
+                         "step_median_ms": [90.0 + i for i in range(len(configs))],  # not what the figure draws
                          "device_name": "NVIDIA H200", "git_commit": commit})
 
 
-def test_ddp_bucketed_figure_shows_the_baselines_with_medians_and_round_ranges(drawn):
+def test_ddp_bucketed_figure_shows_the_baselines_with_means_and_stds(drawn):
     from cs336_systems.report import figures
 
     frame = pd.concat([_ddp_rows("ddp_naive", ["none", "naive", "flat", "torch_ddp"], commit="1" * 40),
@@ -473,24 +487,29 @@ def test_ddp_bucketed_figure_shows_the_baselines_with_medians_and_round_ranges(d
     assert ticks == ["none", "naive", "flat", "torch_ddp", "individual", "bucketed:1", "bucketed:100"]
     assert _labels(fig) == {"ddp_naive run (1111111)", "ddp_individual run (2222222)", "ddp_bucketed run (3333333)"}
     assert stamp == "NVIDIA H200 · commit 1111111, 2222222, 3333333"
-    # the points are the medians, the whiskers reach the round medians' range
-    medians = sorted(y for c in ax.containers for y in c.lines[0].get_ydata() if not np.isnan(y))
-    assert medians == sorted(frame["step_median_ms"])
+    # the DDP tables' statistic: the points are the mean steps, the whiskers ± their standard deviation
+    means = sorted(y for c in ax.containers for y in c.lines[0].get_ydata() if not np.isnan(y))
+    assert means == sorted(frame["step_ms"])
     segments = [np.asarray(seg) for c in ax.containers for seg in c.lines[2][0].get_segments()]
     whiskers = {tuple(np.round(seg[:, 1], 6)) for seg in segments if seg.ndim == 2 and not np.isnan(seg).any()}
-    assert whiskers == {(95.0, 120.0)}
+    assert whiskers == {(m - 5.0, m + 5.0) for m in frame["step_ms"]}
+    assert "mean ± std" in ax.get_ylabel()
 
 
 def test_compile_figure_has_one_series_per_scope(drawn):
     from cs336_systems.report import figures
 
     rows = [{"size": size, "mode": "forward", "phase": "step", "status": "ok", "attention": "sdpa",
-             "precision": "bf16", "compile_scope": scope, "compile": scope != "none", "mean_ms": 10.0 + i,
-             "std_ms": 1.0, "device_name": "NVIDIA H100 80GB HBM3", "git_commit": "f" * 40}
+             "precision": "bf16", "compile_scope": scope, "compile": scope != "none", "mean_ms": 50.0 + i,
+             "std_ms": 1.0, "median_ms": 10.0 + i, "device_name": "NVIDIA H100 80GB HBM3", "git_commit": "f" * 40}
             for size in ("small", "medium") for i, scope in enumerate(("none", "blocks", "model"))]
     figures.compile_timing(pd.DataFrame(rows), "unused.png")
     (fig, _), = drawn.values()
     assert _labels(fig) == {"eager", "compiled: each block", "compiled: whole model"}
+    # medians, the statistic of the table's speed-ups and of the prose, and the axis says so
+    ax = fig.axes[0]
+    drawn_y = sorted(y for c in ax.containers for y in c.lines[0].get_ydata() if not np.isnan(y))
+    assert drawn_y == sorted(r["median_ms"] for r in rows) and "median" in ax.get_ylabel()
 
 
 def test_peak_lines_follow_the_device_and_dtype():
@@ -763,7 +782,7 @@ def test_flash_shapes_compiled_ratio_ranges_cover_every_row_of_their_pass(commit
     each pass's quoted compiled-over-eager range must be that pass's min and max over all its rows, and the
     'fixed cost' column must flag exactly the times some 4×-larger point of the same pass did not exceed."""
     body = committed["1.3.3, continued: FlashAttention at Transformer training shapes"]
-    table = body.table
+    table = body.table.data  # the numbers: the flags are computed on unrounded times
     paragraph = next(p for p in body.checked if p.startswith("Under torch.compile"))
     work = (table["batch"] * table["heads"] * table["seq"] ** 2 * table["d"]
             * np.where(table["causal"].astype(bool), 0.5, 1.0)).to_numpy()
@@ -806,7 +825,7 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
     frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
     timed = frame[frame["status"].isin(["ok", "oom"])]
     assert len(body.table) == len(timed)
-    for (_, row), (_, cells) in zip(timed.iterrows(), body.table.iterrows()):
+    for (_, row), (_, cells) in zip(timed.iterrows(), body.table.display().iterrows()):
         anchor = timed[(timed["run_id"] == row["run_id"]) & (timed["provider"] == "torch_plain_sac")]["step_ms"].iloc[0]
         if row["status"] == "oom":
             assert cells["step (ms, mean ± std)"] == "OOM" and cells["÷ SAC anchor"] == "—"
@@ -816,9 +835,9 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
     sac_b2 = timed[(timed["provider"] == "torch_plain_sac") & (timed["batch"] == 2)]["step_ms"].iloc[0]
     gap = body.checked[0]
     assert f"{ours_b2 / sac_b2:.3f}×" in gap and ("not met yet" in gap) == (ours_b2 / sac_b2 > 0.9)
-    ablations = ablation_table(frame)
+    ablations = ablation_table(frame).display()
     sdpa = ablations[ablations["ablation"] == "ours-sdpa_attention"].iloc[0]
-    ours_b1 = timed[(timed["provider"] == "ours") & (timed["batch"] == sdpa["batch"])]["step_ms"].iloc[0]
+    ours_b1 = timed[(timed["provider"] == "ours") & (timed["batch"] == int(sdpa["batch"]))]["step_ms"].iloc[0]
     assert abs(float(sdpa["÷ ours"]) - cell_number(sdpa["step (ms, mean ± std)"]) / ours_b1) < 2e-3
     wrong = body.checked[0].replace(f"{ours_b2 / sac_b2:.3f}", f"{ours_b2 / sac_b2 - 0.07:.3f}")
     assert unquoted(replace(body, checked=[wrong, *body.checked[1:]]))
@@ -827,6 +846,7 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
 def test_leaderboard_8b_section_renders_at_smoke_scale(tmp_path):
     """At smoke scale (CPU: no MFU, no peak memory, one run with one ablation) the section still renders, says
     so instead of printing nan, and its prose is still its cells."""
+    from cs336_systems.report.__main__ import make_tables
     from cs336_systems.report.section import Context
     from cs336_systems.report.sections.leaderboard import render_leaderboard
 
@@ -835,6 +855,7 @@ def test_leaderboard_8b_section_renders_at_smoke_scale(tmp_path):
                   & (frame["batch"] == 1)].assign(mfu=np.nan, tflops=np.nan, peak_mem_gib=np.nan,
                                                    device_name="cpu (x86_64, 2 cores)")
     smoke.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
+    make_tables(tmp_path, ["leaderboard_8b", "leaderboard_8b_ablations"])  # as the `table` rule does
     body = render_leaderboard(Context(tmp_path, tmp_path, tmp_path, {}))
     assert unquoted(body) == [] and "nan" not in body.markdown()
     assert "this device measures no MFU" in body.markdown() and "`ours-full_ac` takes" in body.markdown()

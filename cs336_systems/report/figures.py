@@ -3,8 +3,8 @@
 Conventions every figure keeps (so a reader can trust what a picture shows):
 - the corner names where the rows were measured (device and short commit, from the rows' provenance
   columns; several values are all listed), drawn by `save_figure`;
-- the statistic is the one the section's table prints (mean ± std, or median with the range of the
-  per-round medians) and the axis label says which;
+- the statistic is the one the section's table and prose use (mean ± std, or median) and the axis label
+  says which;
 - bars only on linear axes (a bar's length means nothing on a log axis): points joined by lines otherwise;
 - legends beside the panels, never over them; panels the prose compares share their value axis.
 """
@@ -134,9 +134,10 @@ def e2e_warmup(frame: pd.DataFrame, path: str | Path) -> None:
 
 
 def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
-    """Step time mean ± std per size: eager and each compile scope as its own series, one panel per mode
-    (shared log axis)."""
-    rows = _with_std(frame[(frame["status"] == "ok") & (frame["phase"] == "step")])
+    """Median step time per size: eager and each compile scope as its own series, one panel per mode
+    (shared log axis). Medians, the statistic of the table's speed-ups and of the prose (a recompile inside
+    the timed window would pull a mean, not the median)."""
+    rows = frame[(frame["status"] == "ok") & (frame["phase"] == "step")]
     scope = rows["compile_scope"] if "compile_scope" in rows else rows["compile"].map({True: "model", False: "none"})
     rows = rows.assign(scope=scope.fillna("none"))
     order = [s for s in ("none", "blocks", "model", "model-cudagraphs") if s in set(rows["scope"])]
@@ -147,9 +148,9 @@ def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
     for ax, mode in zip(axes[0], modes):
         part = rows[rows["mode"] == mode]
         _unique(part, ["size", "scope", "attention", "precision"], "compile_timing")
-        dodged_points(ax, part, "size", _sizes(rows), "scope", order, "mean_ms", "low", "high", labels)
+        dodged_points(ax, part, "size", _sizes(rows), "scope", order, "median_ms", labels=labels)
         ax.set(yscale="log", title=mode.replace("_", " "), xlabel="model size",
-               ylabel="ms per step (mean ± std)" if ax is axes[0][0] else "")
+               ylabel="ms per step (median)" if ax is axes[0][0] else "")
     _legend_beside(fig, axes[0][0])
     attention = ", ".join(sorted(set(rows["attention"])))
     precision = ", ".join(sorted(set(rows["precision"])))
@@ -244,19 +245,18 @@ def flash_tflops(frame: pd.DataFrame, path: str | Path) -> None:
 
 
 def allreduce(frame: pd.DataFrame, path: str | Path) -> None:
-    """Latency (mean ± std) and bus bandwidth (from the median, as the table) per size; log axes so the
-    CPU gloo rows (GB/s) show beside NCCL's (hundreds of GB/s). size_mb is MiB: the bench allocates
-    size_mb · 2**20 bytes of float32."""
-    rows = _with_std(all_reduce_rows(frame[frame["status"] == "ok"] if "status" in frame else frame))
+    """Latency and bus bandwidth per size, both from the median time (the table's and the prose's one
+    statistic); log axes so the CPU gloo rows (GB/s) show beside NCCL's (hundreds of GB/s). size_mb is MiB:
+    the bench allocates size_mb · 2**20 bytes of float32."""
+    rows = all_reduce_rows(frame[frame["status"] == "ok"] if "status" in frame else frame)
     rows = rows.assign(setting=rows["backend"] + " × " + rows["world_size"].astype(str))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for setting, part in rows.groupby("setting"):
         part = part.sort_values("size_mb")
-        axes[0].errorbar(part["size_mb"], part["mean_ms"], yerr=part["std_ms"].clip(upper=part["mean_ms"] * 0.999),
-                         marker="o", capsize=2, label=setting)
+        axes[0].plot(part["size_mb"], part["median_ms"], marker="o", label=setting)
         axes[1].plot(part["size_mb"], part["busbw_gbps"], marker="o", label=setting)
     axes[0].set(xscale="log", yscale="log", xlabel="tensor size (MiB, float32)",
-                ylabel="ms per all-reduce (mean ± std)")
+                ylabel="ms per all-reduce (median)")
     axes[1].set(xscale="log", yscale="log", xlabel="tensor size (MiB, float32)",
                 ylabel="bus bandwidth (GB/s, from the median)")
     _legend_beside(fig, axes[0], "backend × processes")
@@ -268,15 +268,14 @@ DDP_RUNS = ("ddp_naive", "ddp_individual", "ddp_bucketed")
 
 
 def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
-    """Median step time with the range of the per-round medians, for every bucket size beside the
-    baselines (single GPU, naive, flat, individual, torch DDP) of the runs present. Each run is its own
+    """Mean step time ± its standard deviation (the DDP tables' one statistic: tables.ddp), for every bucket
+    size beside the baselines (single GPU, naive, flat, individual, torch DDP) of the runs present. Each run is its own
     series (marker), since the runs come from different processes and commits: torch DDP is measured in
     each, which shows how far runs differ."""
     rows = frame[frame["status"] == "ok"]
     if "results_file" not in rows:
         rows = rows.assign(results_file="ddp_bucketed")
-    rows = rows.assign(low=rows["step_round_median_min_ms"].fillna(rows["step_median_ms"]),
-                       high=rows["step_round_median_max_ms"].fillna(rows["step_median_ms"]))
+    rows = rows.assign(low=rows["step_ms"] - rows["step_std_ms"], high=rows["step_ms"] + rows["step_std_ms"])
     runs = [r for r in DDP_RUNS if r in set(rows["results_file"])] + sorted(set(rows["results_file"]) - set(DDP_RUNS))
     configs = list(dict.fromkeys(c for run in runs for c in rows.loc[rows["results_file"] == run, "config"]))
     commits = {run: sorted({short_commit(c) for c in rows.loc[rows["results_file"] == run, "git_commit"]})
@@ -289,11 +288,11 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
     for ax, precision in zip(axes[:, 0], precisions):
         part = rows[rows["precision"] == precision]
         _unique(part, ["config", "results_file"], "ddp_bucketed")
-        dodged_points(ax, part, "config", configs, "results_file", runs, "step_median_ms", "low", "high", labels,
+        dodged_points(ax, part, "config", configs, "results_file", runs, "step_ms", "low", "high", labels,
                       markers)
         for line in ax.get_lines():
             line.set_linestyle("none")  # configs are categories: no line between them
-        ax.set(title=precision, ylabel="ms per step (median,\nrange of round medians)")
+        ax.set(title=precision, ylabel="ms per step\n(mean ± std)")
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     axes[-1, 0].set_xlabel("wrapper (none = one process, no communication)")
     _legend_beside(fig, axes[0, 0], "run (commit)")

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from cs336_systems.report.frame import NumericTable, text_table
+
 def mean_std(mean: float, std: float, digits: int = 2) -> str:
+    """'mean ± std' as text, for builders not converted to NumericTable (which joins the pair itself)."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "—"
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
@@ -28,11 +31,23 @@ def provenance_line(frame: pd.DataFrame) -> str:
             f"triton {values('triton_version')}; commit {', '.join(commits) or '?'}; {', '.join(dates) or '?'}.")
 
 
-def save_table(table: pd.DataFrame, md_path: str | Path, tex_path: str | Path, caption: str) -> None:
-    """Markdown (for the writeup) and LaTeX (for a paper) renderings of one table."""
-    md_path, tex_path = Path(md_path), Path(tex_path)
-    md_path.parent.mkdir(parents=True, exist_ok=True)
-    tex_path.parent.mkdir(parents=True, exist_ok=True)
-    md_path.write_text(table.to_markdown(index=False) + f"\n\n_{caption}_\n")
-    latex = table.to_latex(index=False, caption=caption.replace("_", r"\_"), escape=True)
-    tex_path.write_text(latex)
+def save_table(table: NumericTable | pd.DataFrame, md_path: str | Path, tex_path: str | Path, caption: str,
+               json_path: str | Path | None = None) -> None:
+    """Markdown (for the writeup) and LaTeX (for a paper) renderings of one table, and the numeric frame
+    they print (JSON, which the writeup reads back for its quotes: report/frame.py).
+
+    A display DataFrame (a builder not converted yet) is printed as pandas prints it, as before, and its
+    JSON holds the display texts."""
+    paths = [Path(p) for p in (md_path, tex_path, json_path) if p is not None]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(table, NumericTable):
+        markdown, latex, frame = table.to_markdown(), table.to_latex(caption), table
+    else:
+        markdown = table.to_markdown(index=False)
+        latex = table.to_latex(index=False, caption=caption.replace("_", r"\_"), escape=True)
+        frame = text_table(table)
+    Path(md_path).write_text(markdown + f"\n\n_{caption}_\n")
+    Path(tex_path).write_text(latex)
+    if json_path is not None:
+        frame.save(json_path)

@@ -1,10 +1,16 @@
 """What a writeup section is made of: the results it reads (Context), the tables and figures it owns
 (Table, Figure), its registry entry (Deliverable) and what its renderer returns (Section).
 
-A Section's prose is meant to quote the display table it embeds. `Quotes` is how a renderer picks its
-numbers: a cell of the table as it is printed, or a value derived from the table's cells by a formula
-that is recorded with the text it produced, so tests/test_report.py can recompute every derived number
-from the table alone and find every other number of the prose among the table's cells.
+A Section's prose is meant to quote the table it embeds. `Quotes` is how a renderer picks its numbers:
+a cell of the table printed by the cell's own format (`Quotes.cell`), or a value derived from the table's
+cells by a formula that is recorded with the text it produced (`Quotes.derive`), so tests/test_report.py
+can recompute every derived number from the table alone and find every other number of the prose among
+the table's cells.
+
+A converted section's table is a `NumericTable` (report/frame.py) read back from results/tables/NAME.json,
+the frame the `table` rule built and rendered to the Markdown the section embeds; its formulas see the
+numbers (`NumericTable.data`). Sections not converted yet still pass a display DataFrame (strings such as
+'123.45 ± 0.67'), whose numbers `cell_number` parses back; that path stays until they are converted.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+
+from cs336_systems.report.frame import NumericTable
 
 
 @dataclass(eq=False)  # hashed by identity, so frame() can be cached per context
@@ -38,6 +46,15 @@ class Context:
         path = self.results / "tables" / f"{name}.md"
         return path.read_text() if path.exists() else f"_table {name} not built_\n"
 
+    @functools.cache
+    def numeric(self, name: str) -> NumericTable:
+        """The numeric frame the `table` rule built (results/tables/NAME.json), which its Markdown prints."""
+        path = self.results / "tables" / f"{name}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"table {name!r} is not built: no {path} (rule `table`, or "
+                                    f"`python -m cs336_systems.report table {name} ...`)")
+        return NumericTable.load(path)
+
     def figure(self, name: str, caption: str) -> str:
         path = self.figures / f"{name}.png"
         if not path.exists():
@@ -48,10 +65,11 @@ class Context:
 
 @dataclass(frozen=True)
 class Table:
-    """results/tables/<name>.{md,tex}, built by `build` from results/<data>.csv (the `table` rule)."""
+    """results/tables/<name>.{md,tex,json}, built by `build` from results/<data>.csv (the `table` rule).
+    `build` returns a NumericTable; builders not converted yet return a display DataFrame."""
     name: str
     data: str
-    build: Callable[[pd.DataFrame], pd.DataFrame]
+    build: Callable[[pd.DataFrame], NumericTable | pd.DataFrame]
     caption: str
 
 
@@ -79,7 +97,8 @@ class Deliverable:
 
 @dataclass(frozen=True)
 class Derived:
-    """A number of the prose that is not a cell: `text` is `formula(table)` formatted with `fmt`."""
+    """A number of the prose that is not a cell: `text` is `formula(frame)` formatted with `fmt`, where
+    `frame` is the table's numbers (`formula_frame`)."""
     text: str
     formula: Callable[[pd.DataFrame], float]
     fmt: str
@@ -94,7 +113,7 @@ class Section:
     `wording` (numbers that belong to the sentence: handout numbering, constants of an argument).
     Paragraphs of `parts` that are neither checked nor embeds read other data; the test lists them."""
     parts: list[str]
-    table: pd.DataFrame
+    table: NumericTable | pd.DataFrame
     checked: list[str]
     derived: list[Derived] = field(default_factory=list)
     wording: tuple[str, ...] = ()
@@ -106,6 +125,22 @@ class Section:
 NUMBER = re.compile(r"(?<![\w.])[-+−]?\d[\d,]*(?:\.\d+)?(?![\w])")
 
 
+def formula_frame(table: NumericTable | pd.DataFrame) -> pd.DataFrame:
+    """What a Derived formula reads: a numeric table's numbers, with cells that have a status as NaN and
+    the statuses in a column '<header>: status' ('' where the cell ran), or a display frame as it is."""
+    if not isinstance(table, NumericTable):
+        return table
+    data = table.data.copy()
+    for header, rows in table.status.items():
+        if rows:
+            column = data[header]
+            column = column.astype(float) if pd.api.types.is_numeric_dtype(column) else column.astype(object)
+            column.iloc[sorted(rows)] = float("nan")
+            data[header] = column
+            data[f"{header}: status"] = [rows.get(i, "") for i in range(len(data))]
+    return data
+
+
 def cell_number(cell) -> float:
     """The first number a table cell prints (the mean of 'mean ± std'); NaN for OOM, '—' and blanks."""
     if isinstance(cell, (int, float)) and not isinstance(cell, bool):
@@ -115,20 +150,28 @@ def cell_number(cell) -> float:
 
 
 class Quotes:
-    """Numbers for prose, taken from one display table; derived ones are recorded with their formula."""
+    """Numbers for prose, taken from one table; derived ones are recorded with their formula."""
 
-    def __init__(self, table: pd.DataFrame):
+    def __init__(self, table: NumericTable | pd.DataFrame):
         self.table = table
+        self.frame = formula_frame(table)
         self.derived: list[Derived] = []
 
     def derive(self, formula: Callable[[pd.DataFrame], float], fmt: str, what: str) -> str:
-        """`formula(table)` formatted for the prose, remembered so the test can recompute it."""
-        text = format(formula(self.table), fmt)
+        """`formula(frame)` formatted for the prose, remembered so the test can recompute it."""
+        text = format(formula(self.frame), fmt)
         self.derived.append(Derived(text, formula, fmt, what))
         return text
 
+    def cell(self, header: str, row: int | None = None, **keys) -> str:
+        """A cell's number as its column prints it (a numeric table only): the row by position or by the
+        values of its key columns, e.g. q.cell("step (ms)", precision="bf16", config="flat")."""
+        return self.table.quote(header, row, **keys)
 
-def column_values(table: pd.DataFrame, column: str,
+
+def column_values(table: NumericTable | pd.DataFrame, column: str,
                   rows: Callable[[pd.DataFrame], pd.Series] | None = None) -> pd.Series:
+    """A column's numbers (NaN for OOM, dashes and blanks), of the rows `rows` selects."""
+    table = formula_frame(table)
     selected = table if rows is None else table[rows(table)]
     return selected[column].map(cell_number)

@@ -1,6 +1,16 @@
-"""Each handout table as a function of its results rows (tidy frames in, display frames out)."""
+"""Each handout table as a function of its results rows.
+
+Builders return a NumericTable (report/frame.py: numbers plus one format per column, printed by one
+formatter for the Markdown, the LaTeX and the prose). The tables of the sections not converted yet
+(benchmarking, attention) keep their old names as display frames of strings, which those sections read
+(section.cell_number parses them back): `NAME(frame)` is `display_frame(NAME_numeric(frame), ...)`, the
+same frame the builder returned before it was numeric. A section converts by registering NAME_numeric as
+its Table.build and quoting `ctx.numeric(name)`."""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Collection
 
 import pandas as pd
 
@@ -8,7 +18,7 @@ from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
 from cs336_systems.analysis import attention_math
 from cs336_systems.analysis.collectives import all_reduce_rows
-from cs336_systems.report.render import mean_std
+from cs336_systems.report.frame import Col, NumericTable
 
 SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
 
@@ -19,63 +29,122 @@ def ordered_by_size(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("size")
 
 
-def _cell(rows: pd.DataFrame, render=lambda row: mean_std(row["mean_ms"], row["std_ms"])) -> str:
-    """The first row rendered, its status (OOM, …) if it did not run, or a dash if there is none."""
-    if rows.empty:
-        return "—"
-    row = rows.iloc[0]
-    if row["status"] != "ok":
-        return str(row["status"]).upper()
-    return render(row)
+# --- compatibility: display frames for the sections not converted yet ------------------------------------
+
+def display_frame(table: NumericTable, strings: Collection[str] = (), dashes: Collection[str] = ()) -> pd.DataFrame:
+    """The display frame a builder returned before it was numeric, for the sections that still read one
+    (benchmarking, attention: section.cell_number parses its strings): the `strings` columns as their printed
+    cells, the other numeric columns as numbers rounded to their format's digits (NaN where missing, the
+    status where one is set; '—' in the `dashes` columns), text columns as they are. Goes once those
+    sections read NumericTables."""
+    out = {}
+    for column in table.columns:
+        if column.header in strings:
+            out[column.header] = [table.cell_text(i, column.header) for i in range(len(table))]
+        elif column.numeric:
+            out[column.header] = [_rounded(table, i, column) for i in range(len(table))]
+            if column.header in dashes:
+                out[column.header] = ["—" if pd.isna(v) else v for v in out[column.header]]
+        else:
+            out[column.header] = table.data[column.header].tolist()
+    return pd.DataFrame(out, columns=table.headers)
 
 
-def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> pd.DataFrame:
-    """One row per model size; for each named column filter (e.g. precision=fp32) and phase, the cell
-    'mean ± std' in ms (or OOM). An OOM row has phase 'step', so it is looked up under any phase."""
-    out = []
+def _rounded(table: NumericTable, row: int, column: Col):
+    status = table.status.get(column.header, {}).get(row)
+    if status:
+        return str(status).upper()
+    value = table.data.at[row, column.header]
+    if pd.isna(value):
+        return float("nan")  # as the old builders' round(nan) or None in a column of numbers printed: 'nan'
+    digits = re.search(r"\.(\d+)[f%]", column.fmt)
+    if column.fmt.endswith("d"):
+        return int(round(value))
+    return round(float(value), int(digits[1]) + (2 if column.fmt.endswith("%") else 0)) if digits else value
+
+
+# --- 1.1.3 and 1.1.5: step times per model size ---------------------------------------------------------
+
+def phase_numeric(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> NumericTable:
+    """One row per model size; for each named column filter (e.g. precision=fp32) and phase, the mean ms ±
+    its std (or the status, OOM, of a run that did not finish; '—' where nothing ran). An OOM row has phase
+    'step', so it is looked up under any phase."""
+    out, status, headers = [], {}, []
     for size, rows in ordered_by_size(frame).groupby("size", observed=True, sort=True):
-        record = {"size": size}
+        record = {"size": str(size)}
         for label, where in columns.items():
             selected = rows
             for key, value in where.items():
                 selected = selected[selected[key] == value]
             for phase in phases:
-                cell_rows = selected[(selected["phase"] == phase) | (selected["status"] != "ok")]
-                record[f"{label} {phase} (ms)" if label else f"{phase} (ms)"] = _cell(cell_rows)
+                header = f"{label} {phase} (ms)" if label else f"{phase} (ms)"
+                headers += [header] if header not in headers else []
+                cell = selected[(selected["phase"] == phase) | (selected["status"] != "ok")]
+                ok = len(cell) and cell["status"].iloc[0] == "ok"
+                record[header] = cell["mean_ms"].iloc[0] if ok else float("nan")
+                record[f"{header} std"] = cell["std_ms"].iloc[0] if ok else float("nan")
+                if len(cell) and not ok:
+                    status.setdefault(header, {})[len(out)] = str(cell["status"].iloc[0])
         out.append(record)
-    return pd.DataFrame(out)
+    data = pd.DataFrame(out, columns=["size", *(h for header in headers for h in (header, f"{header} std"))])
+    return NumericTable(data, (Col("size"), *(Col(h, ".2f", second=f"{h} std") for h in headers)), status)
 
 
-def e2e_timing(frame: pd.DataFrame) -> pd.DataFrame:
+def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> pd.DataFrame:
+    """phase_numeric as a display frame (sections not converted yet)."""
+    table = phase_numeric(frame, columns, phases)
+    return display_frame(table, table.headers[1:])
+
+
+def e2e_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.1.3(b): forward and backward time per size (fp32), our naive attention and SDPA."""
     fp32 = frame[(frame["precision"] == "fp32") & (frame["mode"] == "forward_backward")]
     columns = {name: {"attention": name} for name in sorted(set(fp32["attention"]))}
-    return phase_table(fp32, columns, ["forward", "backward"])
+    return phase_numeric(fp32, columns, ["forward", "backward"])
 
 
-def e2e_warmup(frame: pd.DataFrame) -> pd.DataFrame:
+def e2e_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    table = e2e_timing_numeric(frame)
+    return display_frame(table, table.headers[1:])
+
+
+def e2e_warmup_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.1.3(c): the forward+backward step time for each number of warm-up steps; where the rows carry every
     measured step's time (`samples_ms`), also the first measured step and the slowest of the others."""
     columns = {f"warmup={w}": {"warmup": w} for w in sorted(set(frame["warmup"]))}
-    table = phase_table(frame, columns, ["step"])
+    table = phase_numeric(frame, columns, ["step"])
     if "samples_ms" not in frame or frame["samples_ms"].isna().all():
         return table
     steps = frame[(frame["phase"] == "step") & (frame["status"] == "ok") & frame["samples_ms"].notna()]
+    data, extra = table.data.copy(), []
     for w in sorted(set(steps["warmup"])):
         times = steps[steps["warmup"] == w].set_index("size")["samples_ms"].map(lambda s: [float(t) for t in s.split()])
-        table[f"warmup={w} 1st step (ms)"] = table["size"].astype(str).map(times.map(lambda t: round(t[0], 2)))
-        table[f"warmup={w} slowest later (ms)"] = table["size"].astype(str).map(
-            times.map(lambda t: round(max(t[1:]), 2) if len(t) > 1 else None))
-    return table
+        first, later = f"warmup={w} 1st step (ms)", f"warmup={w} slowest later (ms)"
+        data[first] = data["size"].map(times.map(lambda t: t[0]))
+        data[later] = data["size"].map(times.map(lambda t: max(t[1:]) if len(t) > 1 else float("nan")))
+        extra += [Col(first, ".2f"), Col(later, ".2f")]
+    return NumericTable(data, (*table.columns, *extra), table.status)
+
+
+def e2e_warmup(frame: pd.DataFrame) -> pd.DataFrame:
+    table = e2e_warmup_numeric(frame)
+    return display_frame(table, [c.header for c in table.columns if c.second])
+
+
+def mixed_precision_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.1.5(c): forward and backward time per size, fp32 versus bf16 autocast (naive attention), and the
+    speed-up (fp32 median step over bf16's)."""
+    rows = frame[(frame["mode"] == "forward_backward") & (frame["attention"] == "naive")]
+    columns = {p: {"precision": p} for p in ["fp32", "bf16"] if p in set(rows["precision"])}
+    table = phase_numeric(rows, columns, ["forward", "backward"])
+    speedups = precision_speedup(rows).assign(size=lambda t: t["size"].astype(str))
+    data = table.data.merge(speedups, on="size", how="left")
+    return NumericTable(data, (*table.columns, Col("bf16 speed-up", ".2f")), table.status)
 
 
 def mixed_precision(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.1.5(c): forward and backward time per size, fp32 versus bf16 autocast (naive attention)."""
-    rows = frame[(frame["mode"] == "forward_backward") & (frame["attention"] == "naive")]
-    columns = {p: {"precision": p} for p in ["fp32", "bf16"] if p in set(rows["precision"])}
-    table = phase_table(rows, columns, ["forward", "backward"])
-    speedups = precision_speedup(rows)
-    return table.merge(speedups, on="size", how="left")
+    table = mixed_precision_numeric(frame)
+    return display_frame(table, [c.header for c in table.columns if c.second])
 
 
 def precision_speedup(frame: pd.DataFrame) -> pd.DataFrame:
@@ -84,7 +153,7 @@ def precision_speedup(frame: pd.DataFrame) -> pd.DataFrame:
     wide = steps.pivot_table(index="size", columns="precision", values="median_ms", observed=True)
     if not {"fp32", "bf16"} <= set(wide.columns):
         return pd.DataFrame({"size": [], "bf16 speed-up": []})
-    return (wide["fp32"] / wide["bf16"]).round(2).rename("bf16 speed-up").reset_index()
+    return (wide["fp32"] / wide["bf16"]).rename("bf16 speed-up").reset_index()
 
 
 def compile_scope(frame: pd.DataFrame) -> pd.Series:
@@ -93,47 +162,68 @@ def compile_scope(frame: pd.DataFrame) -> pd.Series:
     return scope.fillna("blocks").where(frame["compile"].astype(bool), "none")
 
 
-def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
+def compile_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): eager versus compiled (per compile scope), forward-only and full training step, per attention
-    backend; per scope the speed-up over eager (eager median ÷ that scope's median), and the MFU of the
-    fastest compiled scope."""
-    out = []
+    backend: the step time (mean ± std); per scope the speed-up over eager (eager median ÷ that scope's
+    median), and the MFU of the fastest compiled scope (by median)."""
+    out, status = [], {}
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
     scopes = [s for s in COMPILE_SCOPES if s != "none" and s in set(steps["scope"])]  # "none" is the eager column
+    times = ["eager (ms)", *(compile_column("compiled", scope, scopes) + " (ms)" for scope in scopes)]
+    speedups = [compile_column("speed-up", scope, scopes) for scope in scopes]
     for (size, attention, mode), rows in ordered_by_size(steps).groupby(["size", "attention", "mode"], observed=True):
-        eager = rows[rows["scope"] == "none"]
-        eager_ok = len(eager) and eager["status"].eq("ok").all()
-        record = {"size": size, "attention": attention, "mode": mode, "eager (ms)": _cell(eager)}
-        best, speedups = None, {}
-        for scope in scopes:
-            compiled = rows[rows["scope"] == scope]
-            record[compile_column("compiled", scope, scopes) + " (ms)"] = _cell(compiled)
-            ok = len(compiled) and compiled["status"].eq("ok").all()
-            speedups[compile_column("speed-up", scope, scopes)] = (  # a dash, not nan, where a scope did not run
-                f"{eager['median_ms'].iloc[0] / compiled['median_ms'].iloc[0]:.2f}" if ok and eager_ok else "—")
-            if ok and (best is None or compiled["median_ms"].iloc[0] < best["median_ms"].iloc[0]):
-                best = compiled
-        record.update(speedups)
-        record["compiled MFU"] = round(best["mfu"].iloc[0], 3) if best is not None else None
+        record = {"size": str(size), "attention": attention, "mode": mode}
+        by_scope = {"none": rows[rows["scope"] == "none"], **{s: rows[rows["scope"] == s] for s in scopes}}
+        ran = {s: r for s, r in by_scope.items() if len(r) and r["status"].eq("ok").all()}
+        for header, scope in zip(times, ["none", *scopes]):
+            record[header], record[f"{header} std"], state = _first(by_scope[scope])
+            if state:
+                status.setdefault(header, {})[len(out)] = state
+        for header, scope in zip(speedups, scopes):
+            record[header] = (ran["none"]["median_ms"].iloc[0] / ran[scope]["median_ms"].iloc[0]
+                              if "none" in ran and scope in ran else float("nan"))
+        compiled = [r for s, r in ran.items() if s != "none"]
+        best = min(compiled, key=lambda r: r["median_ms"].iloc[0]) if compiled else None
+        record["compiled MFU"] = best["mfu"].iloc[0] if best is not None else float("nan")
         out.append(record)
-    return pd.DataFrame(out)
+    columns = ["size", "attention", "mode", *(h for header in times for h in (header, f"{header} std")), *speedups,
+               "compiled MFU"]
+    return NumericTable(pd.DataFrame(out, columns=columns), (
+        Col("size"), Col("attention"), Col("mode"), *(Col(h, ".2f", second=f"{h} std") for h in times),
+        *(Col(h, ".2f") for h in speedups), Col("compiled MFU", ".3f")), status)
 
 
-def baseline_timing(frame: pd.DataFrame) -> pd.DataFrame:
+def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    table = compile_timing_numeric(frame)
+    return display_frame(table, [c.header for c in table.columns if c.second or c.header.startswith("speed-up")])
+
+
+def baseline_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope
     and model, the training step (mean ± std and median), its MFU, and its median over the baseline's."""
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
-    out = []
+    out, status = [], {}
     for (size, scope), rows in ordered_by_size(steps).groupby(["size", "scope"], observed=True, sort=True):
         plain = rows[(rows["model"] == "plain") & rows["status"].eq("ok")]
         for _, row in rows.sort_values("model").iterrows():
             ok = row["status"] == "ok"
-            out.append({"size": size, "compiled": scope, "model": row["model"], "attention": row["attention"],
-                        "optimizer": row["optimizer"], "step (ms)": _cell(rows.loc[[row.name]]),
-                        "median (ms)": round(row["median_ms"], 2) if ok else None,
-                        "MFU": round(row["mfu"], 3) if ok else None,
-                        "÷ plain": round(row["median_ms"] / plain["median_ms"].iloc[0], 3) if ok and len(plain) else None})
-    return pd.DataFrame(out)
+            if not ok:
+                status.setdefault("step (ms)", {})[len(out)] = str(row["status"])
+            nan = float("nan")
+            out.append({"size": str(size), "compiled": scope, "model": row["model"], "attention": row["attention"],
+                        "optimizer": row["optimizer"], "step (ms)": row["mean_ms"] if ok else nan,
+                        "step std (ms)": row["std_ms"] if ok else nan, "median (ms)": row["median_ms"] if ok else nan,
+                        "MFU": row["mfu"] if ok else nan,
+                        "÷ plain": row["median_ms"] / plain["median_ms"].iloc[0] if ok and len(plain) else nan})
+    columns = ["size", "compiled", "model", "attention", "optimizer", "step (ms)", "step std (ms)", "median (ms)",
+               "MFU", "÷ plain"]
+    return NumericTable(pd.DataFrame(out, columns=columns), (
+        *(Col(c) for c in columns[:5]), Col("step (ms)", ".2f", second="step std (ms)"), Col("median (ms)", ".2f"),
+        Col("MFU", ".3f"), Col("÷ plain", ".3f")), status)
+
+
+def baseline_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(baseline_timing_numeric(frame), ["step (ms)"])
 
 
 def compile_column(what: str, scope: str, scopes: list[str]) -> str:
@@ -146,188 +236,268 @@ def compile_column(what: str, scope: str, scopes: list[str]) -> str:
 ADAMW_BYTES_PER_PARAM = 7 * 4
 
 
-def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
-    """The optimizer phase of a training step per size and optimizer, with the bandwidth it would take to
-    move AdamW's least traffic in that time."""
-    out = []
+def _first(rows: pd.DataFrame) -> tuple[float, float, str | None]:
+    """(mean ms, std ms, status) of the first row; the status is set where it did not run ('—' if no row)."""
+    if rows.empty:
+        return float("nan"), float("nan"), None
+    row = rows.iloc[0]
+    if row["status"] != "ok":
+        return float("nan"), float("nan"), str(row["status"])
+    return row["mean_ms"], row.get("std_ms", float("nan")), None  # some sweeps record no std
+
+
+def optimizer_timing_numeric(frame: pd.DataFrame) -> NumericTable:
+    """The optimizer phase of a training step per size and optimizer (mean ± std), with the bandwidth it
+    would take to move AdamW's least traffic in its median time."""
+    out, status = [], {}
     for (size, optimizer), rows in ordered_by_size(frame).groupby(["size", "optimizer"], observed=True, sort=True):
-        phase = rows[rows["phase"].eq("optimizer") | rows["status"].ne("ok")]
-        step = rows[rows["phase"].eq("step") | rows["status"].ne("ok")]
         params = parameter_count(get_config(str(size)))
-        record = {"size": size, "parameters (M)": round(params / 1e6), "optimizer": optimizer,
-                  "optimizer step (ms)": _cell(phase), "training step (ms)": _cell(step)}
-        ok = phase["status"].eq("ok").all() and len(phase)
-        seconds = phase["median_ms"].iloc[0] / 1e3 if ok else None
-        record["GB/s at 28 B/param"] = round(params * ADAMW_BYTES_PER_PARAM / seconds / 1e9) if ok else None
+        record = {"size": str(size), "parameters (M)": params / 1e6, "optimizer": optimizer}
+        for header, phase in (("optimizer step (ms)", "optimizer"), ("training step (ms)", "step")):
+            mean, std, state = _first(rows[rows["phase"].eq(phase) | rows["status"].ne("ok")])
+            record[header], record[f"{header} std"] = mean, std
+            if state:
+                status.setdefault(header, {})[len(out)] = state
+        phase = rows[rows["phase"].eq("optimizer") | rows["status"].ne("ok")]
+        ok = len(phase) and phase["status"].eq("ok").all()
+        record["GB/s at 28 B/param"] = (params * ADAMW_BYTES_PER_PARAM / (phase["median_ms"].iloc[0] / 1e3) / 1e9
+                                        if ok else float("nan"))
         out.append(record)
-    return pd.DataFrame(out)
+    columns = ["size", "parameters (M)", "optimizer", "optimizer step (ms)", "optimizer step (ms) std",
+               "training step (ms)", "training step (ms) std", "GB/s at 28 B/param"]
+    return NumericTable(pd.DataFrame(out, columns=columns), (
+        Col("size"), Col("parameters (M)", "d"), Col("optimizer"),
+        Col("optimizer step (ms)", ".2f", second="optimizer step (ms) std"),
+        Col("training step (ms)", ".2f", second="training step (ms) std"), Col("GB/s at 28 B/param", "d")), status)
 
 
-def _ms(rows: pd.DataFrame) -> str:
-    return _cell(rows, lambda row: f"{row['mean_ms']:.3f}")
+def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(optimizer_timing_numeric(frame), ["optimizer step (ms)", "training step (ms)"])
 
 
-def attention(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.2.1: naive attention (eager), forward and backward ms, and its memory by the formulas
+def attention_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.2.1: naive attention (eager), forward and backward mean ms, and its memory by the formulas
     (analysis/attention_math.py) beside the memory measured before backward.
 
     'Q, K, V' and 'P' are what autograd saves (S is freed once P exists); 'measured − P' is what the
     device held besides P (inputs, output, gradients of earlier passes, workspace); the backward peak
-    adds dP and dS, two more (batch, seq, seq) matrices, to the measured memory."""
+    adds dP and dS, two more (batch, seq, seq) matrices, to the measured memory. Memory is measured on a
+    GPU only (the CPU has no allocator statistics: 0 there): elsewhere the measured columns are '—'."""
     rows = frame[frame["impl"] == "eager"]
-    out = []
+    out, status, nan = [], {}, float("nan")
     for (d, seq), group in rows.groupby(["head_dim", "seq_len"]):
         fwd, bwd = group[group["phase"] == "forward"], group[group["phase"] == "backward"]
         ok = (group["status"] == "ok").all()
         batch = int(group["batch"].iloc[0])
         square = attention_math.square_mib(batch, seq)
-        measured = fwd["memory_before_backward_mib"].iloc[0] if ok else float("nan")
-        on_gpu = measured > 0  # the CPU has no allocator statistics: 0 there, and no memory columns to derive
-        out.append({"d": d, "seq": seq, "forward (ms)": _ms(fwd), "backward (ms)": _ms(bwd),
-                    "Q, K, V saved (MiB)": round(3 * attention_math.vector_mib(batch, seq, d), 1),
-                    "P saved (MiB)": round(square, 1),
-                    "predicted saved (MiB)": round(group["saved_for_backward_bytes"].iloc[0] / 2**20),
-                    "memory before backward (MiB)": round(measured) if ok else "OOM",
-                    "measured − P (MiB)": round(measured - square, 1) if on_gpu else "—",
-                    "backward peak, + dP and dS (MiB)": round(measured + 2 * square) if on_gpu else "—"})
-        if "peak_memory_mib" in group and on_gpu:  # measured by runs from this column's commit on
-            out[-1]["measured backward peak (MiB)"] = round(bwd["peak_memory_mib"].iloc[0])
-    return pd.DataFrame(out)
+        measured = fwd["memory_before_backward_mib"].iloc[0] if ok else nan
+        on_gpu = measured > 0
+        record = {"d": d, "seq": seq}
+        for header, part in (("forward (ms)", fwd), ("backward (ms)", bwd)):
+            record[header], _, state = _first(part)
+            if state:
+                status.setdefault(header, {})[len(out)] = state
+        if not ok:
+            status.setdefault("memory before backward (MiB)", {})[len(out)] = "oom"
+        record.update({"Q, K, V saved (MiB)": 3 * attention_math.vector_mib(batch, seq, d), "P saved (MiB)": square,
+                       "predicted saved (MiB)": group["saved_for_backward_bytes"].iloc[0] / 2**20,
+                       "memory before backward (MiB)": measured,
+                       "measured − P (MiB)": measured - square if on_gpu else nan,
+                       "backward peak, + dP and dS (MiB)": measured + 2 * square if on_gpu else nan,
+                       "measured backward peak (MiB)": (bwd["peak_memory_mib"].iloc[0]  # runs from that column on
+                                                        if "peak_memory_mib" in group and on_gpu else nan)})
+        out.append(record)
+    data = pd.DataFrame(out)
+    columns = [Col("d", "d"), Col("seq", "d"), Col("forward (ms)", ".3f"), Col("backward (ms)", ".3f"),
+               Col("Q, K, V saved (MiB)", ".1f"), Col("P saved (MiB)", ".1f"), Col("predicted saved (MiB)", "d"),
+               Col("memory before backward (MiB)", "d"), Col("measured − P (MiB)", ".1f"),
+               Col("backward peak, + dP and dS (MiB)", "d"), Col("measured backward peak (MiB)", "d")]
+    if data["measured backward peak (MiB)"].isna().all():  # no run measured it: no column
+        columns, data = columns[:-1], data.drop(columns="measured backward peak (MiB)")
+    return NumericTable(data, tuple(columns), status)
+
+
+def attention(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(attention_numeric(frame), ["forward (ms)", "backward (ms)"],
+                         dashes=["measured − P (MiB)", "backward peak, + dP and dS (MiB)"])
+
+
+def attention_compile_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.3.1(a): eager versus compiled naive attention, side by side (mean ms)."""
+    out, status = [], {}
+    headers = [f"{phase} {impl} (ms)" for phase in ("forward", "backward") for impl in ("eager", "compiled")]
+    for (d, seq), group in frame.groupby(["head_dim", "seq_len"]):
+        record = {"d": d, "seq": seq}
+        for header in headers:
+            phase, impl = header.split()[:2]
+            record[header], _, state = _first(group[(group["phase"] == phase) & (group["impl"] == impl)])
+            if state:
+                status.setdefault(header, {})[len(out)] = state
+        out.append(record)
+    return NumericTable(pd.DataFrame(out, columns=["d", "seq", *headers]),
+                        (Col("d", "d"), Col("seq", "d"), *(Col(h, ".3f") for h in headers)), status)
 
 
 def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.1(a): eager versus compiled naive attention, side by side."""
-    out = []
-    for (d, seq), group in frame.groupby(["head_dim", "seq_len"]):
-        record = {"d": d, "seq": seq}
-        for phase in ("forward", "backward"):
-            for impl in ("eager", "compiled"):
-                record[f"{phase} {impl} (ms)"] = _ms(group[(group["phase"] == phase) & (group["impl"] == impl)])
-        out.append(record)
-    return pd.DataFrame(out)
+    table = attention_compile_numeric(frame)
+    return display_frame(table, table.headers[2:])
 
 
-def flash_sweep(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.2(e): one row per (dtype, d, seq, pass), median ms per provider as columns (OOM / unsupported
-    shown), then ours over SDPA's flash backend and our throughput two ways: by FlashAttention-2's FLOP
-    count (forward 2 products, backward 5) and by the products our kernels execute (backward 7;
-    analysis/attention_math.py)."""
+FLASH_OURS = ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed")
+
+
+def flash_sweep(frame: pd.DataFrame) -> NumericTable:
+    """1.3.2(e): one row per (dtype, d, seq, pass), median ms per provider as columns (a status such as OOM
+    where a provider did not run), then ours over SDPA's flash backend and our throughput two ways: by
+    FlashAttention-2's FLOP count (forward 2 products, backward 5) and by the products our kernels execute
+    (backward 7; analysis/attention_math.py)."""
     frame = frame.assign(executed=attention_math.executed_tflops(frame))
-    frame["cell"] = [f"{ms:.3f}" if status == "ok" else status.upper()
-                     for ms, status in zip(frame.get("median_ms", pd.Series(float("nan"), index=frame.index)),
-                                           frame["status"])]
+    if "median_ms" not in frame:
+        frame = frame.assign(median_ms=float("nan"))
     keys = ["dtype", "head_dim", "seq_len", "pass"]
-    wide = frame.pivot_table(index=keys, columns="provider", values="cell", aggfunc="first")
+    wide = frame.pivot_table(index=keys, columns="provider", values="median_ms", aggfunc="first", dropna=False)
+    states = frame.pivot_table(index=keys, columns="provider", values="status", aggfunc="first")
+    providers = list(states.columns)
+    wide = wide.reindex(index=states.index, columns=providers)
     ours = frame[(frame["provider"] == "flash_triton") & (frame["status"] == "ok")].set_index(keys)
     anchor = frame[(frame["provider"] == "sdpa_flash") & (frame["status"] == "ok")].set_index(keys)
-    wide["ours ÷ SDPA flash"] = (ours["median_ms"] / anchor["median_ms"]).round(2)
-    wide["ours TFLOP/s, FA2 count"] = ours["tflops"].round(1)
-    wide["ours TFLOP/s, executed"] = ours["executed"].round(1)
-    for column in ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed"):
-        wide[column] = wide[column].astype(object).where(wide[column].notna(), "—")  # not measured / no anchor
-    wide = wide.reset_index()
-    wide.columns.name = None
-    return wide.rename(columns={"head_dim": "d", "seq_len": "seq"})
+    ratio, fa2, executed = FLASH_OURS
+    wide[ratio] = ours["median_ms"] / anchor["median_ms"]
+    wide[fa2] = ours["tflops"]
+    wide[executed] = ours["executed"]
+    data = wide.reset_index().rename(columns={"head_dim": "d", "seq_len": "seq"})
+    data.columns.name = None
+    status = {p: {i: str(s) for i, s in enumerate(states[p]) if isinstance(s, str) and s != "ok"} for p in providers}
+    columns = (Col("dtype"), Col("d", "d"), Col("seq", "d"), Col("pass"), *(Col(p, ".3f") for p in providers),
+               Col(ratio, ".2f"), Col(fa2, ".1f"), Col(executed, ".1f"))
+    return NumericTable(data, columns, status)
 
 
-def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.3.3: the leaderboard case per provider, with the ratio to SDPA's flash backend."""
+def flash_leaderboard_numeric(frame: pd.DataFrame) -> NumericTable:
+    """1.3.3: the leaderboard case per provider, with the ratio of means to SDPA's flash backend."""
     out = []
     for pass_, group in frame.groupby("pass", sort=False):
         anchor = group.loc[group["provider"] == "sdpa_flash", "mean_ms"]
         for _, row in group.iterrows():
             out.append({"pass": pass_, "provider": row["provider"], "torch.compile": bool(row["compiled"]),
-                        "mean (ms)": round(row["mean_ms"], 3), "TFLOP/s": round(row["tflops"]),
-                        "÷ SDPA flash": round(row["mean_ms"] / anchor.iloc[0], 3) if len(anchor) else None})
-    return pd.DataFrame(out)
+                        "mean (ms)": row["mean_ms"], "TFLOP/s": row["tflops"],
+                        "÷ SDPA flash": row["mean_ms"] / anchor.iloc[0] if len(anchor) else float("nan")})
+    return NumericTable(pd.DataFrame(out), (Col("pass"), Col("provider"), Col("torch.compile"), Col("mean (ms)", ".3f"),
+                                            Col("TFLOP/s", "d"), Col("÷ SDPA flash", ".3f")))
+
+
+def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(flash_leaderboard_numeric(frame))
+
+
+def flash_correctness_numeric(frame: pd.DataFrame) -> NumericTable:
+    """Per test: how many of its runs passed (each repeat draws fresh inputs; rows without a `repeat`
+    column are one run each), how many were skipped, and its median seconds."""
+    out = [{"test": test, "passed": int((group["outcome"] == "passed").sum()), "runs": len(group),
+            "skipped": int((group["outcome"] == "skipped").sum()), "seconds (median)": group["seconds"].median()}
+           for test, group in frame.groupby("test", sort=False)]
+    return NumericTable(pd.DataFrame(out), (Col("test"), Col("passed", "d"), Col("runs", "d"), Col("skipped", "d"),
+                                            Col("seconds (median)", ".2f")))
 
 
 def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per test: how many of its runs passed (each repeat draws fresh inputs; rows without a `repeat`
-    column are one run each), how many were skipped, and its median seconds."""
-    repeat = frame["repeat"] if "repeat" in frame else pd.Series(0, index=frame.index)
-    frame = frame.assign(repeat=repeat)
-    out = [{"test": test, "passed": int((group["outcome"] == "passed").sum()), "runs": len(group),
-            "skipped": int((group["outcome"] == "skipped").sum()), "seconds (median)": round(group["seconds"].median(), 2)}
-           for test, group in frame.groupby("test", sort=False)]
-    return pd.DataFrame(out)
+    return display_frame(flash_correctness_numeric(frame))
 
 
-def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
+def flash_accuracy_numeric(frame: pd.DataFrame) -> NumericTable:
     """bfloat16 error against float64 per implementation, case and tensor: ours and SDPA's (mean over
     seeds), and ours over SDPA's."""
     keys = ["impl", "reference", "shape", "causal", "tensor"]
     mean = frame.groupby(keys, sort=False)[["ours_error", "sdpa_error"]].mean().reset_index()
     seeds = frame.groupby(keys, sort=False)["seed"].nunique().to_numpy()
-    return pd.DataFrame({"implementation": mean["impl"], "SDPA backend": mean["reference"].str.removeprefix("sdpa_"),
+    data = pd.DataFrame({"implementation": mean["impl"], "SDPA backend": mean["reference"].str.removeprefix("sdpa_"),
                          "(batch, heads, seq, d)": mean["shape"], "causal": mean["causal"], "tensor": mean["tensor"],
-                         "seeds": seeds, "ours": mean["ours_error"].round(6), "SDPA": mean["sdpa_error"].round(6),
-                         "ours ÷ SDPA": (mean["ours_error"] / mean["sdpa_error"]).round(2)})
+                         "seeds": seeds, "ours": mean["ours_error"], "SDPA": mean["sdpa_error"],
+                         "ours ÷ SDPA": mean["ours_error"] / mean["sdpa_error"]})
+    return NumericTable(data, (*(Col(c) for c in data.columns[:5]), Col("seeds", "d"), Col("ours", ".6f"),
+                               Col("SDPA", ".6f"), Col("ours ÷ SDPA", ".2f")))
 
 
-def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
+def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
+    return display_frame(flash_accuracy_numeric(frame))
+
+
+def flash_resources_numeric(frame: pd.DataFrame) -> NumericTable:
     """Per kernel and tile config, 'registers / bytes spilled' per thread for each dtype (float32 by its
-    dot precision) and head dim."""
+    dot precision) and head dim; 'error' where the config did not compile, '—' where it was not compiled."""
     dots = frame["dot"] if "dot" in frame else pd.Series("", index=frame.index)
     frame = frame.assign(tile=[f"{o}×{i}, {w} warps, {s} stages" for o, i, w, s in
                                zip(frame["outer"], frame["inner"], frame["warps"], frame["stages"])],
                          case=[f"{t} {dot} d={d}" if t == "fp32" and isinstance(dot, str) and dot else f"{t} d={d}"
                                for t, dot, d in zip(frame["dtype"], dots, frame["head_dim"])])
-    frame["cell"] = [f"{int(r)} / {int(b)}" if status == "ok" else "error" for r, b, status in
-                     zip(frame["registers"].fillna(0), frame["spill_store_bytes"].fillna(0), frame["status"])]
     cases = list(dict.fromkeys(frame.assign(dot_key=dots.fillna("").astype(str))
                                .sort_values(["dtype", "dot_key", "head_dim"])["case"]))
-    wide = frame.pivot_table(index=["kernel", "tile"], columns="case", values="cell", aggfunc="first")
     rows = list(dict.fromkeys(zip(frame["kernel"], frame["tile"])))  # kernels and tiles in the order compiled
-    return wide.reindex(index=pd.MultiIndex.from_tuples(rows, names=["kernel", "tile"]), columns=cases
-                        ).fillna("—").reset_index()
+    first = frame.groupby(["kernel", "tile", "case"], sort=False).first()
+    data = pd.DataFrame(rows, columns=["kernel", "tile"])
+    status = {}
+    for case in cases:
+        found = [first.loc[(k, t, case)] if (k, t, case) in first.index else None for k, t in rows]
+        ok = [row is not None and row["status"] == "ok" for row in found]
+        data[case] = [row["registers"] if good else float("nan") for row, good in zip(found, ok)]
+        data[f"{case} spilled (B)"] = [row["spill_store_bytes"] if good else float("nan") for row, good in zip(found, ok)]
+        # a config that failed shows 'error' (what the section counts); an unknown registers count prints 0
+        data[case] = [0 if good and pd.isna(v) else v for v, good in zip(data[case], ok)]
+        data[f"{case} spilled (B)"] = [0 if good and pd.isna(v) else v for v, good in zip(data[f"{case} spilled (B)"], ok)]
+        failed = {i: "error" for i, row in enumerate(found) if row is not None and row["status"] != "ok"}
+        if failed:
+            status[case] = failed
+    return NumericTable(data, (Col("kernel"), Col("tile"),
+                               *(Col(c, "d", second=f"{c} spilled (B)", joiner=" / ") for c in cases)), status)
 
 
-def allreduce(frame: pd.DataFrame) -> pd.DataFrame:
-    """2.1: all-reduce time and bandwidth per backend, process count and size."""
+def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
+    table = flash_resources_numeric(frame)
+    return display_frame(table, table.headers[2:]).replace({"ERROR": "error"})
+
+
+def allreduce(frame: pd.DataFrame) -> NumericTable:
+    """2.1: all-reduce time and bandwidth per backend, process count and size; one statistic, the median
+    over the timed iterations (the bandwidths are computed from it)."""
     rows = all_reduce_rows(frame).sort_values(["backend", "world_size", "size_mb"])
-    return pd.DataFrame({
-        "backend": rows["backend"], "processes": rows["world_size"], "size (MB)": rows["size_mb"],
-        "median (ms)": rows["median_ms"].round(3), "mean ± std (ms)": [
-            mean_std(m, s, 3) for m, s in zip(rows["mean_ms"], rows["std_ms"])],
-        "algbw (GB/s)": rows["algbw_gbps"].round(2), "busbw (GB/s)": rows["busbw_gbps"].round(2)})
+    data = pd.DataFrame({"backend": rows["backend"], "processes": rows["world_size"], "size (MB)": rows["size_mb"],
+                         "median (ms)": rows["median_ms"], "algbw (GB/s)": rows["algbw_gbps"],
+                         "busbw (GB/s)": rows["busbw_gbps"]})
+    return NumericTable(data, (Col("backend"), Col("processes", "d"), Col("size (MB)", "g"), Col("median (ms)", ".3f"),
+                               Col("algbw (GB/s)", ".2f"), Col("busbw (GB/s)", ".2f")))
 
 
-def round_medians(row: pd.Series) -> str:
-    """The range of a config's per-round median step times ('—' for runs of one round)."""
-    if pd.isna(row.get("rounds")) or row["rounds"] < 2:
-        return "—"
-    return f"{row['step_round_median_min_ms']:.1f}–{row['step_round_median_max_ms']:.1f}"
+# The DDP tables' one statistic: means over every measured step of every round. The step's parts are means
+# too, so forward+backward + communication wait + optimizer add up to the step, and the communication share
+# is a ratio of two means.
+DDP_STEP = "step (ms)"
+DDP_PARTS = ("forward+backward (ms)", "communication wait (ms)", "optimizer (ms)")
 
 
-def ddp(frame: pd.DataFrame) -> pd.DataFrame:
-    """2.2–2.3: time per training step and its parts, per wrapper and precision."""
-    out = []
-    for _, row in frame.iterrows():
-        record = {"precision": row["precision"], "config": row["config"]}
-        if row["status"] != "ok":
-            record["step (ms)"] = str(row["status"]).upper()
-        else:
-            record.update({"step (ms)": mean_std(row["step_ms"], row["step_std_ms"], 1),
-                           "step median (ms)": round(row["step_median_ms"], 1),
-                           "round medians (ms)": round_medians(row),
-                           "forward+backward (ms)": round(row["forward_backward_ms"], 1),
-                           "communication wait (ms)": round(row["communication_ms"], 1),
-                           "optimizer (ms)": round(row["optimizer_ms"], 1),
-                           "comm share": f"{row['communication_ms'] / row['step_ms']:.1%}",
-                           "final loss": round(row["final_loss"], 4)})
-        out.append(record)
-    return pd.DataFrame(out)
+def ddp(frame: pd.DataFrame) -> NumericTable:
+    """2.2–2.3: time per training step (mean ± std) and its parts (means), per wrapper and precision; a
+    config that did not run shows its status in the step column."""
+    ok = frame["status"] == "ok"
+
+    def where_ok(column: str) -> pd.Series:
+        return frame[column].where(ok)
+
+    data = pd.DataFrame({
+        "precision": frame["precision"], "config": frame["config"], DDP_STEP: where_ok("step_ms"),
+        "step std (ms)": where_ok("step_std_ms"),
+        **{part: where_ok(column) for part, column in zip(DDP_PARTS, ("forward_backward_ms", "communication_ms",
+                                                                       "optimizer_ms"))},
+        "comm share": where_ok("communication_ms") / where_ok("step_ms"), "final loss": where_ok("final_loss")})
+    status = {DDP_STEP: {i: str(s) for i, s in enumerate(frame["status"]) if s != "ok"}}
+    return NumericTable(data, (Col("precision"), Col("config"), Col(DDP_STEP, ".1f", second="step std (ms)"),
+                               *(Col(part, ".1f") for part in DDP_PARTS), Col("comm share", ".1%"),
+                               Col("final loss", ".4f")), status)
 
 
-def _mib(value: float) -> str:
-    return "—" if pd.isna(value) else f"{value:.0f}"  # memory is measured on CUDA only
-
-
-def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
+def train_matrix(frame: pd.DataFrame) -> NumericTable:
     """Training runs by attention backend and wrapper: speed over the second half of the steps (the
-    first half includes warm-up and, for flash_triton, autotuning), memory, and how far each loss
-    curve strays from torch DDP's with the same backend."""
+    first half includes warm-up and, for flash_triton, autotuning; medians, the table's one statistic),
+    memory, and how far each loss curve strays from torch DDP's with the same backend."""
     out = []
     for (attention, wrapper), run in frame.groupby(["attention", "wrapper"], sort=False):
         run = run.sort_values("step")
@@ -337,9 +507,10 @@ def train_matrix(frame: pd.DataFrame) -> pd.DataFrame:
         drift = (abs(run["loss"].to_numpy() - reference["loss"].to_numpy()).max()
                  if len(reference) == len(run) else float("nan"))
         out.append({"attention": attention, "wrapper": "single GPU" if wrapper == "none" else wrapper,
-                    "ranks": int(run["world_size"].iloc[0]), "step (ms, median)": round(step_ms, 1),
-                    "tokens/s": round(run["tokens_per_step"].iloc[0] / step_ms * 1e3),
-                    "peak memory (MiB)": _mib(run["peak_memory_mib"].iloc[0]),
-                    "final loss": round(run["loss"].iloc[-1], 4),
-                    "max |loss − torch DDP|": float(f"{drift:.2g}")})
-    return pd.DataFrame(out)
+                    "ranks": int(run["world_size"].iloc[0]), "step (ms, median)": step_ms,
+                    "tokens/s": run["tokens_per_step"].iloc[0] / step_ms * 1e3,
+                    "peak memory (MiB)": run["peak_memory_mib"].iloc[0],  # NaN where not CUDA: printed '—'
+                    "final loss": run["loss"].iloc[-1], "max |loss − torch DDP|": drift})
+    return NumericTable(pd.DataFrame(out), (
+        Col("attention"), Col("wrapper"), Col("ranks", "d"), Col("step (ms, median)", ".1f"), Col("tokens/s", ",.0f"),
+        Col("peak memory (MiB)", ".0f"), Col("final loss", ".4f"), Col("max |loss − torch DDP|", ".2g")))

@@ -22,6 +22,8 @@ rule table:
     output:
         md=f"{R}/tables/{{name}}.md",
         tex=f"{R}/tables/{{name}}.tex",
+        # the numeric frame the Markdown prints: the writeup quotes its cells (one build per table)
+        json=f"{R}/tables/{{name}}.json",
     log:
         f"{LOGS}/tables/{{name}}.log",
     wildcard_constraints:
@@ -30,7 +32,7 @@ rule table:
         ENV
     shell:
         "python -m cs336_systems.report table {wildcards.name} {input}"
-        " --md {output.md} --tex {output.tex} 2> {log}"
+        " --md {output.md} --tex {output.tex} --json {output.json} 2> {log}"
 
 
 rule figure:
@@ -51,7 +53,8 @@ rule figure:
 rule writeup_md:
     input:
         tables=expand(
-            f"{R}/tables/{{name}}.md",
+            f"{R}/tables/{{name}}.{{ext}}",
+            ext=["md", "json"],
             name=[n for n in available(TABLE_INPUTS) if n not in NOT_MADE_HERE],
         ),
         figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),

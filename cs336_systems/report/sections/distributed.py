@@ -10,27 +10,33 @@ from cs336_systems.distributed.parallelize import DataParallelSpec
 from cs336_systems.report import figures, tables
 from cs336_systems.report.ddp_analysis import (RERUN, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
                                                timing_method)
+from cs336_systems.report.frame import NumericTable
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
-from cs336_systems.report.tables import round_medians
+from cs336_systems.report.tables import DDP_STEP
 
 
 def render_allreduce(ctx: Context) -> Section:
-    table = tables.allreduce(ctx.frame("allreduce"))
-    largest = table[table["size (MB)"] == table["size (MB)"].max()]
+    table = ctx.numeric("allreduce")
+    data = table.data  # a RangeIndex: a row's label is its position in the table
+
+    def cell(header: str, row: int) -> str:
+        return table.quote(header, row)
+
+    largest = data[data["size (MB)"] == data["size (MB)"].max()]
     parts = []
     for backend, rows in largest.groupby("backend"):
         rows = rows.sort_values("processes")
-        parts.append(f"{backend}: {rows['size (MB)'].iloc[0]:g} MB all-reduced in "
-                     + ", ".join(f"{ms:.2f} ms with {n} processes ({bw:.1f} GB/s bus bandwidth)" for ms, n, bw in
-                                 zip(rows["median (ms)"], rows["processes"], rows["busbw (GB/s)"])))
-    smallest = table[table["size (MB)"] == table["size (MB)"].min()]
-    checked = ["; ".join(parts) + ".", (
+        parts.append(f"{backend}: {cell('size (MB)', rows.index[0])} MB all-reduced in "
+                     + ", ".join(f"{cell('median (ms)', i)} ms with {cell('processes', i)} processes "
+                                 f"({cell('busbw (GB/s)', i)} GB/s bus bandwidth)" for i in rows.index))
+    smallest = data[data["size (MB)"] == data["size (MB)"].min()]
+    checked = ["Times are medians over the timed iterations (table and figure). " + "; ".join(parts) + ".", (
         "At the smallest size the time is latency: "
-        + ", ".join(f"{b} × {n}: {ms:.3f} ms" for b, n, ms in
-                    zip(smallest["backend"], smallest["processes"], smallest["median (ms)"]))
+        + ", ".join(f"{data.at[i, 'backend']} × {cell('processes', i)}: {cell('median (ms)', i)} ms"
+                    for i in smallest.index)
         + ". Large messages are bandwidth-bound: bus bandwidth (what each link carries in a ring, "
         "2(n−1)/n of the data) is the figure to compare across process counts.")]
-    gaps = missing_world_sizes(table)
+    gaps = missing_world_sizes(data)
     if gaps:
         checked.append(gaps)
     return Section([*checked, ctx.table("allreduce"), ctx.figure("allreduce", "all-reduce")], table, checked,
@@ -66,27 +72,35 @@ def _ddp_steps(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[frame["status"] == "ok"].set_index(["precision", "config"])
 
 
-def _ddp_summary(frame: pd.DataFrame, configs: list[str]) -> list[str]:
+def _measured(table: NumericTable, precision: str, config: str) -> bool:
+    """Whether the config ran (its step is a number, not a status such as OOM)."""
+    return table.has(precision=precision, config=config) and pd.notna(
+        table.value(DDP_STEP, precision=precision, config=config))
+
+
+def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str]) -> list[str]:
     """The setup paragraph (from the rows' arguments), then one line per precision quoting the table's
-    step medians, round ranges, communication waits and step-to-step deviations."""
-    steps = _ddp_steps(frame)
+    mean steps, communication waits and step-to-step deviations."""
     rounds = int(frame["rounds"].max()) if "rounds" in frame and frame["rounds"].notna().any() else 1
     lines = []
     for precision in sorted(set(frame["precision"])):
-        cells = []
-        for config in configs:
-            if (precision, config) in steps.index:
-                row = steps.loc[(precision, config)]
-                spread = f", rounds {round_medians(row)}" if rounds > 1 else ""
-                cells.append(f"{config} {row['step_median_ms']:.1f} ms{spread} (communication wait "
-                             f"{row['communication_ms']:.1f} ms)")
-        std = steps.loc[precision]["step_std_ms"].max() if precision in steps.index else float("nan")
-        lines.append(f"{precision}: " + "; ".join(cells) + f". Step-to-step standard deviation up to {std:.1f} ms.")
+        cells = [f"{config} {table.quote(DDP_STEP, precision=precision, config=config)} ms (communication wait "
+                 f"{table.quote('communication wait (ms)', precision=precision, config=config)} ms)"
+                 for config in configs if _measured(table, precision, config)]
+        ran = [i for i in range(len(table)) if table.data.at[i, "precision"] == precision
+               and pd.notna(table.value(DDP_STEP, i))]
+        if ran:
+            widest = max(ran, key=lambda i: table.data.at[i, "step std (ms)"])
+            cells_text = "; ".join(cells) + (f". Step-to-step standard deviation up to "
+                                             f"{table.quote_second(DDP_STEP, widest)} ms.")
+            lines.append(f"{precision}: " + cells_text)
     first = frame.iloc[0]
     repeats = (f"{rounds} interleaved rounds (every config once per round) of {first['warmup']} warm-up and "
-               f"{first['steps']} measured steps; a time is the median over all measured steps, with the range "
-               f"of the per-round medians" if rounds > 1 else
-               f"{first['warmup']} warm-up and {first['steps']} measured steps; times are medians")
+               f"{first['steps']} measured steps; every time is a mean over all measured steps of all rounds"
+               if rounds > 1 else
+               f"{first['warmup']} warm-up and {first['steps']} measured steps; every time is a mean")
+    repeats += (" (the step's with its standard deviation): the parts are means too, so forward+backward, "
+                "communication wait and optimizer add up to the step, in the table, its figure and the text")
     baselines = [c for c in ("none", "torch_ddp") if c in set(frame["config"])]
     setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
              f"{_ddp_compile_and_adamw(first)}, batch {first['batch_per_rank']} per rank, context "
@@ -118,19 +132,18 @@ def _ddp_compile_and_adamw(row: pd.Series) -> str:
 
 def render_ddp_naive(ctx: Context) -> Section:
     frame = ctx.frame("ddp_naive")
-    table = tables.ddp(frame)
-    parts = _ddp_summary(frame, ["none", "naive", "flat", "torch_ddp"])
+    table = ctx.numeric("ddp_naive")
+    parts = _ddp_summary(frame, table, ["none", "naive", "flat", "torch_ddp"])
     checked = parts[1:]
-    steps = _ddp_steps(frame)
     cost = allreduce_cost(ctx.frame("allreduce"))
     ok = frame[frame["status"] == "ok"]
     if cost is not None and len(ok):
         o, w = cost
         grad_bytes, tensors = ok["grad_mib"].iloc[0] * 2**20, gradient_tensors(ok["size"].iloc[0])
         waits = "; ".join(
-            f"{p}: naive {steps.loc[(p, 'naive'), 'communication_ms']:.1f} ms, flat "
-            f"{steps.loc[(p, 'flat'), 'communication_ms']:.1f} ms"
-            for p in sorted(set(ok["precision"])) if {(p, "naive"), (p, "flat")} <= set(steps.index))
+            f"{p}: naive {table.quote('communication wait (ms)', precision=p, config='naive')} ms, flat "
+            f"{table.quote('communication wait (ms)', precision=p, config='flat')} ms"
+            for p in sorted(set(ok["precision"])) if _measured(table, p, "naive") and _measured(table, p, "flat"))
         text = (
             f"The gradients are {tensors} tensors, {grad_bytes / 2**30:.2f} GiB in float32. The all-reduce times of "
             f"2.1 fit t = o + bytes/w with o = {o * 1e6:.0f} µs and w = {w / 1e9:.0f} GB/s: one all-reduce of all "
@@ -149,11 +162,11 @@ def render_ddp_naive(ctx: Context) -> Section:
                      f"o = {ob * 1e6:.1f} µs, w = {wb / 1e9:.0f} GB/s, so {tensors} calls should take "
                      f"{(tensors * ob + grad_bytes / wb) * 1e3:.1f} ms.")
         parts.append(text)
-    keys = pd.MultiIndex.from_frame(table[["precision", "config"]])
-    share = (column_values(table, "comm share") / 100).set_axis(keys)
-    shares = {p: share[(p, "naive")] for p in sorted(set(ok["precision"])) if (p, "naive") in share.index}
+    shares = {p: table.value("comm share", precision=p, config="naive") for p in sorted(set(ok["precision"]))
+              if _measured(table, p, "naive")}
     if shares:
-        text = "Communication is " + ", ".join(f"{share:.0%} of naive DDP's step in {p}" for p, share in shares.items())
+        text = "Communication is " + ", ".join(
+            f"{table.quote('comm share', precision=p, config='naive')} of naive DDP's mean step in {p}" for p in shares)
         if shares.get("bf16", 0) > shares.get("fp32", 1):
             text += (": the faster the computation, the larger the share of the step that waits for gradients, "
                      "which is what overlapping communication with backward (2.3) recovers")
@@ -172,20 +185,23 @@ def _cell(table: pd.DataFrame, precision: str, config: str, column: str) -> floa
     return column_values(table, column, lambda t: (t["precision"] == precision) & (t["config"] == config)).iloc[0]
 
 
-def fp32_overlap_question(table: pd.DataFrame, q: Quotes) -> str:
+def fp32_overlap_question(table: NumericTable, q: Quotes) -> str:
     """Why torch DDP hides (almost) no communication in fp32: the numbers of this run, the candidate
     explanations, and which measurement tells them apart."""
-    have = set(zip(table["precision"], table["config"]))
-    if not {("fp32", c) for c in ("none", "naive", "torch_ddp")} <= have:
+    if not all(_measured(table, "fp32", c) for c in ("none", "naive", "torch_ddp")):
         return ""
-    step, fb = "step median (ms)", "forward+backward (ms)"
+    fb = "forward+backward (ms)"
     extra = q.derive(lambda t: _cell(t, "fp32", "torch_ddp", fb) - _cell(t, "fp32", "none", fb), ".1f",
                      "fp32 torch DDP's forward+backward over none's")
+
+    def cell(config: str, column: str = DDP_STEP) -> str:
+        return table.quote(column, precision="fp32", config=config)
+
     return (
-        f"Why does torch DDP hide almost nothing in fp32? Its step takes {_cell(table, 'fp32', 'torch_ddp', step):.1f} ms "
-        f"against naive DDP's {_cell(table, 'fp32', 'naive', step):.1f} ms (which overlaps nothing) and "
-        f"{_cell(table, 'fp32', 'none', step):.1f} ms without communication; its forward+backward is {extra} ms longer "
-        f"than none's, about naive's communication wait ({_cell(table, 'fp32', 'naive', 'communication wait (ms)'):.1f} "
+        f"Why does torch DDP hide almost nothing in fp32? Its mean step takes {cell('torch_ddp')} ms "
+        f"against naive DDP's {cell('naive')} ms (which overlaps nothing) and "
+        f"{cell('none')} ms without communication; its forward+backward is {extra} ms longer "
+        f"than none's, about naive's communication wait ({cell('naive', 'communication wait (ms)')} "
         f"ms), although the backward is long enough to hide it. Candidate explanations, and the measurement that tells "
         f"them apart (rule ddp_overlap on fp32 traces of none, naive, individual, bucketed and torch DDP, "
         f"cs336_systems.report.traces, and the bench's compute-stream events): (a) the NCCL kernels share SMs and "
@@ -205,45 +221,40 @@ def fp32_overlap_question(table: pd.DataFrame, q: Quotes) -> str:
 
 def render_ddp_individual(ctx: Context) -> Section:
     frame = ctx.frame("ddp_individual")
-    table = tables.ddp(frame)
+    table = ctx.numeric("ddp_individual")
     q = Quotes(table)
 
-    def cell(t: pd.DataFrame, precision: str, config: str, column: str) -> float:
-        return column_values(t, column, lambda t: (t["precision"] == precision) & (t["config"] == config)).iloc[0]
-
     def over_torch(precision: str, config: str):
-        return q.derive(lambda t: cell(t, precision, config, "step median (ms)")
-                        / cell(t, precision, "torch_ddp", "step median (ms)"), ".2f",
-                        f"{precision} {config} over torch DDP")
+        return q.derive(lambda t: _cell(t, precision, config, DDP_STEP) / _cell(t, precision, "torch_ddp", DDP_STEP),
+                        ".2f", f"{precision} {config} over torch DDP (means)")
 
-    ok = table[table["step (ms)"].astype(str).str.contains("±")]
-    present = set(zip(ok["precision"], ok["config"]))
-    parts = _ddp_summary(frame, ["individual", "naive", "torch_ddp"])
+    parts = _ddp_summary(frame, table, ["individual", "naive", "torch_ddp"])
     checked = parts[1:]
     for precision in sorted(set(frame["precision"])):
-        if not {(precision, c) for c in ("individual", "naive", "torch_ddp")} <= present:
+        if not all(_measured(table, precision, c) for c in ("individual", "naive", "torch_ddp")):
             continue
-        ours, naive = ({column: cell(table, precision, c, column) for column in
+        ours, naive = ({column: table.quote(column, precision=precision, config=c) for column in
                         ("communication wait (ms)", "forward+backward (ms)")} for c in ("individual", "naive"))
-        change = q.derive(lambda t, p=precision: cell(t, p, "individual", "forward+backward (ms)")
-                          - cell(t, p, "naive", "forward+backward (ms)"), "+.1f", f"{precision} overlap's change")
+        change = q.derive(lambda t, p=precision: _cell(t, p, "individual", "forward+backward (ms)")
+                          - _cell(t, p, "naive", "forward+backward (ms)"), "+.1f", f"{precision} overlap's change")
         checked.append(
             f"{precision}: overlapped-individual takes {over_torch(precision, 'individual')}× "
-            f"torch DDP's step. Its communication wait is {ours['communication wait (ms)']:.1f} ms against naive's "
-            f"{naive['communication wait (ms)']:.1f} ms, but its forward+backward takes "
-            f"{ours['forward+backward (ms)']:.1f} ms against naive's {naive['forward+backward (ms)']:.1f} ms (which "
+            f"torch DDP's mean step. Its communication wait is {ours['communication wait (ms)']} ms against naive's "
+            f"{naive['communication wait (ms)']} ms, but its forward+backward takes "
+            f"{ours['forward+backward (ms)']} ms against naive's {naive['forward+backward (ms)']} ms (which "
             f"communicates nothing during backward): overlapping one all-reduce per gradient with the backward pass "
             f"changes it by {change} ms" + ("." if "timer" in frame else
                                             " (in these rows forward+backward also holds the communication still "
                                             "running when backward ended, so this is not yet the cost of overlapping "
                                             "alone: see the timing note above).")
             )
-        variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if (precision, c) in present]
+        variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if _measured(table, precision, c)]
         if variants:
             checked.append(f"{precision}, in the same run: " + "; ".join(
-                f"{label}: step {cell(table, precision, c, 'step median (ms)'):.1f} ms "
+                f"{label}: step {table.quote(DDP_STEP, precision=precision, config=c)} ms "
                 f"({over_torch(precision, c)}× torch DDP's), forward+backward "
-                f"{cell(table, precision, c, 'forward+backward (ms)'):.1f} ms" for c, label in variants) + ".")
+                f"{table.quote('forward+backward (ms)', precision=precision, config=c)} ms" for c, label in variants)
+                + ".")
     waiting = [] if "timer" in frame else [
         "What the rerun with compute-stream events will tell (it replaces the conclusions above on overlap): for "
         "each variant, forward+backward as the compute stream ran it and the exposed wait after it, beside `none` "
@@ -270,20 +281,20 @@ VARIANTS_OF_INDIVIDUAL = (
 
 def render_ddp_bucketed(ctx: Context) -> Section:
     frame = ctx.frame("ddp_bucketed")
-    table = tables.ddp(frame)
+    table = ctx.numeric("ddp_bucketed")
     q = Quotes(table)
     configs = list(dict.fromkeys(frame["config"]))
     ok = frame[frame["status"] == "ok"]
     model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
-    parts = _ddp_summary(frame, configs)
+    parts = _ddp_summary(frame, table, configs)
     checked = parts[1:]
     ranges = _ddp_steps(frame)[["step_round_median_min_ms", "step_round_median_max_ms"]]
 
-    # One statistic throughout: the median step time (the table's 'step median' column).
-    def medians(t: pd.DataFrame) -> pd.Series:
-        return column_values(t, "step median (ms)").set_axis(pd.MultiIndex.from_frame(t[["precision", "config"]]))
+    # One statistic throughout, the table's: the mean step time.
+    def means(t: pd.DataFrame) -> pd.Series:
+        return column_values(t, DDP_STEP).set_axis(pd.MultiIndex.from_frame(t[["precision", "config"]]))
 
-    steps = medians(table).dropna()
+    steps = means(q.frame).dropna()
     best_mb = {}
     specs = ddp_specs(frame)
     for precision in sorted(set(frame["precision"])):
@@ -292,13 +303,14 @@ def render_ddp_bucketed(ctx: Context) -> Section:
         if bucketed and (precision, "torch_ddp") in steps:
             best = min(bucketed, key=bucketed.get)
             best_mb[precision] = specs[best].bucket_mb
-            ratio = q.derive(lambda t, p=precision, b=best: medians(t)[(p, b)] / medians(t)[(p, "torch_ddp")],
-                             ".2f", f"{precision} best bucketed over torch DDP (medians)")
-            text = (f"{precision}: the best bucket size is {best_mb[precision]:g} MB, its median step "
+            ratio = q.derive(lambda t, p=precision, b=best: means(t)[(p, b)] / means(t)[(p, "torch_ddp")],
+                             ".2f", f"{precision} best bucketed over torch DDP (means)")
+            text = (f"{precision}: the best bucket size is {best_mb[precision]:g} MB, its mean step "
                     f"{ratio}× torch DDP's.")
             a, b = ranges.loc[(precision, best)], ranges.loc[(precision, "torch_ddp")]
             if frame["rounds"].max() > 1 and not (a.iloc[0] > b.iloc[1] or a.iloc[1] < b.iloc[0]):
-                text += " Their per-round medians overlap: this run does not separate them."
+                # the rounds' spread, from the results rows: a noise check, not a number of the table
+                text += " Their step times overlap from round to round: this run does not separate them."
             parts.append(text)
             checked.append(text)
     expectation, counts = small_buckets_paragraph(frame, table, q, specs)
@@ -311,32 +323,32 @@ def render_ddp_bucketed(ctx: Context) -> Section:
                    q.derived, wording=tuple(str(n) for n in counts))
 
 
-def small_buckets_paragraph(frame: pd.DataFrame, table: pd.DataFrame, q: Quotes,
+def small_buckets_paragraph(frame: pd.DataFrame, table: NumericTable, q: Quotes,
                             specs: dict[str, DataParallelSpec]) -> tuple[str, list[int]]:
     """2.3 bucketed (a): the results against expectations, for bf16, where the bucket size matters; and
     the bucket counts it quotes."""
-    have = set(zip(table["precision"], table["config"]))
+    have = {(p, c) for p, c in zip(table.data["precision"], table.data["config"]) if _measured(table, p, c)}
     sized = sorted((specs[c].bucket_mb, c) for p, c in have if p == "bf16" and specs[c].kind == "bucketed")
     if len(sized) < 2:
         return "", []
     (large_mb, large) = sized[-1]
     smalls = sized[:2] if len(sized) > 2 else sized[:1]  # the two smallest sizes (the handout's 1 and 10 MB)
     small_mb, small = smalls[0]
-    step, fb = "step median (ms)", "forward+backward (ms)"
+    step, fb = DDP_STEP, "forward+backward (ms)"
     counts = bucket_counts(frame["size"].iloc[0], [mb for mb, _ in smalls] + [large_mb])
 
     def slower(config: str, column: str) -> str:
         return q.derive(lambda t: _cell(t, "bf16", config, column) - _cell(t, "bf16", large, column), "+.1f",
                         f"bf16 {config} over {large}, {column}")
 
-    measured = " and ".join(f"{c} {_cell(table, 'bf16', c, step):.1f} ms (step {slower(c, step)} ms, "
+    measured = " and ".join(f"{c} {table.quote(step, precision='bf16', config=c)} ms (step {slower(c, step)} ms, "
                             f"forward+backward {slower(c, fb)} ms)" for _, c in smalls)
     text = ("Expectations against results (bf16): smaller buckets start communicating earlier in backward, so "
             "less is left after it, but cost one call each; if each call costs only its o of the model below and "
             "the GPU is free to overlap, "
             + " or ".join(f"{counts[mb]} buckets of {mb:g} MB" for mb, _ in smalls)
             + f" should cost little more than {counts[large_mb]} of {large_mb:g} MB (the model below). Measured "
-            f"against {large}'s {_cell(table, 'bf16', large, step):.1f} ms: {measured}. The cost is on the host: "
+            f"against {large}'s {table.quote(step, precision='bf16', config=large)} ms: {measured}. The cost is on the host: "
             f"the bf16 step is limited by the CPU issuing kernels (earlier traces: the GPU busy in well under half "
             f"of the backward range), and each bucket adds host work on autograd's thread: a copy of each gradient "
             f"into the bucket's buffer, the buffer's allocation (buckets let go of it after each step) and the "
@@ -345,7 +357,7 @@ def small_buckets_paragraph(frame: pd.DataFrame, table: pd.DataFrame, q: Quotes,
         versus = q.derive(lambda t: _cell(t, "bf16", small, step) - _cell(t, "bf16", "individual", step), "+.1f",
                           f"bf16 {small} against per-parameter")
         text += (f" Against per-parameter all-reduces in the same run (individual, "
-                 f"{_cell(table, 'bf16', 'individual', step):.1f} ms, the same number of calls but no copies): "
+                 f"{table.quote(step, precision='bf16', config='individual')} ms, the same number of calls but no copies): "
                  f"{versus} ms.")
     else:
         text += (" The comparison with per-parameter all-reduces (no copies, about as many calls) needs both in one "
@@ -398,25 +410,31 @@ def render_traces(ctx: Context) -> str:
 def render_accounting(ctx: Context) -> str:
     path = ctx.results / "communication_accounting.md"
     return path.read_text() if path.exists() else "pending: rule `communication_accounting`\n"
+# The caption of every DDP step table: which statistic it prints (tables.ddp).
+DDP_MEANS = ("Every time is a mean over the measured steps of all rounds (the step ± its standard deviation); "
+             "forward+backward, communication wait and optimizer are means too, so they add up to the step, and the "
+             "comm share is the mean communication wait over the mean step")
+
 DELIVERABLES = [
     Deliverable("2.1 distributed_communication_single_node: all-reduce", "allreduce", render_allreduce,
                 ("allreduce",),
                 tables=(Table("allreduce", "allreduce", tables.allreduce,
-                              "All-reduce of float32 tensors on one node (slowest rank per iteration)"),),
+                              "All-reduce of float32 tensors on one node (slowest rank per iteration); median over "
+                              "the timed iterations, bandwidths from the median"),),
                 figures=(Figure("allreduce", "allreduce", figures.allreduce),)),
     Deliverable("2.2 naive_ddp_benchmarking and 2.3 minimal_ddp_flat_benchmarking", "ddp_benchmark",
                 render_ddp_naive, ("ddp_naive",),
                 tables=(Table("ddp_naive", "ddp_naive", tables.ddp,
-                              "Naive and flat DDP versus single GPU and torch DDP"),)),
+                              f"Naive and flat DDP versus single GPU and torch DDP. {DDP_MEANS}"),)),
     Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (a)", "ddp_benchmark", render_ddp_individual,
                 ("ddp_individual",),
                 tables=(Table("ddp_individual", "ddp_individual", tables.ddp,
-                              "DDP overlapping per-parameter all-reduces with backward"),)),
+                              f"DDP overlapping per-parameter all-reduces with backward. {DDP_MEANS}"),)),
     Deliverable("2.3 ddp_overlap_individual_parameters_benchmarking (b): profiler traces", "ddp_overlap",
                 render_traces, ("ddp_overlap",)),
     Deliverable("2.3 ddp_bucketed_benchmarking (a, b)", "ddp_benchmark", render_ddp_bucketed, ("ddp_bucketed",),
                 tables=(Table("ddp_bucketed", "ddp_bucketed", tables.ddp,
-                              "Bucketed DDP by bucket size, torch DDP in the same run"),),
+                              f"Bucketed DDP by bucket size, torch DDP in the same run. {DDP_MEANS}"),),
                 figures=(Figure("ddp_bucketed", "ddp_bucketed", figures.ddp_bucketed,
                                 also=("ddp_naive", "ddp_individual")),)),
     Deliverable("2.4 communication_accounting (a–d)", "communication_accounting", render_accounting),

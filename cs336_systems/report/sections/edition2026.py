@@ -13,13 +13,14 @@ import pandas as pd
 from cs336_systems.model import CheckpointPolicy, checkpoint_cost, get_config, parameter_count
 from cs336_systems.report.figures import save_figure
 from cs336_systems.report.parallelism_render import render_fsdp_accounting, render_parallelism
-from cs336_systems.report.section import Context, Deliverable, Figure, Table
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table
 
 GIB = 1024.0
 
 
 # ---- 3.1: what autograd saves ---------------------------------------------------------------------
-def saved_tensors_table(frame: pd.DataFrame) -> pd.DataFrame:
+def saved_tensors_table(frame: pd.DataFrame) -> NumericTable:
     """Per case and mode, the MiB saved for backward by kind: counted per saved tensor (as the handout's
     hook does) and with every storage once (views of one tensor once)."""
     wide = frame.pivot_table(index=["case", "mode"], columns="kind", values=["tensor_mib", "storage_mib"],
@@ -27,9 +28,10 @@ def saved_tensors_table(frame: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=wide.index)
     for kind in ("activation", "input", "parameter"):
         if ("tensor_mib", kind) in wide:
-            out[f"{kind} (MiB, per tensor)"] = wide[("tensor_mib", kind)].round(2)
-            out[f"{kind} (MiB, per storage)"] = wide[("storage_mib", kind)].round(2)
-    return out.reset_index()
+            out[f"{kind} (MiB, per tensor)"] = wide[("tensor_mib", kind)]
+            out[f"{kind} (MiB, per storage)"] = wide[("storage_mib", kind)]
+    out = out.reset_index()
+    return NumericTable(out, tuple(Col(c) if c in ("case", "mode") else Col(c, ".2f") for c in out.columns))
 
 
 def render_saved_tensors(ctx: Context) -> str:
@@ -85,15 +87,19 @@ def _sweep_points(frame: pd.DataFrame) -> pd.DataFrame:
         .drop(columns="_o")
 
 
-def checkpointing_table(frame: pd.DataFrame) -> pd.DataFrame:
+def checkpointing_table(frame: pd.DataFrame) -> NumericTable:
+    """The sweep, one row per policy: median step, peaks and what a step starts with (a policy that did not
+    run prints its status, '—' in the measured columns)."""
     rows = _sweep_points(frame)
     ok = rows["status"].eq("ok")
-    return pd.DataFrame({
+    data = pd.DataFrame({
         "policy": rows["policy"], "status": rows["status"], "block forwards per step": rows["block_forwards"],
-        "step (ms, median)": rows["median_ms"].where(ok).round(1),
-        "peak memory (GiB)": (rows["peak_memory_mib"] / GIB).where(ok).round(2),
-        "peak by end of backward (GiB)": (rows["peak_fwd_bwd_mib"] / GIB).where(ok).round(2),
-        "allocated at step start (GiB)": (rows["baseline_mib"] / GIB).where(ok).round(2)})
+        "step (ms, median)": rows["median_ms"].where(ok),
+        "peak memory (GiB)": (rows["peak_memory_mib"] / GIB).where(ok),
+        "peak by end of backward (GiB)": (rows["peak_fwd_bwd_mib"] / GIB).where(ok),
+        "allocated at step start (GiB)": (rows["baseline_mib"] / GIB).where(ok)})
+    return NumericTable(data, (Col("policy"), Col("status"), Col("block forwards per step", "d"),
+                               Col("step (ms, median)", ".1f"), *(Col(c, ".2f") for c in data.columns[4:])))
 
 
 def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
@@ -225,46 +231,69 @@ def render_checkpointing(ctx: Context) -> str:
             f"on this GPU. {model_state_sentence(rows[rows['status'].eq('ok')], first)}")
     nested = rows[(rows["policy_kind"] == "nested") & rows["status"].eq("ok")]
     if len(nested) and len(every):
-        per = ", ".join(f"{r['policy']}: {r['median_ms']:.0f} ms, {r['peak_memory_mib'] / GIB:.1f} GiB"
-                        for _, r in nested.iterrows())
+        table = ctx.numeric("checkpointing")  # quoted as the table prints it ('—' where not measured)
+        per = ", ".join(f"{p}: {table.quote('step (ms, median)', policy=p)} ms, "
+                        f"{table.quote('peak memory (GiB)', policy=p)} GiB" for p in nested["policy"])
         lines.append(f"Nesting buys no memory at this model size and costs compute ({per}), as (a) predicts when "
                      "a boundary is small against a block.")
     return "\n\n".join([*lines, ctx.table("checkpointing"), ctx.figure("checkpointing", "checkpoint block size")])
 
 
 # ---- 7: FSDP ------------------------------------------------------------------------------------------
-def fsdp_table(frame: pd.DataFrame) -> pd.DataFrame:
+FSDP_MS = {"step (ms, mean)": "step_ms", "forward+backward (ms)": "forward_backward_ms",
+           "communication wait (ms)": "communication_ms", "optimizer (ms)": "optimizer_ms"}
+FSDP_MIB = {"after init (MiB)": "peak_after_init_mib", "peak fwd+bwd (MiB)": "peak_before_step_mib",
+            "peak optimizer step (MiB)": "peak_after_step_mib"}
+
+
+def fsdp_table(frame: pd.DataFrame) -> NumericTable:
+    """Per size, precision and wrapper: the step and its parts (means, as the DDP tables: the parts add up
+    to the step) and each phase's peak memory."""
     rows = frame.sort_values(["size", "precision", "config"])
     ok = rows["status"].eq("ok")
-    return pd.DataFrame({
-        "size": rows["size"], "precision": rows["precision"], "config": rows["config"], "status": rows["status"],
-        "step (ms, median)": rows.get("step_median_ms").where(ok).round(1),
-        "forward+backward (ms)": rows.get("forward_backward_ms").where(ok).round(1),
-        "communication wait (ms)": rows.get("communication_ms").where(ok).round(1),
-        "optimizer (ms)": rows.get("optimizer_ms").where(ok).round(1),
-        "after init (MiB)": rows.get("peak_after_init_mib").where(ok).round(0),
-        "peak fwd+bwd (MiB)": rows.get("peak_before_step_mib").where(ok).round(0),
-        "peak optimizer step (MiB)": rows.get("peak_after_step_mib").where(ok).round(0)})
+    data = pd.DataFrame({"size": rows["size"], "precision": rows["precision"], "config": rows["config"],
+                         "status": rows["status"],
+                         **{label: rows[column].where(ok) for label, column in {**FSDP_MS, **FSDP_MIB}.items()}})
+    return NumericTable(data, (Col("size"), Col("precision"), Col("config"), Col("status"),
+                               *(Col(c, ".1f") for c in FSDP_MS), *(Col(c, ",.0f") for c in FSDP_MIB)))
 
 
-def render_fsdp(ctx: Context) -> str:
+def render_fsdp(ctx: Context) -> Section:
     frame = ctx.frame("fsdp")
-    ok = frame[frame["status"] == "ok"].set_index(["size", "precision", "config"])
+    table = ctx.numeric("fsdp")
+    q = Quotes(table)
     first = frame.iloc[0]
-    lines = [f"Answers the 2026 handout, section 7 (fsdp). `cs336_systems.distributed.FSDP` against torch's FSDP2 "
+    intro = (f"Answers the 2026 handout, section 7 (fsdp). `cs336_systems.distributed.FSDP` against torch's FSDP2 "
              f"(`fully_shard` per block, same mixed-precision policy), our bucketed DDP and our ZeRO-1 in one run per "
              f"size: {first['world_size']} ranks, batch {first['batch_per_rank']} per rank, context "
              f"{first['context_length']}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
-             "Peaks are each phase's own (the peak counter is reset before forward+backward and before the step)."]
-    for (size, precision), group in ok.groupby(level=[0, 1]):
-        group = group.droplevel([0, 1])
-        if "fsdp" in group.index and "torch_fsdp2" in group.index:
-            ours, torch_ = group.loc["fsdp"], group.loc["torch_fsdp2"]
-            peak = lambda r: max(r["peak_before_step_mib"], r["peak_after_step_mib"])  # noqa: E731
-            lines.append(f"{size}, {precision}: ours {ours['step_median_ms']:.1f} ms per step against torch FSDP2's "
-                         f"{torch_['step_median_ms']:.1f} ms ({ours['step_median_ms'] / torch_['step_median_ms']:.2f}x); "
-                         f"peak {peak(ours):,.0f} MiB against {peak(torch_):,.0f} MiB.")
-    return "\n\n".join([*lines, ctx.table("fsdp")])
+             "Times are means over the measured steps (the parts add up to the step); peaks are each phase's own "
+             "(the peak counter is reset before forward+backward and before the step).")
+    step, peaks = "step (ms, mean)", ("peak fwd+bwd (MiB)", "peak optimizer step (MiB)")
+    t = q.frame
+    checked = []
+    for size, precision in dict.fromkeys(zip(t["size"], t["precision"])):
+        keys = {"size": size, "precision": precision}
+        if not all(table.has(**keys, config=c) and pd.notna(table.value(step, **keys, config=c))
+                   for c in ("fsdp", "torch_fsdp2")):
+            continue
+
+        def peak(config: str) -> str:  # the larger of the phase peaks, as its cell prints it
+            return table.quote(max(peaks, key=lambda h: table.value(h, **keys, config=config)), **keys, config=config)
+
+        ratio = q.derive(lambda t, k=keys: _fsdp_cell(t, k, "fsdp", step) / _fsdp_cell(t, k, "torch_fsdp2", step),
+                         ".2f", f"{size} {precision} ours over FSDP2")
+        measured = all(pd.notna(table.value(h, **keys, config=c)) for h in peaks for c in ("fsdp", "torch_fsdp2"))
+        memory = (f"peak {peak('fsdp')} MiB against {peak('torch_fsdp2')} MiB" if measured else
+                  "memory is measured on CUDA only")
+        checked.append(f"{size}, {precision}: ours {table.quote(step, **keys, config='fsdp')} ms per step against "
+                       f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); {memory}.")
+    return Section([intro, *checked, ctx.table("fsdp")], table, checked, q.derived)
+
+
+def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
+    chosen = t[(t["size"] == keys["size"]) & (t["precision"] == keys["precision"]) & (t["config"] == config)]
+    return float(chosen[column].iloc[0])
 
 
 def render_fsdp_accounting_section(ctx: Context) -> str:
@@ -295,17 +324,19 @@ def render_parallelism_section(ctx: Context) -> str:
 
 
 # ---- 9: the leaderboard's parts ----------------------------------------------------------------------
-def linear_ce_table(frame: pd.DataFrame) -> pd.DataFrame:
+def linear_ce_table(frame: pd.DataFrame) -> NumericTable:
     rows = frame.sort_values(["tokens", "provider"])
     ok = rows["status"].eq("ok")
-    return pd.DataFrame({
+    data = pd.DataFrame({
         "tokens": rows["tokens"], "provider": rows["provider"], "status": rows["status"],
-        "forward+backward (ms, median)": rows["median_ms"].where(ok).round(1),
-        "TFLOP/s": rows["tflops"].where(ok).round(0), "peak (MiB)": rows["peak_mib"].where(ok).round(0),
-        "loss": rows["loss"].where(ok).round(4)})
+        "forward+backward (ms, median)": rows["median_ms"].where(ok), "TFLOP/s": rows["tflops"].where(ok),
+        "peak (MiB)": rows["peak_mib"].where(ok), "loss": rows["loss"].where(ok)})
+    return NumericTable(data, (Col("tokens", "d"), Col("provider"), Col("status"),
+                               Col("forward+backward (ms, median)", ".1f"), Col("TFLOP/s", ".0f"),
+                               Col("peak (MiB)", ",.0f"), Col("loss", ".4f")))
 
 
-def render_linear_ce(ctx: Context) -> str:
+def render_linear_ce(ctx: Context) -> Section:
     frame = ctx.frame("linear_ce")
     first = frame.iloc[0]
     lines = [f"Part of the 2026 handout's section 9 leaderboard (a full training step of an 8B model at 2 x 32768 "
@@ -316,17 +347,30 @@ def render_linear_ce(ctx: Context) -> str:
              "place, the logits' gradient, whose two matmuls give the hidden states' and the weight's gradients in "
              "the same pass, so the [tokens, vocab] logits never exist at once. The anchors are the plain loss "
              "(the model's fp32 cross-entropy of the full logits), eager and `torch.compile`d, in the same run."]
-    ok = frame[frame["status"] == "ok"].set_index(["tokens", "provider"])
-    for tokens in sorted(set(frame["tokens"])):
-        if (tokens, "fused") in ok.index and (tokens, "plain_compiled") in ok.index:
-            ours, plain = ok.loc[(tokens, "fused")], ok.loc[(tokens, "plain_compiled")]
-            lines.append(f"- {tokens} tokens: {ours['median_ms']:.1f} ms against {plain['median_ms']:.1f} ms compiled "
-                         f"({ours['median_ms'] / plain['median_ms']:.2f}x), peak {ours['peak_mib']:,.0f} MiB against "
-                         f"{plain['peak_mib']:,.0f} MiB.")
-        oom = frame[(frame["tokens"] == tokens) & (frame["status"] == "oom")]["provider"].tolist()
+    table = ctx.numeric("linear_ce")
+    q = Quotes(table)
+    ms, peak = "forward+backward (ms, median)", "peak (MiB)"
+    t = q.frame
+    ran = set(zip(t.loc[t["status"] == "ok", "tokens"], t.loc[t["status"] == "ok", "provider"]))
+    for tokens in sorted(set(t["tokens"])):
+        if {(tokens, "fused"), (tokens, "plain_compiled")} <= ran:
+            def cell(column: str, provider: str, n=tokens) -> str:
+                return table.quote(column, tokens=n, provider=provider)
+
+            ratio = q.derive(lambda t, n=tokens: _ce_cell(t, n, "fused", ms) / _ce_cell(t, n, "plain_compiled", ms),
+                             ".2f", f"{tokens} tokens, fused over plain compiled")
+            lines.append(f"- {cell('tokens', 'fused')} tokens: {cell(ms, 'fused')} ms against "
+                         f"{cell(ms, 'plain_compiled')} ms compiled ({ratio}×), peak {cell(peak, 'fused')} MiB against "
+                         f"{cell(peak, 'plain_compiled')} MiB.")
+        oom = t[(t["tokens"] == tokens) & (t["status"] == "oom")]["provider"].tolist()
         if oom:
             lines.append(f"- {tokens} tokens: out of memory for {', '.join(oom)}.")
-    return "\n\n".join([lines[0], "\n".join(lines[1:]), ctx.table("linear_ce")])
+    results = "\n".join(lines[1:])
+    return Section([lines[0], results, ctx.table("linear_ce")], table, [results] if results else [], q.derived)
+
+
+def _ce_cell(t: pd.DataFrame, tokens: int, provider: str, column: str) -> float:
+    return float(t.loc[(t["tokens"] == tokens) & (t["provider"] == provider), column].iloc[0])
 
 
 DELIVERABLES = [

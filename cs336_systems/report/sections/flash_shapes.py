@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table
 
 PROVIDERS = {"flash_triton": "ours (ms)", "flash_triton_compiled": "ours compiled (ms)",
@@ -14,7 +15,7 @@ PROVIDERS = {"flash_triton": "ours (ms)", "flash_triton_compiled": "ours compile
 KEYS = ["batch", "heads", "seq_len", "head_dim", "causal", "pass"]
 
 
-def llm_shapes_table(frame: pd.DataFrame) -> pd.DataFrame:
+def llm_shapes_table(frame: pd.DataFrame) -> NumericTable:
     """One row per (shape, pass): each provider's median ms and our ratios, with the commit that ran it."""
     ok = frame[frame["status"] == "ok"]
     wide = ok.pivot_table(index=KEYS, columns="provider", values="median_ms").reset_index()
@@ -23,19 +24,22 @@ def llm_shapes_table(frame: pd.DataFrame) -> pd.DataFrame:
     out = wide[KEYS].rename(columns={"seq_len": "seq", "head_dim": "d"})
     for provider, label in PROVIDERS.items():
         if provider in wide:
-            out[label] = wide[provider].round(3)
+            out[label] = wide[provider]
     ours = wide.get("flash_triton")
     for provider, label in (("sdpa_flash", "ours ÷ flash"), ("sdpa_cudnn", "ours ÷ cuDNN"),
                             ("flash_triton_compiled", "compiled ÷ eager")):
         if ours is not None and provider in wide:
             ratio = wide[provider] / ours if provider.endswith("compiled") else ours / wide[provider]
-            out[label] = ratio.round(3)
+            out[label] = ratio
     flags = {name: fixed_cost_bound(out, label) for name, label in
              (("eager", "ours (ms)"), ("compiled", "ours compiled (ms)")) if label in out}
     if flags:
         out["fixed cost"] = [", ".join(name for name, flag in flags.items() if flag[i]) for i in out.index]
     out["commit"] = wide["commit"]
-    return out.sort_values(["d", "causal", "seq", "batch", "pass"]).reset_index(drop=True)
+    out = out.sort_values(["d", "causal", "seq", "batch", "pass"]).reset_index(drop=True)
+    text = {"causal", "pass", "fixed cost", "commit"}
+    return NumericTable(out, tuple(Col(c) if c in text else Col(c, "d") if c in ("batch", "heads", "seq", "d")
+                                   else Col(c, ".3f") for c in out.columns))
 
 
 FLAT = 4  # a time is fixed-cost bound when a point with at least FLAT times its work took no longer
@@ -53,10 +57,11 @@ def fixed_cost_bound(table: pd.DataFrame, column: str) -> pd.Series:
     return pd.Series(flat, index=table.index)
 
 
-def first_call_table(frame: pd.DataFrame) -> pd.DataFrame:
-    return frame[["batch", "heads", "seq_len", "head_dim", "triton_cache", "first_call_s"]].rename(
-        columns={"seq_len": "seq", "head_dim": "d", "triton_cache": "Triton cache", "first_call_s": "first call (s)"}
-    ).round(2)
+def first_call_table(frame: pd.DataFrame) -> NumericTable:
+    data = frame[["batch", "heads", "seq_len", "head_dim", "triton_cache", "first_call_s"]].rename(
+        columns={"seq_len": "seq", "head_dim": "d", "triton_cache": "Triton cache", "first_call_s": "first call (s)"})
+    return NumericTable(data, (Col("batch", "d"), Col("heads", "d"), Col("seq", "d"), Col("d", "d"),
+                               Col("Triton cache"), Col("first call (s)", ".2f")))
 
 
 def _fb(t: pd.DataFrame) -> pd.DataFrame:
@@ -83,11 +88,12 @@ def _compiled_paragraph(q: Quotes) -> str:
         return f"{low}–{high}× {PASS_NAMES[pass_]}"
 
     def fixed_highest(p: str) -> bool:
-        bound, other = rows(p, True)(q.table), rows(p, False)(q.table)
+        bound, other = rows(p, True)(q.frame), rows(p, False)(q.frame)
         return len(bound) > 0 and (len(other) == 0 or bound.max() > other.max())
 
-    passes = [p for p in PASS_NAMES if len(rows(p)(q.table))]
-    worst = q.table.loc[q.table["compiled ÷ eager"].idxmax()]
+    passes = [p for p in PASS_NAMES if len(rows(p)(q.frame))]
+    worst_row = int(q.frame["compiled ÷ eager"].idxmax())
+    worst = q.frame.loc[worst_row]
     text = ("Under torch.compile our Function's time over its eager time is "
             + " and ".join(span(p, None, f"{p}, all") for p in passes)
             + ". A time is fixed-cost bound (column 'fixed cost') where a point of the same pass "
@@ -98,7 +104,8 @@ def _compiled_paragraph(q: Quotes) -> str:
                 f"{q.derive(lambda t, p=p: len(rows(p, True)(t)), 'd', f'fixed-cost {p} points')} {PASS_NAMES[p]} "
                 f"points, up to {q.derive(lambda t, p=p: rows(p, True)(t).max(), '.2f', f'largest fixed-cost {p}')}×"
                 for p in passes)
-            + f" (the largest: ours {worst['ours (ms)']} ms eager against {worst['ours compiled (ms)']} ms compiled, "
+            + f" (the largest: ours {q.cell('ours (ms)', worst_row)} ms eager against "
+              f"{q.cell('ours compiled (ms)', worst_row)} ms compiled, "
             f"{worst['fixed cost'] or 'neither'} fixed-cost bound). At the others compiled ÷ eager is "
             + " and ".join(span(p, False, f"{p}, not fixed-cost") + " (median "
                            + q.derive(lambda t, p=p: rows(p, False)(t).median(), ".2f", f"median {p}, not fixed-cost")
@@ -108,7 +115,7 @@ def _compiled_paragraph(q: Quotes) -> str:
 
 def render_llm_shapes(ctx: Context) -> Section:
     frame = ctx.frame("flash_llm_shapes")
-    table = llm_shapes_table(frame)
+    table = ctx.numeric("flash_llm_shapes")
     q = Quotes(table)
     device = frame["device_name"].iloc[0]
     bh = frame["batch"] * frame["heads"]
@@ -129,7 +136,7 @@ def render_llm_shapes(ctx: Context) -> Section:
                   "Triton's autotuner on every call (kernels/launch.py) carry the later one.")
     checked = []
     ratio = lambda column: lambda t: _fb(t)[column].dropna()  # noqa: E731
-    if "ours ÷ flash" in table:
+    if "ours ÷ flash" in table.headers:
         long_ = lambda t: _fb(t)[_fb(t)["SDPA flash (ms)"] >= 1.0]["ours ÷ flash"].dropna()  # noqa: E731
         short = lambda t: _fb(t)[_fb(t)["SDPA flash (ms)"] < 1.0]["ours ÷ flash"].dropna()  # noqa: E731
         checked.append(
@@ -143,13 +150,13 @@ def render_llm_shapes(ctx: Context) -> Section:
             f"{q.derive(lambda t: short(t).max(), '.2f', 'worst short ratio')}×): those calls are bound by fixed "
             "per-call costs (host time and launch latency of four kernels against SDPA's two or three), not by "
             "the kernels' arithmetic, so the goal of never being slower than SDPA flash is not met there.")
-    if "ours ÷ cuDNN" in table:
+    if "ours ÷ cuDNN" in table.headers:
         checked.append(
             f"Against cuDNN, ours takes a median {q.derive(lambda t: ratio('ours ÷ cuDNN')(t).median(), '.2f', 'median cudnn ratio')}× "
             f"its forward+backward time (best {q.derive(lambda t: ratio('ours ÷ cuDNN')(t).min(), '.2f', 'best cudnn ratio')}×): "
             "cuDNN's Hopper kernels stay ahead at every point; matching them needs what Triton 3.6 did not give us "
             "on sm_90 (its automatic warp specialisation failed to compile our loop: kernels/NOTES.md).")
-    if "compiled ÷ eager" in table:
+    if "compiled ÷ eager" in table.headers:
         checked.append(_compiled_paragraph(q))
     parts = [intro, *checked, ctx.table("flash_llm_shapes")]
     first = ctx.frame("flash_first_call")

@@ -1,6 +1,6 @@
 """1.3.2 (e)'s prose: how our FlashAttention-2 compares with naive attention and SDPA over the
 benchmark grid, and how its TFLOP/s are counted. Every number is a cell of the flash table
-(tables.flash_sweep) or a formula over it. Kept apart from sections/attention.py, which registers it,
+(tables.flash_sweep, read back from results/tables/flash_sweep.json) or a formula over its numbers. Kept apart from sections/attention.py, which registers it,
 for length."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.analysis import attention_math
-from cs336_systems.report import tables
 from cs336_systems.report.section import Context, Quotes, Section, column_values
 
 OURS_VS_SDPA = "ours ÷ SDPA flash"
@@ -42,12 +41,17 @@ def _crossover(t: pd.DataFrame) -> float:
 
 def render_flash_sweep(ctx: Context) -> Section:
     frame = ctx.frame("flash_sweep")
-    table = tables.flash_sweep(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("flash_sweep"))
+    table = q.frame  # the table's numbers: what every formula below reads
     providers = set(frame["provider"])
     checked = []
     if {"flash_triton", "naive"} <= providers:
-        oom = lambda provider: lambda t: (_rows(t)[provider] == "OOM").sum()  # noqa: E731
+        def oom(provider: str):
+            def count(t: pd.DataFrame) -> int:
+                status = f"{provider}: status"
+                return int((_rows(t)[status] == "oom").sum()) if status in t else 0
+            return count
+
         naive = lambda t: _ratio(t, "naive", "flash_triton")  # noqa: E731
         checked.append(
             f"Naive PyTorch attention takes {q.derive(lambda t: naive(t).min(), '.3g', 'least naive over ours')}–"
@@ -88,7 +92,7 @@ def render_flash_sweep(ctx: Context) -> Section:
     checked.append(_flop_convention(q, table))
     checked = [text for text in checked if text]
     return Section([*checked, ctx.figure("flash_latency", "latency"), ctx.figure("flash_tflops", "TFLOP/s"),
-                    ctx.table("flash_sweep")], table, checked, q.derived,
+                    ctx.table("flash_sweep")], q.table, checked, q.derived,
                    wording=("16", "2", "4", "2.5", "5", "7", "3.5", "4.1", "1"))
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, cell_number
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, formula_frame
 
 ANCHOR = "torch_plain_sac"  # the strongest plain-PyTorch anchor (issue 24): torchtitan's selective checkpointing
 MAIN = ("ours", "torch_plain_sac", "torch_plain_ac")
@@ -28,31 +29,29 @@ def _timed(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[~frame["status"].astype(str).str.startswith("check")]
 
 
-def _fmt(value, digits: int, oom: bool = True) -> str:
-    """A printed cell: OOM for an out-of-memory row, '—' for what this device does not measure (MFU on a CPU)."""
-    if pd.isna(value):
-        return "OOM" if oom else "—"
-    return f"{value:,.{digits}f}"
+# The step table's numeric columns: results column and format (OOM rows print OOM in each).
+MEASURED = {"median (ms)": ("step_median_ms", ",.1f"), "MFU": ("mfu", ".3f"), "TFLOP/s": ("tflops", ",.1f"),
+            "peak (GiB)": ("peak_mem_gib", ",.2f"), "first step (s)": ("first_step_s", ",.1f")}
 
 
-def step_table(frame: pd.DataFrame) -> pd.DataFrame:
+def step_table(frame: pd.DataFrame) -> NumericTable:
     """One row per provider per run: step mean ± std, median, MFU, TFLOP/s, peak memory, first step, dtypes,
-    status, and the step over the SAC anchor's of the same run and batch, computed from the printed cells."""
-    rows = _timed(frame)
-    out = pd.DataFrame({
+    status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
+    does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
+    rows = _timed(frame).reset_index(drop=True)
+    data = pd.DataFrame({
         "run": rows["run_id"].astype(str).str[:6], "provider": rows["provider"], "batch": rows["batch"],
-        STEP: [("OOM" if pd.isna(m) else f"{m:,.1f} ± {s:,.1f}") for m, s in zip(rows["step_ms"], rows["step_std_ms"])],
-        **{label: [_fmt(v, digits, status == "oom") for v, status in zip(rows[column], rows["status"])]
-           for label, column, digits in (("median (ms)", "step_median_ms", 1), ("MFU", "mfu", 3),
-                                         ("TFLOP/s", "tflops", 1), ("peak (GiB)", "peak_mem_gib", 2),
-                                         ("first step (s)", "first_step_s", 1))},
-        "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"],
-        "status": rows["status"]}).reset_index(drop=True)
-    mean = out[STEP].map(cell_number)
-    anchor = out.assign(_m=mean)[out["provider"] == ANCHOR].set_index(["run", "batch"])["_m"]
-    base = [anchor.get((run, batch), float("nan")) for run, batch in zip(out["run"], out["batch"])]
-    out[RATIO] = [_fmt(m / b, 3) if m == m and b == b else "—" for m, b in zip(mean, base)]
-    return out
+        STEP: rows["step_ms"], "step std (ms)": rows["step_std_ms"],
+        **{label: rows[column] for label, (column, _) in MEASURED.items()},
+        "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"], "status": rows["status"]})
+    anchor = data[data["provider"] == ANCHOR].set_index(["run", "batch"])[STEP]
+    data[RATIO] = [m / anchor.get((run, batch), float("nan")) for m, run, batch in
+                   zip(data[STEP], data["run"], data["batch"])]
+    oom = {i: "oom" for i, status in enumerate(rows["status"]) if status == "oom"}
+    return NumericTable(data, (Col("run"), Col("provider"), Col("batch", "d"), Col(STEP, ",.1f", second="step std (ms)"),
+                               *(Col(label, fmt) for label, (_, fmt) in MEASURED.items()), Col("params / moments"),
+                               Col("status"), Col(RATIO, ".3f")),
+                        {header: dict(oom) for header in (STEP, *MEASURED)} if oom else {})
 
 
 def _ablation_run(table: pd.DataFrame) -> str | None:
@@ -60,33 +59,43 @@ def _ablation_run(table: pd.DataFrame) -> str | None:
     return runs.iloc[0] if len(runs) else None
 
 
-def _step(table: pd.DataFrame, provider: str, run: str | None = None, batch: int | None = None) -> float:
-    """The printed mean step of one row of the step table (NaN for OOM or absent)."""
+def _row(table: pd.DataFrame, provider: str, run: str | None = None, batch: int | None = None) -> int | None:
+    """The position of one row of the step table (None if absent)."""
     chosen = table[(table["provider"] == provider) & ((table["run"] == run) if run else True)
                    & ((table["batch"] == batch) if batch else True)]
-    return cell_number(chosen[STEP].iloc[0]) if len(chosen) else float("nan")
+    return int(chosen.index[0]) if len(chosen) else None
 
 
-def ablation_table(frame: pd.DataFrame) -> pd.DataFrame:
+def _step(table: pd.DataFrame, provider: str, run: str | None = None, batch: int | None = None) -> float:
+    """The mean step of one row of the step table's numbers (NaN for OOM or absent)."""
+    row = _row(table, provider, run, batch)
+    return float("nan") if row is None else float(table.at[row, STEP])
+
+
+def ablation_table(frame: pd.DataFrame) -> NumericTable:
     """The ablation run: each ablation's step against `ours` of the same run and batch (what switching that
     optimisation off costs, > 1, or saves, < 1), its peak memory and moments' dtype."""
     steps = step_table(frame)
-    run = _ablation_run(steps)
-    rows = steps[(steps["run"] == run) & steps["provider"].isin(ABLATION_CHANGES)]
-    ours = [_step(steps, "ours", run, b) for b in rows["batch"]]
-    return pd.DataFrame({
-        "ablation": rows["provider"].to_numpy(), "changes": rows["provider"].map(ABLATION_CHANGES).to_numpy(),
-        "batch": rows["batch"].to_numpy(), STEP: rows[STEP].to_numpy(),
-        "ours (ms, mean)": [_fmt(v, 1) for v in ours],
-        "÷ ours": [_fmt(cell_number(s) / o, 3) if o == o else "—" for s, o in zip(rows[STEP], ours)],
-        "peak (GiB)": rows["peak (GiB)"].to_numpy(), "params / moments": rows["params / moments"].to_numpy(),
-        "status": rows["status"].to_numpy()})
+    numbers = formula_frame(steps)
+    run = _ablation_run(numbers)
+    chosen = numbers[(numbers["run"] == run) & numbers["provider"].isin(ABLATION_CHANGES)]
+    ours = [_step(numbers, "ours", run, b) for b in chosen["batch"]]
+    data = pd.DataFrame({
+        "ablation": chosen["provider"].to_numpy(), "changes": chosen["provider"].map(ABLATION_CHANGES).to_numpy(),
+        "batch": chosen["batch"].to_numpy(), STEP: chosen[STEP].to_numpy(),
+        "step std (ms)": chosen["step std (ms)"].to_numpy(), "ours (ms, mean)": ours,
+        "÷ ours": chosen[STEP].to_numpy() / ours, "peak (GiB)": chosen["peak (GiB)"].to_numpy(),
+        "params / moments": chosen["params / moments"].to_numpy(), "status": chosen["status"].to_numpy()})
+    oom = {i: "oom" for i, status in enumerate(data["status"]) if status == "oom"}
+    return NumericTable(data, (Col("ablation"), Col("changes"), Col("batch", "d"),
+                               Col(STEP, ",.1f", second="step std (ms)"), Col("ours (ms, mean)", ",.1f"),
+                               Col("÷ ours", ".3f"), Col("peak (GiB)", ",.2f"), Col("params / moments"), Col("status")),
+                        {STEP: dict(oom), "peak (GiB)": dict(oom)} if oom else {})
 
 
 def _cell(table: pd.DataFrame, provider: str, column: str, batch: int | None = None, run: str | None = None) -> float:
-    chosen = table[(table["provider"] == provider) & ((table["batch"] == batch) if batch else True)
-                   & ((table["run"] == run) if run else True)]
-    return cell_number(chosen[column].iloc[0]) if len(chosen) else float("nan")
+    row = _row(table, provider, run, batch)
+    return float("nan") if row is None else float(table.at[row, column])
 
 
 def _measured(value: float) -> bool:
@@ -104,30 +113,32 @@ def _mfu_percent(q: Quotes, provider: str, batch: int) -> str:
 def _gap_paragraph(q: Quotes, batches: list[int]) -> str:
     """Ours against the SAC anchor at each batch (the ratio cells), then MFU against the issue's target."""
     parts = []
-    for b in (b for b in batches if _measured(_cell(q.table, "ours", RATIO, b))):
+    t = q.frame
+    for b in (b for b in batches if _measured(_cell(t, "ours", RATIO, b))):
         mfu = (f" at {_mfu_percent(q, 'ours', b)}% MFU against its {_mfu_percent(q, ANCHOR, b)}%"
-               if _measured(_cell(q.table, "ours", "MFU", b)) else "")
-        slower = "slower" if _cell(q.table, "ours", RATIO, b) > 1 else "faster"
+               if _measured(_cell(t, "ours", "MFU", b)) else "")
+        slower = "slower" if _cell(t, "ours", RATIO, b) > 1 else "faster"
         parts.append(f"at batch {b} ours takes {_ratio_to_anchor(q, 'ours', b)}× the anchor's mean step "
-                     f"({_fmt(_step(q.table, 'ours', batch=b), 1)} against {_fmt(_step(q.table, ANCHOR, batch=b), 1)} ms, "
+                     f"({q.cell(STEP, _row(t, 'ours', batch=b))} against {q.cell(STEP, _row(t, ANCHOR, batch=b))} ms, "
                      f"{slower}){mfu}")
     if not parts:
         return "No row of ours with the selective-checkpointing anchor beside it in the same run."
-    met = all(_cell(q.table, "ours", RATIO, b) <= 0.9 and _cell(q.table, "ours", "MFU", b) >= 0.54
-              for b in batches if _measured(_cell(q.table, "ours", RATIO, b)))
+    met = all(_cell(t, "ours", RATIO, b) <= 0.9 and _cell(t, "ours", "MFU", b) >= 0.54
+              for b in batches if _measured(_cell(t, "ours", RATIO, b)))
     return ("Against the strongest plain-PyTorch anchor of the same run (torchtitan's selective checkpointing, "
             "`torch_plain_sac`): " + "; ".join(parts) + ". The issue's target, at most 0.9× the anchor's step and "
             "at least 54% MFU, is " + ("met." if met else "not met yet."))
 
 
 def _ablation_paragraph(q: Quotes) -> str | None:
-    run = _ablation_run(q.table)
+    t = q.frame
+    run = _ablation_run(t)
     if run is None:
         return None
-    rows = q.table[(q.table["run"] == run) & q.table["provider"].isin(ABLATION_CHANGES)]
+    rows = t[(t["run"] == run) & t["provider"].isin(ABLATION_CHANGES)]
     said = []
     for provider, batch in zip(rows["provider"], rows["batch"]):
-        if _step(q.table, provider, run, batch) != _step(q.table, provider, run, batch):
+        if not _measured(_step(t, provider, run, batch)):
             said.append(f"`{provider}` runs out of memory")
             continue
         ratio = q.derive(lambda t, p=provider, b=batch: _step(t, p, run, b) / _step(t, "ours", run, b), ".3f",
@@ -137,7 +148,7 @@ def _ablation_paragraph(q: Quotes) -> str | None:
             f"ours of the same run): " + ", ".join(said) + ".")
     if "ours-sdpa_attention" in set(rows["provider"]):
         batch = int(rows.loc[rows["provider"] == "ours-sdpa_attention", "batch"].iloc[0])
-        sdpa = _cell(q.table, "ours-sdpa_attention", RATIO, batch, run)
+        sdpa = _cell(t, "ours-sdpa_attention", RATIO, batch, run)
         verdict = "it beats the anchor, so" if sdpa < 1 else "even so it does not beat the anchor;"
         text += (f" Ours with SDPA attention in place of our kernel takes "
                  f"{_ratio_to_anchor(q, 'ours-sdpa_attention', batch, run)}× the anchor's step: {verdict} our "
@@ -146,8 +157,8 @@ def _ablation_paragraph(q: Quotes) -> str | None:
     if "ours-fp32_moments" in set(rows["provider"]):
         batch = int(rows.loc[rows["provider"] == "ours-fp32_moments", "batch"].iloc[0])
         text += (f" Numerics: float32 AdamW moments beside the bf16 parameters peak at "
-                 f"{_fmt(_cell(q.table, 'ours-fp32_moments', 'peak (GiB)', batch, run), 2)} GiB against ours' "
-                 f"{_fmt(_cell(q.table, 'ours', 'peak (GiB)', batch, run), 2)} GiB (+"
+                 f"{q.cell('peak (GiB)', _row(t, 'ours-fp32_moments', run, batch))} GiB against ours' "
+                 f"{q.cell('peak (GiB)', _row(t, 'ours', run, batch))} GiB (+"
                  + q.derive(lambda t: _cell(t, 'ours-fp32_moments', 'peak (GiB)', batch, run)
                             - _cell(t, 'ours', 'peak (GiB)', batch, run), '.2f', 'fp32 moments extra GiB')
                  + " GiB) for the step time in the table.")
@@ -156,7 +167,7 @@ def _ablation_paragraph(q: Quotes) -> str | None:
 
 def render_leaderboard(ctx: Context) -> Section:
     frame = ctx.frame("leaderboard_8b")
-    table = step_table(frame)
+    table = ctx.numeric("leaderboard_8b")
     q = Quotes(table)
     timed = _timed(frame)
     first = timed.iloc[0] if len(timed) else frame.iloc[0]
@@ -172,7 +183,7 @@ def render_leaderboard(ctx: Context) -> Section:
              + (f"Before the timings the correctness check at a scaled-down config with the same code paths gave "
                 f"{', '.join(f'`{p}` {s}' for p, s in zip(checks['provider'], checks['status']))} (loss and every "
                 "gradient against a float32 reference)." if len(checks) else ""))
-    batches = sorted(set(table.loc[table["provider"] == "ours", "batch"]), reverse=True)
+    batches = sorted(set(q.frame.loc[q.frame["provider"] == "ours", "batch"]), reverse=True)
     gap = _gap_paragraph(q, batches)
     flops = ("FLOPs per step are counted as the leaderboard counts them (`model.functional.leaderboard_flops`): "
              "6 × the non-embedding matmul parameters (the blocks' projections and MLP and the LM head) × tokens, "
@@ -181,7 +192,7 @@ def render_leaderboard(ctx: Context) -> Section:
              "bf16 datasheet peak. The published leaderboard, as issue 24 quotes the 2026 handout's: the class's "
              "best entry took 3,837 ms on two B200s, about 27% of their dense bf16 peak, and the naive baseline "
              "10,000 ms; " + (f"ours reaches {_mfu_percent(q, 'ours', batches[0])}% MFU on one {first['device_name']} "
-                              f"at batch {batches[0]}." if batches and _measured(_cell(table, "ours", "MFU", batches[0]))
+                              f"at batch {batches[0]}." if batches and _measured(_cell(q.frame, "ours", "MFU", batches[0]))
                               else "this device measures no MFU."))
     checked = [gap, flops]
     ablation = _ablation_paragraph(q)

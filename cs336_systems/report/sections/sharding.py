@@ -6,39 +6,35 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.distributed.sharded_optimizer import GATHER_BUCKET_MB
-from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
 from cs336_systems.report.ddp_analysis import RERUN
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.distributed import ddp_specs
-from cs336_systems.report.tables import round_medians
 
 
-def _mib(value: float) -> str:
-    return "—" if pd.isna(value) else f"{value:.0f}"  # memory is measured on CUDA only
+MEMORY = {"after init (MiB)": "mem_after_init_mib", "peak forward+backward (MiB)": "peak_before_step_mib",
+          "before step (MiB)": "mem_before_step_mib", "peak of the step (MiB)": "peak_after_step_mib",
+          "after step (MiB)": "mem_after_step_mib"}  # measured on CUDA only: NaN, printed '—', elsewhere
+FORMULA = {"params by formula (MiB)": "param_mib", "grads by formula (MiB)": "grad_mib",
+           "AdamW state by formula (MiB)": "optimizer_state_mib"}
+STEP = "step (ms)"
 
 
-def sharding_table(frame: pd.DataFrame) -> pd.DataFrame:
+def sharding_table(frame: pd.DataFrame) -> NumericTable:
     """3(a–b): memory at the three points with each phase's peak, the accounting by formula, and the
-    step and optimizer-phase times."""
-    out = []
-    for _, row in frame[frame["status"] == "ok"].iterrows():
-        out.append({"precision": row["precision"], "config": row["config"],
-                    "after init (MiB)": _mib(row["mem_after_init_mib"]),
-                    "peak forward+backward (MiB)": _mib(row["peak_before_step_mib"]),
-                    "before step (MiB)": _mib(row["mem_before_step_mib"]),
-                    "peak of the step (MiB)": _mib(row["peak_after_step_mib"]),
-                    "after step (MiB)": _mib(row["mem_after_step_mib"]),
-                    "params by formula (MiB)": round(row["param_mib"]),
-                    "grads by formula (MiB)": round(row["grad_mib"]),
-                    "AdamW state by formula (MiB)": round(row["optimizer_state_mib"]),
-                    "optimizer (ms)": round(row["optimizer_ms"], 1),
-                    "step median (ms)": round(row["step_median_ms"], 1),
-                    "round medians (ms)": round_medians(row)})
-    return pd.DataFrame(out)
+    step and optimizer-phase times (means over every measured step of all rounds, as the DDP tables)."""
+    rows = frame[frame["status"] == "ok"]
+    data = pd.DataFrame({"precision": rows["precision"], "config": rows["config"],
+                         **{label: rows[column] for label, column in {**MEMORY, **FORMULA}.items()},
+                         "optimizer (ms)": rows["optimizer_ms"], STEP: rows["step_ms"],
+                         "step std (ms)": rows["step_std_ms"]})
+    return NumericTable(data, (Col("precision"), Col("config"), *(Col(label, ".0f") for label in {**MEMORY, **FORMULA}),
+                               Col("optimizer (ms)", ".1f"), Col(STEP, ".1f", second="step std (ms)")))
 
 
 def render_sharding(ctx: Context) -> Section:
     frame = ctx.frame("sharding")
-    table = sharding_table(frame)
+    table = ctx.numeric("sharding")
     q = Quotes(table)
     ok = frame[frame["status"] == "ok"].set_index(["precision", "config"])
     specs = ddp_specs(frame)
@@ -47,8 +43,8 @@ def render_sharding(ctx: Context) -> Section:
     def cell(t: pd.DataFrame, precision: str, config: str, column: str) -> float:
         return column_values(t, column, lambda t: (t["precision"] == precision) & (t["config"] == config)).iloc[0]
 
-    def v(precision: str, config: str, column: str, fmt: str = ".0f") -> str:
-        return format(cell(table, precision, config, column), fmt)
+    def v(precision: str, config: str, column: str) -> str:
+        return table.quote(column, precision=precision, config=config)
 
     def versus(precision: str, a: str, b: str, column: str, fmt: str, what: str, ratio: bool = False) -> str:
         return q.derive(lambda t: cell(t, precision, a, column) / cell(t, precision, b, column) if ratio
@@ -67,7 +63,7 @@ def render_sharding(ctx: Context) -> Section:
                   f"(pending: `{RERUN}`).")
     checked = []
     mem = "peak forward+backward (MiB)"
-    step, opt = "step median (ms)", "optimizer (ms)"
+    step, opt = STEP, "optimizer (ms)"
     for precision in sorted(set(frame["precision"])):
         if not {(precision, "individual"), (precision, "individual+sharded")} <= set(ok.index):
             continue
@@ -94,16 +90,16 @@ def render_sharding(ctx: Context) -> Section:
                 text += (f" torch's ZeroRedundancyOptimizer over torch DDP peaks at {v(precision, zero, mem)} MiB in "
                          f"forward+backward (torch DDP keeps its own gradient buckets besides the gradients).")
             text += (f" Step time "
-                     f"(median): {v(precision, sharded, step, '.1f')} ms for ours, {v(precision, zero, step, '.1f')} ms "
+                     f"(mean): {v(precision, sharded, step)} ms for ours, {v(precision, zero, step)} ms "
                      f"for torch's ({versus(precision, sharded, zero, step, '.2f', f'{precision} ours over ZeRO', True)}×), "
-                     f"{v(precision, plain, step, '.1f')} ms without sharding. The optimizer phase, where sharding acts "
+                     f"{v(precision, plain, step)} ms without sharding. The optimizer phase, where sharding acts "
                      f"(each rank updates its shard; ours then all-gathers the updated shards in chunks, torch's "
-                     f"broadcasts each parameter from its owner), takes {v(precision, sharded, opt, '.1f')} ms for "
-                     f"ours, {v(precision, zero, opt, '.1f')} ms for torch's and {v(precision, plain, opt, '.1f')} ms "
+                     f"broadcasts each parameter from its owner), takes {v(precision, sharded, opt)} ms for "
+                     f"ours, {v(precision, zero, opt)} ms for torch's and {v(precision, plain, opt)} ms "
                      f"unsharded.")
         for config in sorted(c for p, c in ok.index if p == precision and specs[c].optimizer_sharding == "sharded"
                              and c != sharded):
-            text += (f" With {specs[config].wrapper} DDP under our sharded optimizer: {v(precision, config, step, '.1f')} "
+            text += (f" With {specs[config].wrapper} DDP under our sharded optimizer: {v(precision, config, step)} "
                      f"ms" + (f", peak {v(precision, config, mem)} MiB." if measured else "."))
         reference = zero if (precision, zero) in ok.index else plain
         ref = ok.loc[(precision, reference)]
@@ -111,9 +107,10 @@ def render_sharding(ctx: Context) -> Section:
             mine = [c for p, c in ok.index if p == precision and specs[c].optimizer_sharding == "sharded"]
             apart = [c for c in mine if ok.loc[(precision, c), "step_round_median_min_ms"] > ref["step_round_median_max_ms"]
                      or ok.loc[(precision, c), "step_round_median_max_ms"] < ref["step_round_median_min_ms"]]
-            text += (f" Against {reference}, the per-round medians of "
+            # the rounds' spread is a noise check from the results rows (per-round medians), not a table number
+            text += (f" Against {reference}, the per-round step times of "
                      + (f"{', '.join(apart)} do not overlap its own" if apart else "every sharded config overlap its own")
-                     + " (ranges in the table).")
+                     + " (per-round medians, `results/sharding.csv`).")
         checked.append(text)
     parts = [setup, *checked]
     parts.append(
@@ -129,25 +126,26 @@ def render_sharding(ctx: Context) -> Section:
     return Section([*parts, ctx.table("sharding")], table, checked, q.derived)
 
 
-def correctness_table(frame: pd.DataFrame) -> pd.DataFrame:
+def correctness_table(frame: pd.DataFrame) -> NumericTable:
     """One row per test of the correctness runs: passed/run, failures, skips and the seed shifts."""
-    return pd.DataFrame({"test": frame["test"], "passed / run": [f"{p}/{n}" for p, n in zip(frame["passed"], frame["runs"])],
+    data = pd.DataFrame({"test": frame["test"], "passed / run": frame["passed"], "runs": frame["runs"],
                          "failed": frame["failed"], "skipped": frame["skipped"],
                          "seed shifts": frame["seed_shifts"].astype(str)})
+    return NumericTable(data, (Col("test"), Col("passed / run", "d", second="runs", joiner="/"), Col("failed", "d"),
+                               Col("skipped", "d"), Col("seed shifts")))
 
 
 def render_correctness(ctx: Context) -> Section:
     frame = ctx.frame("ddp_correctness")
-    table = correctness_table(frame)
+    table = ctx.numeric("ddp_correctness")
     q = Quotes(table)
 
     def total(column: str):
         def formula(t: pd.DataFrame) -> float:
-            pairs = t["passed / run"].str.split("/", expand=True).astype(int)
-            return float(pairs[0 if column == "passed" else 1].sum())
+            return float(t[column].sum())
         return formula
 
-    passed = q.derive(total("passed"), ".0f", "runs passed, all tests")
+    passed = q.derive(total("passed / run"), ".0f", "runs passed, all tests")
     runs = q.derive(total("runs"), ".0f", "runs, all tests")
     failing = frame.loc[frame["failed"] > 0, "test"].tolist()
     text = (f"Correctness, rerun with fresh seeds (cs336_systems.bench.ddp_correctness: each run of the tests "
@@ -163,7 +161,8 @@ def render_correctness(ctx: Context) -> Section:
 DELIVERABLES = [
     Deliverable("3 optimizer_state_sharding_accounting (a–c)", "ddp_benchmark", render_sharding, ("sharding",),
                 tables=(Table("sharding", "sharding", sharding_table,
-                              "Memory and step time with and without optimizer-state sharding"),)),
+                              "Memory and step time with and without optimizer-state sharding; times are means over "
+                              "the measured steps of all rounds (the step ± its standard deviation)"),)),
     Deliverable("3, continued: correctness of the DDP wrappers and the sharded optimizer", "ddp_correctness",
                 render_correctness, ("ddp_correctness",),
                 tables=(Table("ddp_correctness", "ddp_correctness", correctness_table,

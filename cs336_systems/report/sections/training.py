@@ -13,7 +13,8 @@ LOSS_AGREEMENT = 1e-3
 
 def render_train_matrix(ctx: Context) -> Section:
     frame = ctx.frame("train_matrix")
-    summary = train_matrix(frame)
+    table = ctx.numeric("train_matrix")
+    summary = table.data  # positions: a RangeIndex, as the table's rows
     first, ddp = frame.iloc[0], frame[frame["world_size"] > 1]
     per_rank = f"{int(ddp['batch_per_rank'].iloc[0])} sequences per rank; " if len(ddp) else ""
     parts = [f"{first['size']} model, {first['precision']}, context {first['context_length']}, "
@@ -22,27 +23,28 @@ def render_train_matrix(ctx: Context) -> Section:
              f"{first['device_name']}."]
     drift = summary.dropna(subset=["max |loss − torch DDP|"])
     if len(drift):
-        worst = drift.sort_values("max |loss − torch DDP|").iloc[-1]
-        gap = worst["max |loss − torch DDP|"]
+        row = drift["max |loss − torch DDP|"].idxmax()
+        worst, gap = summary.loc[row], summary.at[row, "max |loss − torch DDP|"]
+        quoted = table.quote("max |loss − torch DDP|", row)
         if gap < LOSS_AGREEMENT:
-            parts.append(f"Every run's loss stays within {gap:.2g} of torch DDP's with the same attention backend "
+            parts.append(f"Every run's loss stays within {quoted} of torch DDP's with the same attention backend "
                          f"at every step: our wrappers train the model as torch's does, and data parallelism as a "
                          f"whole matches one GPU on the same global batch.")
         else:
             parts.append(f"The loss curves do not agree: {worst['wrapper']} with {worst['attention']} strays "
-                         f"{gap:.2g} from torch DDP's (agreement would be below {LOSS_AGREEMENT}).")
+                         f"{quoted} from torch DDP's (agreement would be below {LOSS_AGREEMENT}).")
     fastest = set()
     for attention, runs in summary.groupby("attention", sort=False):
-        best = runs.sort_values("tokens/s").iloc[-1]
+        best = runs.loc[runs["tokens/s"].idxmax()]
         fastest.add(best["wrapper"])
         parts.append(f"Tokens/s with {attention} attention: "
-                     + ", ".join(f"{r['wrapper']} {r['tokens/s']:,}" for _, r in runs.iterrows())
+                     + ", ".join(f"{summary.at[i, 'wrapper']} {table.quote('tokens/s', i)}" for i in runs.index)
                      + f" (fastest: {best['wrapper']}).")
     if len(fastest) > 1:
         parts.append("The fastest wrapper changes with the attention backend, so these short runs of a small model "
                      "do not rank the wrappers; the xl measurements of 2.2–2.3 do.")
     # the first paragraph states the runs' arguments; the rest quotes the table
-    return Section([*parts, ctx.figure("train_matrix", "loss curves"), ctx.table("train_matrix")], summary,
+    return Section([*parts, ctx.figure("train_matrix", "loss curves"), ctx.table("train_matrix")], table,
                    parts[1:], wording=("2.2", "2.3", f"{LOSS_AGREEMENT}"))
 
 

@@ -1,0 +1,246 @@
+"""Numeric tables (cs336_systems/report/frame.py): one formatter for Markdown, LaTeX and prose; the frame
+the `table` rule writes is the one the writeup quotes and embeds."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from cs336_systems.report.frame import MISSING, Col, NumericTable, format_value
+from cs336_systems.report.section import Quotes, formula_frame
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_table(rng: np.random.Generator, rows: int = 7) -> NumericTable:
+    """Fresh random numbers of awkward magnitudes, NaN holes, an OOM cell, a mean ± std pair, a range and a
+    ratio with a suffix."""
+    mean = rng.lognormal(3, 2, rows)
+    data = pd.DataFrame({
+        "config": [f"c{i}" for i in range(rows)], "n": rng.integers(1, 10**6, rows),
+        "mean (ms)": mean, "std (ms)": mean * rng.uniform(0, 0.5, rows),
+        "low": rng.uniform(0, 1, rows), "high": rng.uniform(1, 2, rows),
+        "ratio": rng.lognormal(0, 1, rows), "share": rng.uniform(0, 1, rows), "tiny": rng.lognormal(-12, 2, rows)})
+    data.loc[1, "ratio"] = float("nan")
+    data.loc[2, "std (ms)"] = float("nan")  # a mean without a std prints alone
+    return NumericTable(data, (Col("config"), Col("n", ",d"), Col("mean (ms)", ".2f", second="std (ms)"),
+                               Col("low", ".1f", second="high", joiner="–"), Col("ratio", ".3f", suffix="×"),
+                               Col("share", ".1%"), Col("tiny", ".2e")),
+                        status={"mean (ms)": {3: "oom"}})
+
+
+def expected_cell(table: NumericTable, row: int, header: str) -> str:
+    """The cell written out from the rules, independently of NumericTable.cell_text."""
+    data = table.data
+    if header == "mean (ms)" and row == 3:
+        return "OOM"
+    value = data.at[row, header]
+    if header == "config":
+        return value
+    if isinstance(value, float) and math.isnan(value):
+        return "—"
+    if header == "n":
+        return f"{int(value):,}"
+    if header == "mean (ms)":
+        std = data.at[row, "std (ms)"]
+        return f"{value:.2f}" + ("" if math.isnan(std) else f" ± {std:.2f}")
+    if header == "low":
+        return f"{value:.1f}–{data.at[row, 'high']:.1f}"
+    if header == "ratio":
+        return f"{value:.3f}×"
+    if header == "share":
+        return f"{100 * value:.1f}%"
+    return f"{value:.2e}"
+
+
+def markdown_cells(markdown: str) -> list[list[str]]:
+    lines = markdown.splitlines()
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_markdown_latex_and_prose_print_the_same_cells(seed):
+    table = random_table(np.random.default_rng(seed))
+    expected = [[expected_cell(table, r, h) for h in table.headers] for r in range(len(table))]
+    assert table.display().values.tolist() == expected
+    # Markdown: exactly the cell texts (tabulate must not reprint '0.10' as '0.1')
+    assert markdown_cells(table.to_markdown()) == expected
+    # LaTeX: every cell text, escaped as LaTeX escapes it
+    latex = table.to_latex("a caption_with underscore")
+    for row in expected:
+        for cell in row:
+            assert cell.replace("%", r"\%").replace("_", r"\_") in latex
+    assert r"a caption\_with underscore" in latex
+    # prose: a quote is the cell's first number, printed by the cell's own format
+    for r in range(len(table)):
+        assert table.quote("ratio", r) == expected[r][4]
+        if r != 3:
+            assert expected[r][2].startswith(table.quote("mean (ms)", r))
+    assert table.quote("mean (ms)", 3) == "OOM" and table.quote("ratio", 1) == MISSING
+
+
+def test_json_round_trip_keeps_numbers_formats_and_statuses(tmp_path):
+    table = random_table(np.random.default_rng(7))
+    table.save(tmp_path / "t.json")
+    back = NumericTable.load(tmp_path / "t.json")
+    assert back.columns == table.columns and back.status == table.status
+    assert back.to_markdown() == table.to_markdown()
+    pd.testing.assert_frame_equal(back.data, table.data)  # exact floats: JSON keeps repr's 17 digits
+    json.loads((tmp_path / "t.json").read_text())  # plain JSON (NaN stored as null)
+
+
+def test_nan_and_status_render_as_dash_and_upper_case():
+    table = NumericTable(pd.DataFrame({"x": [1.0, float("nan"), 3.0], "who": ["a", None, "c"]}),
+                         (Col("who"), Col("x", ".1f")), status={"x": {2: "oom"}})
+    assert table.display().values.tolist() == [["a", "1.0"], ["—", "—"], ["c", "OOM"]]
+    frame = formula_frame(table)  # formulas see NaN where a cell has a status, and the status beside it
+    assert math.isnan(frame.at[2, "x"]) and frame["x: status"].tolist() == ["", "", "oom"]
+    assert format_value(float("nan"), ".2f") == "—" and format_value(3.0, "d") == "3"
+
+
+def test_bad_columns_are_named():
+    with pytest.raises(ValueError, match="'missing'"):
+        NumericTable(pd.DataFrame({"a": [1]}), (Col("a", "d", second="missing"),))
+    with pytest.raises(ValueError, match="unknown columns"):
+        NumericTable(pd.DataFrame({"a": [1]}), (Col("a", "d"),), status={"b": {0: "oom"}})
+    table = NumericTable(pd.DataFrame({"k": ["x", "x"], "a": [1, 2]}), (Col("k"), Col("a", "d")))
+    with pytest.raises(KeyError, match="2 rows match"):
+        table.quote("a", k="x")
+    with pytest.raises(KeyError, match="no column 'b'"):
+        table.col("b")
+
+
+def test_quotes_read_numbers_not_display_strings():
+    table = NumericTable(pd.DataFrame({"k": ["a", "b"], "ms": [2.0, 3.14159], "sd": [0.5, 0.25]}),
+                         (Col("k"), Col("ms", ".2f", second="sd")))
+    q = Quotes(table)
+    assert q.cell("ms", k="b") == "3.14"
+    ratio = q.derive(lambda t: t.loc[t["k"] == "b", "ms"].iloc[0] / t.loc[t["k"] == "a", "ms"].iloc[0], ".4f", "b/a")
+    assert ratio == f"{3.14159 / 2:.4f}"  # from the unrounded numbers, not the printed 3.14
+
+
+# --- each table is built once: the writeup embeds and quotes the frame the table rule wrote ------------------
+
+def built_tables() -> list[str]:
+    return sorted(p.stem for p in (ROOT / "results" / "tables").glob("*.md"))
+
+
+@pytest.mark.parametrize("name", built_tables())
+def test_every_committed_table_has_its_frame_and_prints_it(name):
+    """The .md of a numeric table is its frame's Markdown (plus caption): what the section quotes is what it
+    embeds. Tables of builders not converted yet hold their display texts."""
+    md = (ROOT / "results" / "tables" / f"{name}.md").read_text()
+    table = NumericTable.load(ROOT / "results" / "tables" / f"{name}.json")
+    if any(c.numeric for c in table.columns):
+        assert md.startswith(table.to_markdown() + "\n\n_")
+    else:  # a display frame, as pandas printed it: the same headers and rows
+        assert [line.split("|")[1].strip() for line in md.splitlines()[2:2 + len(table)]] == [
+            str(v) if v is not None else "nan" for v in table.data.iloc[:, 0]]
+
+
+def test_the_writeup_embeds_the_frames_it_quotes():
+    """Every converted section's Section.table is the frame read back from JSON, its Markdown is in the
+    section, and that Markdown is the .md file the table rule wrote (so there is one build per table)."""
+    import os
+
+    from cs336_systems.report.section import Context, Section
+    from cs336_systems.report.sections import DELIVERABLES
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        ctx = Context(Path("results"), Path("figures"), Path("results"), {})
+        numeric = 0
+        for item in DELIVERABLES:
+            if not item.data or any(ctx.frame(n) is None for n in item.data):
+                continue
+            body = item.render(ctx)
+            if isinstance(body, Section) and isinstance(body.table, NumericTable):
+                numeric += 1
+                markdown = body.table.to_markdown()
+                assert markdown in body.markdown(), item.section
+                assert any(markdown in (ROOT / "results" / "tables" / f"{t.name}.md").read_text()
+                           for t in item.tables), item.section
+    finally:
+        os.chdir(here)
+    assert numeric >= 8  # 2.1, 2.2, 2.3 (a), 2.3 bucketed, 3, 3 continued, 1.3.2 (e), end to end
+
+
+def test_table_rule_writes_the_frame(tmp_path):
+    """`python -m cs336_systems.report table` writes .md, .tex and .json of one build."""
+    from cs336_systems.report.__main__ import main
+
+    rows = pd.DataFrame({"backend": "gloo", "world_size": [2, 2], "size_mb": [1.0, 10.0], "mean_ms": [1.0, 2.0],
+                         "std_ms": 0.1, "median_ms": [0.9, 1.95], "algbw_gbps": [1.1, 5.0], "busbw_gbps": [1.1, 5.0],
+                         "iters": 5, "status": "ok", "device_name": "cpu"})
+    rows.to_csv(tmp_path / "allreduce.csv", index=False)
+    out = {ext: tmp_path / f"t.{ext}" for ext in ("md", "tex", "json")}
+    main(["table", "allreduce", str(tmp_path / "allreduce.csv"), *[f"--{e}={p}" for e, p in out.items()]])
+    table = NumericTable.load(out["json"])
+    assert out["md"].read_text().startswith(table.to_markdown())
+    assert table.quote("median (ms)", processes=2, **{"size (MB)": 10}) == "1.950"
+    assert re.search(r"1\.950", out["tex"].read_text())
+
+
+def test_converted_sections_never_rebuild_their_tables(monkeypatch):
+    """One build per table: with every numeric table's builder made to fail, the sections that quote numeric
+    tables still render from the committed results (they read results/tables/NAME.json)."""
+    import importlib
+    import os
+
+    from cs336_systems.report.section import Context, Section
+    from cs336_systems.report.sections import DELIVERABLES
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a section rebuilt a table the `table` rule already built")
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        ctx = Context(Path("results"), Path("figures"), Path("results"), {})
+        converted = [item for item in DELIVERABLES if item.tables and all(
+            (ROOT / "results" / "tables" / f"{t.name}.json").exists() and
+            any(c.numeric for c in NumericTable.load(ROOT / "results" / "tables" / f"{t.name}.json").columns)
+            for t in item.tables) and all(ctx.frame(n) is not None for n in item.data)]
+        for item in converted:
+            for table in item.tables:  # the builder by the name its module calls it
+                monkeypatch.setattr(importlib.import_module(table.build.__module__), table.build.__name__, refuse)
+        rendered = [item.render(ctx) for item in converted]
+    finally:
+        os.chdir(here)
+    # (the checkpointing sections still write their prose from the results rows: text, not a Section)
+    assert len(rendered) >= 10 and sum(isinstance(body, Section) for body in rendered) >= 8
+
+
+def test_phase_tables_keep_numbers_and_the_display_shim_prints_them_as_before():
+    """e2e_timing as numbers (mean, std, an OOM status) and, for the sections not converted yet, the same
+    display frame as before: 'mean ± std' strings, 'OOM', '—' where nothing ran."""
+    from cs336_systems.report.tables import display_frame, e2e_timing, e2e_timing_numeric
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for size in ("small", "medium"):
+        for attention in ("naive", "sdpa"):
+            for phase in ("forward", "backward"):
+                rows.append({"size": size, "attention": attention, "phase": phase, "precision": "fp32",
+                             "mode": "forward_backward", "status": "ok", "mean_ms": rng.uniform(1, 100),
+                             "std_ms": rng.uniform(0, 1)})
+    rows = [r for r in rows if not (r["size"] == "medium" and r["attention"] == "naive")]
+    rows.append({"size": "medium", "attention": "naive", "phase": "step", "precision": "fp32",
+                 "mode": "forward_backward", "status": "oom", "mean_ms": float("nan"), "std_ms": float("nan")})
+    frame = pd.DataFrame(rows)
+    table = e2e_timing_numeric(frame)
+    small = frame[(frame["size"] == "small") & (frame["attention"] == "sdpa") & (frame["phase"] == "backward")].iloc[0]
+    assert table.value("sdpa backward (ms)", size="small") == small["mean_ms"]  # the number, not its print
+    assert math.isnan(table.value("naive forward (ms)", size="medium"))
+    assert table.status == {"naive forward (ms)": {1: "oom"}, "naive backward (ms)": {1: "oom"}}
+    shown = e2e_timing(frame).set_index("size")
+    assert shown.loc["small", "sdpa backward (ms)"] == f"{small['mean_ms']:.2f} ± {small['std_ms']:.2f}"
+    assert shown.loc["medium", "naive forward (ms)"] == "OOM"
+    assert display_frame(table, table.headers[1:]).equals(e2e_timing(frame))
