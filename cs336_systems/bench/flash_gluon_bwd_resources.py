@@ -12,11 +12,9 @@ Run in a process of its own (see bench.flash_gluon_resources).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-import time
 
-from cs336_systems.bench.flash_gluon_resources import use_compile_only_driver
+from cs336_systems.bench.flash_gluon_resources import compiled_row, use_compile_only_driver
 
 # (head dim, causal, dtype, variant): what the launcher ships, then (bf16) the alternative dQ scheme, for the record:
 # "shipped" is TILES' tile; "split_dq" / "per_consumer_dq" force that dQ scheme (flash_gluon_bwd.BwdTile.split_dq);
@@ -45,7 +43,6 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "s
     ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)), a ragged length."""
     import torch
 
-    from cs336_systems.bench.kernel_resources import ptxas_usage
     from cs336_systems.kernels import flash_gluon_bwd as bwd
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -58,18 +55,8 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "s
     row = {"kernel": "flash_gluon_backward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
            "variant": variant, **{k: v for k, v in vars(tile).items() if k != "head_dim"},
            "tile_shared_bytes": tile.shared_bytes()}
-    start = time.time()
-    try:
-        compiled = bwd._flash_bwd_gluon_kernel.warmup(*args, grid=grid, **options)
-        usage = ptxas_usage(compiled.asm["ptx"])
-    except Exception as error:  # a configuration that fails to compile is a row, not the end of the table
-        return {**row, "status": "error", "error": f"{type(error).__name__}: {error}"[-1500:]}
-    ptx = compiled.asm["ptx"]
-    setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
-    return {**row, **usage, "shared_bytes": compiled.metadata.shared,
-            "setmaxnreg": " ".join(f"{kind}{regs}" for kind, regs in setmaxnreg),
-            "tma_reduce_ops": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
-            "compile_s": round(time.time() - start, 1), "status": "ok"}
+    return compiled_row(bwd._flash_bwd_gluon_kernel, args, grid, options, row,
+                        ptx_counts={"tma_reduce_ops": r"cp\.reduce\.async\.bulk\.tensor"})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -67,7 +67,6 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, exact: bool, n: i
     the code beyond Triton's divisibility specialisation."""
     import torch
 
-    from cs336_systems.bench.kernel_resources import ptxas_usage
     from cs336_systems.kernels import flash_gluon
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
@@ -76,15 +75,26 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, exact: bool, n: i
     args, grid, options = flash_gluon.kernel_launch(q, q, q, q, lse, is_causal, exact)
     row = {"kernel": "flash_gluon_forward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
            "exact": exact, **{k: v for k, v in vars(flash_gluon.tile_for(head_dim)).items() if k != "head_dim"}}
+    return compiled_row(flash_gluon._flash_fwd_gluon_kernel, args, grid, options, row)
+
+
+def compiled_row(kernel, args, grid, options, row: dict, ptx_counts: dict[str, str] | None = None) -> dict:
+    """`row` with what compiling `kernel` for these launch arguments costs: ptxas's registers and spills, shared
+    memory, the setmaxnreg of each partition and, per name of `ptx_counts`, how often its regex occurs in the PTX.
+    A configuration that fails to compile is a row with its error, not the end of the table."""
+    from cs336_systems.bench.kernel_resources import ptxas_usage
+
     start = time.time()
     try:
-        compiled = flash_gluon._flash_fwd_gluon_kernel.warmup(*args, grid=grid, **options)
+        compiled = kernel.warmup(*args, grid=grid, **options)
         usage = ptxas_usage(compiled.asm["ptx"])
-    except Exception as error:  # a configuration that fails to compile is a row, not the end of the table
-        return {**row, "status": "error", "error": f"{type(error).__name__}: {error}"[-600:]}
-    setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])))
+    except Exception as error:
+        return {**row, "status": "error", "error": f"{type(error).__name__}: {error}"[-1500:]}
+    ptx = compiled.asm["ptx"]
+    setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    counts = {name: len(re.findall(pattern, ptx)) for name, pattern in (ptx_counts or {}).items()}
     return {**row, **usage, "shared_bytes": compiled.metadata.shared,
-            "setmaxnreg": " ".join(f"{kind}{regs}" for kind, regs in setmaxnreg),
+            "setmaxnreg": " ".join(f"{kind}{regs}" for kind, regs in setmaxnreg), **counts,
             "compile_s": round(time.time() - start, 1), "status": "ok"}
 
 

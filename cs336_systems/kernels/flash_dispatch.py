@@ -28,6 +28,7 @@ Triton's experimental Gluon, whose API has changed with each Triton release.
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from collections.abc import Callable
 from types import ModuleType
@@ -113,28 +114,17 @@ def _device_capability(index: int) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------
 # the Gluon modules, imported on first need
 # ----------------------------------------------------------------------------------------------
-def _import_problem(name: str, error: ImportError) -> str:
-    return f"{name} cannot be imported with triton {triton.__version__}: {error}"
-
-
 @functools.cache
-def _gluon() -> tuple[ModuleType | None, str | None]:
-    """(the flash_gluon module, None), or (None, why it cannot be imported)."""
+def _kernel_module(name: str) -> tuple[ModuleType | None, str | None]:
+    """(the module cs336_systems.kernels.`name`, None), or (None, why it cannot be imported)."""
     try:
-        from cs336_systems.kernels import flash_gluon
+        return importlib.import_module(f"cs336_systems.kernels.{name}"), None
     except ImportError as error:
-        return None, _import_problem("flash_gluon", error)
-    return flash_gluon, None
+        return None, f"{name} cannot be imported with triton {triton.__version__}: {error}"
 
 
-@functools.cache
-def _gluon_bwd() -> tuple[ModuleType | None, str | None]:
-    """(the flash_gluon_bwd module, None), or (None, why it cannot be imported)."""
-    try:
-        from cs336_systems.kernels import flash_gluon_bwd
-    except ImportError as error:
-        return None, _import_problem("flash_gluon_bwd", error)
-    return flash_gluon_bwd, None
+_gluon = functools.partial(_kernel_module, "flash_gluon")
+_gluon_bwd = functools.partial(_kernel_module, "flash_gluon_bwd")
 
 
 def _interpreter_problem(name: str) -> str | None:
