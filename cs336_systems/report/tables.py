@@ -164,8 +164,9 @@ def compile_scope(frame: pd.DataFrame) -> pd.Series:
 
 def compile_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): eager versus compiled (per compile scope), forward-only and full training step, per attention
-    backend: the step time (mean ± std); per scope the speed-up over eager (eager median ÷ that scope's
-    median), and the MFU of the fastest compiled scope (by median)."""
+    backend: the median step time; per scope the speed-up over eager (eager median ÷ that scope's median), and
+    the MFU of the fastest compiled scope (by median). Medians throughout, as in its figure: a compiled step's
+    mean carries the odd slow step (a recompile, a host stall) that the median leaves out."""
     out, status = [], {}
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
     scopes = [s for s in COMPILE_SCOPES if s != "none" and s in set(steps["scope"])]  # "none" is the eager column
@@ -176,7 +177,7 @@ def compile_timing_numeric(frame: pd.DataFrame) -> NumericTable:
         by_scope = {"none": rows[rows["scope"] == "none"], **{s: rows[rows["scope"] == s] for s in scopes}}
         ran = {s: r for s, r in by_scope.items() if len(r) and r["status"].eq("ok").all()}
         for header, scope in zip(times, ["none", *scopes]):
-            record[header], record[f"{header} std"], state = _first(by_scope[scope])
+            record[header], _, state = _first(by_scope[scope], "median_ms")
             if state:
                 status.setdefault(header, {})[len(out)] = state
         for header, scope in zip(speedups, scopes):
@@ -186,21 +187,21 @@ def compile_timing_numeric(frame: pd.DataFrame) -> NumericTable:
         best = min(compiled, key=lambda r: r["median_ms"].iloc[0]) if compiled else None
         record["compiled MFU"] = best["mfu"].iloc[0] if best is not None else float("nan")
         out.append(record)
-    columns = ["size", "attention", "mode", *(h for header in times for h in (header, f"{header} std")), *speedups,
-               "compiled MFU"]
+    columns = ["size", "attention", "mode", *times, *speedups, "compiled MFU"]
     return NumericTable(pd.DataFrame(out, columns=columns), (
-        Col("size"), Col("attention"), Col("mode"), *(Col(h, ".2f", second=f"{h} std") for h in times),
+        Col("size"), Col("attention"), Col("mode"), *(Col(h, ".2f") for h in times),
         *(Col(h, ".2f") for h in speedups), Col("compiled MFU", ".3f")), status)
 
 
 def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
     table = compile_timing_numeric(frame)
-    return display_frame(table, [c.header for c in table.columns if c.second or c.header.startswith("speed-up")])
+    times = [c.header for c in table.columns if c.header.endswith("(ms)")]
+    return display_frame(table, [c.header for c in table.columns if c.header.startswith("speed-up")], dashes=times)
 
 
 def baseline_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope
-    and model, the training step (mean ± std and median), its MFU, and its median over the baseline's."""
+    and model, the median training step, its MFU (from the median) and its median over the baseline's."""
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
     out, status = [], {}
     for (size, scope), rows in ordered_by_size(steps).groupby(["size", "scope"], observed=True, sort=True):
@@ -208,22 +209,20 @@ def baseline_timing_numeric(frame: pd.DataFrame) -> NumericTable:
         for _, row in rows.sort_values("model").iterrows():
             ok = row["status"] == "ok"
             if not ok:
-                status.setdefault("step (ms)", {})[len(out)] = str(row["status"])
+                status.setdefault("median (ms)", {})[len(out)] = str(row["status"])
             nan = float("nan")
             out.append({"size": str(size), "compiled": scope, "model": row["model"], "attention": row["attention"],
-                        "optimizer": row["optimizer"], "step (ms)": row["mean_ms"] if ok else nan,
-                        "step std (ms)": row["std_ms"] if ok else nan, "median (ms)": row["median_ms"] if ok else nan,
+                        "optimizer": row["optimizer"], "median (ms)": row["median_ms"] if ok else nan,
                         "MFU": row["mfu"] if ok else nan,
                         "÷ plain": row["median_ms"] / plain["median_ms"].iloc[0] if ok and len(plain) else nan})
-    columns = ["size", "compiled", "model", "attention", "optimizer", "step (ms)", "step std (ms)", "median (ms)",
-               "MFU", "÷ plain"]
+    columns = ["size", "compiled", "model", "attention", "optimizer", "median (ms)", "MFU", "÷ plain"]
     return NumericTable(pd.DataFrame(out, columns=columns), (
-        *(Col(c) for c in columns[:5]), Col("step (ms)", ".2f", second="step std (ms)"), Col("median (ms)", ".2f"),
+        *(Col(c) for c in columns[:5]), Col("median (ms)", ".2f"),
         Col("MFU", ".3f"), Col("÷ plain", ".3f")), status)
 
 
 def baseline_timing(frame: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(baseline_timing_numeric(frame), ["step (ms)"])
+    return display_frame(baseline_timing_numeric(frame))
 
 
 def compile_column(what: str, scope: str, scopes: list[str]) -> str:
@@ -236,14 +235,15 @@ def compile_column(what: str, scope: str, scopes: list[str]) -> str:
 ADAMW_BYTES_PER_PARAM = 7 * 4
 
 
-def _first(rows: pd.DataFrame) -> tuple[float, float, str | None]:
-    """(mean ms, std ms, status) of the first row; the status is set where it did not run ('—' if no row)."""
+def _first(rows: pd.DataFrame, statistic: str = "mean_ms") -> tuple[float, float, str | None]:
+    """(the statistic in ms (mean by default), std ms, status) of the first row; the status is set where it did
+    not run ('—' if no row)."""
     if rows.empty:
         return float("nan"), float("nan"), None
     row = rows.iloc[0]
     if row["status"] != "ok":
         return float("nan"), float("nan"), str(row["status"])
-    return row["mean_ms"], row.get("std_ms", float("nan")), None  # some sweeps record no std
+    return row[statistic], row.get("std_ms", float("nan")), None  # some sweeps record no std
 
 
 def optimizer_timing_numeric(frame: pd.DataFrame) -> NumericTable:

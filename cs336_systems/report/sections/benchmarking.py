@@ -445,8 +445,8 @@ def render_optimizer(ctx: Context) -> str:
 
 
 BASELINE = Table("baseline_timing", "e2e_baseline", baseline_timing,
-                 "Our model against the plain-PyTorch baseline, same run: training step ms (mean ± std, median), "
-                 "MFU, and the median over the baseline's")
+                 "Our model against the plain-PyTorch baseline, same run: training step ms (median over the measured "
+                 "steps), MFU from it, and the median over the baseline's")
 HOST_BOUND = Table("kernel_vs_wall", "profile_bf16", kernel_vs_wall,
                    "Eager steps: kernel time per phase (PyTorch profiler) against the harness's synchronized wall "
                    "time of the same phase in the same process; kernel share = kernel time ÷ wall time of the step")
@@ -456,9 +456,9 @@ WARMUP = Table("e2e_warmup", "e2e_warmup", tables.e2e_warmup,
                "Forward+backward step time by number of warm-up steps, fp32")
 MIXED = Table("mixed_precision", "e2e", mixed_precision, "Forward and backward time, fp32 versus bf16 autocast")
 COMPILE = Table("compile_timing", "e2e_compile", compile_timing,
-                "Eager versus torch.compile'd model: ms per step, mean ± std; speed-up = eager median ÷ compiled "
-                "median, for each compiled scope; compiled MFU from the median of the fastest compiled scope; "
-                "bf16 autocast")
+                "Eager versus torch.compile'd model: ms per step, median over the measured steps; speed-up = eager "
+                "median ÷ compiled median, for each compiled scope; compiled MFU from the median of the fastest "
+                "compiled scope; bf16 autocast")
 OPTIMIZER = Table("optimizer", "optimizer", tables.optimizer_timing,
                   "AdamW's step alone, eager training steps: ms per step, mean ± std; the bandwidth is AdamW's "
                   "least traffic over the median time")
