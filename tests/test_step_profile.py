@@ -167,3 +167,47 @@ def test_keep_ablations_parse_and_name_bad_values():
             _tiny(ablations=(name,))
     with pytest.raises(ValueError, match="without a profile folder"):
         _tiny(profile_out="p.csv")
+
+
+# ---- the writeup section ---------------------------------------------------------------------------------------
+
+
+def _render(results):
+    """The leaderboard section and its continuation (the profile), built as the `table` rule and the writeup do."""
+    from cs336_systems.report.__main__ import make_tables
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.leaderboard import DELIVERABLES, render_leaderboard
+    from cs336_systems.report.writeup import render
+
+    make_tables(results, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_profile",
+                          "leaderboard_8b_memory"])  # those whose data is present
+    ctx = Context(results, results, results, {})
+    return render_leaderboard(ctx), render(DELIVERABLES[1], ctx)
+
+
+def test_section_renders_the_profile_and_is_pending_without_it(profiled, tmp_path):
+    """Without the profile CSV the section names the command that records it (and its continuation is pending);
+    with it, the continuation's time table holds each provider's category times from the CSV, its memory table
+    each provider's split, and the keep:N ablation is in the ablation table."""
+    from cs336_systems.report.frame import NumericTable
+    from tests.test_report import unquoted
+
+    rows, tmp = profiled
+    (tmp_path / "leaderboard_8b.csv").write_text((tmp / "lb.csv").read_text())
+    body, profile = _render(tmp_path)
+    assert "Pending (needs a GPU run with the profiler)" in body.markdown()
+    assert "--profile results/leaderboard_8b_snapshots" in body.markdown()
+    assert "ours-keep:1" in body.markdown() and unquoted(body) == [] and "nan" not in body.markdown()
+    assert profile.startswith("pending: rule `leaderboard_8b`")
+
+    rows.to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
+    body, profile = _render(tmp_path)
+    assert "Pending (needs a GPU run with the profiler)" not in body.markdown() and "next section" in body.markdown()
+    assert "nan" not in profile
+    table = NumericTable.load(tmp_path / "tables" / "leaderboard_8b_profile.json")
+    assert table.to_markdown(index=False) in profile
+    for (provider, category), value in rows[rows["kind"] == "time"].set_index(["provider", "category"])["value"].items():
+        assert table.data.set_index("category").at[category, provider] == pytest.approx(value), (provider, category)
+    memory = NumericTable.load(tmp_path / "tables" / "leaderboard_8b_memory.json")
+    assert memory.to_markdown(index=False) in profile
+    assert list(memory.data["provider"]) == ["torch_plain_ac", "ours-keep:1"]
