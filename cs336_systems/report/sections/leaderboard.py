@@ -113,9 +113,8 @@ PROFILE_CATEGORIES = ("attention forward", "attention backward", "GEMM", "loss",
                       "copies", "recompute", "other")  # bench/step_profile.CATEGORIES, in that order
 PROFILE_TOTALS = ("profiled ops (total)", "step (wall)")
 MEMORY_PARTS = ("peak", "parameters", "gradients", "optimizer state", "activations + workspace")
-PROFILE_COMMAND = ("snakemake results/leaderboard_8b.csv results/leaderboard_8b_profile.csv --cores 1 --resources "
-                   "gpu=1 (the rule passes `--profile results/leaderboard_8b_snapshots --profile-out "
-                   "results/leaderboard_8b_profile.csv` to `python -m cs336_systems.bench.leaderboard`)")
+PROFILE_COMMAND = "snakemake results/leaderboard_8b.csv results/leaderboard_8b_profile.csv --cores 1 --resources gpu=1"
+PROFILE_FLAGS = "--profile results/leaderboard_8b_snapshots --profile-out results/leaderboard_8b_profile.csv"
 
 
 def _profiled(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
@@ -154,7 +153,8 @@ def _profile_pointer(ctx: Context) -> str:
                 "(`results/leaderboard_8b_profile.csv`).")
     return (f"Pending (needs a GPU run with the profiler): the step broken down from a profiler trace (attention "
                 "forward and backward, GEMMs, loss, optimizer, recomputation) and peak memory by category, for ours, "
-                f"the anchors and the ablations. Command: `{PROFILE_COMMAND}`.")
+                f"the anchors and the ablations. Command: `{PROFILE_COMMAND}` (the rule passes `{PROFILE_FLAGS}` to "
+                "`python -m cs336_systems.bench.leaderboard`).")
 
 
 def render_profile(ctx: Context) -> str:
