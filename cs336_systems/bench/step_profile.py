@@ -133,9 +133,10 @@ def device_times(events, device: torch.device) -> dict[str, tuple[int, float]]:
     intervals = _phase_intervals(events)
     found = {category: [0, 0.0] for category in CATEGORIES}
     for event in events:
-        if event.device_type != DeviceType.CPU or event.name.startswith(RANGE_PREFIX):
+        if event.device_type != DeviceType.CPU:
             continue
-        if device.type == "cuda":
+        if device.type == "cuda":  # kernels linked to the innermost op or range on the stack: ours too (a
+            # Triton kernel launched from Python, as our AdamW's, may have no op around it but the phase)
             launched = [(kernel.name, kernel.duration / 1e3) for kernel in event.kernels]
         elif event.self_cpu_time_total > 0 and not is_annotation(event.name):
             launched = [(event.name, event.self_cpu_time_total / 1e3)]
