@@ -211,3 +211,4 @@ def test_section_renders_the_profile_and_is_pending_without_it(profiled, tmp_pat
     memory = NumericTable.load(tmp_path / "tables" / "leaderboard_8b_memory.json")
     assert memory.to_markdown(index=False) in profile
     assert list(memory.data["provider"]) == ["torch_plain_ac", "ours-keep:1"]
+    assert memory.data["peak"].isna().all() and "|      — |" in memory.to_markdown(index=False)  # no CPU peak

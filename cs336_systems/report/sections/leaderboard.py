@@ -129,7 +129,7 @@ def profile_table(frame: pd.DataFrame) -> NumericTable:
     then the same device time summed another way (the categories' check) and the step's wall time."""
     rows = _profiled(frame, "time")
     providers = list(dict.fromkeys(rows["provider"]))
-    values = rows.pivot_table(index="category", columns="provider", values="value", aggfunc="sum")
+    values = rows.set_index(["category", "provider"])["value"].unstack()  # NaN stays NaN (a sum would make it 0)
     order = [*PROFILE_CATEGORIES, *PROFILE_TOTALS]
     data = pd.DataFrame({"category": order, "batch": int(rows["batch"].max()),
                          **{p: [values.at[c, p] if c in values.index else float("nan") for c in order] for p in providers}})
@@ -139,7 +139,7 @@ def profile_table(frame: pd.DataFrame) -> NumericTable:
 def memory_table(frame: pd.DataFrame) -> NumericTable:
     """Peak memory of the profiled step split into what holds it (GiB), one row per provider."""
     rows = _profiled(frame, "memory")
-    values = rows.pivot_table(index="provider", columns="category", values="value", aggfunc="sum", dropna=False)
+    values = rows.set_index(["provider", "category"])["value"].unstack()  # a CPU's NaN peak stays NaN
     providers = list(dict.fromkeys(rows["provider"]))
     data = pd.DataFrame({"provider": providers, "batch": int(rows["batch"].max()),
                          **{part: [values.at[p, part] for p in providers] for part in MEMORY_PARTS}})
