@@ -96,6 +96,9 @@ def test_phase_rules():
     assert categorize(flash_fwd, "forward") == "attention forward"
     assert categorize(flash_fwd, "backward") == "recompute"  # a checkpoint reran it
     assert categorize("_flash_bwd_dq_kernel", "backward") == "attention backward"
+    sdpa_cpu = "aten::_scaled_dot_product_flash_attention_for_cpu"  # full checkpointing reruns SDPA in backward
+    assert categorize(sdpa_cpu, "backward") == "recompute" and categorize(sdpa_cpu, "forward") == "attention forward"
+    assert categorize(sdpa_cpu + "_backward", "backward") == "attention backward"
     assert categorize(gemm, "backward", ("MmBackward0",)) == "GEMM"
     assert categorize("aten::mm", "backward", ("aten::matmul", "MmBackward0")) == "recompute"  # a forward matmul
     assert categorize(gemm, "forward", ("cs336_systems::linear_cross_entropy",)) == "loss"  # inside the fused loss

@@ -58,9 +58,11 @@ MEMORY = ("peak", "parameters", "gradients", "optimizer state", "activations + w
 # (fmha_cutlassF/B) and cuDNN (cudnn_generated_..._sdpa_..._fprop/bprop_...) kernels and their aten ops; cuBLAS
 # (sm80_xmma_gemm, cutlass, nvjet_sm90 on Hopper) and ATen's elementwise/reduce/copy kernels.
 PATTERNS: tuple[tuple[str, str], ...] = (
-    ("attention backward", r"FlashAttention\w*Backward|flash_bwd|flash_triton_backward|_bwd_delta_kernel|_bwd_preprocess_kernel|fmha_cutlassB"
-                           r"|sdpa\w*bprop|attention_backward"),
-    ("attention forward", r"FlashAttention|flash_fwd|flash_triton_forward|fmha_cutlassF|sdpa\w*fprop|_flash_attention_forward"
+    ("attention backward", r"FlashAttention\w*Backward|flash_bwd|flash_triton_backward|_bwd_delta_kernel"
+                           r"|_bwd_preprocess_kernel|fmha_cutlassB"
+                           r"|sdpa\w*bprop|attention_backward|scaled_dot_product\w*backward"),
+    ("attention forward", r"FlashAttention|flash_fwd|flash_triton_forward|fmha_cutlassF|sdpa\w*fprop"
+                          r"|_flash_attention_forward"
                           r"|_efficient_attention_forward|_cudnn_attention_forward|scaled_dot_product"),
     ("loss", r"_ce_kernel|linear_cross_entropy|cross_entropy|nll_loss|log_softmax|SoftMaxForward|SoftMaxBackward"),
     ("optimizer", r"_adamw_kernel|fused_adam|adamw|_foreach_|multi_tensor_apply"),
@@ -72,8 +74,8 @@ PATTERNS: tuple[tuple[str, str], ...] = (
                               r"|masked_fill|fill_|zero_|sin|cos|cumsum|max|min)"),
 )
 # Forward-type kernels/ops: met in the backward range, they are a checkpoint's recomputation.
-FORWARD_ONLY = r"FlashAttention|flash_fwd|flash_triton_forward|fmha_cutlassF|sdpa\w*fprop|_attention_forward|SoftMaxForward" \
-               r"|nll_loss_forward|log_softmax(?!_backward)|_ce_kernel|linear_cross_entropy"
+FORWARD_ONLY = r"FlashAttention|flash_fwd|flash_triton_forward|fmha_cutlassF|sdpa\w*fprop|_attention_forward" \
+               r"|scaled_dot_product|SoftMaxForward|nll_loss_forward|log_softmax(?!_backward)|_ce_kernel|linear_cross_entropy"
 FORWARD_ONLY_OPS = {"aten::linear", "aten::matmul", "aten::einsum"}
 BACKWARD_NAME = r"backward|bprop|bwd"
 # Categories an op passes on to the kernels and ops it launches (a GEMM inside our fused loss is the loss).

@@ -25,7 +25,8 @@ KEEP_PREFIX = "ours-keep:"  # ours-keep:N, parsed by bench/leaderboard.py
 def ablation_change(provider: str) -> str | None:
     """What an ablation of ours changes (None: not an ablation)."""
     if provider.startswith(KEEP_PREFIX):
-        return f"the first {provider.removeprefix(KEEP_PREFIX)} blocks kept whole (not checkpointed), the rest selective"
+        kept = provider.removeprefix(KEEP_PREFIX)
+        return f"the first {kept} blocks kept whole (not checkpointed), the rest selective"
     return ABLATION_CHANGES.get(provider)
 
 
@@ -132,7 +133,8 @@ def profile_table(frame: pd.DataFrame) -> NumericTable:
     values = rows.set_index(["category", "provider"])["value"].unstack()  # NaN stays NaN (a sum would make it 0)
     order = [*PROFILE_CATEGORIES, *PROFILE_TOTALS]
     data = pd.DataFrame({"category": order, "batch": int(rows["batch"].max()),
-                         **{p: [values.at[c, p] if c in values.index else float("nan") for c in order] for p in providers}})
+                         **{p: [values.at[c, p] if c in values.index else float("nan") for c in order]
+                            for p in providers}})
     return NumericTable(data, (Col("category"), Col("batch", "d"), *(Col(p, ",.1f") for p in providers)))
 
 
