@@ -359,12 +359,14 @@ def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.
               file=sys.stderr, flush=True)
     synchronize(device)
     summary = summarize(times[config.warmup:])
+    # the timed steps' peak, read before the profiled step resets the allocator's peak for its own
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
     profiled = profile_one_step(trainee, inputs, targets, config, device, f"{provider}_b{batch}") \
         if config.profile_dir else []
     return {"profile_rows": profiled,
             "step_ms": summary["mean_ms"], "step_std_ms": summary["std_ms"], "step_median_ms": summary["median_ms"],
             "n_steps": summary["n"], "first_step_s": times[0] / 1e3, "loss": loss.item(),
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan}
+            "peak_mem_gib": peak}
 
 
 def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
