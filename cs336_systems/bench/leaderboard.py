@@ -14,7 +14,16 @@ model freed, with its compiled code, before the next is built):
 - ablations of ours, each changing one thing: `ours-no_fused_ce` (the plain CE of the full logits),
   `ours-torch_adamw` (torch's fused AdamW), `ours-sdpa_attention` (SDPA instead of our kernel),
   `ours-full_ac` (every block fully recomputed) and `ours-fp32_moments` (the numerics variant: float32
-  AdamW moments beside the bf16 parameters).
+  AdamW moments beside the bf16 parameters);
+- `ours-keep:N` (any N from 1 to the model's layers, parsed from the name): ours with the first N blocks not
+  checkpointed (`CheckpointPolicy.selective(keep_blocks=N)`), the rest selectively: what the memory that
+  selective checkpointing leaves free buys.
+
+With `--profile DIR`, each point runs one more step under the profiler after its timed ones
+(`bench/step_profile.py`): device time by category (attention forward/backward, GEMM, loss, optimizer,
+elementwise, copies, recomputation), the step's wall time, and peak memory split into parameters, gradients,
+optimizer state and the rest, as rows of DIR/../leaderboard_8b_profile.csv (or `--profile-out`); on CUDA the
+step's allocator snapshot is DIR/<provider>_b<batch>.pickle.
 
 Each (batch, provider) point runs `warmup` untimed steps (the first one, compilation and autotuning
 included, is reported as `first_step_s`) and `steps` timed ones, synchronizing around each, and becomes
@@ -49,10 +58,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
+from cs336_systems.bench import step_profile
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, positive_int
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
@@ -60,7 +71,7 @@ from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan
 from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops
 from cs336_systems.optim import AdamW
 from cs336_systems.provenance import device_name, provenance
-from cs336_systems.results import PartialRows
+from cs336_systems.results import PartialRows, write_rows
 from cs336_systems.train_step import lm_loss
 from cs336_systems.timing import (
     DTYPES,
@@ -111,6 +122,31 @@ ABLATIONS: dict[str, Recipe] = {
     "ours-fp32_moments": replace(OURS, moments="fp32"),
 }
 RECIPES = {**PROVIDERS, **ABLATIONS}
+# Ablations that use the memory selective checkpointing leaves free: `ours-keep:N` keeps the first N blocks'
+# activations whole (no checkpoint) and checkpoints the rest selectively, CheckpointPolicy.selective(N).
+KEEP_PREFIX = "ours-keep:"
+
+
+def keep_blocks(name: str) -> int | None:
+    """N of an `ours-keep:N` name (None for any other name); a ValueError naming a bad N."""
+    if not name.startswith(KEEP_PREFIX):
+        return None
+    text = name.removeprefix(KEEP_PREFIX)
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"ablation {name!r}: ours-keep:N needs N, the blocks kept unchecked, a positive integer; "
+                         f"got {text!r}")
+    return int(text)
+
+
+def recipe(provider: str) -> Recipe:
+    """A provider's recipe: a named one, or ours with `selective:N` checkpointing for `ours-keep:N`."""
+    keep = keep_blocks(provider)
+    if keep is not None:
+        return replace(OURS, checkpoint=f"selective:{keep}")
+    if provider not in RECIPES:
+        raise ValueError(f"unknown provider {provider!r}; known: {', '.join(RECIPES)}, {KEEP_PREFIX}N")
+    return RECIPES[provider]
+
 COMPILE_MODES = ("blocks", "none")
 
 # The correctness check's model: the 8B model's head dim (128), vocabulary and d_ff / d_model ratio at
@@ -143,6 +179,8 @@ class LeaderboardConfig:
     check_context: int = 1024
     check_batch: int = 2
     lr: float = 1e-4
+    profile_dir: str | None = None
+    profile_out: str | None = None
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
 
     def __post_init__(self):
@@ -153,7 +191,14 @@ class LeaderboardConfig:
                 raise ValueError(f"ablation batch {batch} is not one of the batches {self.batches}")
         check_positive("context length", self.context_length, self.check_context, self.check_batch)
         check_known("provider", self.providers, PROVIDERS)
-        check_known("ablation", self.ablations, ABLATIONS)
+        check_known("ablation", [a for a in self.ablations if keep_blocks(a) is None], ABLATIONS)
+        layers = self.model_config().num_layers
+        for name in self.ablations:
+            if (keep_blocks(name) or 0) > layers:
+                raise ValueError(f"ablation {name!r} keeps {keep_blocks(name)} blocks; size {self.size!r} has "
+                                 f"{layers}")
+        if self.profile_out is not None and self.profile_dir is None:
+            raise ValueError(f"profile output {self.profile_out!r} given without a profile folder (--profile DIR)")
         check_known("compile mode", [self.compile], COMPILE_MODES)
         check_known("parameter dtype", [self.param_dtype], ("bf16", "fp32"))
         check_known("check size", [self.check_size], CHECK_SIZES)
@@ -170,6 +215,12 @@ class LeaderboardConfig:
     def check_config(self) -> ModelConfig:
         base = SCALED_CHECK if self.check_size == "scaled" else get_config(self.check_size, edition="2026")
         return base.replace(context_length=self.check_context)
+
+    def profile_csv(self) -> Path | None:
+        """Where the profile rows go: `profile_out`, else leaderboard_8b_profile.csv beside the profile folder."""
+        if self.profile_dir is None:
+            return None
+        return Path(self.profile_out or Path(self.profile_dir).parent / "leaderboard_8b_profile.csv")
 
     def points(self) -> list[tuple[int, str]]:
         """(batch, provider) in the order they run."""
@@ -190,6 +241,7 @@ class Trainee:
     optimizer: torch.optim.Optimizer
     parameters: dict[str, nn.Parameter]
     as_plain_names: Callable[[dict], dict]
+    model: nn.Module | None = None  # the unwrapped model (the profiler hooks its final norm)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return self.as_plain_names({name: p.grad for name, p in self.parameters.items()})
@@ -218,7 +270,7 @@ def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCon
     fused = recipe.loss == "fused"
     return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused),
                    optimizer=make_optimizer(recipe, model.parameters(), config.lr),
-                   parameters=parameters, as_plain_names=plain_state_dict)
+                   parameters=parameters, as_plain_names=plain_state_dict, model=model)
 
 
 def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
@@ -230,16 +282,16 @@ def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCo
     if config.compile == "blocks":
         model.compile_blocks()
     return Trainee(loss=model.loss, optimizer=make_optimizer(recipe, model.parameters(), config.lr),
-                   parameters=dict(model.named_parameters()), as_plain_names=dict)
+                   parameters=dict(model.named_parameters()), as_plain_names=dict, model=model)
 
 
 def build(provider: str, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
           weights: dict | None = None) -> Trainee:
     """The provider's model, built directly on the device in the run's dtype (with `weights`, our
     model's state dict, loaded when given), its loss and its optimizer."""
-    recipe = RECIPES[provider]
-    builder = build_ours if recipe.model == "ours" else build_plain
-    return builder(recipe, model_config, config, device, weights)
+    chosen = recipe(provider)
+    builder = build_ours if chosen.model == "ours" else build_plain
+    return builder(chosen, model_config, config, device, weights)
 
 
 def train_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -252,11 +304,11 @@ def train_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) ->
 
 
 def recipe_columns(provider: str, config: LeaderboardConfig) -> dict:
-    recipe = RECIPES[provider]
-    return {"provider": provider, "model": recipe.model, "attention": recipe.attention, "loss_path": recipe.loss,
-            "optimizer": recipe.optimizer, "checkpoint": recipe.checkpoint, "compile": config.compile,
+    chosen = recipe(provider)
+    return {"provider": provider, "model": chosen.model, "attention": chosen.attention, "loss_path": chosen.loss,
+            "optimizer": chosen.optimizer, "checkpoint": chosen.checkpoint, "compile": config.compile,
             "param_dtype": config.param_dtype,
-            "optimizer_state_dtype": config.param_dtype if recipe.moments == "param" else recipe.moments}
+            "optimizer_state_dtype": config.param_dtype if chosen.moments == "param" else chosen.moments}
 
 
 def _fresh(device: torch.device) -> None:
@@ -269,6 +321,18 @@ def _fresh(device: torch.device) -> None:
 def _tokens(vocab: int, batch: int, context: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator(device=device).manual_seed(seed)
     return tuple(torch.randint(vocab, (batch, context), device=device, generator=generator) for _ in range(2))
+
+
+def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, config: LeaderboardConfig,
+                     device: torch.device, name: str) -> list[dict]:
+    """One more step under the profiler (bench/step_profile.py), its snapshot as DIR/NAME.pickle on CUDA."""
+    parts = {"zero_grad": lambda: trainee.optimizer.zero_grad(set_to_none=True),
+             "forward": lambda: trainee.loss(inputs, targets), "optimizer": trainee.optimizer.step}
+    rows = step_profile.profile_step(parts, trainee.model, trainee.parameters.values(), trainee.optimizer, device,
+                                     Path(config.profile_dir) / f"{name}.pickle")
+    print(f"  [{name}] profiled step: {rows[-len(step_profile.MEMORY) - 1]['value']:.1f} ms", file=sys.stderr,
+          flush=True)
+    return rows
 
 
 # ---- the timed points -------------------------------------------------------------------------------
@@ -295,9 +359,14 @@ def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.
               file=sys.stderr, flush=True)
     synchronize(device)
     summary = summarize(times[config.warmup:])
-    return {"step_ms": summary["mean_ms"], "step_std_ms": summary["std_ms"], "step_median_ms": summary["median_ms"],
+    # the timed steps' peak, read before the profiled step resets the allocator's peak for its own
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    profiled = profile_one_step(trainee, inputs, targets, config, device, f"{provider}_b{batch}") \
+        if config.profile_dir else []
+    return {"profile_rows": profiled,
+            "step_ms": summary["mean_ms"], "step_std_ms": summary["std_ms"], "step_median_ms": summary["median_ms"],
             "n_steps": summary["n"], "first_step_s": times[0] / 1e3, "loss": loss.item(),
-            "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan}
+            "peak_mem_gib": peak}
 
 
 def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
@@ -313,12 +382,16 @@ def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torc
         if not is_oom(error):
             raise
         row = oom_row(base, error)
+        profiled = []
     else:
+        profiled = result.pop("profile_rows")
         seconds = result["step_ms"] / 1e3
         tflops = flops / seconds / 1e12
         row = {**base, **result, "tflops": tflops, "mfu": tflops * 1e12 / peak_flops(device_name(device), "bf16"),
                "status": "ok"}
     _fresh(device)  # the frames of a failed step are gone once the except block is left
+    row["profile_rows"] = [{"provider": provider, "batch": batch, "context_length": config.context_length,
+                            "size": config.size, **r} for r in profiled]
     return row
 
 
@@ -402,6 +475,7 @@ def run(config: LeaderboardConfig, out) -> None:
     if config.check_size != "none":
         rows.add({**row, **prov} for row in run_check(config, device))
     points = config.points()
+    profiled = []
     for i, (batch, provider) in enumerate(points, 1):
         print(f"[{i}/{len(points)}] {provider} batch={batch} context={config.context_length}", file=sys.stderr,
               flush=True)
@@ -410,8 +484,11 @@ def run(config: LeaderboardConfig, out) -> None:
                  f"first step {row['first_step_s']:.1f} s" if row["status"] == "ok" else row["status"])
         print(f"[{i}/{len(points)}] {provider} batch={batch}: {shown} ({time.monotonic() - start:.0f} s into the run)",
               file=sys.stderr, flush=True)
+        profiled += [{**r, **prov} for r in row.pop("profile_rows")]
         rows.add([{**row, **prov}])
     rows.finish()
+    if config.profile_dir is not None:
+        write_rows(profiled, config.profile_csv())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -421,8 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=positive_int, default=32768, help="tokens per sequence")
     parser.add_argument("--providers", nargs="*", default=list(PROVIDERS), choices=list(PROVIDERS),
                         help="ours and the plain-PyTorch anchors")
-    parser.add_argument("--ablations", nargs="*", default=list(ABLATIONS), choices=list(ABLATIONS),
-                        help="variants of ours, each with one optimisation switched off (none: no ablations)")
+    parser.add_argument("--ablations", nargs="*", default=list(ABLATIONS),
+                        help=f"variants of ours, each with one optimisation switched off ({', '.join(ABLATIONS)}), "
+                             f"or {KEEP_PREFIX}N: the first N blocks not checkpointed (none given: no ablations)")
     parser.add_argument("--ablation-batch", nargs="+", type=positive_int, default=None,
                         help="the batch sizes (of --batch) at which the ablations run (default: the last of --batch)")
     parser.add_argument("--warmup", type=positive_int, default=2,
@@ -438,6 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the correctness check's model: scaled (2 layers, d 256, the 8B head dim and vocab), "
                              "tiny, or none (no check)")
     parser.add_argument("--check-context", type=positive_int, default=1024, help="tokens per sequence of the check")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after each point's timed steps, one more step under torch.profiler (and, on CUDA, the "
+                             "allocator history: DIR/<provider>_b<batch>.pickle); its time by category and peak "
+                             "memory split go to --profile-out")
+    parser.add_argument("--profile-out", help="CSV of the profile rows (default: DIR/../leaderboard_8b_profile.csv)")
     add_device_argument(parser)
     parser.add_argument("--out", required=True, help="CSV file for the rows")
     return parser
@@ -451,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
         providers=tuple(args.providers), ablations=tuple(args.ablations), ablation_batches=args.ablation_batch and tuple(args.ablation_batch),
         warmup=args.warmup, steps=args.steps, compile=args.compile, param_dtype=args.param_dtype,
         chunk_tokens=args.chunk_tokens, check_size=args.check_size, check_context=args.check_context,
-        device=args.device)
+        profile_dir=args.profile, profile_out=args.profile_out, device=args.device)
     run(config, args.out)
 
 

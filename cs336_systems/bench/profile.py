@@ -57,8 +57,9 @@ OWN_RANGES = {"forward", "backward", "optimizer", "inference", *ATTENTION_STAGES
 
 def is_annotation(name: str) -> bool:
     """A range, not a kernel: ours, the profiler's step markers, or torch.optim's own
-    `Optimizer.step#AdamW.step`, which the profiler also puts on the GPU timeline (with no CPU time)."""
-    return name in OWN_RANGES or name.startswith(("ProfilerStep", "Optimizer."))
+    `Optimizer.step#AdamW.step`, which the profiler also puts on the GPU timeline (with no CPU time), or the
+    phase ranges of bench/step_profile.py (`step:forward`, ...)."""
+    return name in OWN_RANGES or name.startswith(("ProfilerStep", "Optimizer.", "step:"))
 
 
 def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tuple[int, float]]]:

@@ -19,6 +19,21 @@ ABLATION_CHANGES = {  # what each ablation switches off (bench/leaderboard.py's 
     "ours-full_ac": "every block fully recomputed instead of selective checkpointing",
     "ours-fp32_moments": "float32 AdamW moments (numerics variant)",
 }
+KEEP_PREFIX = "ours-keep:"  # ours-keep:N, parsed by bench/leaderboard.py
+
+
+def ablation_change(provider: str) -> str | None:
+    """What an ablation of ours changes (None: not an ablation)."""
+    if provider.startswith(KEEP_PREFIX):
+        kept = provider.removeprefix(KEEP_PREFIX)
+        return f"the first {kept} blocks kept whole (not checkpointed), the rest selective"
+    return ABLATION_CHANGES.get(provider)
+
+
+def _is_ablation(providers: pd.Series) -> pd.Series:
+    return providers.map(lambda p: ablation_change(str(p)) is not None)
+
+
 STEP = "step (ms, mean ± std)"
 RATIO = "÷ SAC anchor"
 PEAK_TFLOPS = 989  # the H200's dense bf16 datasheet peak, the MFU denominator (timing.peak_flops)
@@ -55,7 +70,7 @@ def step_table(frame: pd.DataFrame) -> NumericTable:
 
 
 def _ablation_run(table: pd.DataFrame) -> str | None:
-    runs = table.loc[table["provider"].isin(ABLATION_CHANGES), "run"]
+    runs = table.loc[_is_ablation(table["provider"]), "run"]
     return runs.iloc[0] if len(runs) else None
 
 
@@ -78,10 +93,10 @@ def ablation_table(frame: pd.DataFrame) -> NumericTable:
     steps = step_table(frame)
     numbers = formula_frame(steps)
     run = _ablation_run(numbers)
-    chosen = numbers[(numbers["run"] == run) & numbers["provider"].isin(ABLATION_CHANGES)]
+    chosen = numbers[(numbers["run"] == run) & _is_ablation(numbers["provider"])]
     ours = [_step(numbers, "ours", run, b) for b in chosen["batch"]]
     data = pd.DataFrame({
-        "ablation": chosen["provider"].to_numpy(), "changes": chosen["provider"].map(ABLATION_CHANGES).to_numpy(),
+        "ablation": chosen["provider"].to_numpy(), "changes": chosen["provider"].map(ablation_change).to_numpy(),
         "batch": chosen["batch"].to_numpy(), STEP: chosen[STEP].to_numpy(),
         "step std (ms)": chosen["step std (ms)"].to_numpy(), "ours (ms, mean)": ours,
         "÷ ours": chosen[STEP].to_numpy() / ours, "peak (GiB)": chosen["peak (GiB)"].to_numpy(),
@@ -91,6 +106,74 @@ def ablation_table(frame: pd.DataFrame) -> NumericTable:
                                Col(STEP, ",.1f", second="step std (ms)"), Col("ours (ms, mean)", ",.1f"),
                                Col("÷ ours", ".3f"), Col("peak (GiB)", ",.2f"), Col("params / moments"), Col("status")),
                         {STEP: dict(oom), "peak (GiB)": dict(oom)} if oom else {})
+
+
+# ---- the profiled step (bench/step_profile.py, `--profile`) ------------------------------------------------------
+
+PROFILE_CATEGORIES = ("attention forward", "attention backward", "GEMM", "loss", "optimizer", "elementwise/norm/rope",
+                      "copies", "recompute", "other")  # bench/step_profile.CATEGORIES, in that order
+PROFILE_TOTALS = ("profiled ops (total)", "step (wall)")
+MEMORY_PARTS = ("peak", "parameters", "gradients", "optimizer state", "activations + workspace")
+PROFILE_COMMAND = "snakemake results/leaderboard_8b.csv results/leaderboard_8b_profile.csv --cores 1 --resources gpu=1"
+PROFILE_FLAGS = "--profile results/leaderboard_8b_snapshots --profile-out results/leaderboard_8b_profile.csv"
+
+
+def _profiled(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
+    """The rows of one kind (time or memory) of the last run's largest profiled batch, providers in run order."""
+    run = frame["run_id"].iloc[-1]
+    rows = frame[(frame["run_id"] == run) & (frame["kind"] == kind)]
+    return rows[rows["batch"] == rows["batch"].max()]
+
+
+def profile_table(frame: pd.DataFrame) -> NumericTable:
+    """ms of each category in the profiled step, one column per provider (the largest batch of the last run);
+    then the same device time summed another way (the categories' check) and the step's wall time."""
+    rows = _profiled(frame, "time")
+    providers = list(dict.fromkeys(rows["provider"]))
+    values = rows.set_index(["category", "provider"])["value"].unstack()  # NaN stays NaN (a sum would make it 0)
+    order = [*PROFILE_CATEGORIES, *PROFILE_TOTALS]
+    data = pd.DataFrame({"category": order, "batch": int(rows["batch"].max()),
+                         **{p: [values.at[c, p] if c in values.index else float("nan") for c in order]
+                            for p in providers}})
+    return NumericTable(data, (Col("category"), Col("batch", "d"), *(Col(p, ",.1f") for p in providers)))
+
+
+def memory_table(frame: pd.DataFrame) -> NumericTable:
+    """Peak memory of the profiled step split into what holds it (GiB), one row per provider."""
+    rows = _profiled(frame, "memory")
+    values = rows.set_index(["provider", "category"])["value"].unstack()  # a CPU's NaN peak stays NaN
+    providers = list(dict.fromkeys(rows["provider"]))
+    data = pd.DataFrame({"provider": providers, "batch": int(rows["batch"].max()),
+                         **{part: [values.at[p, part] for p in providers] for part in MEMORY_PARTS}})
+    return NumericTable(data, (Col("provider"), Col("batch", "d"), *(Col(part, ",.2f") for part in MEMORY_PARTS)))
+
+
+def _profile_pointer(ctx: Context) -> str:
+    """Where the profile is (the next section), or the pending line with the command that records it."""
+    if ctx.frame("leaderboard_8b_profile") is not None:
+        return ("The step broken down from a profiler trace, and its peak memory by category: the next section "
+                "(`results/leaderboard_8b_profile.csv`).")
+    return (f"Pending (needs a GPU run with the profiler): the step broken down from a profiler trace (attention "
+                "forward and backward, GEMMs, loss, optimizer, recomputation) and peak memory by category, for ours, "
+                f"the anchors and the ablations. Command: `{PROFILE_COMMAND}` (the rule passes `{PROFILE_FLAGS}` to "
+                "`python -m cs336_systems.bench.leaderboard`).")
+
+
+def render_profile(ctx: Context) -> str:
+    """The profiled step of each provider: the method, the time by category and the peak-memory split."""
+    text = ("Where the step's time and memory go: after its timed steps each point ran one more step under "
+            "`torch.profiler` (`bench/step_profile.py`). Each kernel's device time (on a CPU, each op's self CPU "
+            "time) is given to a category by its name, to the phase range whose host interval holds its "
+            "launching op, and then by phase: a forward-type kernel (attention forward, or one launched under a "
+            "forward-only op such as `aten::linear`) met in the backward is `recompute`, everything in the loss "
+            "range (LM head and cross-entropy) is `loss`, everything in the optimizer step is `optimizer`. Inside "
+            "compiled blocks Inductor calls the GEMMs directly in both passes, so recomputed GEMMs there stay in "
+            "`GEMM`. `profiled ops (total)` is the same time summed another way, which the categories add up to; "
+            "`step (wall)` is the profiled step's synchronized host time. Memory: the step's allocator peak, and "
+            "parameters, gradients and optimizer state counted from the tensors at the step's end; the rest is "
+            "activations and workspace at the peak (a lower bound where some gradients did not exist yet at the "
+            "peak). On CUDA the step's allocator snapshot is pickled beside the results (not committed).")
+    return "\n\n".join([text, ctx.table("leaderboard_8b_profile"), ctx.table("leaderboard_8b_memory")])
 
 
 def _cell(table: pd.DataFrame, provider: str, column: str, batch: int | None = None, run: str | None = None) -> float:
@@ -135,11 +218,14 @@ def _ablation_paragraph(q: Quotes) -> str | None:
     run = _ablation_run(t)
     if run is None:
         return None
-    rows = t[(t["run"] == run) & t["provider"].isin(ABLATION_CHANGES)]
+    rows = t[(t["run"] == run) & _is_ablation(t["provider"])]
     said = []
     for provider, batch in zip(rows["provider"], rows["batch"]):
         if not _measured(_step(t, provider, run, batch)):
             said.append(f"`{provider}` runs out of memory")
+            continue
+        if not _measured(_step(t, "ours", run, batch)):
+            said.append(f"`{provider}` ran without an `ours` row of the same run and batch to compare with")
             continue
         ratio = q.derive(lambda t, p=provider, b=batch: _step(t, p, run, b) / _step(t, "ours", run, b), ".3f",
                          f"{provider} over ours")
@@ -198,18 +284,13 @@ def render_leaderboard(ctx: Context) -> Section:
     ablation = _ablation_paragraph(q)
     if ablation:
         checked.append(ablation)
-    pending = ("Pending (needs a GPU run with the profiler; no command records it yet): the step broken down from "
-               "a profiler trace (attention forward and backward, GEMMs, loss, optimizer, recomputation) and peak "
-               "memory by category, for ours and the anchor. It needs a `--profile` option of "
-               "`python -m cs336_systems.bench.leaderboard` recording one step with `torch.profiler` and a memory "
-               "snapshot (as `cs336_systems.bench.profile` and `bench.memory` do for the 2025 models), then a run on "
-               "the H200: `snakemake results/leaderboard_8b.csv --cores 1 --resources gpu=1`.")
     parts = [intro, checked[0], ctx.table("leaderboard_8b"), flops]
     if ablation:
         parts += [ablation, ctx.table("leaderboard_8b_ablations")]
-    parts.append(pending)
+    parts.append(_profile_pointer(ctx))
     wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), "3,837", "27", "10,000", "24", "2026")
-    return Section(parts, table, checked, q.derived, wording=wording + tuple(str(b) for b in batches))
+    kept = tuple(p.removeprefix(KEEP_PREFIX) for p in set(q.frame["provider"]) if p.startswith(KEEP_PREFIX))
+    return Section(parts, table, checked, q.derived, wording=wording + tuple(str(b) for b in batches) + kept)
 
 
 DELIVERABLES = [
@@ -220,4 +301,12 @@ DELIVERABLES = [
                               "ratio of means to the selective-checkpointing anchor of the same run and batch"),
                         Table("leaderboard_8b_ablations", "leaderboard_8b", ablation_table,
                               "Ablations of ours (the run that has them): mean step over ours' of the same run"))),
+    # the profiled step (`--profile`, the rule's second output): its own section, pending until a run records it
+    Deliverable("2026 §9 leaderboard, continued: where the 8B step's time and memory go", "leaderboard_8b",
+                render_profile, ("leaderboard_8b_profile",),
+                tables=(Table("leaderboard_8b_profile", "leaderboard_8b_profile", profile_table,
+                              "One profiled step per provider (largest batch of the run): device time by category "
+                              "(ms), the same time summed another way, and the step's wall time"),
+                        Table("leaderboard_8b_memory", "leaderboard_8b_profile", memory_table,
+                              "Peak memory of the profiled step by what holds it (GiB)"))),
 ]

@@ -1,0 +1,217 @@
+"""The leaderboard's profiled step (bench/step_profile.py, `--profile`) and its `ours-keep:N` ablations, on the
+CPU at tiny scale: the kernel classifier on real kernel names, the phase rules (recomputation, loss, optimizer),
+the profile rows adding up, and the peak-memory split's parts counted from the built models."""
+
+import pandas as pd
+import pytest
+import torch
+
+from cs336_systems.bench import leaderboard, step_profile
+from cs336_systems.bench.step_profile import categorize, classify
+from cs336_systems.model import get_config
+from tests.test_leaderboard import TINY, _tiny
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+# Real names: GPU kernels from results/profile*.csv (the 2025 models on an H100 / H200), our Triton kernels and
+# custom ops, SDPA's flash / memory-efficient / cuDNN kernels, Inductor's generated kernels, CPU-side ops.
+NAMED = {
+    "attention forward": [
+        "_flash_fwd_kernel", "_flash_fwd_gluon_kernel", "cs336_systems::flash_triton_forward", "FlashAttentionTriton",
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
+        "cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t> >, true, false, false, "
+        "false, true, true, false, false>(pytorch_flash::Flash_fwd_params)",
+        "fmha_cutlassF_bf16_aligned_64x64_rf_sm80(PyTorchMemEffAttention::AttentionKernel<cutlass::bfloat16_t, "
+        "cutlass::arch::Sm80, true, 64, 64, 64, true, true>::Params)",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
+        "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward"],
+    "attention backward": [
+        "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_bwd_delta_kernel", "_flash_bwd_gluon_kernel",
+        "_bwd_preprocess_kernel", "cs336_systems::flash_triton_backward", "FlashAttentionTritonBackward",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, "
+        "2, 4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t> >, "
+        "true, false, false, false, false, true>(pytorch_flash::Flash_bwd_params)",
+        "void pytorch_flash::flash_bwd_dot_do_o_kernel<true, Flash_bwd_kernel_traits<128, 64, 128, 8, 2, 4, 2, "
+        "false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t> > >"
+        "(pytorch_flash::Flash_bwd_params)",
+        "fmha_cutlassB_bf16_aligned_64x64_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<"
+        "cutlass::arch::Sm80, cutlass::bfloat16_t, true, false, true, 64, 64, 128, false>::Params)",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_4_64x128x128_4x1x1_kernel0_0",
+        "aten::_scaled_dot_product_cudnn_attention_backward"],
+    "GEMM": [
+        "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x64x8_stage3_warpsize1x4x1_ffma_aligna4_alignc4_execute_"
+        "kernel__5x_cublas", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT",
+        "void cutlass::Kernel2<cutlass_80_simt_sgemm_256x128_8x4_nt_align1>(cutlass_80_simt_sgemm_256x128_8x4_nt_"
+        "align1::Params)", "aten::mm", "aten::addmm", "aten::linear"],
+    "loss": ["_ce_kernel", "cs336_systems::linear_cross_entropy", "aten::cross_entropy_loss",
+             "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::"
+             "(anonymous namespace)::LogSoftMaxForwardEpilogue>(float*, float const*, int)",
+             "void at::native::(anonymous namespace)::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>"
+             "(float*, float*, float const*, long const*, float const*, bool, long, long, long, long)"],
+    "optimizer": [
+        "_adamw_kernel",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<c10::BFloat16, 4, "
+        "(at::native::ADAM_MODE)1, false>, float*, double, double, double, double, double, bool, float*, float*>"
+        "(at::native::(anonymous namespace)::TensorListMetadata<4>, at::native::(anonymous namespace)::"
+        "FusedAdamMathFunctor<c10::BFloat16, 4, (at::native::ADAM_MODE)1, false>, float*, double, double, double, "
+        "double, double, bool, float*, float*)", "aten::_fused_adamw_"],
+    "elementwise/norm/rope": [
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctorOnSelf_add<float>, std::array<char*,"
+        " 2ul> >(int, at::native::CUDAFunctorOnSelf_add<float>, std::array<char*, 2ul>)",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+        "float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, "
+        "float>, unsigned int, float, 4, 4>)",
+        "triton_per_fused__to_copy_mean_mul_pow_rsqrt_1", "triton_poi_fused_mul_silu_2", "aten::mul", "aten::rsqrt",
+        "void (anonymous namespace)::softmax_warp_forward<float, float, float, 9, false, false>(float*, float const*, "
+        "int, int, int, bool const*, int, bool)"],
+    "copies": ["Memcpy DtoD (Device -> Device)", "Memset (Device)", "aten::copy_", "aten::_to_copy",
+               "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)"
+               "::{lambda()#3}::operator()() const::{lambda()#4}::operator()() const::{lambda(float)#1}, std::array<"
+               "char*, 2ul>, 4, TrivialOffsetCalculator<1, unsigned int>>(int, float, std::array<char*, 2ul>)"],
+    "other": ["void at::native::vectorized_gather_kernel<16, long>(char*, char*, long*, int, long, long, long, long, "
+              "bool)", "aten::embedding", "aten::empty"],
+}
+
+
+@pytest.mark.parametrize("category", list(NAMED))
+def test_classifier_on_real_kernel_names(category):
+    assert {name[:60]: classify(name) for name in NAMED[category]} == {name[:60]: category for name in NAMED[category]}
+
+
+def test_classifier_covers_the_2025_profiles():
+    """Every GEMM of the committed profiles is a GEMM, every multi-tensor (foreach AdamW) kernel optimizer, and
+    no kernel there is attention (the 2025 models' naive attention is GEMMs and elementwise kernels)."""
+    names = pd.concat(pd.read_csv(ROOT / "results" / f) for f in ("profile.csv", "profile_bf16.csv"))["name"].dropna().unique()
+    found = {name: classify(name) for name in names}
+    gemms = [n for n in names if n.startswith(("sm80_xmma_gemm", "nvjet_", "void cutlass::Kernel2"))]
+    assert len(gemms) > 20 and all(found[n] == "GEMM" for n in gemms)
+    assert all(found[n] == "optimizer" for n in names if "multi_tensor_apply_kernel" in n)
+    assert not [n for n, c in found.items() if c.startswith("attention")]
+    assert sum(c == "other" for c in found.values()) < len(names) / 5  # radix sorts, gathers, index kernels
+
+
+def test_phase_rules():
+    flash_fwd, gemm = "_flash_fwd_kernel", "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT"
+    assert categorize(flash_fwd, "forward") == "attention forward"
+    assert categorize(flash_fwd, "backward") == "recompute"  # a checkpoint reran it
+    assert categorize("_flash_bwd_dq_kernel", "backward") == "attention backward"
+    sdpa_cpu = "aten::_scaled_dot_product_flash_attention_for_cpu"  # full checkpointing reruns SDPA in backward
+    assert categorize(sdpa_cpu, "backward") == "recompute" and categorize(sdpa_cpu, "forward") == "attention forward"
+    assert categorize(sdpa_cpu + "_backward", "backward") == "attention backward"
+    assert categorize(gemm, "backward", ("MmBackward0",)) == "GEMM"
+    assert categorize("aten::mm", "backward", ("aten::matmul", "MmBackward0")) == "recompute"  # a forward matmul
+    assert categorize(gemm, "forward", ("cs336_systems::linear_cross_entropy",)) == "loss"  # inside the fused loss
+    assert categorize(gemm, "backward", ("GeneratedBackwardFor_cs336_systems_linear_cross_entropy_default",)) == "loss"
+    assert categorize(gemm, "loss") == "loss" and categorize(flash_fwd, "loss") == "attention forward"
+    assert categorize("aten::mul", "optimizer") == categorize(gemm, "optimizer") == "optimizer"
+    assert categorize("aten::empty", None) == "other"
+
+
+# ---- the profiled run --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    """The smoke command with --profile: the plain anchor with full checkpointing and ours keeping one block."""
+    tmp = tmp_path_factory.mktemp("profile")
+    leaderboard.main([*TINY, "--check-size", "none", "--providers", "torch_plain_ac", "--ablations", "ours-keep:1",
+                      "--ablation-batch", "2", "--profile", str(tmp / "snapshots"), "--out", str(tmp / "lb.csv")])
+    return pd.read_csv(tmp / "leaderboard_8b_profile.csv"), tmp
+
+
+def test_profile_rows_add_up_to_the_step(profiled):
+    """On the CPU a category's time is its ops' self CPU time; the categories must add up to the outermost ops'
+    total CPU time (summed independently from the nesting, `profiled ops (total)`) within 1% (µs rounding of
+    the profiler's events), and lie below the step's wall time (the rest is Python between ops)."""
+    rows, tmp = profiled
+    assert set(rows["provider"]) == {"torch_plain_ac", "ours-keep:1"} and (rows["batch"] == 2).all()
+    for provider, mine in rows.groupby("provider"):
+        times = mine[mine["kind"] == "time"].set_index("category")["value"]
+        assert set(times.index) == {*step_profile.CATEGORIES, step_profile.WALL, step_profile.WALL_OF_OPS}
+        categories = times[list(step_profile.CATEGORIES)]
+        assert categories.sum() == pytest.approx(times[step_profile.WALL_OF_OPS], rel=0.01), provider
+        assert categories.sum() <= times[step_profile.WALL]
+        assert times["recompute"] > 0 and times["GEMM"] > 0 and times["loss"] > 0 and times["optimizer"] > 0
+    ours = rows[(rows["provider"] == "ours-keep:1") & (rows["kind"] == "time")].set_index("category")["value"]
+    assert ours["attention forward"] > 0 and ours["attention backward"] > 0
+    assert not list(tmp.glob("snapshots/*.pickle"))  # allocator history is CUDA's
+
+
+def test_profile_memory_parts_are_the_models_tensors(profiled):
+    """Parameters and gradients counted from the model (float32 here), AdamW's two moments per parameter plus
+    its per-tensor step counters; no peak on a CPU, so no rest."""
+    rows, _ = profiled
+    config = get_config("tiny", edition="2026", context_length=24)
+    from cs336_systems.model import TransformerLM
+    with torch.device("meta"):
+        model = TransformerLM(config)
+    params = list(model.parameters())
+    param_bytes = 4 * sum(p.numel() for p in params)
+    for provider, mine in rows[rows["kind"] == "memory"].groupby("provider"):
+        memory = mine.set_index("category")["value"] * 2**30  # back from GiB
+        assert memory["parameters"] == pytest.approx(param_bytes) and memory["gradients"] == pytest.approx(param_bytes)
+        state = round(memory["optimizer state"])
+        assert 2 * param_bytes <= state <= 2 * param_bytes + 8 * len(params), provider
+        assert memory[["peak", "activations + workspace"]].isna().all()
+
+
+# ---- ours-keep:N ---------------------------------------------------------------------------------------------
+
+
+def test_keep_ablations_parse_and_name_bad_values():
+    assert leaderboard.recipe("ours-keep:2").checkpoint == "selective:2"
+    assert leaderboard.recipe_columns("ours-keep:1", _tiny())["checkpoint"] == "selective:1"
+    assert _tiny(ablations=("ours-keep:1", "ours-keep:2")).points()[-2:] == [(2, "ours-keep:1"), (2, "ours-keep:2")]
+    for name, message in [("ours-keep:0", "got '0'"), ("ours-keep:x", "got 'x'"), ("ours-keep:-1", "got '-1'"),
+                          ("ours-keep:", "got ''"), ("ours-keep:3", "keeps 3 blocks; size 'tiny' has 2"),
+                          ("ours-kept:1", "unknown ablation 'ours-kept:1'")]:
+        with pytest.raises(ValueError, match=message):
+            _tiny(ablations=(name,))
+    with pytest.raises(ValueError, match="without a profile folder"):
+        _tiny(profile_out="p.csv")
+
+
+# ---- the writeup section ---------------------------------------------------------------------------------------
+
+
+def _render(results):
+    """The leaderboard section and its continuation (the profile), built as the `table` rule and the writeup do."""
+    from cs336_systems.report.__main__ import make_tables
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.leaderboard import DELIVERABLES, render_leaderboard
+    from cs336_systems.report.writeup import render
+
+    make_tables(results, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_profile",
+                          "leaderboard_8b_memory"])  # those whose data is present
+    ctx = Context(results, results, results, {})
+    return render_leaderboard(ctx), render(DELIVERABLES[1], ctx)
+
+
+def test_section_renders_the_profile_and_is_pending_without_it(profiled, tmp_path):
+    """Without the profile CSV the section names the command that records it (and its continuation is pending);
+    with it, the continuation's time table holds each provider's category times from the CSV, its memory table
+    each provider's split, and the keep:N ablation is in the ablation table."""
+    from cs336_systems.report.frame import NumericTable
+    from tests.test_report import unquoted
+
+    rows, tmp = profiled
+    (tmp_path / "leaderboard_8b.csv").write_text((tmp / "lb.csv").read_text())
+    body, profile = _render(tmp_path)
+    assert "Pending (needs a GPU run with the profiler)" in body.markdown()
+    assert "--profile results/leaderboard_8b_snapshots" in body.markdown()
+    assert "ours-keep:1" in body.markdown() and unquoted(body) == [] and "nan" not in body.markdown()
+    assert profile.startswith("pending: rule `leaderboard_8b`")
+
+    rows.to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
+    body, profile = _render(tmp_path)
+    assert "Pending (needs a GPU run with the profiler)" not in body.markdown() and "next section" in body.markdown()
+    assert "nan" not in profile
+    table = NumericTable.load(tmp_path / "tables" / "leaderboard_8b_profile.json")
+    assert table.to_markdown(index=False) in profile
+    for (provider, category), value in rows[rows["kind"] == "time"].set_index(["provider", "category"])["value"].items():
+        assert table.data.set_index("category").at[category, provider] == pytest.approx(value), (provider, category)
+    memory = NumericTable.load(tmp_path / "tables" / "leaderboard_8b_memory.json")
+    assert memory.to_markdown(index=False) in profile
+    assert list(memory.data["provider"]) == ["torch_plain_ac", "ours-keep:1"]
+    assert memory.data["peak"].isna().all() and "|      — |" in memory.to_markdown(index=False)  # no CPU peak
