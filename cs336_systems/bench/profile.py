@@ -51,6 +51,10 @@ from cs336_systems.timing import (
 from cs336_systems.model import MODEL_SIZES, cross_entropy
 from cs336_systems.optim import AdamW
 
+# Kernel and op names of matrix multiplications, as profilers name them (the report's kernel classes and
+# bench.step_profile's categories). Recent cuBLAS names its Hopper GEMMs nvjet_* (e.g. nvjet_sm90_hss_320x128).
+MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
+
 ATTENTION_STAGES = ("scores", "softmax", "final matmul")
 OWN_RANGES = {"forward", "backward", "optimizer", "inference", *ATTENTION_STAGES}
 

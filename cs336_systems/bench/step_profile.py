@@ -40,8 +40,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from cs336_systems.bench.profile import is_annotation, summarize
-from cs336_systems.report.profile_tables import MATMUL
+from cs336_systems.bench.profile import MATMUL, is_annotation, summarize
 from cs336_systems.timing import synchronize
 
 PHASES = ("forward", "loss", "backward", "optimizer")

@@ -7,10 +7,8 @@ import re
 
 import pandas as pd
 
+from cs336_systems.bench.profile import MATMUL
 from cs336_systems.report.tables import SIZE_ORDER, ordered_by_size
-
-# Recent cuBLAS names its Hopper GEMMs nvjet_* (e.g. nvjet_sm90_hss_320x128).
-MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
 
 
 # Wrapper functors of ATen's elementwise and multi-tensor kernels; the operation is a template argument inside.
