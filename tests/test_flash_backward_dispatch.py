@@ -22,9 +22,11 @@ from cs336_systems.kernels.flash_dispatch import (
     BACKWARD_ENV,
     FORWARD_ENV,
     GLUON_BACKWARD_MIN_KEYS,
+    GLUON_MIN_KEYS,
     HOPPER,
     choose_backward,
     gluon_backward_pays,
+    gluon_pays,
 )
 from cs336_systems.kernels.settings import FlashSettings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
@@ -70,18 +72,25 @@ def test_shape_rule_picks_the_faster_backward_at_every_measured_shape():
             f"{case}: Gluon {t['gluon_shipped']:.3f} ms, FA2 {t['flash_triton']:.3f} ms"
 
 
+# Both passes' shape rules (the forward's and the backward's), each with its own threshold.
+SHAPE_RULES = [pytest.param(gluon_pays, GLUON_MIN_KEYS, id="forward"),
+               pytest.param(gluon_backward_pays, GLUON_BACKWARD_MIN_KEYS, id="backward")]
+
+
+@pytest.mark.parametrize("pays,min_keys", SHAPE_RULES)
 @pytest.mark.parametrize("capability", [None, (8, 0), (8, 9), (10, 0), (12, 0)])
-def test_shape_rule_keeps_fa2_off_hopper(capability):
-    n = 8 * GLUON_BACKWARD_MIN_KEYS
-    assert gluon_backward_pays(HOPPER, n, n, True) and not gluon_backward_pays(capability, n, n, True)
+def test_shape_rule_keeps_fa2_off_hopper(pays, min_keys, capability):
+    n = 8 * min_keys
+    assert pays(HOPPER, n, n, True) and not pays(capability, n, n, True)
 
 
-def test_shape_rule_counts_the_keys_the_longest_row_sees():
-    n = GLUON_BACKWARD_MIN_KEYS
-    assert gluon_backward_pays(HOPPER, n, n, True) and not gluon_backward_pays(HOPPER, n - 1, n - 1, False)
+@pytest.mark.parametrize("pays,min_keys", SHAPE_RULES)
+def test_shape_rule_counts_the_keys_the_longest_row_sees(pays, min_keys):
+    n = min_keys
+    assert pays(HOPPER, n, n, True) and not pays(HOPPER, n - 1, n - 1, False)
     # causal rows see keys 0..i (aligned at the start): 300 queries see at most 300 keys, however many there are
-    assert not gluon_backward_pays(HOPPER, 300, 8 * n, True) and gluon_backward_pays(HOPPER, 300, 8 * n, False)
-    assert not gluon_backward_pays(HOPPER, 8 * n, 300, True) and not gluon_backward_pays(HOPPER, 8 * n, 300, False)
+    assert not pays(HOPPER, 300, 8 * n, True) and pays(HOPPER, 300, 8 * n, False)
+    assert not pays(HOPPER, 8 * n, 300, True) and not pays(HOPPER, 8 * n, 300, False)
 
 
 def test_cpu_and_interpreter_take_fa2(no_flash_choice):

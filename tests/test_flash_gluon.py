@@ -218,20 +218,6 @@ def test_shape_rule_picks_the_faster_forward_at_every_measured_shape():
             f"{case}: Gluon {t[gluon]:.3f} ms, FA2 {t['flash_triton']:.3f} ms"
 
 
-@pytest.mark.parametrize("capability", [None, (8, 0), (8, 9), (10, 0), (12, 0)])
-def test_shape_rule_keeps_fa2_off_hopper(capability):
-    n = 8 * GLUON_MIN_KEYS
-    assert gluon_pays(HOPPER, n, n, True) and not gluon_pays(capability, n, n, True)
-
-
-def test_shape_rule_counts_the_keys_the_longest_row_sees():
-    n = GLUON_MIN_KEYS
-    assert gluon_pays(HOPPER, n, n, True) and not gluon_pays(HOPPER, n - 1, n - 1, False)
-    # causal rows see keys 0..i (aligned at the start): 300 queries see at most 300 keys, however many there are
-    assert not gluon_pays(HOPPER, 300, 8 * n, True) and gluon_pays(HOPPER, 300, 8 * n, False)
-    assert not gluon_pays(HOPPER, 8 * n, 300, True) and not gluon_pays(HOPPER, 8 * n, 300, False)
-
-
 def test_cpu_and_interpreter_take_fa2(monkeypatch):
     monkeypatch.delenv(FORWARD_ENV, raising=False)
     n = 2 * GLUON_MIN_KEYS
