@@ -301,8 +301,20 @@ def test_cost_model_of_selective_policies():
     assert everything == checkpoint_cost(CheckpointPolicy(), 12, A, c)
 
 
-@pytest.mark.parametrize("text", ["selective", "selective:2"])
+@pytest.mark.parametrize("text", ["selective", "selective:2", "selective:0,4", "selective:2,3"])
 def test_selective_policy_round_trips_and_rejects_segments(text):
     assert str(CheckpointPolicy.parse(text)) == text
     with pytest.raises(ValueError, match="selective or has segments, not both"):
         CheckpointPolicy(segments=(2,), keep_blocks=0)
+
+
+def test_matmul_saving_policy_errors_name_the_value():
+    assert CheckpointPolicy.parse("selective:0,4") == CheckpointPolicy.selective(0, 4)
+    with pytest.raises(ValueError, match="only a selective policy saves matmul outputs"):
+        CheckpointPolicy(segments=(2,), matmul_blocks=1)
+    with pytest.raises(ValueError, match="non-negative number of blocks, got -1"):
+        CheckpointPolicy.selective(0, -1)
+    with pytest.raises(ValueError, match="keeps 2 blocks and saves the matmuls of 3"):
+        CheckpointPolicy.selective(2, 3).check(4)
+    with pytest.raises(ValueError, match="does not model blocks that save their matmul outputs"):
+        checkpoint_cost(CheckpointPolicy.selective(0, 1), 4, 1.0, 1.0)

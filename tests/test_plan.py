@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from cs336_systems.distributed import DataParallelSpec, ParallelPlan, parallelize
 from cs336_systems.distributed.common import broadcast_from_rank0
@@ -100,7 +101,8 @@ def _grads(model) -> dict[str, torch.Tensor]:
 # nested:2,1 on 3 blocks: segments [0, 1] and [2]; each outer one reruns all but its last inner segment
 # (block 0; none), then each inner segment is rerun (blocks 0, 1; block 2): 3 + 1 + 3
 @pytest.mark.parametrize("policy, attention_calls", [("none", 3), ("every:1", 6), ("selective", 3),
-                                                     ("selective:1", 3), ("nested:2,1", 7)])
+                                                     ("selective:1", 3), ("selective:0,3", 3), ("selective:1,1", 3),
+                                                     ("nested:2,1", 7)])
 def test_selective_checkpointing_saves_the_attention_operator(compile_scope, policy, attention_calls):
     """Attention forwards in one step (3 layers): every:1 reruns each block's attention in the backward;
     selective reruns each block but takes the attention's output from what it saved; the gradients equal
@@ -121,6 +123,30 @@ def test_selective_checkpointing_saves_the_attention_operator(compile_scope, pol
             assert torch.equal(grad, plain.get_parameter(name).grad), name
         else:
             torch.testing.assert_close(grad, plain.get_parameter(name).grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _backward_matmul_flops(policy: str, seed_: int) -> int:
+    torch.manual_seed(seed_)
+    model = TransformerLM(CONFIG.replace(attention="test_counted"))  # saved by every selective block
+    tokens = torch.randint(CONFIG.vocab_size, (2, 17))
+    wrapped = parallelize(model, ParallelPlan(checkpoint=CheckpointPolicy.parse(policy)), "cpu")
+    loss = lm_loss(wrapped, tokens[:, :-1], tokens[:, 1:], fused=False)
+    with FlopCounterMode(display=False) as counter:
+        loss.backward()
+    return counter.get_total_flops()
+
+
+def test_matmul_saving_blocks_skip_the_recomputed_gemms():
+    """The backward's matmul FLOPs: selective reruns every block's projections and MLP GEMMs (all but w2,
+    which torch's early stop skips); a block that saves its matmul outputs reruns none of them, so saving
+    all three blocks' costs exactly what no checkpointing costs, and each block's share is the same."""
+    s = seed(3)
+    none, selective = _backward_matmul_flops("none", s), _backward_matmul_flops("selective", s)
+    per_block = (selective - none) / CONFIG.num_layers
+    d, d_ff, tokens = CONFIG.d_model, CONFIG.d_ff, 2 * 16
+    assert per_block == 2 * tokens * (4 * d * d + 2 * d * d_ff)  # q, k, v, output; w1, w3
+    assert _backward_matmul_flops("selective:0,3", s) == none
+    assert _backward_matmul_flops("selective:1,1", s) == none + per_block
 
 
 def test_checkpointing_keeps_parameter_names_and_can_be_replaced():

@@ -156,15 +156,31 @@ def test_profile_memory_parts_are_the_models_tensors(profiled):
         assert memory[["peak", "activations + workspace"]].isna().all()
 
 
-# ---- ours-keep:N ---------------------------------------------------------------------------------------------
+def test_a_failed_profiled_step_is_an_error_row_and_the_timed_row_stands(tmp_path, monkeypatch):
+    """The profiler failing (as an out-of-memory under its bookkeeping would) costs the profile, not the point."""
+    def fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (made up by the test)")
+
+    monkeypatch.setattr(step_profile, "profile_step", fail)
+    leaderboard.main([*TINY, "--check-size", "none", "--providers", "torch_plain_ac", "--ablations",
+                      "--profile", str(tmp_path / "snapshots"), "--out", str(tmp_path / "lb.csv")])
+    steps, rows = pd.read_csv(tmp_path / "lb.csv"), pd.read_csv(tmp_path / "leaderboard_8b_profile.csv")
+    assert list(steps["status"]) == ["ok"] and steps["step_ms"].iloc[0] > 0
+    assert list(rows["kind"]) == ["error"] and "made up by the test" in rows["tool"].iloc[0]
 
 
-def test_keep_ablations_parse_and_name_bad_values():
+# ---- ours-keep:N and ours-mm:N ---------------------------------------------------------------------------------------------
+
+
+def test_sized_ablations_parse_and_name_bad_values():
     assert leaderboard.recipe("ours-keep:2").checkpoint == "selective:2"
+    assert leaderboard.recipe("ours-mm:2").checkpoint == "selective:0,2"
+    assert leaderboard.recipe("ours-mm:02").checkpoint == "selective:0,2"
     assert leaderboard.recipe_columns("ours-keep:1", _tiny())["checkpoint"] == "selective:1"
     assert _tiny(ablations=("ours-keep:1", "ours-keep:2")).points()[-2:] == [(2, "ours-keep:1"), (2, "ours-keep:2")]
     for name, message in [("ours-keep:0", "got '0'"), ("ours-keep:x", "got 'x'"), ("ours-keep:-1", "got '-1'"),
-                          ("ours-keep:", "got ''"), ("ours-keep:3", "keeps 3 blocks; size 'tiny' has 2"),
+                          ("ours-keep:", "got ''"), ("ours-keep:3", "names 3 blocks; size 'tiny' has 2"),
+                          ("ours-mm:0", "got '0'"), ("ours-mm:3", "names 3 blocks; size 'tiny' has 2"),
                           ("ours-kept:1", "unknown ablation 'ours-kept:1'")]:
         with pytest.raises(ValueError, match=message):
             _tiny(ablations=(name,))

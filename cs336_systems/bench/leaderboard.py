@@ -15,9 +15,11 @@ model freed, with its compiled code, before the next is built):
   `ours-torch_adamw` (torch's fused AdamW), `ours-sdpa_attention` (SDPA instead of our kernel),
   `ours-full_ac` (every block fully recomputed) and `ours-fp32_moments` (the numerics variant: float32
   AdamW moments beside the bf16 parameters);
-- `ours-keep:N` (any N from 1 to the model's layers, parsed from the name): ours with the first N blocks not
-  checkpointed (`CheckpointPolicy.selective(keep_blocks=N)`), the rest selectively: what the memory that
-  selective checkpointing leaves free buys.
+- `ours-keep:N` and `ours-mm:N` (any N from 1 to the model's layers, parsed from the name): what the memory
+  that selective checkpointing leaves free buys. keep: the first N blocks not checkpointed
+  (`CheckpointPolicy.selective(N)`); mm: the first N blocks checkpointed but saving their matrix products'
+  outputs, so their rerun skips every GEMM (`CheckpointPolicy.selective(0, N)`, about half the memory per
+  block of keep for all of its recomputed FLOPs); the other blocks selective.
 
 With `--profile DIR`, each point runs one more step under the profiler after its timed ones
 (`bench/step_profile.py`): device time by category (attention forward/backward, GEMM, loss, optimizer,
@@ -71,7 +73,7 @@ from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan
 from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops
 from cs336_systems.optim import AdamW
 from cs336_systems.provenance import device_name, provenance
-from cs336_systems.results import PartialRows, write_rows
+from cs336_systems.results import PartialRows
 from cs336_systems.train_step import lm_loss
 from cs336_systems.timing import (
     DTYPES,
@@ -122,29 +124,38 @@ ABLATIONS: dict[str, Recipe] = {
     "ours-fp32_moments": replace(OURS, moments="fp32"),
 }
 RECIPES = {**PROVIDERS, **ABLATIONS}
-# Ablations that use the memory selective checkpointing leaves free: `ours-keep:N` keeps the first N blocks'
-# activations whole (no checkpoint) and checkpoints the rest selectively, CheckpointPolicy.selective(N).
-KEEP_PREFIX = "ours-keep:"
+# Ablations that use the memory selective checkpointing leaves free, sized by N in their name: the policy
+# text each one gives ours (model/checkpointing.py, CheckpointPolicy.parse).
+SIZED_ABLATIONS = {"ours-keep:": "selective:{}", "ours-mm:": "selective:0,{}"}
 
 
-def keep_blocks(name: str) -> int | None:
-    """N of an `ours-keep:N` name (None for any other name); a ValueError naming a bad N."""
-    if not name.startswith(KEEP_PREFIX):
-        return None
-    text = name.removeprefix(KEEP_PREFIX)
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"ablation {name!r}: ours-keep:N needs N, the blocks kept unchecked, a positive integer; "
-                         f"got {text!r}")
-    return int(text)
+def _sized(name: str) -> tuple[str, int] | None:
+    """(prefix, N) of an `ours-keep:N` or `ours-mm:N` name (None for any other name); a ValueError naming a
+    bad N."""
+    for prefix in SIZED_ABLATIONS:
+        if name.startswith(prefix):
+            text = name.removeprefix(prefix)
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"ablation {name!r}: {prefix}N needs N, a number of blocks, a positive integer; "
+                                 f"got {text!r}")
+            return prefix, int(text)
+    return None
+
+
+def sized_blocks(name: str) -> int | None:
+    """N of a sized ablation's name (None for any other name)."""
+    sized = _sized(name)
+    return sized and sized[1]
 
 
 def recipe(provider: str) -> Recipe:
-    """A provider's recipe: a named one, or ours with `selective:N` checkpointing for `ours-keep:N`."""
-    keep = keep_blocks(provider)
-    if keep is not None:
-        return replace(OURS, checkpoint=f"selective:{keep}")
+    """A provider's recipe: a named one, or ours with the checkpoint policy of a sized ablation."""
+    sized = _sized(provider)
+    if sized is not None:
+        return replace(OURS, checkpoint=SIZED_ABLATIONS[sized[0]].format(sized[1]))
     if provider not in RECIPES:
-        raise ValueError(f"unknown provider {provider!r}; known: {', '.join(RECIPES)}, {KEEP_PREFIX}N")
+        raise ValueError(f"unknown provider {provider!r}; known: {', '.join(RECIPES)}, "
+                         f"{', '.join(p + 'N' for p in SIZED_ABLATIONS)}")
     return RECIPES[provider]
 
 COMPILE_MODES = ("blocks", "none")
@@ -191,11 +202,11 @@ class LeaderboardConfig:
                 raise ValueError(f"ablation batch {batch} is not one of the batches {self.batches}")
         check_positive("context length", self.context_length, self.check_context, self.check_batch)
         check_known("provider", self.providers, PROVIDERS)
-        check_known("ablation", [a for a in self.ablations if keep_blocks(a) is None], ABLATIONS)
+        check_known("ablation", [a for a in self.ablations if sized_blocks(a) is None], ABLATIONS)
         layers = self.model_config().num_layers
         for name in self.ablations:
-            if (keep_blocks(name) or 0) > layers:
-                raise ValueError(f"ablation {name!r} keeps {keep_blocks(name)} blocks; size {self.size!r} has "
+            if (sized_blocks(name) or 0) > layers:
+                raise ValueError(f"ablation {name!r} names {sized_blocks(name)} blocks; size {self.size!r} has "
                                  f"{layers}")
         if self.profile_out is not None and self.profile_dir is None:
             raise ValueError(f"profile output {self.profile_out!r} given without a profile folder (--profile DIR)")
@@ -325,11 +336,18 @@ def _tokens(vocab: int, batch: int, context: int, device: torch.device, seed: in
 
 def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, config: LeaderboardConfig,
                      device: torch.device, name: str) -> list[dict]:
-    """One more step under the profiler (bench/step_profile.py), its snapshot as DIR/NAME.pickle on CUDA."""
+    """One more step under the profiler (bench/step_profile.py), its snapshot as DIR/NAME.pickle on CUDA. A
+    failure of the profiled step (out of memory under the profiler's bookkeeping, say) becomes one `error` row
+    naming it: the point's timed steps stand without it."""
     parts = {"zero_grad": lambda: trainee.optimizer.zero_grad(set_to_none=True),
              "forward": lambda: trainee.loss(inputs, targets), "optimizer": trainee.optimizer.step}
-    rows = step_profile.profile_step(parts, trainee.model, trainee.parameters.values(), trainee.optimizer, device,
-                                     Path(config.profile_dir) / f"{name}.pickle")
+    try:
+        rows = step_profile.profile_step(parts, trainee.model, trainee.parameters.values(), trainee.optimizer,
+                                         device, Path(config.profile_dir) / f"{name}.pickle")
+    except (RuntimeError, torch.OutOfMemoryError) as error:
+        print(f"  [{name}] profiled step failed: {error}", file=sys.stderr, flush=True)
+        return [{"kind": "error", "category": "profiled step", "value": math.nan, "unit": "",
+                 "tool": f"{type(error).__name__}: {str(error)[:300]}"}]
     print(f"  [{name}] profiled step: {rows[-len(step_profile.MEMORY) - 1]['value']:.1f} ms", file=sys.stderr,
           flush=True)
     return rows
@@ -475,7 +493,7 @@ def run(config: LeaderboardConfig, out) -> None:
     if config.check_size != "none":
         rows.add({**row, **prov} for row in run_check(config, device))
     points = config.points()
-    profiled = []
+    profiled = PartialRows(config.profile_csv()) if config.profile_dir is not None else None
     for i, (batch, provider) in enumerate(points, 1):
         print(f"[{i}/{len(points)}] {provider} batch={batch} context={config.context_length}", file=sys.stderr,
               flush=True)
@@ -484,11 +502,13 @@ def run(config: LeaderboardConfig, out) -> None:
                  f"first step {row['first_step_s']:.1f} s" if row["status"] == "ok" else row["status"])
         print(f"[{i}/{len(points)}] {provider} batch={batch}: {shown} ({time.monotonic() - start:.0f} s into the run)",
               file=sys.stderr, flush=True)
-        profiled += [{**r, **prov} for r in row.pop("profile_rows")]
+        profile_rows = [{**r, **prov} for r in row.pop("profile_rows")]
         rows.add([{**row, **prov}])
+        if profiled is not None:
+            profiled.add(profile_rows)
     rows.finish()
-    if config.profile_dir is not None:
-        write_rows(profiled, config.profile_csv())
+    if profiled is not None:
+        profiled.finish()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -500,7 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="ours and the plain-PyTorch anchors")
     parser.add_argument("--ablations", nargs="*", default=list(ABLATIONS),
                         help=f"variants of ours, each with one optimisation switched off ({', '.join(ABLATIONS)}), "
-                             f"or {KEEP_PREFIX}N: the first N blocks not checkpointed (none given: no ablations)")
+                             "or ours-keep:N (the first N blocks not checkpointed) or ours-mm:N (the first N blocks "
+                             "saving their matmul outputs); none given: no ablations")
     parser.add_argument("--ablation-batch", nargs="+", type=positive_int, default=None,
                         help="the batch sizes (of --batch) at which the ablations run (default: the last of --batch)")
     parser.add_argument("--warmup", type=positive_int, default=2,

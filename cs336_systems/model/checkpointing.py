@@ -13,6 +13,11 @@ A policy is data: the block counts of the checkpointed segments, outermost first
                                     torch.utils.checkpoint.create_selective_checkpoint_contexts)
     CheckpointPolicy.selective(4)   the same, but blocks 0-3 are not checkpointed at all: they keep
                                     everything (spend free memory on less recomputation)
+    CheckpointPolicy.selective(0, 8) selective, but blocks 0-7 also save their matrix products' outputs
+                                    (`aten::mm`: q, k, v, the output projection, w1, w3): their rerun
+                                    skips every GEMM and redoes only the cheap elementwise work. Per
+                                    token that costs about half of what a block kept whole stores, for
+                                    all of its recomputed FLOPs: the cheaper way to spend free memory
 
 A segment at the end of the stack (or of its parent segment) may be shorter when the size does not
 divide the count. `apply_activation_checkpointing(model, policy)` rewraps a built `TransformerLM`'s
@@ -56,12 +61,19 @@ class CheckpointPolicy:
     """Which blocks run under checkpoint calls. `segments` are block counts, outermost level first,
     each smaller than the one before (an inner segment as large as its parent would checkpoint the same
     blocks twice). `keep_blocks` is None for segment policies; for the selective policy it is the number
-    of leading blocks that are not checkpointed (0: every block is)."""
+    of leading blocks that are not checkpointed (0: every block is), and `matmul_blocks` the number of
+    checkpointed blocks after those that also save their matrix products' outputs."""
 
     segments: tuple[int, ...] = ()
     keep_blocks: int | None = None
+    matmul_blocks: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.matmul_blocks, int) or isinstance(self.matmul_blocks, bool) or self.matmul_blocks < 0:
+            raise ValueError(f"selective checkpointing saves the matmuls of a non-negative number of blocks, "
+                             f"got {self.matmul_blocks!r}")
+        if self.matmul_blocks and self.keep_blocks is None:
+            raise ValueError(f"only a selective policy saves matmul outputs (matmul_blocks {self.matmul_blocks})")
         if self.keep_blocks is not None:
             if not isinstance(self.keep_blocks, int) or isinstance(self.keep_blocks, bool) or self.keep_blocks < 0:
                 raise ValueError(f"selective checkpointing keeps a non-negative number of blocks, got {self.keep_blocks!r}")
@@ -83,8 +95,8 @@ class CheckpointPolicy:
         return cls(tuple(blocks))
 
     @classmethod
-    def selective(cls, keep_blocks: int = 0) -> CheckpointPolicy:
-        return cls(keep_blocks=keep_blocks)
+    def selective(cls, keep_blocks: int = 0, matmul_blocks: int = 0) -> CheckpointPolicy:
+        return cls(keep_blocks=keep_blocks, matmul_blocks=matmul_blocks)
 
     @classmethod
     def sqrt(cls, num_layers: int) -> CheckpointPolicy:
@@ -107,7 +119,8 @@ class CheckpointPolicy:
 
     @classmethod
     def parse(cls, text: str) -> CheckpointPolicy:
-        """'none', 'every:K', 'nested:K1,K2,...', 'selective' or 'selective:N' (the form `str` writes)."""
+        """'none', 'every:K', 'nested:K1,K2,...', 'selective', 'selective:N' or 'selective:N,M' (the form `str`
+        writes: N blocks kept whole, then M saving their matmul outputs)."""
         kind, _, sizes = text.partition(":")
         try:
             numbers = tuple(int(s) for s in sizes.split(",")) if sizes else ()
@@ -119,10 +132,10 @@ class CheckpointPolicy:
             return cls.every(numbers[0])
         if kind == "nested" and numbers:
             return cls.nested(*numbers)
-        if kind == "selective" and len(numbers) <= 1:
+        if kind == "selective" and len(numbers) <= 2:
             return cls.selective(*numbers)
-        raise ValueError(f"bad checkpoint policy {text!r}; write none, every:K, nested:K1,K2,..., selective "
-                         "or selective:N")
+        raise ValueError(f"bad checkpoint policy {text!r}; write none, every:K, nested:K1,K2,..., selective, "
+                         "selective:N or selective:N,M")
 
     @property
     def kind(self) -> str:
@@ -135,6 +148,8 @@ class CheckpointPolicy:
         return len(self.segments)
 
     def __str__(self) -> str:
+        if self.matmul_blocks:
+            return f"selective:{self.keep_blocks},{self.matmul_blocks}"
         if self.keep_blocks:
             return f"selective:{self.keep_blocks}"
         return self.kind if not self.segments else f"{self.kind}:{','.join(map(str, self.segments))}"
@@ -142,9 +157,10 @@ class CheckpointPolicy:
     def check(self, num_layers: int) -> None:
         """Raise if the outermost segment is longer than the stack it would split (or more blocks are
         kept than there are)."""
-        if self.keep_blocks is not None and self.keep_blocks > num_layers:
-            raise ValueError(f"checkpoint policy {self} keeps {self.keep_blocks} blocks, more than the model's "
-                             f"{num_layers} layers")
+        if self.keep_blocks is not None and self.keep_blocks + self.matmul_blocks > num_layers:
+            saves = f" and saves the matmuls of {self.matmul_blocks}" if self.matmul_blocks else ""
+            raise ValueError(f"checkpoint policy {self} keeps {self.keep_blocks} blocks{saves}, more than the "
+                             f"model's {num_layers} layers")
         if self.segments and self.segments[0] > num_layers:
             raise ValueError(f"checkpoint policy {self} has segments of {self.segments[0]} blocks, "
                              f"more than the model's {num_layers} layers")
@@ -207,30 +223,48 @@ def save_op_outputs(name: str) -> None:
     SAVED_OPS.add(name)
 
 
+# What a matmul-saving block saves besides: the linear layers' products (`x @ W.T` on a 3-d x is a view
+# and one `aten::mm`, eagerly and in the graphs torch.compile traces).
+MATMUL_OPS = {"aten::mm", "aten::addmm"}
+
+
 def _save_attention(ctx, func, *args, **kwargs) -> torch_checkpoint.CheckpointPolicy:
     if getattr(func, "name", None) and func.name() in SAVED_OPS:
         return torch_checkpoint.CheckpointPolicy.MUST_SAVE
     return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _selective_contexts():
+def _save_attention_and_matmuls(ctx, func, *args, **kwargs) -> torch_checkpoint.CheckpointPolicy:
+    if getattr(func, "name", None) and func.name() in MATMUL_OPS:
+        return torch_checkpoint.CheckpointPolicy.MUST_SAVE
+    return _save_attention(ctx, func, *args, **kwargs)
+
+
+def _attention_contexts():
     return torch_checkpoint.create_selective_checkpoint_contexts(_save_attention)
+
+
+def _attention_and_matmul_contexts():
+    return torch_checkpoint.create_selective_checkpoint_contexts(_save_attention_and_matmuls)
 
 
 class _SelectiveCheckpoint:
     """Mixed in front of a block's class: the block's forward under a selective checkpoint call."""
 
     _plain_class: type
+    _context_fn = staticmethod(_attention_contexts)  # a module-level function, as torch.compile traces it
 
     def forward(self, *args):
         if not torch.is_grad_enabled():
             return super().forward(*args)
-        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=_selective_contexts)
+        return checkpoint(super().forward, *args, use_reentrant=False, context_fn=self._context_fn)
 
 
 @functools.cache
-def _selective_class(cls: type) -> type:
-    return type(f"SelectiveCheckpointed{cls.__name__}", (_SelectiveCheckpoint, cls), {"_plain_class": cls})
+def _selective_class(cls: type, save_matmuls: bool = False) -> type:
+    name = f"SelectiveCheckpointed{'Matmuls' if save_matmuls else ''}{cls.__name__}"
+    contexts = _attention_and_matmul_contexts if save_matmuls else _attention_contexts
+    return type(name, (_SelectiveCheckpoint, cls), {"_plain_class": cls, "_context_fn": staticmethod(contexts)})
 
 
 def _plain_block(block: nn.Module) -> nn.Module:
@@ -249,8 +283,9 @@ def apply_activation_checkpointing(model: nn.Module, policy: CheckpointPolicy) -
     policy.check(len(model.layers))
     blocks = [_plain_block(block) for block in model.layers]
     if policy.kind == "selective":
-        for block in blocks[policy.keep_blocks:]:
-            block.__class__ = _selective_class(type(block))
+        matmul_end = policy.keep_blocks + policy.matmul_blocks
+        for i, block in enumerate(blocks[policy.keep_blocks:], policy.keep_blocks):
+            block.__class__ = _selective_class(type(block), save_matmuls=i < matmul_end)
         model.layers = TransformerBlocks(blocks)
     elif policy.segments:
         model.layers = CheckpointedBlocks(blocks, policy)
@@ -311,6 +346,8 @@ def checkpoint_cost(policy: CheckpointPolicy, num_layers: int, block_bytes: floa
     if num_layers <= 0:
         raise ValueError(f"num_layers must be positive, got {num_layers}")
     policy.check(num_layers)
+    if policy.matmul_blocks:
+        raise ValueError(f"the cost model does not model blocks that save their matmul outputs ({policy})")
     if policy.kind == "selective":
         # kept blocks store everything; the others their input and the attention outputs (count those in
         # boundary_bytes), and are rerun once in the backward, one at a time

@@ -19,14 +19,23 @@ ABLATION_CHANGES = {  # what each ablation switches off (bench/leaderboard.py's 
     "ours-full_ac": "every block fully recomputed instead of selective checkpointing",
     "ours-fp32_moments": "float32 AdamW moments (numerics variant)",
 }
-KEEP_PREFIX = "ours-keep:"  # ours-keep:N, parsed by bench/leaderboard.py
+SIZED_CHANGES = {  # ours-keep:N and ours-mm:N, parsed by bench/leaderboard.py
+    "ours-keep:": "the first {} blocks kept whole (not checkpointed), the rest selective",
+    "ours-mm:": "the first {} blocks also save their matmul outputs (their rerun skips the GEMMs), the rest selective",
+}
+
+
+def _sized(provider: str) -> tuple[str, str] | None:
+    """(prefix, N) of a sized ablation's name."""
+    return next(((prefix, provider.removeprefix(prefix)) for prefix in SIZED_CHANGES if provider.startswith(prefix)),
+                None)
 
 
 def ablation_change(provider: str) -> str | None:
     """What an ablation of ours changes (None: not an ablation)."""
-    if provider.startswith(KEEP_PREFIX):
-        kept = provider.removeprefix(KEEP_PREFIX)
-        return f"the first {kept} blocks kept whole (not checkpointed), the rest selective"
+    sized = _sized(provider)
+    if sized:
+        return SIZED_CHANGES[sized[0]].format(sized[1])
     return ABLATION_CHANGES.get(provider)
 
 
@@ -289,7 +298,7 @@ def render_leaderboard(ctx: Context) -> Section:
         parts += [ablation, ctx.table("leaderboard_8b_ablations")]
     parts.append(_profile_pointer(ctx))
     wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), "3,837", "27", "10,000", "24", "2026")
-    kept = tuple(p.removeprefix(KEEP_PREFIX) for p in set(q.frame["provider"]) if p.startswith(KEEP_PREFIX))
+    kept = tuple(sized[1] for sized in map(_sized, set(q.frame["provider"])) if sized)
     return Section(parts, table, checked, q.derived, wording=wording + tuple(str(b) for b in batches) + kept)
 
 
