@@ -344,8 +344,9 @@ def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tens
     try:
         rows = step_profile.profile_step(parts, trainee.model, trainee.parameters.values(), trainee.optimizer,
                                          device, Path(config.profile_dir) / f"{name}.pickle")
-    except (RuntimeError, torch.OutOfMemoryError) as error:
-        print(f"  [{name}] profiled step failed: {error}", file=sys.stderr, flush=True)
+    except Exception as error:  # noqa: BLE001: whatever the profiler breaks (a SystemError from a compiled
+        # autograd Function under it, seen on an H200), the point's timed row is kept
+        print(f"  [{name}] profiled step failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         return [{"kind": "error", "category": "profiled step", "value": math.nan, "unit": "",
                  "tool": f"{type(error).__name__}: {str(error)[:300]}"}]
     print(f"  [{name}] profiled step: {rows[-len(step_profile.MEMORY) - 1]['value']:.1f} ms", file=sys.stderr,
