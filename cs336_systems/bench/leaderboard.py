@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import uuid
@@ -488,7 +489,8 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
 def run(config: LeaderboardConfig, out) -> None:
     """The check, then every (batch, provider) point; rows written to `out` (OUT.partial as they come)."""
     device = resolve_device(config.device)
-    prov = {**provenance(device), "run_id": uuid.uuid4().hex[:12]}
+    prov = {**provenance(device), "run_id": uuid.uuid4().hex[:12],
+            "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     rows = PartialRows(out)
     start = time.monotonic()
     if config.check_size != "none":
@@ -548,7 +550,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Every provider runs with expandable allocator segments (unless the caller sets its own configuration): at the
+# 8B step's sizes the default segments fragment, and a point that needs 116 GiB failed with 22 GiB reserved but
+# free (H200, ours-mm:6 at batch 2). Read when CUDA first allocates, so set before anything touches the GPU.
+ALLOC_CONF = "expandable_segments:True"
+
+
 def main(argv: list[str] | None = None) -> None:
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
     parser = build_parser()
     args = parser.parse_args(argv)
     config = config_or_usage_error(
