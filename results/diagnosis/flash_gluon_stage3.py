@@ -6,8 +6,8 @@ cuDNN and flash backends, in the same run? Also the backward alone at d=64 with 
 
 Checks first, and the run stops (exit 1, nothing timed) if one fails:
 - EXACT (P = S mod 8, integer inputs, every value exact): O bit for bit against float64 on 3 launches, d 64/128,
-  causal or not, 2 x 30 heads of 1500 rows (360 tiles: more than the SMs, so persistent programs walk several
-  tiles), for the one-tile kernel, the persistent one, and the persistent one on 3 programs (~120 tiles each);
+  causal or not, 2 x 30 heads of 1500 rows (720 tiles: more than the SMs, so persistent programs walk several
+  tiles), for the one-tile kernel, the persistent one, and the persistent one on 3 programs (240 tiles each);
 - two awkward shapes, bf16, fresh random inputs: (2, 24, 1000, 64) causal in the model's (batch, seq, heads, dim)
   strides (384 tiles), and 777 queries x 1300 keys, d=128, causal, 40 heads (rectangular, 280 tiles). O within 2x
   (+2e-3) of PyTorch's own bf16 error against float64, L within 1e-3, for each variant; whether the persistent
