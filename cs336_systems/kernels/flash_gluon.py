@@ -12,7 +12,8 @@ of mbarriers makes them take turns issuing their GEMMs ("ping-pong"), so one's s
 GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in flash_triton.py.
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
-  q_bar                 producer -> consumers: both Q sub-tiles landed (expect-tx bytes)
+  q_ready               producer -> consumers: both Q sub-tiles landed (expect-tx bytes)
+  q_empty               consumers -> producer: both consumers' last S of the tile retired, Q may be reloaded (count 2)
   k_ready[i], v_ready[i] producer -> consumers: slot i holds key tile j (expect-tx bytes)
   k_empty[i], v_empty[i] consumers -> producer: both consumers' wgmmas reading slot i have retired (count 2)
   turn[c]               consumer 1-c -> consumer c: your turn to issue GEMMs
@@ -26,6 +27,11 @@ nothing else: the TMA descriptors are 4-d (batch, head, row, col) with the tenso
 head's end load as zeros and are clipped on store. Programs are ordered heaviest first (causal: the last query
 tiles), one head after another (`program_order`, mirrored in `_program_tile`; it can interleave groups of heads,
 which measured slower: HEADS_PER_GROUP).
+
+Persistent variant (GluonTile.persistent): one program per SM walks a static list of tiles (`persistent_schedule`:
+the same order, list-scheduled as the block scheduler would); every barrier's phase, the K/V ring and the
+ping-pong turns carry on from tile to tile, the next tile's Q loads while this one's last P V and epilogue run,
+and O leaves through buffers of its own, its store drained only before the buffer is rewritten.
 
 Writes O (q's layout) and L, the natural-log logsumexp, float32, contiguous q.shape[:-1]: the same outputs as
 `flash_triton.flash_forward_triton`, so its backward can consume them.
