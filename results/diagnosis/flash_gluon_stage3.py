@@ -213,8 +213,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="CSV file for the rows")
     parser.add_argument("--only-checks", action="store_true", help="skip the timing")
-    parser.add_argument("--case-timeout", type=float, default=120.0,
-                        help="seconds one check section or one timing shape may take before the run is ended (hang)")
+    parser.add_argument("--case-timeout", type=float, default=180.0,
+                        help="seconds one check row or one timing shape may take before the run is ended (hang)")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name} sm_{props.major}{props.minor} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
@@ -224,24 +224,31 @@ def main():
     start = time.time()
 
     def record(new_rows):
-        for row in new_rows:  # the CSV rewritten after every row: a watchdog exit keeps what was measured
+        """Each row pulled from a generator under the watchdog, then the CSV rewritten: a watchdog exit keeps
+        what was measured."""
+        new_rows = iter(new_rows)
+        while True:
+            faulthandler.dump_traceback_later(args.case_timeout, exit=True)
+            row = next(new_rows, None)
+            faulthandler.cancel_dump_traceback_later()
+            if row is None:
+                return
             rows.append(row)
             write_rows([{**row, **prov} for row in rows], args.out)
 
     for checks in (exact_rows, float_rows):
-        faulthandler.dump_traceback_later(args.case_timeout, exit=True)
         record(checks())
-        faulthandler.cancel_dump_traceback_later()
     failed = [row for row in rows if not row["ok"]]
     print(f"checks: {len(failed)} failed of {len(rows)}; {time.time() - start:.0f} s", flush=True)
     if failed:
         print("FAIL: a wrong result; nothing timed", flush=True)
         sys.exit(1)
     if not args.only_checks:
-        for shape in SHAPES:
+        for shape in SHAPES:  # one shape's rows under one watchdog (the ratios need its whole section)
             faulthandler.dump_traceback_later(args.case_timeout, exit=True)
-            record(time_shape(*shape))
+            shape_rows = time_shape(*shape)
             faulthandler.cancel_dump_traceback_later()
+            record(shape_rows)
             torch.cuda.empty_cache()
     print(f"done in {time.time() - start:.0f} s", flush=True)
 
