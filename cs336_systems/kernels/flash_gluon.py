@@ -191,8 +191,8 @@ def schedule_table(walks: list[list[int]]) -> list[int]:
 @functools.lru_cache(maxsize=64)
 def _schedule_on(device: torch.device, n_queries: int, n_keys: int, batch_heads: int, group: int, tile: GluonTile,
                  is_causal: bool, programs: int) -> torch.Tensor:
-    """The int32 schedule table on `device`, built once per shape (the 8B shape's 16,384 tiles take ~60 ms in Python). The first
-    call per shape copies it to the device, so it must not be inside a CUDA graph capture."""
+    """The int32 schedule table on `device`, built once per shape (the 8B shape's 16,384 tiles take ~60 ms in
+    Python). The first call per shape copies it to the device, so it must not be inside a CUDA graph capture."""
     walks = persistent_schedule(tile_works(n_queries, n_keys, batch_heads, group, tile, is_causal), programs)
     return torch.tensor(schedule_table(walks), dtype=torch.int32, device=device)
 
