@@ -4,10 +4,10 @@ On CPU: its plain-Python parts (tiles, the program order, the persistent variant
 predicate and its errors) and, in a process of its own, a compile for sm_90 with 0 spills (both variants).
 On an sm_90 GPU (marked `gpu`): O and L against a float64 reference and against our Triton FlashAttention-2
 forward on awkward shapes (lengths not tile multiples, causal or not, rectangular, d 64/128, the model's strides),
-error within 2x (plus a small floor) of PyTorch's own bf16 attention; and the EXACT pipeline check (integer inputs, P = S mod 8: every value exact, so any lost or reordered
-tile, or a register-A hazard, shows as a mismatch). Both for the one-tile-per-program kernel and the persistent one,
-which also runs on a few SMs' worth of programs so that every program walks many tiles (the barrier state carried
-from tile to tile).
+error within 2x (plus a small floor) of PyTorch's own bf16 attention; and the EXACT pipeline check (integer
+inputs, P = S mod 8: every value exact, so any lost or reordered tile, or a register-A hazard, shows as a
+mismatch). Both for the one-tile-per-program kernel and the persistent one, which also runs on a few SMs' worth of
+programs so that every program walks many tiles (the barrier state carried from tile to tile).
 
 The wiring into the `flash_triton` backend (`kernels/flash_dispatch.py`): on CPU, the shape rule against the
 measured timings it was written from, and that the CPU and the interpreter take FA2; on an sm_90 GPU, O, L, dQ, dK,
