@@ -1,11 +1,13 @@
 """The Gluon FlashAttention forward for Hopper (`kernels/flash_gluon.py`).
 
-On CPU: its plain-Python parts (tiles, the program order, the dispatch predicate and its errors) and, in a process
-of its own, a compile for sm_90 with 0 spills. On an sm_90 GPU (marked `gpu`): O and L against a float64
-reference and against our Triton FlashAttention-2 forward on awkward shapes (lengths not tile multiples, causal
-or not, rectangular, d 64/128, the model's strides), error within 2x (plus a small floor) of PyTorch's own bf16
-attention; and the EXACT pipeline check (integer inputs, P = S mod 8: every value exact, so any lost or reordered
-tile, or a register-A hazard, shows as a mismatch).
+On CPU: its plain-Python parts (tiles, the program order, the persistent variant's schedule and grid, the dispatch
+predicate and its errors) and, in a process of its own, a compile for sm_90 with 0 spills (both variants).
+On an sm_90 GPU (marked `gpu`): O and L against a float64 reference and against our Triton FlashAttention-2
+forward on awkward shapes (lengths not tile multiples, causal or not, rectangular, d 64/128, the model's strides),
+error within 2x (plus a small floor) of PyTorch's own bf16 attention; and the EXACT pipeline check (integer
+inputs, P = S mod 8: every value exact, so any lost or reordered tile, or a register-A hazard, shows as a
+mismatch). Both for the one-tile-per-program kernel and the persistent one, which also runs on a few SMs' worth of
+programs so that every program walks many tiles (the barrier state carried from tile to tile).
 
 The wiring into the `flash_triton` backend (`kernels/flash_dispatch.py`): on CPU, the shape rule against the
 measured timings it was written from, and that the CPU and the interpreter take FA2; on an sm_90 GPU, O, L, dQ, dK,
@@ -13,6 +15,7 @@ dV through `FlashAttentionTriton` with the forward forced to Gluon or left to th
 FA2-only path, and `torch.compile(fullgraph=True)` compiling and recompiling as often as with FA2.
 """
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +34,11 @@ from cs336_systems.kernels.flash_gluon import (
     gluon_supported,
     key_tiles,
     layout_problem,
+    persistent_grid,
+    persistent_schedule,
     program_order,
+    schedule_table,
+    tile_works,
 )
 from cs336_systems.model.attention import attention_scores, naive_attention
 
@@ -81,9 +88,70 @@ def test_key_tiles_reach_the_last_visible_key(n_q, n_k):
 def test_tiles_keep_the_masking_assumption_and_fit_shared_memory():
     for d, tile in TILES.items():
         assert tile.head_dim == d and tile.block_n == tile.rows
-        assert tile.shared_bytes() <= 227 * 1024
+        for persistent in (False, True):  # persistent: O's own buffers on top
+            assert dataclasses.replace(tile, persistent=persistent).shared_bytes() <= 227 * 1024
     with pytest.raises(ValueError, match="block_n must be 2 x block_m"):
         GluonTile(64, block_m=64, block_n=64)
+
+
+def _list_scheduled(works, programs):
+    """Graham's list scheduling written out plainly (a scan, not a heap): each position in turn to the program
+    with the least work so far, the lowest id among equals."""
+    loads, walks = [0] * programs, [[] for _ in range(programs)]
+    for position, work in enumerate(works):
+        p = loads.index(min(loads))
+        walks[p].append(position)
+        loads[p] += work
+    return walks
+
+
+# (n_queries, n_keys, batch·heads, causal, programs): causal square (the sawtooth of work per head), rectangular
+# both ways, non-causal (equal work: round robin), fewer tiles than programs, one program
+SCHEDULE_CASES = [(16384, 16384, 16, True, 132), (4096, 4096, 128, True, 132), (1000, 300, 6, True, 7),
+                  (300, 1000, 5, True, 4), (2048, 2048, 128, False, 132), (1000, 1000, 2, True, 132),
+                  (777, 777, 3, True, 1)]
+
+
+@pytest.mark.parametrize("n_q,n_k,batch_heads,causal,programs", SCHEDULE_CASES)
+def test_persistent_schedule_walks_every_tile_once_in_order(n_q, n_k, batch_heads, causal, programs):
+    tile = TILES[64]
+    works = tile_works(n_q, n_k, batch_heads, 1, tile, causal)
+    n_tiles = -(-n_q // tile.rows) * batch_heads
+    assert len(works) == n_tiles
+    walks = persistent_schedule(works, programs)
+    assert len(walks) == programs
+    assert sorted(p for walk in walks for p in walk) == list(range(n_tiles))  # every tile exactly once
+    assert all(walk == sorted(walk) for walk in walks)  # each program in launch order: heaviest first per head
+    assert walks == _list_scheduled(works, programs)
+    if not causal:  # equal work: plain round robin, t = pid, pid + programs, ...
+        assert walks == [list(range(p, n_tiles, programs)) for p in range(programs)]
+    loads = [sum(works[p] for p in walk) for walk in walks]
+    assert max(loads) - min(loads) <= max(works)  # list scheduling's bound (no program idles while work is left)
+    # the table the kernel reads: offsets, then the positions of each program in turn
+    table = schedule_table(walks)
+    positions = table[programs + 1:]
+    assert [positions[table[p]:table[p + 1]] for p in range(programs)] == walks
+
+
+def test_persistent_schedule_balances_causal_work_better_than_round_robin():
+    """Why list scheduling: walking t = pid, pid + grid, ... of the heaviest-first order gives some programs the
+    heavy tiles of every head (the leaderboard shape: 1.5x the mean work); the list schedule stays within 1%."""
+    tile = TILES[64]
+    works = tile_works(16384, 16384, 16, 1, tile, True)
+    mean = sum(works) / 132
+    listed = max(sum(works[p] for p in walk) for walk in persistent_schedule(works, 132))
+    round_robin = max(sum(works[p::132]) for p in range(132))
+    assert listed < 1.01 * mean < 1.3 * mean < round_robin
+
+
+def test_persistent_grid_and_schedule_errors():
+    assert persistent_grid(2048, 132) == 132 and persistent_grid(48, 132) == 48 and persistent_grid(0, 132) == 1
+    with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
+        persistent_schedule([1, 2], 0)
+    q = torch.empty(1, 2, 100, 64, dtype=torch.bfloat16)
+    lse = torch.empty(1, 2, 100)
+    with pytest.raises(ValueError, match="head dim 128, the inputs have 64"):
+        flash_gluon.kernel_launch(q, q, q, q, lse, True, tile=TILES[128])
 
 
 def test_dispatch_predicate_and_errors_name_the_problem():
@@ -110,18 +178,21 @@ def test_dispatch_predicate_and_errors_name_the_problem():
         flash_gluon.flash_attention_gluon_forward(*[problems["head dim 32"]] * 3, False)
 
 
-def test_compiles_for_sm90_without_spills(tmp_path):
+@pytest.mark.parametrize("persistent", [False, True])
+def test_compiles_for_sm90_without_spills(tmp_path, persistent):
     """One configuration (d=128, causal, bf16) compiled for the H100 on this machine, through the launcher's
     own host code: 0 spills and the tiles' shared memory. In a process of its own (Triton's JIT, a stand-in
     driver)."""
     out = tmp_path / "gluon.csv"
     subprocess.run([sys.executable, "-m", "cs336_systems.bench.flash_gluon_resources", "--head-dims", "128",
-                    "--only-first", "--out", str(out)], check=True, capture_output=True, text=True, timeout=600)
+                    "--only-first", "--persistent", "yes" if persistent else "no", "--out", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
     rows = pd.read_csv(out)
     assert len(rows) == 1 and (rows["status"] == "ok").all(), rows.to_dict("records")
     row = rows.iloc[0]
-    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0
-    assert TILES[128].shared_bytes() <= row["shared_bytes"] <= TILES[128].shared_bytes() + 1024
+    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0 and bool(row["persistent"]) == persistent
+    tile = dataclasses.replace(TILES[128], persistent=persistent)
+    assert tile.shared_bytes() <= row["shared_bytes"] <= tile.shared_bytes() + 1024
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,6 +212,19 @@ GPU_CASES = [
 ]
 
 
+# The forward's variants on the GPU: (persistent, SMs the persistent grid is sized for; None: the device's). Three
+# SMs' worth of programs make each program walk many tiles of several heads, whatever the test's size.
+VARIANTS = {"one_tile": (False, None), "persistent": (True, None), "persistent_3_programs": (True, 3)}
+
+
+def _run_variant(monkeypatch, variant, q, k, v, causal, exact=False):
+    persistent, sms = VARIANTS[variant]
+    if sms is not None:
+        monkeypatch.setattr(flash_gluon, "sm_count", lambda device: sms)
+    tile = dataclasses.replace(TILES[q.shape[-1]], persistent=persistent)
+    return flash_gluon._forward(q, k, v, causal, exact=exact, tile=tile)
+
+
 def _rel_err(x, ref):
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1.0)).item()
 
@@ -156,15 +240,16 @@ def _fresh(shape, model_layout, dtype=torch.bfloat16):
 @needs_sm90
 @pytest.mark.parametrize("q_shape,k_shape,causal,model_layout", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype, variant, monkeypatch):
     from cs336_systems.kernels.flash_triton import flash_forward_triton, pinned_tiles
 
     q, k, v = _fresh(q_shape, model_layout, dtype), _fresh(k_shape, model_layout, dtype), _fresh(k_shape, model_layout, dtype)
-    out, lse = flash_gluon.flash_attention_gluon_forward(q, k, v, causal)
+    out, lse = _run_variant(monkeypatch, variant, q, k, v, causal)
     ref = naive_attention(q.double(), k.double(), v.double(), causal)
     ref_lse = torch.logsumexp(attention_scores(q.double(), k.double(), causal), dim=-1)
     own = naive_attention(q, k, v, causal)  # PyTorch's own attention in this dtype
-    what = f"{q_shape} {k_shape} causal={causal} {dtype}"
+    what = f"{q_shape} {k_shape} causal={causal} {dtype} {variant}"
     assert out.stride() == q.stride() and lse.shape == q.shape[:-1] and lse.dtype == torch.float32
     assert torch.isfinite(out).all() and torch.isfinite(lse).all(), what
     err, limit = _rel_err(out, ref), 2 * _rel_err(own, ref) + 2e-3
@@ -180,11 +265,13 @@ def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_la
 @needs_sm90
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-def test_gpu_exact_pipeline(head_dim, causal):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_exact_pipeline(head_dim, causal, variant, monkeypatch):
     """EXACT: P = S mod 8 with inputs in {-1, 0, 1} (V sparse), so every product and sum is an exact integer: the
-    output must equal the float64 result rounded to bf16, bit for bit, on repeated launches."""
+    output must equal the float64 result rounded to bf16, bit for bit, on repeated launches. 2 x 30 heads of 1500
+    rows: 720 tiles, more than an H100's SMs, so the persistent grid walks several tiles per program too."""
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
-    shape = (2, 3, 1500, head_dim)
+    shape = (2, 30, 1500, head_dim)
     q, k = (torch.randint(-1, 2, shape, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2))
     v = (torch.randint(-1, 2, shape, device="cuda", generator=gen)
          * (torch.rand(shape, device="cuda", generator=gen) < 0.25)).to(torch.bfloat16)
@@ -194,8 +281,8 @@ def test_gpu_exact_pipeline(head_dim, causal):
         p = p.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device="cuda").triu(1), 0.0)
     expected = (p @ v.double()).to(torch.bfloat16)
     for _ in range(3):
-        out, _ = flash_gluon._forward(q, k, v, causal, exact=True)
-        assert torch.equal(out, expected), f"{int((out != expected).sum())} mismatches"
+        out, _ = _run_variant(monkeypatch, variant, q, k, v, causal, exact=True)
+        assert torch.equal(out, expected), f"{variant}: {int((out != expected).sum())} mismatches"
 
 
 # ----------------------------------------------------------------------------------------------

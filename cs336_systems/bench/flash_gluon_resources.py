@@ -55,16 +55,21 @@ def use_compile_only_driver(capability: int = 90):
     triton.runtime.driver.set_active(CompileOnlyDriver(capability))
 
 
-# (head dim, causal, dtype, exact): what the launcher ships (both dtypes, both head dims, causal or not) and the
-# EXACT variant the GPU tests run.
-CONFIGS = [(d, causal, dtype, False) for d in (128, 64) for causal in (True, False) for dtype in ("bf16", "fp16")]
-CONFIGS += [(d, causal, "bf16", True) for d in (64, 128) for causal in (False, True)]
+# (head dim, causal, dtype, exact, persistent): what the launcher ships (both dtypes, both head dims, causal or not)
+# and the EXACT variant the GPU tests run, each as the one-tile-per-program kernel and the persistent one.
+CONFIGS = [(d, causal, dtype, False, persistent) for persistent in (False, True) for d in (128, 64)
+           for causal in (True, False) for dtype in ("bf16", "fp16")]
+CONFIGS += [(d, causal, "bf16", True, persistent) for persistent in (False, True) for d in (64, 128)
+            for causal in (False, True)]
 
 
-def compile_config(head_dim: int, is_causal: bool, dtype: str, exact: bool, n: int = 1000) -> dict:
+def compile_config(head_dim: int, is_causal: bool, dtype: str, exact: bool, persistent: bool = False, n: int = 1000
+                   ) -> dict:
     """One configuration compiled through the launcher's host code, on CPU stand-in tensors of the model's layout
     ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); a ragged length, as lengths do not change
     the code beyond Triton's divisibility specialisation."""
+    import dataclasses
+
     import torch
 
     from cs336_systems.kernels import flash_gluon
@@ -72,9 +77,11 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, exact: bool, n: i
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     q = torch.empty(2, n, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
     lse = torch.empty(2, 4, n, dtype=torch.float32)
-    args, grid, options = flash_gluon.kernel_launch(q, q, q, q, lse, is_causal, exact)
+    tile = dataclasses.replace(flash_gluon.tile_for(head_dim), persistent=persistent)
+    args, grid, options = flash_gluon.kernel_launch(q, q, q, q, lse, is_causal, exact, tile=tile)
     row = {"kernel": "flash_gluon_forward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
-           "exact": exact, **{k: v for k, v in vars(flash_gluon.tile_for(head_dim)).items() if k != "head_dim"}}
+           "exact": exact, **{k: v for k, v in vars(tile).items() if k != "head_dim"},
+           "tile_shared_bytes": tile.shared_bytes()}
     return compiled_row(flash_gluon._flash_fwd_gluon_kernel, args, grid, options, row)
 
 
@@ -102,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", nargs="+", type=int, default=None, help="only these head dims (64, 128)")
     parser.add_argument("--no-exact", action="store_true", help="skip the EXACT (test-only) variants")
+    parser.add_argument("--persistent", choices=("both", "yes", "no"), default="both",
+                        help="the persistent kernel, the one-tile-per-program kernel, or both")
     parser.add_argument("--only-first", action="store_true", help="only the first selected configuration (tests)")
     parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")
     args = parser.parse_args(argv)
@@ -110,15 +119,16 @@ def main(argv: list[str] | None = None) -> None:
     from cs336_systems.results import write_rows
 
     rows = []
-    for head_dim, causal, dtype, exact in CONFIGS:
-        if (args.head_dims and head_dim not in args.head_dims) or (exact and args.no_exact):
+    for head_dim, causal, dtype, exact, persistent in CONFIGS:
+        if ((args.head_dims and head_dim not in args.head_dims) or (exact and args.no_exact)
+                or args.persistent == ("no" if persistent else "yes")):
             continue
-        row = compile_config(head_dim, causal, dtype, exact)
+        row = compile_config(head_dim, causal, dtype, exact, persistent)
         rows.append(row)
         shown = (f"{row['registers']} registers, {row['spill_store_bytes']} B spill stores, "
                  f"{row['spill_load_bytes']} B spill loads, {row['shared_bytes']} B shared, setmaxnreg "
                  f"{row['setmaxnreg']}, {row['compile_s']} s" if row["status"] == "ok" else row["error"])
-        print(f"d={head_dim} causal={causal} {dtype} exact={exact}: {shown}", flush=True)
+        print(f"d={head_dim} causal={causal} {dtype} exact={exact} persistent={persistent}: {shown}", flush=True)
         if args.only_first:
             break
     if args.out:

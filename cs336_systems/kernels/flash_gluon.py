@@ -12,7 +12,8 @@ of mbarriers makes them take turns issuing their GEMMs ("ping-pong"), so one's s
 GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in flash_triton.py.
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
-  q_bar                 producer -> consumers: both Q sub-tiles landed (expect-tx bytes)
+  q_ready               producer -> consumers: both Q sub-tiles landed (expect-tx bytes)
+  q_empty               consumers -> producer: both consumers' last S of the tile retired, Q may be reloaded (count 2)
   k_ready[i], v_ready[i] producer -> consumers: slot i holds key tile j (expect-tx bytes)
   k_empty[i], v_empty[i] consumers -> producer: both consumers' wgmmas reading slot i have retired (count 2)
   turn[c]               consumer 1-c -> consumer c: your turn to issue GEMMs
@@ -27,6 +28,11 @@ head's end load as zeros and are clipped on store. Programs are ordered heaviest
 tiles), one head after another (`program_order`, mirrored in `_program_tile`; it can interleave groups of heads,
 which measured slower: HEADS_PER_GROUP).
 
+Persistent variant (GluonTile.persistent): one program per SM walks a static list of tiles (`persistent_schedule`:
+the same order, list-scheduled as the block scheduler would); every barrier's phase, the K/V ring and the
+ping-pong turns carry on from tile to tile, the next tile's Q loads while this one's last P V and epilogue run,
+and O leaves through buffers of its own, its store drained only before the buffer is rewritten.
+
 Writes O (q's layout) and L, the natural-log logsumexp, float32, contiguous q.shape[:-1]: the same outputs as
 `flash_triton.flash_forward_triton`, so its backward can consume them.
 
@@ -39,6 +45,9 @@ whole pipeline (producer ring, ping-pong, register-A P V) checkable bit for bit.
 
 from __future__ import annotations
 
+import functools
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +77,11 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # their K and V fit in 32 MiB of L2 cost up to 21% (4 x 32 x 4096, d=128, causal: 1.21 vs 1.00 ms), all heads
 # at once up to 55% (the 8B shape). Programs of one head read the same key tiles at about the same time.
 HEADS_PER_GROUP = 1
+# The persistent schedule's cost model (persistent_schedule): a tile costs its key tiles plus this many for its
+# prologue and epilogue (Q's load, a first S with no P V beside it, the last P V, O's store). A guess; the balance
+# the schedule reaches at the target shapes moves by < 1% between 0.5 and 2 (kernels/NOTES.md, "Persistent").
+TILE_OVERHEAD_STEPS = 1
+H100_SMS = 132  # an H100 SXM's SMs: the persistent grid of a compile without a GPU (bench.flash_gluon_resources)
 
 
 @dataclass(frozen=True)
@@ -75,7 +89,9 @@ class GluonTile:
     """One program's shape and resources. block_m: query rows per consumer warpgroup (128 spills, as the probe
     found); block_n: keys per step (= CONSUMERS * block_m, which the causal masking relies on); num_slots: K/V
     ring depth (shared memory: 2 Q sub-tiles plus 2 x num_slots key tiles); registers: per consumer thread and
-    per producer thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from."""
+    per producer thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from. persistent: one
+    program per SM walking a static schedule of tiles (persistent_schedule), O stored from buffers of its own so
+    the next tile's Q loads under this one's last P V and epilogue; else one program per tile."""
 
     head_dim: int
     block_m: int = 64
@@ -84,6 +100,7 @@ class GluonTile:
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
+    persistent: bool = False
 
     def __post_init__(self):
         if self.block_n != CONSUMERS * self.block_m:
@@ -94,8 +111,9 @@ class GluonTile:
         return CONSUMERS * self.block_m
 
     def shared_bytes(self, element_size: int = 2) -> int:
-        """Tiles only (the barriers add a few hundred bytes)."""
-        return element_size * self.head_dim * (self.rows + 2 * self.num_slots * self.block_n)
+        """Tiles only (the barriers add a few hundred bytes): Q, (persistent) O, and the K/V ring."""
+        q_and_o = self.rows * (2 if self.persistent else 1)
+        return element_size * self.head_dim * (q_and_o + 2 * self.num_slots * self.block_n)
 
 
 # The probe's ring depths: d=64 four slots (148 KB), d=128 two (164 KB). Three at d=128 (230 KB) was slower in the
@@ -111,11 +129,12 @@ def tile_for(head_dim: int) -> GluonTile:
 
 
 # ----------------------------------------------------------------------------------------------
-# the schedule, in plain Python (the kernel's _program_tile computes the same)
+# the schedule, in plain Python (the kernel's _program_tile and _tile_at compute the same)
 # ----------------------------------------------------------------------------------------------
 def program_order(n_q_tiles: int, batch_heads: int, group: int, is_causal: bool) -> list[tuple[int, int]]:
-    """(query tile, batch·head) of program 0, 1, ... in launch order: heads in groups of `group`; within a group,
-    tile-rank major and head minor, heaviest tiles (causal: the last ones) first."""
+    """(query tile, batch·head) of position 0, 1, ... of the launch order (a program id; persistent: the walk's
+    position): heads in groups of `group`; within a group, tile-rank major and head minor, heaviest tiles (causal:
+    the last ones) first."""
     order = []
     for pid in range(n_q_tiles * batch_heads):
         first = pid // (group * n_q_tiles) * group
@@ -132,6 +151,63 @@ def key_tiles(q_tile: int, n_queries: int, n_keys: int, tile: GluonTile, is_caus
     if not is_causal:
         return last
     return min(triton.cdiv(min((q_tile + 1) * tile.rows, n_queries), tile.block_n), last)
+
+
+def persistent_schedule(works: Sequence[int], programs: int) -> list[list[int]]:
+    """The positions each of `programs` persistent programs walks, ascending: list scheduling (Graham's greedy)
+    of positions 0, 1, ... in turn, each given to the program with the least work so far (the lowest id among
+    equals), position i costing works[i]. This is what the block scheduler does with the one-tile grid (an SM
+    takes the next program when its last one ends), so the walk keeps its balance and its heads-in-flight (L2)
+    while saving each tile's launch, prologue and epilogue gaps. Walking t = pid, pid + programs, ... instead
+    would load one program with up to 1.56x the mean work at causal shapes (kernels/NOTES.md)."""
+    if programs < 1:
+        raise ValueError(f"persistent_schedule: programs must be >= 1, got {programs}")
+    loads = [(0, p) for p in range(programs)]  # a valid heap: sorted
+    walks: list[list[int]] = [[] for _ in range(programs)]
+    for position, work in enumerate(works):
+        load, p = heapq.heappop(loads)
+        walks[p].append(position)
+        heapq.heappush(loads, (load + work, p))
+    return walks
+
+
+def tile_works(n_queries: int, n_keys: int, batch_heads: int, group: int, tile: GluonTile, is_causal: bool
+               ) -> list[int]:
+    """The schedule's cost of each position of program_order: its key tiles plus TILE_OVERHEAD_STEPS."""
+    n_q_tiles = triton.cdiv(n_queries, tile.rows)
+    return [key_tiles(t, n_queries, n_keys, tile, is_causal) + TILE_OVERHEAD_STEPS
+            for t, _ in program_order(n_q_tiles, batch_heads, group, is_causal)]
+
+
+def schedule_table(walks: list[list[int]]) -> list[int]:
+    """The walks as the kernel reads them: len(walks) + 1 offsets, then every walk's positions in turn (program p
+    walks table[len(walks) + 1 + i] for i in table[p]:table[p + 1])."""
+    offsets = [0]
+    for walk in walks:
+        offsets.append(offsets[-1] + len(walk))
+    return offsets + [position for walk in walks for position in walk]
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule_on(device: torch.device, n_queries: int, n_keys: int, batch_heads: int, group: int, tile: GluonTile,
+                 is_causal: bool, programs: int) -> torch.Tensor:
+    """The int32 schedule table on `device`, built once per shape (the 8B shape's 16,384 tiles take ~60 ms in
+    Python). The first call per shape copies it to the device, so it must not be inside a CUDA graph capture."""
+    walks = persistent_schedule(tile_works(n_queries, n_keys, batch_heads, group, tile, is_causal), programs)
+    return torch.tensor(schedule_table(walks), dtype=torch.int32, device=device)
+
+
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The SMs a persistent grid fills: the device's, or an H100 SXM's (H100_SMS) when compiling on the CPU."""
+    if device.type != "cuda":
+        return H100_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def persistent_grid(n_tiles: int, sms: int) -> int:
+    """One program per SM, or per tile where there are fewer tiles."""
+    return max(1, min(sms, n_tiles))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,16 +231,49 @@ def _next_slot(idx, phase, NUM: gl.constexpr):
 
 
 @gluon.jit
-def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
-              b, h, q_row, n_blk):
+def _program_tile(position, n_q_tiles, batch_heads, group, IS_CAUSAL: gl.constexpr):
+    """(query tile, batch·head) at `position` of the launch order: program_order's arithmetic."""
+    first = position // (group * n_q_tiles) * group
+    heads = gl.minimum(group, batch_heads - first)
+    within = position - first * n_q_tiles
+    q_tile = within // heads  # the rank: heaviest first
+    if IS_CAUSAL:
+        q_tile = n_q_tiles - 1 - q_tile
+    return q_tile, first + within % heads
+
+
+@gluon.jit
+def _tile_at(position, H, batch_heads, n_queries, n_keys, n_q_tiles, group, ROWS: gl.constexpr, BN: gl.constexpr,
+             IS_CAUSAL: gl.constexpr):
+    """(b, h, b·h, first query row, key tiles to visit) of the tile at `position`: key_tiles' arithmetic."""
+    q_tile, bh = _program_tile(position, n_q_tiles, batch_heads, group, IS_CAUSAL)
+    q_row = q_tile * ROWS
+    n_blk = gl.cdiv(n_keys, BN)
+    if IS_CAUSAL:
+        n_blk = gl.minimum(gl.cdiv(gl.minimum(q_row + ROWS, n_queries), BN), n_blk)
+    return bh // H, bh % H, bh, q_row, n_blk
+
+
+@gluon.jit
+def _walk(sched):
+    """This persistent program's range of indices into the schedule's positions (schedule_table's layout), and
+    where the positions start."""
+    pid = gl.program_id(0)
+    return gl.load(sched + pid), gl.load(sched + pid + 1), sched + gl.num_programs(0) + 1
+
+
+@gluon.jit
+def _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+               b, h, q_row, n_blk, idx, phase, q_phase):
+    """The producer's loads of one tile: its two Q sub-tiles once both consumers released the last ones (a fresh
+    barrier passes the first wait), then its key tiles into the ring, which continues from the last tile's slot."""
     NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
-    mbarrier.expect(q_bar, _CONSUMERS * desc_q.block_type.nbytes)
+    mbarrier.wait(q_empty, q_phase)
+    mbarrier.expect(q_ready, _CONSUMERS * desc_q.block_type.nbytes)
     for c in gl.static_range(_CONSUMERS):
-        tma.async_copy_global_to_shared(desc_q, [b, h, q_row + c * BM, 0], q_bar, q_smem.index(c))
-    idx = 0
-    phase = 1  # the slots start out free: a fresh mbarrier passes a wait on parity 1
+        tma.async_copy_global_to_shared(desc_q, [b, h, q_row + c * BM, 0], q_ready, q_smem.index(c))
     for j in range(n_blk):
         mbarrier.wait(k_empty.index(idx), phase)
         mbarrier.expect(k_ready.index(idx), desc_k.block_type.nbytes)  # a box past the end still counts whole
@@ -173,6 +282,32 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_bar, k_ready, v_
         mbarrier.expect(v_ready.index(idx), desc_v.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_v, [b, h, j * BN, 0], v_ready.index(idx), v_ring.index(idx))
         idx, phase = _next_slot(idx, phase, NUM)
+    return idx, phase, q_phase ^ 1
+
+
+@gluon.jit
+def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group,
+              IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+    ROWS: gl.constexpr = _CONSUMERS * desc_q.block_type.shape[2]
+    BN: gl.constexpr = desc_k.block_type.shape[2]
+    # the slots and Q start out free: a fresh mbarrier passes a wait on parity 1 (run-time values, as _consumer's)
+    idx = gl.to_tensor(0)
+    phase = gl.to_tensor(1)
+    q_phase = gl.to_tensor(1)
+    if PERSISTENT:
+        first, last, positions = _walk(sched)
+        for i in range(first, last):
+            b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
+                                              group, ROWS, BN, IS_CAUSAL)
+            idx, phase, q_phase = _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty,
+                                             k_ready, v_ready, k_empty, v_empty, b, h, q_row, n_blk, idx, phase,
+                                             q_phase)
+    else:
+        b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
+                                          ROWS, BN, IS_CAUSAL)
+        _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                   v_empty, b, h, q_row, n_blk, idx, phase, q_phase)
 
 
 @gluon.jit
@@ -202,11 +337,12 @@ def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
 
 
 @gluon.jit
-def _key_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx, phase,
-              turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              EXACT: gl.constexpr, MASKED: gl.constexpr):
+def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+              phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              EXACT: gl.constexpr, LAST: gl.constexpr):
     """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
-    Slot idx holds tile j-1 (its V is read here), the next slot tile j."""
+    Slot idx holds tile j-1 (its V is read here), the next slot tile j. LAST: the tile's last key tile, masked,
+    whose S is the last read of Q (released here, so the producer can load the next tile's while P V runs)."""
     NUM: gl.constexpr = k_ring.shape[0]
     BN: gl.constexpr = k_ring.shape[3]
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
@@ -221,7 +357,8 @@ def _key_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, 
     mbarrier.arrive(turn.index(1 - CID), count=1)
     s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
     mbarrier.arrive(k_empty.index(nidx), count=1)
-    if MASKED:
+    if LAST:
+        mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -231,9 +368,12 @@ def _key_step(q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, 
 
 
 @gluon.jit
-def _consumer(desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, turn, L,
-              b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale,
-              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
+def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+                 CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
+    """One consumer's 64 rows of one tile, from Q's arrival to O's store. The barrier state (idx, phase: the
+    ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next."""
+    NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
     D: gl.constexpr = q_smem.shape[4]
@@ -251,31 +391,31 @@ def _consumer(desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, 
     acc = gl.zeros([BM, D], gl.float32, o_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_ready, q_phase)
 
     # key tile 0: S and P only (no P V to overlap yet)
-    mbarrier.wait(turn.index(CID), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, _as_2d(k_ring, 0).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    idx, phase = _next_slot(idx, phase, NUM)
+    mbarrier.wait(turn.index(CID), turn_phase)
+    mbarrier.wait(k_ready.index(idx), phase)
+    s = warpgroup_mma(q, _as_2d(k_ring, idx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(1 - CID), count=1)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    if n_blk == 1:
+    mbarrier.arrive(k_empty.index(idx), count=1)
+    if n_blk == 1:  # the only key tile: its S was the last read of Q
+        mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
+    turn_phase ^= 1
 
-    idx = 0
-    phase = 0
-    turn_phase = 1
     for j in range(1, n_blk - 1):  # the unmasked tiles
         acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx, phase,
-            turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
     if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
         acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx, phase,
-            turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -287,45 +427,72 @@ def _consumer(desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, 
         acc = acc / gl.convert_layout(l_i, row_o)[:, None]
         lse = (m_i + gl.log2(l_i)) * _LN2
         gl.store(L + bh * n_queries + offs_m, lse, mask=offs_m < n_queries)
-    # O leaves through this consumer's Q buffer (every wgmma reading Q has retired); rows past the end are clipped
-    q.store(acc.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], q_smem.index(CID))
+    # O leaves through o_smem (one-tile grid: Q's own buffer, whose wgmmas have all retired); rows past the end
+    # are clipped. Persistent: this consumer's previous O store must have read the buffer first.
     tma.store_wait(0)
+    _as_2d(o_smem, CID).store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem.index(CID))
+    return idx, phase, turn_phase, q_phase ^ 1
 
 
 @gluon.jit
-def _program_tile(n_q_tiles, batch_heads, group, IS_CAUSAL: gl.constexpr):
-    """This program's (query tile, batch·head): program_order's arithmetic."""
-    pid = gl.program_id(0)
-    first = pid // (group * n_q_tiles) * group
-    heads = gl.minimum(group, batch_heads - first)
-    within = pid - first * n_q_tiles
-    q_tile = within // heads  # the rank: heaviest first
-    if IS_CAUSAL:
-        q_tile = n_q_tiles - 1 - q_tile
-    return q_tile, first + within % heads
+def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
+    NUM: gl.constexpr = k_ring.shape[0]
+    ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
+    BN: gl.constexpr = k_ring.shape[3]
+    # the state before the first tile: "the last key tile read" is the slot before 0, so the first is slot 0 at
+    # parity 0; consumer 0's turn barrier was pre-arrived, so both first waits are on parity 0 (run-time values:
+    # _next_slot's branch must not see a constant)
+    idx = gl.to_tensor(NUM - 1)
+    phase = gl.to_tensor(1)
+    turn_phase = gl.to_tensor(0)
+    q_phase = gl.to_tensor(0)
+    if PERSISTENT:
+        first, last, positions = _walk(sched)
+        for i in range(first, last):
+            b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
+                                              group, ROWS, BN, IS_CAUSAL)
+            idx, phase, turn_phase, q_phase = _attend_tile(
+                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
+                IS_CAUSAL, EXACT)
+    else:
+        b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
+                                          ROWS, BN, IS_CAUSAL)
+        _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+                     CID, IS_CAUSAL, EXACT)
+    tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
 
 # Lengths and counts enter only addresses and loop bounds: not specialised on, so new lengths do not recompile.
-@gluon.jit(do_not_specialize=["H", "n_queries", "n_keys", "n_q_tiles", "group"])
-def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, H, n_queries, n_keys, n_q_tiles, group, qk_scale,
-                            IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+@gluon.jit(do_not_specialize=["H", "batch_heads", "n_queries", "n_keys", "n_q_tiles", "group"])
+def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
+                            group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
+                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_q.layout)
+    if PERSISTENT:  # O gets its own buffers, so the next tile's Q can land while O is stored
+        o_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_o.layout)
+    else:
+        o_smem = q_smem
     k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_k.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_v.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=_CONSUMERS)
     for i in gl.static_range(NUM_SLOTS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -334,21 +501,16 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, H, n_queries, n_k
     for c in gl.static_range(_CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
-
-    q_tile, bh = _program_tile(n_q_tiles, gl.num_programs(0) // n_q_tiles, group, IS_CAUSAL)
-    b = bh // H
-    h = bh % H
-    q_row = q_tile * (_CONSUMERS * BM)
-    n_blk = gl.cdiv(n_keys, BN)
-    if IS_CAUSAL:
-        n_blk = gl.minimum(gl.cdiv(gl.minimum(q_row + _CONSUMERS * BM, n_queries), BN), n_blk)
+    # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
     gl.warp_specialize([
-        (_consumer, (desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, turn, L,
-                     b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, 0, IS_CAUSAL, EXACT)),
-        (_consumer, (desc_o, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty, turn, L,
-                     b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, 1, IS_CAUSAL, EXACT)),
-        (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_bar, k_ready, v_ready, k_empty, v_empty,
-                     b, h, q_row, n_blk)),
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
+                     EXACT, PERSISTENT)),
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
+                     EXACT, PERSISTENT)),
+        (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -403,23 +565,32 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group: int | None = None):
-    """The kernel's arguments, grid and launch options for 4-d inputs (and out, lse), without touching a device,
-    so that `bench.flash_gluon_resources` can compile exactly what a launch would. `group` overrides
-    HEADS_PER_GROUP (for measuring the program order)."""
-    tile = tile_for(q.shape[-1])
+def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group: int | None = None,
+                  tile: GluonTile | None = None):
+    """The kernel's arguments, grid and launch options for 4-d inputs (and out, lse), without touching a device
+    beyond a persistent schedule's first copy, so that `bench.flash_gluon_resources` can compile exactly what a
+    launch would. `group` overrides HEADS_PER_GROUP (for measuring the program order), `tile` the head dim's
+    TILES entry (for measuring variants: GluonTile.persistent)."""
     batch, heads, n_queries, head_dim = q.shape
+    tile = tile or tile_for(head_dim)
+    if tile.head_dim != head_dim:
+        raise ValueError(f"flash_gluon: {tile} is for head dim {tile.head_dim}, the inputs have {head_dim}")
     n_q_tiles = triton.cdiv(n_queries, tile.rows)
     group = min(group or HEADS_PER_GROUP, batch * heads)
+    n_tiles = n_q_tiles * batch * heads
+    if tile.persistent:
+        programs = persistent_grid(n_tiles, sm_count(q.device))
+        sched = _schedule_on(q.device, n_queries, k.shape[-2], batch * heads, group, tile, is_causal, programs)
+    else:
+        programs, sched = n_tiles, None
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
-            _descriptor(out, tile.block_m), lse, heads, n_queries, k.shape[-2], n_q_tiles, group,
-            head_dim**-0.5 * LOG2E, is_causal, exact, tile.num_slots, tile.consumer_registers,
-            tile.producer_registers)
-    grid = (n_q_tiles * batch * heads,)
-    return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
+            _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
+            group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
+            tile.consumer_registers, tile.producer_registers)
+    return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
-def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None
+def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None, tile: GluonTile | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     problem = layout_problem(q, k, v) or device_problem(q)
     if problem:
@@ -430,7 +601,8 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = 
         if problem:
             raise ValueError(problem)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact, group)
+    args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact, group,
+                                        tile)
     _flash_fwd_gluon_kernel[grid](*args, **options)
     return out, lse
 
