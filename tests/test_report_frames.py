@@ -164,7 +164,9 @@ def test_the_writeup_embeds_the_frames_it_quotes():
                            for t in item.tables), item.section
     finally:
         os.chdir(here)
-    assert numeric >= 8  # 2.1, 2.2, 2.3 (a), 2.3 bucketed, 3, 3 continued, 1.3.2 (e), end to end
+    # every measured section with a table (23 of 26 today: the optimizer step and 2026 §3.1-3.2 still write
+    # their prose from the results rows)
+    assert numeric >= 20
 
 
 def test_table_rule_writes_the_frame(tmp_path):
@@ -210,7 +212,7 @@ def test_converted_sections_never_rebuild_their_tables(monkeypatch):
     finally:
         os.chdir(here)
     # (the checkpointing sections still write their prose from the results rows: text, not a Section)
-    assert len(rendered) >= 10 and sum(isinstance(body, Section) for body in rendered) >= 8
+    assert len(rendered) >= 20 and sum(isinstance(body, Section) for body in rendered) >= 20
 
 
 def test_phase_tables_keep_numbers_and_print_mean_std_oom_and_dashes():
