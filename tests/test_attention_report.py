@@ -10,6 +10,8 @@ from cs336_systems.bench.flash_accuracy import failures
 from cs336_systems.analysis import attention_math
 from cs336_systems.analysis.attention_math import attention_flops, executed_tflops, oom_seq_len, peak_mib
 from cs336_systems.report import tables
+from cs336_systems.report.__main__ import make_tables
+from cs336_systems.report.section import formula_frame
 from tests.test_report import unquoted
 
 
@@ -78,11 +80,13 @@ def test_attention_memory_working_recovers_the_known_line():
     from cs336_systems.report.sections.attention import _memory_model
 
     table = tables.attention(_attention_rows())
-    per_token2, slope, intercept = _memory_model(table, 16)
-    assert per_token2 == pytest.approx(8 * 4 / 2**20, rel=1e-3)  # P's column is rounded to 0.1 MiB
-    assert slope == pytest.approx(8 * 8 * 16 * 4 / 2**20, rel=1e-2) and intercept == pytest.approx(64, abs=0.5)
-    row = table.iloc[-1]
-    assert row["backward peak, + dP and dS (MiB)"] == round(row["memory before backward (MiB)"] + 2 * 512)
+    per_token2, slope, intercept = _memory_model(formula_frame(table), 16)  # the numbers, not their prints
+    assert per_token2 == pytest.approx(8 * 4 / 2**20, rel=1e-9)
+    assert slope == pytest.approx(8 * 8 * 16 * 4 / 2**20, rel=1e-9) and intercept == pytest.approx(64, rel=1e-9)
+    last = len(table) - 1
+    before = table.value("memory before backward (MiB)", last)
+    assert table.value("backward peak, + dP and dS (MiB)", last) == before + 2 * 512
+    assert table.cell_text(last, "P saved (MiB)") == "512.0"
 
 
 def test_attention_section_quotes_its_table(tmp_path):
@@ -90,6 +94,7 @@ def test_attention_section_quotes_its_table(tmp_path):
     from cs336_systems.report.sections.attention import render_attention
 
     _attention_rows().to_csv(tmp_path / "attention.csv", index=False)
+    make_tables(tmp_path, ["attention"])
     section = render_attention(Context(tmp_path, tmp_path, tmp_path, {}))
     assert unquoted(section) == []
     assert any("seq ≈" in p for p in section.checked) and "pending" in section.markdown()  # no measured peak
@@ -98,10 +103,10 @@ def test_attention_section_quotes_its_table(tmp_path):
 def test_flash_correctness_counts_runs_per_test():
     frame = pd.DataFrame({"test": ["a", "a", "b", "b", "c"], "repeat": [0, 1, 0, 1, 0],
                           "outcome": ["passed", "passed", "passed", "skipped", "skipped"], "seconds": [1, 3, 2, 2, 0]})
-    table = tables.flash_correctness(frame).set_index("test")
+    table = tables.flash_correctness(frame).data.set_index("test")
     assert table.loc["a", ["passed", "runs", "skipped", "seconds (median)"]].tolist() == [2, 2, 0, 2.0]
     assert table.loc["b", ["passed", "skipped"]].tolist() == [1, 1]
-    assert tables.flash_correctness(frame.drop(columns="repeat"))["runs"].tolist() == [2, 2, 1]
+    assert tables.flash_correctness(frame.drop(columns="repeat")).data["runs"].tolist() == [2, 2, 1]
 
 
 def _accuracy_rows(ratio: float) -> list[dict]:
@@ -119,6 +124,7 @@ def test_accuracy_verdict_and_section(tmp_path):
     assert len(worse) == 2 and "ours 4.800e-03, SDPA 4.000e-03" in worse[0]
 
     pd.DataFrame(_accuracy_rows(1.05)).to_csv(tmp_path / "flash_accuracy.csv", index=False)
+    make_tables(tmp_path, ["flash_accuracy"])
     section = render_flash_accuracy(Context(tmp_path, tmp_path, tmp_path, {}))
     assert unquoted(section) == [] and "1.05–1.05× SDPA's" in section.checked[0]
 
@@ -141,8 +147,9 @@ def test_attention_section_quotes_a_measured_backward_peak(tmp_path):
     rows = _attention_rows()
     rows["peak_memory_mib"] = rows["memory_before_backward_mib"] + 2 * 8 * rows["seq_len"] ** 2 * 4 / 2**20 + 3
     rows.to_csv(tmp_path / "attention.csv", index=False)
+    make_tables(tmp_path, ["attention"])
     section = render_attention(Context(tmp_path, tmp_path, tmp_path, {}))
-    assert "measured backward peak (MiB)" in section.table and unquoted(section) == []
+    assert "measured backward peak (MiB)" in section.table.headers and unquoted(section) == []
     assert "; measured: 1619 MiB." in section.checked[1]  # 512 + 8 × 2 + 64 MiB before, + 2 × 512 + 3
 
 
@@ -153,6 +160,7 @@ def test_correctness_section_counts_repeated_runs(tmp_path):
     rows = [{"test": test, "repeat": r, "outcome": "passed", "seconds": 1.0 + r, "device_name": "NVIDIA H100"}
             for r in range(5) for test in ("test_a[triton-cuda]", "test_b[pytorch-cuda]")]
     pd.DataFrame(rows).to_csv(tmp_path / "flash_correctness.csv", index=False)
+    make_tables(tmp_path, ["flash_correctness"])
     section = render_flash_correctness(Context(tmp_path, tmp_path, tmp_path, {}))
     assert unquoted(section) == []
     text = section.checked[0]

@@ -13,8 +13,9 @@ import pytest
 import yaml
 
 from cs336_systems.report import memory
-from cs336_systems.report.frame import NumericTable
-from cs336_systems.report.section import Quotes, Section, cell_number, column_values, formula_frame
+from cs336_systems.report.__main__ import make_tables
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import Quotes, Section, column_values, formula_frame
 from cs336_systems.report.sections import DELIVERABLES
 
 MiB = 2**20
@@ -188,11 +189,13 @@ def test_optimizer_table_bandwidth_and_oom():
         {**base, "optimizer": "fused", "phase": "step", "mean_ms": 30.0, "median_ms": 30.0},
         {**base, "size": "2.7B", "optimizer": "fused", "phase": "step", "status": "oom"},
     ])
-    table = optimizer_timing(frame).set_index("size")
-    assert table.loc["small", "GB/s at 28 B/param"] == round(params * 28 / 2e-3 / 1e9)
-    assert table.loc["small", "optimizer step (ms)"] == "2.00 ± 0.10"
-    assert table.loc["2.7B", "optimizer step (ms)"] == "OOM"
-    assert pd.isna(table.loc["2.7B", "GB/s at 28 B/param"])
+    table = optimizer_timing(frame)
+    small, large = table.row(size="small"), table.row(size="2.7B")
+    assert table.value("GB/s at 28 B/param", small) == pytest.approx(params * 28 / 2e-3 / 1e9)
+    assert table.cell_text(small, "GB/s at 28 B/param") == str(round(params * 28 / 2e-3 / 1e9))
+    assert table.cell_text(small, "optimizer step (ms)") == "2.00 ± 0.10"
+    assert table.cell_text(large, "optimizer step (ms)") == "OOM"
+    assert np.isnan(table.value("GB/s at 28 B/param", large)) and table.cell_text(large, "GB/s at 28 B/param") == "—"
 
 
 # --- Each section's prose quotes the table it embeds --------------------------------------------------------
@@ -216,30 +219,9 @@ def printed_by_cells(table: NumericTable) -> set[tuple[str, bool]]:
     return {(printed(token).lstrip("-"), percent) for cell in table.cell_texts() for token, percent in prose_numbers(cell)}
 
 
-def in_table(token: str, percent: bool, table: NumericTable | pd.DataFrame) -> bool:
-    """Whether some number the table prints is `token`: for a numeric table exactly as a cell prints it;
-    for a display frame (sections not converted) at the token's precision (a prose 125.7 quotes a cell
-    125.72 ± 18.51), or, for a percentage, a fraction the table prints."""
-    if isinstance(table, NumericTable):
-        return (printed(token).lstrip("-"), percent) in printed_by_cells(table)
-    target = printed(token)
-    if "e" in target:  # a number printed in scientific notation: compare its significant digits
-        mantissa = target.split("e")[0].lstrip("-")
-        significant = len(mantissa.replace(".", "").lstrip("0"))
-        return any(f"{v:.{significant - 1}e}" == f"{abs(float(target)):.{significant - 1}e}"
-                   for v in table_numbers(table))
-    digits = len(token.split(".")[1]) if "." in token else 0
-    for value in table_numbers(table):
-        candidates = (value, value * 100) if percent else (value,)
-        if any(f"{abs(v):.{digits}f}" == target.lstrip("-") for v in candidates):
-            return True
-    return False
-
-
-def table_numbers(table: pd.DataFrame) -> list[float]:
-    """Every number the table's cells print (both of 'mean ± std'), as magnitudes."""
-    return [abs(float(v.replace(",", "").replace("−", "-"))) for cell in table.to_numpy().ravel()
-            for v in re.findall(r"[-−]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", str(cell))]
+def in_table(token: str, percent: bool, table: NumericTable) -> bool:
+    """Whether some cell of the table prints `token` exactly (a prose 125.7 does not quote a cell 125.72)."""
+    return (printed(token).lstrip("-"), percent) in printed_by_cells(table)
 
 
 def unquoted(section: Section) -> list[str]:
@@ -278,7 +260,7 @@ def committed(request):
 
 # The sections whose prose is picked from the table they embed; the others still compute their text
 # from the results rows (each is a Section once converted, and is then checked below).
-QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.5 (c) fp32", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile",
+QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.4 (a–e)", "1.1.5 (c) fp32", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile",
            "1.3.2 flash_forward", "1.3.2 (e) flash_benchmarking", "1.3.2 (e), continued", "1.3.3",
            "1.3.3, continued", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end",
@@ -322,25 +304,26 @@ def test_compile_prose_states_the_block_speedup_column(committed):
 
 def test_a_table_that_no_longer_gives_a_derived_number_is_caught(committed):
     body = committed["1.3.1 (b) torch_compile: compiled versus vanilla Transformer"]
-    table = body.table.copy()
-    table["speed-up, blocks"] = [f"{v * 1.1:.2f}" for v in column_values(table, "speed-up, blocks")]
-    problems = unquoted(replace(body, table=table))
+    data = body.table.data.assign(**{"speed-up, blocks": body.table.data["speed-up, blocks"] * 1.1})
+    problems = unquoted(replace(body, table=NumericTable(data, body.table.columns, body.table.status)))
     assert any("block-compiled speed-up" in problem for problem in problems)
 
 
 def test_prose_check_on_a_known_table():
-    """Cells match at the prose's precision, derived numbers are recomputed, anything else is reported."""
-    table = pd.DataFrame({"size": ["small", "xl"], "step (ms)": ["20.84 ± 0.28", "125.72 ± 18.51"],
-                          "MFU": [0.205, 0.284]})
+    """Cells match exactly as printed, derived numbers are recomputed, anything else is reported."""
+    table = NumericTable(pd.DataFrame({"size": ["small", "xl"], "step (ms)": [20.8412, 125.7189],
+                                       "std (ms)": [0.28, 18.5111], "MFU": [0.205, 0.284]}),
+                         (Col("size"), Col("step (ms)", ".2f", second="std (ms)"), Col("MFU", ".1%")))
     quotes = Quotes(table)
     ratio = quotes.derive(lambda t: column_values(t, "step (ms)").iloc[1] / column_values(t, "step (ms)").iloc[0],
                           ".2f", "xl over small")
-    good = f"xl takes 125.7 ms (std 18.5), {ratio}× small's 20.84 ms, at 28.4% MFU; `nvjet_sm90_128x64` is a name."
+    good = f"xl takes 125.72 ms (std 18.51), {ratio}× small's 20.84 ms, at 28.4% MFU; `nvjet_sm90_128x64` is a name."
     section = Section([good], table, [good], quotes.derived)
     assert unquoted(section) == []
-    assert unquoted(replace(section, checked=[good.replace("125.7", "125.9")])) == ["125.9 in: " + good.replace(
-        "125.7", "125.9")[:100] + "…"]
-    assert unquoted(replace(section, checked=[good.replace("28.4%", "28.4")]))  # 28.4 is no cell; 0.284 is
+    assert unquoted(replace(section, checked=[good.replace("125.72", "125.92")])) == ["125.92 in: " + good.replace(
+        "125.72", "125.92")[:100] + "…"]
+    assert unquoted(replace(section, checked=[good.replace("125.72", "125.7")]))  # a cell at another precision
+    assert unquoted(replace(section, checked=[good.replace("28.4%", "28.4")]))  # 28.4 is no cell; 28.4% is
     assert unquoted(replace(section, checked=[good + " It ran 3 times."]))  # a number the table does not hold
     assert unquoted(replace(section, checked=[good + " It ran 3 times."], wording=("3",))) == []
 
@@ -630,18 +613,19 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
     write_rows(profile_rows(ProfileConfig(sizes=("tiny", "mini"), context_lengths=(16,), batch_size=2, precision="bf16",
                                           warmup=1, steps=1, device="cpu", tool="torch")),
                tmp_path / "profile_bf16.csv")
+    make_tables(tmp_path, ["baseline_timing", "kernel_vs_wall"])  # what the `table` rule writes, the sections read
     ctx = Context(tmp_path, tmp_path, tmp_path, {})
     baseline = benchmarking.render_baseline(ctx)
     host = benchmarking.render_host_bound(ctx)
     for body in (baseline, host):
         assert unquoted(body) == []
         assert "issue" not in body.markdown() and "anchor" not in body.markdown()
-    ratio = column_values(baseline.table, "÷ plain")
-    assert set(baseline.table["model"]) == {"ours", "plain"} and (ratio[baseline.table["model"] == "plain"] == 1).all()
+    ratio, models = column_values(baseline.table, "÷ plain"), baseline.table.data["model"]
+    assert set(models) == {"ours", "plain"} and (ratio[models == "plain"] == 1).all()
     share = column_values(host.table, "kernel share of step")
     # kernel time and wall time come from two calls of the phase (profiled, timed), so on a shared CPU the
     # share can exceed 1; only its presence for every size is checked here
-    assert list(host.table["size"].astype(str)) == ["tiny", "mini"] and (share > 0).all()
+    assert list(host.table.data["size"]) == ["tiny", "mini"] and (share > 0).all()
 
 
 def test_no_typed_reference_numbers_or_issue_numbers_in_the_benchmarking_text(committed):
@@ -668,6 +652,7 @@ def test_warmup_text_follows_the_per_step_times(tmp_path):
              "mean_ms": np.mean(t) * scale, "std_ms": np.std(t, ddof=1) * scale, "median_ms": np.median(t) * scale}
             for size, scale in (("small", 1.0), ("xl", 10.0)) for w, t in times.items()]
     write_rows(rows, tmp_path / "e2e_warmup.csv")
+    make_tables(tmp_path, ["e2e_warmup"])
     body = benchmarking.render_warmup(Context(tmp_path, tmp_path, tmp_path, {}))
     assert "pending" not in body.markdown() and unquoted(body) == []
     per_step = body.checked[1]
@@ -678,7 +663,7 @@ def test_warmup_text_follows_the_per_step_times(tmp_path):
     # warm-up 1: its first measured step is normal, but a later one stands out, which 0 and 5 do not show
     assert "no more than 10% above that mean at: small, xl," in per_step
     assert "at some size, after 1 warm-up steps)" in per_step
-    assert body.table.loc[0, "warmup=1 slowest later (ms)"] == 70.0
+    assert body.table.value("warmup=1 slowest later (ms)", size="small") == 70.0
 
 
 def test_profile_text_compares_gemm_kernels_with_softmax_and_reads_the_diagnosis(tmp_path):
@@ -691,8 +676,11 @@ def test_profile_text_compares_gemm_kernels_with_softmax_and_reads_the_diagnosis
                                       device="cpu", tool="torch"))
     oom = {**rows[0], "size": "mini", "kind": "point", "status": "oom"}
     write_rows([*rows, oom], tmp_path / "profile.csv")
+    make_tables(tmp_path, ["profile_grid", "profile_kernels"])
     ctx = Context(tmp_path, tmp_path, tmp_path, {})
-    text = profiling.render_profile(ctx)
+    body = profiling.render_profile(ctx)
+    assert unquoted(body) == []  # (a) quotes the grid's cells
+    text = body.markdown()
     assert "the GEMM kernels (scores and final matmul) take" in text and "at most" not in text
     assert "pending: `PYTHONPATH=$PWD python results/diagnosis/profile_oom.py" in text
     (tmp_path / "diagnosis").mkdir()
@@ -702,7 +690,7 @@ def test_profile_text_compares_gemm_kernels_with_softmax_and_reads_the_diagnosis
                  "forward peak (MiB)": 10.0, "backward peak (MiB)": 12.0},
                 {"run": "memory harness", "size": "mini", "context_length": 16, "status": "ok", "device_name": "GPU",
                  "step peak (MiB)": 11.0}], tmp_path / "diagnosis" / "profile_oom.csv")
-    text = profiling.render_profile(Context(tmp_path, tmp_path, tmp_path, {}))
+    text = profiling.render_profile(Context(tmp_path, tmp_path, tmp_path, {})).markdown()
     assert "the first harness (OOM), the harness now (peak 12 MiB), 1.1.6's memory harness (peak 11 MiB)" in text
     assert "So the cause was the harness" in text
 
@@ -712,7 +700,7 @@ def test_profile_non_matmul_answer_is_the_forward_pass(committed):
     (shares of forward+backward time were quoted once), and no forward kernel above the threshold is left out."""
     from cs336_systems.report.profile_tables import MATMUL, profile_kernels_of, profile_point
 
-    text = committed["1.1.4 (a–e) nsys_profile: kernel summaries per range"]
+    text = committed["1.1.4 (a–e) nsys_profile: kernel summaries per range"].markdown()
     answer = next(p for p in text.split("\n\n") if p.startswith("(c) "))
     frame = pd.read_csv(ROOT / "results" / "profile.csv")
     size, context = profile_point(frame)
@@ -835,10 +823,11 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
     sac_b2 = timed[(timed["provider"] == "torch_plain_sac") & (timed["batch"] == 2)]["step_ms"].iloc[0]
     gap = body.checked[0]
     assert f"{ours_b2 / sac_b2:.3f}×" in gap and ("not met yet" in gap) == (ours_b2 / sac_b2 > 0.9)
-    ablations = ablation_table(frame).display()
-    sdpa = ablations[ablations["ablation"] == "ours-sdpa_attention"].iloc[0]
-    ours_b1 = timed[(timed["provider"] == "ours") & (timed["batch"] == int(sdpa["batch"]))]["step_ms"].iloc[0]
-    assert abs(float(sdpa["÷ ours"]) - cell_number(sdpa["step (ms, mean ± std)"]) / ours_b1) < 2e-3
+    ablations = ablation_table(frame)
+    sdpa = int(ablations.data.index[ablations.data["ablation"] == "ours-sdpa_attention"][0])
+    batch = int(ablations.data.at[sdpa, "batch"])
+    ours_b1 = timed[(timed["provider"] == "ours") & (timed["batch"] == batch)]["step_ms"].iloc[0]
+    assert abs(ablations.value("÷ ours", sdpa) - ablations.value("step (ms, mean ± std)", sdpa) / ours_b1) < 2e-3
     wrong = body.checked[0].replace(f"{ours_b2 / sac_b2:.3f}", f"{ours_b2 / sac_b2 - 0.07:.3f}")
     assert unquoted(replace(body, checked=[wrong, *body.checked[1:]]))
 

@@ -213,9 +213,3 @@ def _dtype(values: Sequence) -> str:
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
         return "float64"
     return "object"
-
-
-def text_table(frame: pd.DataFrame) -> NumericTable:
-    """A display frame of a table builder not yet converted, held as text columns (what it printed)."""
-    return NumericTable(frame.astype(object).where(frame.notna(), None).reset_index(drop=True),
-                        tuple(Col(str(h)) for h in frame.columns))

@@ -1,5 +1,5 @@
 """1.1.4's tables: kernel names made readable, the kernels of one profiled configuration, and kernel
-time per phase over the whole grid (profile rows in, display frames out)."""
+time per phase over the whole grid (profile rows in, NumericTables out: report/frame.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import re
 import pandas as pd
 
 from cs336_systems.bench.profile import MATMUL
+from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.tables import SIZE_ORDER, ordered_by_size
 
 
@@ -55,7 +56,7 @@ def profile_point(frame: pd.DataFrame) -> tuple[str, int]:
     return size, int(ok[ok["size"] == size]["context_length"].max())
 
 
-def profile_kernels(frame: pd.DataFrame) -> pd.DataFrame:
+def profile_kernels(frame: pd.DataFrame) -> NumericTable:
     """1.1.4: the top kernels of forward, backward and the optimizer step at the discussed configuration."""
     size, ctx = profile_point(frame)
     rows = profile_kernels_of(frame[(frame["size"] == size) & (frame["context_length"] == ctx)])
@@ -65,13 +66,19 @@ def profile_kernels(frame: pd.DataFrame) -> pd.DataFrame:
         total = part["ms_per_step"].sum()
         for _, row in part.head(8).iterrows():
             out.append({"size": size, "context": ctx, "phase": phase, "kernel": row["name"][:70],
-                        "calls per step": round(row["calls_per_step"], 1), "ms per step": round(row["ms_per_step"], 3),
-                        "share of phase": f"{row['ms_per_step'] / total:.1%}"})
-    return pd.DataFrame(out)
+                        "calls per step": row["calls_per_step"], "ms per step": row["ms_per_step"],
+                        "share of phase": row["ms_per_step"] / total})
+    # calls per step are counts ('g' prints 144, not 144.0, and a fractional mean as it is)
+    return NumericTable(pd.DataFrame(out), (Col("size"), Col("context", "d"), Col("phase"), Col("kernel"),
+                                            Col("calls per step", "g"), Col("ms per step", ".3f"),
+                                            Col("share of phase", ".1%")))
 
 
-def profile_grid(frame: pd.DataFrame) -> pd.DataFrame:
-    """1.1.4: kernel time per phase for every size and context length (or OOM)."""
+PROFILE_GRID_MS = ("forward kernels (ms)", "backward kernels (ms)", "optimizer kernels (ms)", "forward harness (ms)")
+
+
+def profile_grid(frame: pd.DataFrame) -> NumericTable:
+    """1.1.4: kernel time per phase for every size and context length (or OOM: '—' in the time columns)."""
     out = []
     for (size, ctx), rows in ordered_by_size(frame).groupby(["size", "context_length"], observed=True):
         if (rows["status"] != "ok").any():
@@ -80,10 +87,11 @@ def profile_grid(frame: pd.DataFrame) -> pd.DataFrame:
         kernels = profile_kernels_of(rows).groupby("phase")["ms_per_step"].sum()
         harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
         out.append({"size": size, "context": ctx, "status": "ok",
-                    **{f"{p} kernels (ms)": round(kernels.get(p, float("nan")), 2)
-                       for p in ("forward", "backward", "optimizer")},
-                    "forward harness (ms)": round(harness.get("forward", float("nan")), 2)})
-    return pd.DataFrame(out)
+                    **{f"{p} kernels (ms)": kernels.get(p, float("nan")) for p in ("forward", "backward", "optimizer")},
+                    "forward harness (ms)": harness.get("forward", float("nan"))})
+    data = pd.DataFrame(out, columns=["size", "context", "status", *PROFILE_GRID_MS])
+    return NumericTable(data.assign(size=lambda t: t["size"].astype(str)),
+                        (Col("size"), Col("context", "d"), Col("status"), *(Col(c, ".2f") for c in PROFILE_GRID_MS)))
 
 
 SOFTMAX = r"softmax"
@@ -107,7 +115,7 @@ def attention_kernels(rows: pd.DataFrame, phase: str = "forward") -> pd.DataFram
                               fill_value=0.0)
 
 
-def kernel_vs_wall(frame: pd.DataFrame) -> pd.DataFrame:
+def kernel_vs_wall(frame: pd.DataFrame) -> NumericTable:
     """1.1.5(c): per size, each phase's kernel time (profiled) against the harness's synchronized wall time
     of the same phase in the same process (unprofiled), and the share of the step's wall time the GPU
     spends in kernels: far below 1, the host launching kernels sets the pace, not the GPU."""
@@ -122,8 +130,12 @@ def kernel_vs_wall(frame: pd.DataFrame) -> pd.DataFrame:
         wall = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
         phases = ("forward", "backward", "optimizer")
         for phase in phases:
-            record[f"{phase} kernels (ms)"] = round(kernels.get(phase, float("nan")), 2)
-            record[f"{phase} wall (ms)"] = round(wall.get(phase, float("nan")), 2)
+            record[f"{phase} kernels (ms)"] = kernels.get(phase, float("nan"))
+            record[f"{phase} wall (ms)"] = wall.get(phase, float("nan"))
         busy = sum(kernels.get(p, 0.0) for p in phases) / sum(wall.get(p, float("nan")) for p in phases)
-        out.append({**record, "kernel share of step": round(busy, 2)})
-    return pd.DataFrame(out)
+        out.append({**record, "kernel share of step": busy})
+    times = [f"{phase} {what} (ms)" for phase in ("forward", "backward", "optimizer") for what in ("kernels", "wall")]
+    data = pd.DataFrame(out, columns=["size", "context", "precision", "status", *times, "kernel share of step"])
+    return NumericTable(data.assign(size=lambda t: t["size"].astype(str)), (
+        Col("size"), Col("context", "d"), Col("precision"), Col("status"), *(Col(c, ".2f") for c in times),
+        Col("kernel share of step", ".2f")))

@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pandas as pd
 
-from cs336_systems.report.frame import NumericTable, text_table
-
-def mean_std(mean: float, std: float, digits: int = 2) -> str:
-    """'mean ± std' as text, for builders not converted to NumericTable (which joins the pair itself)."""
-    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
-        return "—"
-    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+from cs336_systems.report.frame import NumericTable
 
 
 def provenance_line(frame: pd.DataFrame) -> str:
@@ -31,23 +24,17 @@ def provenance_line(frame: pd.DataFrame) -> str:
             f"triton {values('triton_version')}; commit {', '.join(commits) or '?'}; {', '.join(dates) or '?'}.")
 
 
-def save_table(table: NumericTable | pd.DataFrame, md_path: str | Path, tex_path: str | Path, caption: str,
+def save_table(table: NumericTable, md_path: str | Path, tex_path: str | Path, caption: str,
                json_path: str | Path | None = None) -> None:
     """Markdown (for the writeup) and LaTeX (for a paper) renderings of one table, and the numeric frame
-    they print (JSON, which the writeup reads back for its quotes: report/frame.py).
-
-    A display DataFrame (a builder not converted yet) is printed as pandas prints it, as before, and its
-    JSON holds the display texts."""
+    they print (JSON, which the writeup reads back for its quotes: report/frame.py)."""
+    if not isinstance(table, NumericTable):
+        raise TypeError(f"save_table: a table builder must return a NumericTable (report/frame.py), got "
+                        f"{type(table).__name__}")
     paths = [Path(p) for p in (md_path, tex_path, json_path) if p is not None]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(table, NumericTable):
-        markdown, latex, frame = table.to_markdown(), table.to_latex(caption), table
-    else:
-        markdown = table.to_markdown(index=False)
-        latex = table.to_latex(index=False, caption=caption.replace("_", r"\_"), escape=True)
-        frame = text_table(table)
-    Path(md_path).write_text(markdown + f"\n\n_{caption}_\n")
-    Path(tex_path).write_text(latex)
+    Path(md_path).write_text(table.to_markdown() + f"\n\n_{caption}_\n")
+    Path(tex_path).write_text(table.to_latex(caption))
     if json_path is not None:
-        frame.save(json_path)
+        table.save(json_path)

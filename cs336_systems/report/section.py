@@ -7,16 +7,14 @@ cells by a formula that is recorded with the text it produced (`Quotes.derive`),
 can recompute every derived number from the table alone and find every other number of the prose among
 the table's cells.
 
-A converted section's table is a `NumericTable` (report/frame.py) read back from results/tables/NAME.json,
+A section's table is a `NumericTable` (report/frame.py) read back from results/tables/NAME.json (`Context.numeric`),
 the frame the `table` rule built and rendered to the Markdown the section embeds; its formulas see the
-numbers (`NumericTable.data`). Sections not converted yet still pass a display DataFrame (strings such as
-'123.45 ± 0.67'), whose numbers `cell_number` parses back; that path stays until they are converted.
+numbers (`formula_frame`), never the printed text.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,11 +63,10 @@ class Context:
 
 @dataclass(frozen=True)
 class Table:
-    """results/tables/<name>.{md,tex,json}, built by `build` from results/<data>.csv (the `table` rule).
-    `build` returns a NumericTable; builders not converted yet return a display DataFrame."""
+    """results/tables/<name>.{md,tex,json}, built by `build` from results/<data>.csv (the `table` rule)."""
     name: str
     data: str
-    build: Callable[[pd.DataFrame], NumericTable | pd.DataFrame]
+    build: Callable[[pd.DataFrame], NumericTable]
     caption: str
 
 
@@ -113,7 +110,7 @@ class Section:
     `wording` (numbers that belong to the sentence: handout numbering, constants of an argument).
     Paragraphs of `parts` that are neither checked nor embeds read other data; the test lists them."""
     parts: list[str]
-    table: NumericTable | pd.DataFrame
+    table: NumericTable
     checked: list[str]
     derived: list[Derived] = field(default_factory=list)
     wording: tuple[str, ...] = ()
@@ -122,14 +119,9 @@ class Section:
         return "\n\n".join(self.parts)
 
 
-NUMBER = re.compile(r"(?<![\w.])[-+−]?\d[\d,]*(?:\.\d+)?(?![\w])")
-
-
-def formula_frame(table: NumericTable | pd.DataFrame) -> pd.DataFrame:
-    """What a Derived formula reads: a numeric table's numbers, with cells that have a status as NaN and
-    the statuses in a column '<header>: status' ('' where the cell ran), or a display frame as it is."""
-    if not isinstance(table, NumericTable):
-        return table
+def formula_frame(table: NumericTable) -> pd.DataFrame:
+    """What a Derived formula reads: the table's numbers, with cells that have a status as NaN and the
+    statuses in a column '<header>: status' ('' where the cell ran)."""
     data = table.data.copy()
     for header, rows in table.status.items():
         if rows:
@@ -141,18 +133,10 @@ def formula_frame(table: NumericTable | pd.DataFrame) -> pd.DataFrame:
     return data
 
 
-def cell_number(cell) -> float:
-    """The first number a table cell prints (the mean of 'mean ± std'); NaN for OOM, '—' and blanks."""
-    if isinstance(cell, (int, float)) and not isinstance(cell, bool):
-        return float(cell)
-    found = NUMBER.search(str(cell))
-    return float(found[0].replace(",", "").replace("−", "-")) if found else float("nan")
-
-
 class Quotes:
     """Numbers for prose, taken from one table; derived ones are recorded with their formula."""
 
-    def __init__(self, table: NumericTable | pd.DataFrame):
+    def __init__(self, table: NumericTable):
         self.table = table
         self.frame = formula_frame(table)
         self.derived: list[Derived] = []
@@ -164,14 +148,15 @@ class Quotes:
         return text
 
     def cell(self, header: str, row: int | None = None, **keys) -> str:
-        """A cell's number as its column prints it (a numeric table only): the row by position or by the
-        values of its key columns, e.g. q.cell("step (ms)", precision="bf16", config="flat")."""
+        """A cell's number as its column prints it: the row by position or by the values of its key columns,
+        e.g. q.cell("step (ms)", precision="bf16", config="flat")."""
         return self.table.quote(header, row, **keys)
 
 
 def column_values(table: NumericTable | pd.DataFrame, column: str,
                   rows: Callable[[pd.DataFrame], pd.Series] | None = None) -> pd.Series:
-    """A column's numbers (NaN for OOM, dashes and blanks), of the rows `rows` selects."""
-    table = formula_frame(table)
-    selected = table if rows is None else table[rows(table)]
-    return selected[column].map(cell_number)
+    """A column's numbers as floats (NaN where a cell has a status or no value), of the rows `rows` selects;
+    `table` is a NumericTable or its formula_frame (what a Derived formula receives)."""
+    frame = formula_frame(table) if isinstance(table, NumericTable) else table
+    selected = frame if rows is None else frame[rows(frame)]
+    return pd.to_numeric(selected[column], errors="raise").astype(float)

@@ -1,16 +1,10 @@
 """Each handout table as a function of its results rows.
 
 Builders return a NumericTable (report/frame.py: numbers plus one format per column, printed by one
-formatter for the Markdown, the LaTeX and the prose). The tables of the sections not converted yet
-(benchmarking, attention) keep their old names as display frames of strings, which those sections read
-(section.cell_number parses them back): `NAME(frame)` is `display_frame(NAME_numeric(frame), ...)`, the
-same frame the builder returned before it was numeric. A section converts by registering NAME_numeric as
-its Table.build and quoting `ctx.numeric(name)`."""
+formatter for the Markdown, the LaTeX and the prose). The `table` rule builds each table once and writes
+it to results/tables/NAME.json, which the sections read back (`Context.numeric`) and quote."""
 
 from __future__ import annotations
-
-import re
-from collections.abc import Collection
 
 import pandas as pd
 
@@ -29,43 +23,9 @@ def ordered_by_size(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("size")
 
 
-# --- compatibility: display frames for the sections not converted yet ------------------------------------
-
-def display_frame(table: NumericTable, strings: Collection[str] = (), dashes: Collection[str] = ()) -> pd.DataFrame:
-    """The display frame a builder returned before it was numeric, for the sections that still read one
-    (benchmarking, attention: section.cell_number parses its strings): the `strings` columns as their printed
-    cells, the other numeric columns as numbers rounded to their format's digits (NaN where missing, the
-    status where one is set; '—' in the `dashes` columns), text columns as they are. Goes once those
-    sections read NumericTables."""
-    out = {}
-    for column in table.columns:
-        if column.header in strings:
-            out[column.header] = [table.cell_text(i, column.header) for i in range(len(table))]
-        elif column.numeric:
-            out[column.header] = [_rounded(table, i, column) for i in range(len(table))]
-            if column.header in dashes:
-                out[column.header] = ["—" if pd.isna(v) else v for v in out[column.header]]
-        else:
-            out[column.header] = table.data[column.header].tolist()
-    return pd.DataFrame(out, columns=table.headers)
-
-
-def _rounded(table: NumericTable, row: int, column: Col):
-    status = table.status.get(column.header, {}).get(row)
-    if status:
-        return str(status).upper()
-    value = table.data.at[row, column.header]
-    if pd.isna(value):
-        return float("nan")  # as the old builders' round(nan) or None in a column of numbers printed: 'nan'
-    digits = re.search(r"\.(\d+)[f%]", column.fmt)
-    if column.fmt.endswith("d"):
-        return int(round(value))
-    return round(float(value), int(digits[1]) + (2 if column.fmt.endswith("%") else 0)) if digits else value
-
-
 # --- 1.1.3 and 1.1.5: step times per model size ---------------------------------------------------------
 
-def phase_numeric(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> NumericTable:
+def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> NumericTable:
     """One row per model size; for each named column filter (e.g. precision=fp32) and phase, the mean ms ±
     its std (or the status, OOM, of a run that did not finish; '—' where nothing ran). An OOM row has phase
     'step', so it is looked up under any phase."""
@@ -90,29 +50,18 @@ def phase_numeric(frame: pd.DataFrame, columns: dict[str, dict], phases: list[st
     return NumericTable(data, (Col("size"), *(Col(h, ".2f", second=f"{h} std") for h in headers)), status)
 
 
-def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> pd.DataFrame:
-    """phase_numeric as a display frame (sections not converted yet)."""
-    table = phase_numeric(frame, columns, phases)
-    return display_frame(table, table.headers[1:])
-
-
-def e2e_timing_numeric(frame: pd.DataFrame) -> NumericTable:
+def e2e_timing(frame: pd.DataFrame) -> NumericTable:
     """1.1.3(b): forward and backward time per size (fp32), our naive attention and SDPA."""
     fp32 = frame[(frame["precision"] == "fp32") & (frame["mode"] == "forward_backward")]
     columns = {name: {"attention": name} for name in sorted(set(fp32["attention"]))}
-    return phase_numeric(fp32, columns, ["forward", "backward"])
+    return phase_table(fp32, columns, ["forward", "backward"])
 
 
-def e2e_timing(frame: pd.DataFrame) -> pd.DataFrame:
-    table = e2e_timing_numeric(frame)
-    return display_frame(table, table.headers[1:])
-
-
-def e2e_warmup_numeric(frame: pd.DataFrame) -> NumericTable:
+def e2e_warmup(frame: pd.DataFrame) -> NumericTable:
     """1.1.3(c): the forward+backward step time for each number of warm-up steps; where the rows carry every
     measured step's time (`samples_ms`), also the first measured step and the slowest of the others."""
     columns = {f"warmup={w}": {"warmup": w} for w in sorted(set(frame["warmup"]))}
-    table = phase_numeric(frame, columns, ["step"])
+    table = phase_table(frame, columns, ["step"])
     if "samples_ms" not in frame or frame["samples_ms"].isna().all():
         return table
     steps = frame[(frame["phase"] == "step") & (frame["status"] == "ok") & frame["samples_ms"].notna()]
@@ -126,25 +75,15 @@ def e2e_warmup_numeric(frame: pd.DataFrame) -> NumericTable:
     return NumericTable(data, (*table.columns, *extra), table.status)
 
 
-def e2e_warmup(frame: pd.DataFrame) -> pd.DataFrame:
-    table = e2e_warmup_numeric(frame)
-    return display_frame(table, [c.header for c in table.columns if c.second])
-
-
-def mixed_precision_numeric(frame: pd.DataFrame) -> NumericTable:
+def mixed_precision(frame: pd.DataFrame) -> NumericTable:
     """1.1.5(c): forward and backward time per size, fp32 versus bf16 autocast (naive attention), and the
     speed-up (fp32 median step over bf16's)."""
     rows = frame[(frame["mode"] == "forward_backward") & (frame["attention"] == "naive")]
     columns = {p: {"precision": p} for p in ["fp32", "bf16"] if p in set(rows["precision"])}
-    table = phase_numeric(rows, columns, ["forward", "backward"])
+    table = phase_table(rows, columns, ["forward", "backward"])
     speedups = precision_speedup(rows).assign(size=lambda t: t["size"].astype(str))
     data = table.data.merge(speedups, on="size", how="left")
     return NumericTable(data, (*table.columns, Col("bf16 speed-up", ".2f")), table.status)
-
-
-def mixed_precision(frame: pd.DataFrame) -> pd.DataFrame:
-    table = mixed_precision_numeric(frame)
-    return display_frame(table, [c.header for c in table.columns if c.second])
 
 
 def precision_speedup(frame: pd.DataFrame) -> pd.DataFrame:
@@ -162,7 +101,7 @@ def compile_scope(frame: pd.DataFrame) -> pd.Series:
     return scope.fillna("blocks").where(frame["compile"].astype(bool), "none")
 
 
-def compile_timing_numeric(frame: pd.DataFrame) -> NumericTable:
+def compile_timing(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): eager versus compiled (per compile scope), forward-only and full training step, per attention
     backend: the median step time; per scope the speed-up over eager (eager median ÷ that scope's median), and
     the MFU of the fastest compiled scope (by median). Medians throughout, as in its figure: a compiled step's
@@ -193,13 +132,7 @@ def compile_timing_numeric(frame: pd.DataFrame) -> NumericTable:
         *(Col(h, ".2f") for h in speedups), Col("compiled MFU", ".3f")), status)
 
 
-def compile_timing(frame: pd.DataFrame) -> pd.DataFrame:
-    table = compile_timing_numeric(frame)
-    times = [c.header for c in table.columns if c.header.endswith("(ms)")]
-    return display_frame(table, [c.header for c in table.columns if c.header.startswith("speed-up")], dashes=times)
-
-
-def baseline_timing_numeric(frame: pd.DataFrame) -> NumericTable:
+def baseline_timing(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope
     and model, the median training step, its MFU (from the median) and its median over the baseline's."""
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
@@ -219,10 +152,6 @@ def baseline_timing_numeric(frame: pd.DataFrame) -> NumericTable:
     return NumericTable(pd.DataFrame(out, columns=columns), (
         *(Col(c) for c in columns[:5]), Col("median (ms)", ".2f"),
         Col("MFU", ".3f"), Col("÷ plain", ".3f")), status)
-
-
-def baseline_timing(frame: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(baseline_timing_numeric(frame))
 
 
 def compile_column(what: str, scope: str, scopes: list[str]) -> str:
@@ -246,7 +175,7 @@ def _first(rows: pd.DataFrame, statistic: str = "mean_ms") -> tuple[float, float
     return row[statistic], row.get("std_ms", float("nan")), None  # some sweeps record no std
 
 
-def optimizer_timing_numeric(frame: pd.DataFrame) -> NumericTable:
+def optimizer_timing(frame: pd.DataFrame) -> NumericTable:
     """The optimizer phase of a training step per size and optimizer (mean ± std), with the bandwidth it
     would take to move AdamW's least traffic in its median time."""
     out, status = [], {}
@@ -271,11 +200,7 @@ def optimizer_timing_numeric(frame: pd.DataFrame) -> NumericTable:
         Col("training step (ms)", ".2f", second="training step (ms) std"), Col("GB/s at 28 B/param", "d")), status)
 
 
-def optimizer_timing(frame: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(optimizer_timing_numeric(frame), ["optimizer step (ms)", "training step (ms)"])
-
-
-def attention_numeric(frame: pd.DataFrame) -> NumericTable:
+def attention(frame: pd.DataFrame) -> NumericTable:
     """1.2.1: naive attention (eager), forward and backward mean ms, and its memory by the formulas
     (analysis/attention_math.py) beside the memory measured before backward.
 
@@ -317,12 +242,8 @@ def attention_numeric(frame: pd.DataFrame) -> NumericTable:
     return NumericTable(data, tuple(columns), status)
 
 
-def attention(frame: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(attention_numeric(frame), ["forward (ms)", "backward (ms)"],
-                         dashes=["measured − P (MiB)", "backward peak, + dP and dS (MiB)"])
 
-
-def attention_compile_numeric(frame: pd.DataFrame) -> NumericTable:
+def attention_compile(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(a): eager versus compiled naive attention, side by side (mean ms)."""
     out, status = [], {}
     headers = [f"{phase} {impl} (ms)" for phase in ("forward", "backward") for impl in ("eager", "compiled")]
@@ -336,11 +257,6 @@ def attention_compile_numeric(frame: pd.DataFrame) -> NumericTable:
         out.append(record)
     return NumericTable(pd.DataFrame(out, columns=["d", "seq", *headers]),
                         (Col("d", "d"), Col("seq", "d"), *(Col(h, ".3f") for h in headers)), status)
-
-
-def attention_compile(frame: pd.DataFrame) -> pd.DataFrame:
-    table = attention_compile_numeric(frame)
-    return display_frame(table, table.headers[2:])
 
 
 FLASH_OURS = ("ours ÷ SDPA flash", "ours TFLOP/s, FA2 count", "ours TFLOP/s, executed")
@@ -373,7 +289,7 @@ def flash_sweep(frame: pd.DataFrame) -> NumericTable:
     return NumericTable(data, columns, status)
 
 
-def flash_leaderboard_numeric(frame: pd.DataFrame) -> NumericTable:
+def flash_leaderboard(frame: pd.DataFrame) -> NumericTable:
     """1.3.3: the leaderboard case per provider, with the ratio of means to SDPA's flash backend."""
     out = []
     for pass_, group in frame.groupby("pass", sort=False):
@@ -386,11 +302,7 @@ def flash_leaderboard_numeric(frame: pd.DataFrame) -> NumericTable:
                                             Col("TFLOP/s", "d"), Col("÷ SDPA flash", ".3f")))
 
 
-def flash_leaderboard(frame: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(flash_leaderboard_numeric(frame))
-
-
-def flash_correctness_numeric(frame: pd.DataFrame) -> NumericTable:
+def flash_correctness(frame: pd.DataFrame) -> NumericTable:
     """Per test: how many of its runs passed (each repeat draws fresh inputs; rows without a `repeat`
     column are one run each), how many were skipped, and its median seconds."""
     out = [{"test": test, "passed": int((group["outcome"] == "passed").sum()), "runs": len(group),
@@ -400,11 +312,7 @@ def flash_correctness_numeric(frame: pd.DataFrame) -> NumericTable:
                                             Col("seconds (median)", ".2f")))
 
 
-def flash_correctness(frame: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(flash_correctness_numeric(frame))
-
-
-def flash_accuracy_numeric(frame: pd.DataFrame) -> NumericTable:
+def flash_accuracy(frame: pd.DataFrame) -> NumericTable:
     """bfloat16 error against float64 per implementation, case and tensor: ours and SDPA's (mean over
     seeds), and ours over SDPA's."""
     keys = ["impl", "reference", "shape", "causal", "tensor"]
@@ -418,11 +326,7 @@ def flash_accuracy_numeric(frame: pd.DataFrame) -> NumericTable:
                                Col("SDPA", ".6f"), Col("ours ÷ SDPA", ".2f")))
 
 
-def flash_accuracy(frame: pd.DataFrame) -> pd.DataFrame:
-    return display_frame(flash_accuracy_numeric(frame))
-
-
-def flash_resources_numeric(frame: pd.DataFrame) -> NumericTable:
+def flash_resources(frame: pd.DataFrame) -> NumericTable:
     """Per kernel and tile config, 'registers / bytes spilled' per thread for each dtype (float32 by its
     dot precision) and head dim; 'error' where the config did not compile, '—' where it was not compiled."""
     dots = frame["dot"] if "dot" in frame else pd.Series("", index=frame.index)
@@ -449,11 +353,6 @@ def flash_resources_numeric(frame: pd.DataFrame) -> NumericTable:
             status[case] = failed
     return NumericTable(data, (Col("kernel"), Col("tile"),
                                *(Col(c, "d", second=f"{c} spilled (B)", joiner=" / ") for c in cases)), status)
-
-
-def flash_resources(frame: pd.DataFrame) -> pd.DataFrame:
-    table = flash_resources_numeric(frame)
-    return display_frame(table, table.headers[2:]).replace({"ERROR": "error"})
 
 
 def allreduce(frame: pd.DataFrame) -> NumericTable:

@@ -50,23 +50,27 @@ def _memory_working(q: Quotes, table: pd.DataFrame, device: str) -> list[str]:
         return []
     d = int(measured["d"].max())
     row = measured[measured["d"] == d].sort_values("seq").iloc[-1]
+
+    def cell(header: str) -> str:
+        return q.cell(header, row.name)
+
     working = (
-        f"By tensor, at d={d} and seq={row['seq']} (batch 8, float32, 4 bytes a number): autograd saves Q, K and "
-        f"V, 3 × 8·seq·d·4 B = {row['Q, K, V saved (MiB)']:.0f} MiB, and the softmax output P, 8·seq²·4 B = "
-        f"{row['P saved (MiB)']:.0f} MiB, for backward ({row['predicted saved (MiB)']} MiB); the scores S are "
+        f"By tensor, at d={d} and seq={cell('seq')} (batch 8, float32, 4 bytes a number): autograd saves Q, K and "
+        f"V, 3 × 8·seq·d·4 B = {cell('Q, K, V saved (MiB)')} MiB, and the softmax output P, 8·seq²·4 B = "
+        f"{cell('P saved (MiB)')} MiB, for backward ({cell('predicted saved (MiB)')} MiB); the scores S are "
         f"freed as soon as P exists, and the forward's peak holds S and P together. The device held "
-        f"{row['memory before backward (MiB)']} MiB before backward: P and {row['measured − P (MiB)']:.0f} MiB "
+        f"{cell('memory before backward (MiB)')} MiB before backward: P and {cell('measured − P (MiB)')} MiB "
         f"besides (Q, K, V, the output O, the incoming gradient dO, the gradients left by earlier passes, "
         f"cuBLAS's workspace). Counting dP and dS, two more seq² matrices alive with P, the backward would peak at "
-        f"{row['memory before backward (MiB)']} + 2 × {row['P saved (MiB)']:.0f} = "
-        f"{row['backward peak, + dP and dS (MiB)']} MiB")
+        f"{cell('memory before backward (MiB)')} + 2 × {cell('P saved (MiB)')} = "
+        f"{cell('backward peak, + dP and dS (MiB)')} MiB")
     squares = _backward_squares(table, d)
     if squares is not None:
         fewest = q.derive(lambda t: _added_squares(t, d).min(), '.2f', 'seq² matrices the backward adds, fewest')
         most = q.derive(lambda t: _added_squares(t, d).max(), '.2f', 'seq² matrices the backward adds, most')
         added = fewest if fewest == most else f"{fewest}–{most}"
         working += (
-            f"; measured: {row['measured backward peak (MiB)']:.0f} MiB. At every length from {LONG_SEQ} on (d={d}) "
+            f"; measured: {cell('measured backward peak (MiB)')} MiB. At every length from {LONG_SEQ} on (d={d}) "
             f"the backward added {added} "
             f"seq² matrices to the memory it started with (measured peak − memory before backward, over P's size), "
             f"not 2: one seq² buffer beside dP and dS is alive at the backward's peak (which operation holds it is "
@@ -126,8 +130,8 @@ def render_attention(ctx: Context) -> Section:
             f"for backward ({first['saved_for_backward_bytes'] / 2**30:.1f} GiB), the forward peaks with S and P "
             f"alive together ({first['forward_peak_bytes'] / 2**30:.1f} GiB) and the backward with P, dP and dS "
             f"({first['backward_peak_bytes'] / 2**30:.1f} GiB).")
-    table = tables.attention(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("attention"))
+    table = q.frame
     memory = column_values(table, "memory before backward (MiB)")
     measured = table[memory.notna() & (memory > 0)]  # measured on CUDA only
     checked = []  # the out-of-memory paragraph above quotes the formulas' bytes, which the table does not show
@@ -147,12 +151,13 @@ def render_attention(ctx: Context) -> Section:
                 return after / before
 
             factor = q.derive(longer, ".0f", "growth of the sequence length")
+            memory_of = lambda row: q.cell("memory before backward (MiB)", row.name)  # noqa: E731
             checked.append(
-                f"Memory saved for backward grows quadratically: from seq {prev['seq']} to {largest['seq']} "
-                f"(×{factor}) the memory in use before backward grows "
+                f"Memory saved for backward grows quadratically: from seq {q.cell('seq', prev.name)} to "
+                f"{q.cell('seq', largest.name)} (×{factor}) the memory in use before backward grows "
                 f"×{q.derive(growth, '.1f', 'growth of memory before backward')} "
-                f"({prev['memory before backward (MiB)']:.0f} → {largest['memory before backward (MiB)']:.0f} MiB at "
-                f"d={largest['d']}), while the inputs grow only ×{factor}.")
+                f"({memory_of(prev)} → {memory_of(largest)} MiB at d={q.cell('d', largest.name)}), while the inputs "
+                f"grow only ×{factor}.")
         checked += _memory_working(q, measured, eager['device_name'].iloc[0])
     else:
         checked.append("The memory columns are measured on a GPU only (pending: `snakemake results/attention.csv "
@@ -162,14 +167,14 @@ def render_attention(ctx: Context) -> Section:
         "The seq² term disappears if the softmax matrix is never stored: FlashAttention-2 computes attention "
         "tile by tile with an online softmax, keeps only the per-row logsumexp L (seq floats) for backward "
         "and recomputes P from Q, K and L there, trading a second pass of matrix products for O(seq) memory.")
-    return Section([*parts, ctx.table("attention"), ctx.figure("attention_memory", "attention memory")], table,
-                   checked, q.derived, wording=("3", "8", "4", "2", "80", "81920", "1024"))
+    # the sentences' constants: 1/√d, 3 tensors, batch 8, 4 bytes, 2 matrices, 80 GiB, MiB per 1024 tokens
+    return Section([*parts, ctx.table("attention"), ctx.figure("attention_memory", "attention memory")], q.table,
+                   checked, q.derived, wording=("1", "3", "8", "4", "2", "80", "81920", "1024"))
 
 
 def render_attention_compile(ctx: Context) -> Section:
     frame = ctx.frame("attention")
-    table = tables.attention_compile(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("attention_compile"))
 
     def speedup(phase: str):
         def ratios(t: pd.DataFrame) -> pd.Series:
@@ -192,13 +197,13 @@ def render_attention_compile(ctx: Context) -> Section:
         same = oom.get("eager", set()) == oom.get("compiled", set())
         text += (" The same configurations run out of memory with and without compilation." if same else
                  f" Out of memory: eager {sorted(oom.get('eager', set()))}, compiled {sorted(oom.get('compiled', set()))}.")
-    return Section([text, ctx.table("attention_compile")], table, [text], q.derived)
+    return Section([text, ctx.table("attention_compile")], q.table, [text], q.derived)
 
 
 def render_flash_correctness(ctx: Context) -> Section:
     frame = ctx.frame("flash_correctness")
-    table = tables.flash_correctness(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("flash_correctness"))
+    table = q.frame
     skipped = table.loc[table["skipped"] == table["runs"], "test"]
     count = q.derive(lambda t: (t["skipped"] == t["runs"]).sum(), "d", "tests skipped")
     aside = f" ({count} skipped: {', '.join(skipped)})" if len(skipped) else ""
@@ -219,14 +224,14 @@ def render_flash_correctness(ctx: Context) -> Section:
         text += (" Pending: the repeated runs on fresh inputs, `snakemake results/flash_correctness.csv "
                  "results/flash_accuracy.csv --cores all --resources gpu=1 --forcerun flash_correctness`.")
     # what the test file covers is its own wording, not results
-    return Section([text, ctx.table("flash_correctness")], table, [text], q.derived,
+    return Section([text, ctx.table("flash_correctness")], q.table, [text], q.derived,
                    wording=("1", "100", "1000", "1e-4", "16", "2"))
 
 
 def render_flash_accuracy(ctx: Context) -> Section:
     frame = ctx.frame("flash_accuracy")
-    table = tables.flash_accuracy(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("flash_accuracy"))
+    table = q.frame
     ratio = lambda t: column_values(t, "ours ÷ SDPA")  # noqa: E731
     backends = ", ".join(sorted(set(table["SDPA backend"])))
     factor, slack = frame["allowed_factor"].iloc[0], frame["allowed_slack"].iloc[0]  # the check's own limits
@@ -244,7 +249,7 @@ def render_flash_accuracy(ctx: Context) -> Section:
     if "flash_triton" not in set(table["implementation"]):
         text += " Our Triton kernels are not in these rows: on the CPU they run in Triton's interpreter, which "
         text += "cannot multiply bfloat16 (GPU rows: `snakemake results/flash_accuracy.csv --cores all --resources gpu=1`)."
-    return Section([text, ctx.table("flash_accuracy")], table, [text], q.derived,
+    return Section([text, ctx.table("flash_accuracy")], q.table, [text], q.derived,
                    wording=("64", f"{factor:g}", f"{slack:g}", "16"))
 
 
@@ -259,16 +264,16 @@ def _fitting(rows: pd.DataFrame, limit: int = 232448) -> str:
 
 def _spill_counts(table: pd.DataFrame, case: str) -> tuple[int, int]:
     """(configs that spill, configs compiled) over the resources table's columns of one case: 'bf16',
-    'fp32 ieee', 'fp32 tf32x3' (each column is '<case> d=<head dim>'; cells 'registers / spilled bytes')."""
-    columns = [c for c in table.columns if c.rsplit(" d=", 1)[0] == case]
-    cells = [str(cell) for c in columns for cell in table[c] if " / " in str(cell)]
-    return sum(int(cell.split(" / ")[1]) > 0 for cell in cells), len(cells)
+    'fp32 ieee', 'fp32 tf32x3' (each column is '<case> d=<head dim>', the registers, beside '<column> spilled
+    (B)'; a config not compiled, or in error, has no registers)."""
+    columns = [c for c in table.columns if c.rsplit(" d=", 1)[0] == case and c.rsplit(" d=", 1)[-1].isdigit()]
+    compiled = [table.loc[table[c].notna(), f"{c} spilled (B)"] for c in columns]
+    return int(sum((spilled > 0).sum() for spilled in compiled)), int(sum(len(spilled) for spilled in compiled))
 
 
 def render_flash_resources(ctx: Context) -> Section:
     frame = ctx.frame("flash_resources")
-    table = tables.flash_resources(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("flash_resources"))
     ok = frame[frame["status"] == "ok"]
     version = frame["triton_version"].iloc[0]
     intro = (f"Each kernel compiled by Triton {version} for {frame['arch'].iloc[0]} (H100 "
@@ -311,31 +316,36 @@ def render_flash_resources(ctx: Context) -> Section:
             f"{_fitting(fp32[fp32['dot'] == 'tf32x3'])}.")
     errors = frame[frame["status"] != "ok"]
     if len(errors):
-        checked.append(f"{q.derive(lambda t: t.isin(['error']).to_numpy().sum(), 'd', 'configs in error')} "
+        def in_error(t: pd.DataFrame) -> int:  # cells whose status is 'error' (printed ERROR)
+            return int(sum((t[c] == "error").sum() for c in t.columns if c.endswith(": status")))
+
+        checked.append(f"{q.derive(in_error, 'd', 'configs in error')} "
                        "configs did not compile (rows with status=error).")
     # the Triton version and the shared memory per block belong to the sentence, not to the table
-    return Section([intro, *checked, ctx.table("flash_resources")], table, checked, q.derived,
+    return Section([intro, *checked, ctx.table("flash_resources")], q.table, checked, q.derived,
                    wording=("227", "2", "3", str(version)))
 
 
 def render_leaderboard(ctx: Context) -> Section:
-    table = tables.flash_leaderboard(ctx.frame("flash_leaderboard"))
-    q = Quotes(table)
-    fb = table[table["pass"] == "forward_backward"].set_index("provider")["mean (ms)"]
+    q = Quotes(ctx.numeric("flash_leaderboard"))
+    providers = set(q.frame.loc[q.frame["pass"] == "forward_backward", "provider"])
+
+    def cell(header: str, provider: str) -> str:
+        return q.cell(header, **{"pass": "forward_backward", "provider": provider})
+
     checked = []
-    if "flash_triton" in fb:
-        text = f"Forward+backward of our Triton kernel: {fb['flash_triton']:.3f} ms"
-        if "sdpa_flash" in fb:
-            ratio = table.set_index(["pass", "provider"]).loc[("forward_backward", "flash_triton"), "÷ SDPA flash"]
-            text += f", {ratio:.3f}× SDPA flash ({fb['sdpa_flash']:.3f} ms)"
-        if "sdpa_cudnn" in fb:
+    if "flash_triton" in providers:
+        text = f"Forward+backward of our Triton kernel: {cell('mean (ms)', 'flash_triton')} ms"
+        if "sdpa_flash" in providers:
+            text += f", {cell('÷ SDPA flash', 'flash_triton')}× SDPA flash ({cell('mean (ms)', 'sdpa_flash')} ms)"
+        if "sdpa_cudnn" in providers:
             def versus_cudnn(t: pd.DataFrame) -> float:
                 ms = t[t["pass"] == "forward_backward"].set_index("provider")["mean (ms)"]
                 return ms["flash_triton"] / ms["sdpa_cudnn"]
             text += (f" and {q.derive(versus_cudnn, '.2f', 'ours over SDPA cuDNN')}× SDPA cuDNN "
-                     f"({fb['sdpa_cudnn']:.3f} ms)")
+                     f"({cell('mean (ms)', 'sdpa_cudnn')} ms)")
         checked.append(text + ", all timed in the same run as the handout's test times them.")
-    return Section([*checked, ctx.table("flash_leaderboard")], table, checked, q.derived)
+    return Section([*checked, ctx.table("flash_leaderboard")], q.table, checked, q.derived)
 
 
 DELIVERABLES = [

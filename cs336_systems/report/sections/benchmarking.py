@@ -32,8 +32,9 @@ def _by_size(rows: pd.DataFrame, column: str) -> pd.Series:
 
 
 def stds(table: pd.DataFrame, column: str) -> pd.Series:
-    """The std of each 'mean ± std' cell of a column (NaN where the cell is OOM or a dash)."""
-    return table[column].map(lambda cell: float(str(cell).split("±")[1]) if "±" in str(cell) else float("nan"))
+    """The std of each 'mean ± std' cell of a step-time column (tables.phase_table names it '<column> std';
+    NaN where the cell is OOM or a dash)."""
+    return table[f"{column} std"].where(table[column].notna())
 
 
 def _cv(table: pd.DataFrame, columns: list[str]) -> float:
@@ -43,17 +44,16 @@ def _cv(table: pd.DataFrame, columns: list[str]) -> float:
 
 def render_e2e(ctx: Context) -> Section:
     frame = ctx.frame("e2e")
-    table = tables.e2e_timing(frame)
-    q = Quotes(table)
-    sizes = table["size"].astype(str)
+    q = Quotes(ctx.numeric("e2e_timing"))
+    sizes = q.frame["size"].astype(str)
     fwd, bwd = "naive forward (ms)", "naive backward (ms)"
     rows = frame[(frame["precision"] == "fp32") & (frame["mode"] == "forward_backward")]
-    ms_columns = [c for c in table.columns if c.endswith("(ms)")]
+    ms_columns = [c for c in q.table.headers if c.endswith("(ms)")]
     text = (
         f"Batch {int(rows['batch_size'].iloc[0])}, context {int(rows['context_length'].iloc[0])}, "
         f"{int(rows['warmup'].iloc[0])} warm-up and {int(rows['steps'].iloc[0])} measured steps, float32. "
-        f"With our naive attention the forward pass takes {column_values(table, fwd).iloc[0]:.2f} ms for "
-        f"{sizes.iloc[0]} and {column_values(table, fwd).iloc[-1]:.2f} ms for {sizes.iloc[-1]}; the backward pass takes "
+        f"With our naive attention the forward pass takes {q.cell(fwd, 0)} ms for "
+        f"{sizes.iloc[0]} and {q.cell(fwd, len(sizes) - 1)} ms for {sizes.iloc[-1]}; the backward pass takes "
         f"{q.derive(lambda t: (column_values(t, bwd) / column_values(t, fwd)).min(), '.2f', 'least backward/forward')}–"
         f"{q.derive(lambda t: (column_values(t, bwd) / column_values(t, fwd)).max(), '.2f', 'largest backward/forward')}× "
         f"the forward time, as expected from its two matrix products per forward one. Once warmed up the steps "
@@ -63,27 +63,27 @@ def render_e2e(ctx: Context) -> Section:
     if ooms:
         text += f" Out of memory: {', '.join(ooms)}."
     settings = tuple(str(int(rows[c].iloc[0])) for c in ("batch_size", "context_length", "warmup", "steps"))
-    return Section([text, ctx.table("e2e_timing"), ctx.figure("e2e_timing", "timings")], table, [text], q.derived,
+    return Section([text, ctx.table("e2e_timing"), ctx.figure("e2e_timing", "timings")], q.table, [text], q.derived,
                    wording=settings)
 
 
 def render_warmup(ctx: Context) -> Section:
     frame = ctx.frame("e2e_warmup")
-    table = tables.e2e_warmup(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("e2e_warmup"))
+    table = q.frame
     warmups = sorted(set(frame["warmup"]))
     cold, warm = f"warmup={warmups[0]} step (ms)", f"warmup={warmups[-1]} step (ms)"
     slowdown = column_values(table, cold) / column_values(table, warm)
     worst = slowdown.idxmax()
     size = table.loc[worst, "size"]
-    text = (
+    text = (  # the cells as the table prints them, mean ± std
         f"Each point ran in a fresh process. With {warmups[0]} warm-up steps the mean step time of {size} is "
-        f"{table.loc[worst, cold]} ms against {table.loc[worst, warm]} ms with {warmups[-1]}: "
+        f"{q.table.cell_text(worst, cold)} ms against {q.table.cell_text(worst, warm)} ms with {warmups[-1]}: "
         f"{q.derive(lambda t: (column_values(t, cold) / column_values(t, warm)).max(), '.2f', 'largest slowdown without warm-up')}× "
         f"the time, the largest ratio of any size.")
     parts, checked = [text], [text]
     first = f"warmup={warmups[0]} 1st step (ms)"
-    if first not in table:
+    if first not in q.table.headers:
         parts.append("Which measured steps are slow: pending: rule `e2e_warmup` (its rows now record every measured "
                      "step's time, `samples_ms`; these rows predate that).")
     else:
@@ -91,7 +91,7 @@ def render_warmup(ctx: Context) -> Section:
         parts.append(paragraph)
         checked.append(paragraph)
     # the warm-up counts of the grid and the 10% threshold are the sentence's, not measurements
-    return Section([*parts, ctx.table("e2e_warmup"), ctx.figure("e2e_warmup", "warm-up")], table, checked, q.derived,
+    return Section([*parts, ctx.table("e2e_warmup"), ctx.figure("e2e_warmup", "warm-up")], q.table, checked, q.derived,
                    wording=(*map(str, warmups), "10"))
 
 
@@ -142,12 +142,17 @@ def _warmup_why(q: Quotes, table: pd.DataFrame, warmups: list[int]) -> str:
 
 
 def render_mixed_precision(ctx: Context) -> Section:
-    table = mixed_precision(ctx.frame("e2e"))
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("mixed_precision"))
+    table = q.frame
     speedup = column_values(table, "bf16 speed-up").set_axis(table["size"].astype(str)).dropna()
+
+    def cell(size: str) -> str:
+        return q.cell("bf16 speed-up", size=size)
+
     text = (
-        f"bf16 autocast speeds the forward+backward step up by {speedup.iloc[0]:.2f}× for {speedup.index[0]} "
-        f"and {speedup.iloc[-1]:.2f}× for {speedup.index[-1]} (range {speedup.min():.2f}–{speedup.max():.2f}×); "
+        f"bf16 autocast speeds the forward+backward step up by {cell(speedup.index[0])}× for {speedup.index[0]} "
+        f"and {cell(speedup.index[-1])}× for {speedup.index[-1]} (range {cell(speedup.idxmin())}–"
+        f"{cell(speedup.idxmax())}×); "
         + ("the speed-up grows with size at every step of the table." if speedup.is_monotonic_increasing else
            f"the speed-up does not grow steadily with size (largest for {speedup.idxmax()}).")
     )
@@ -164,19 +169,20 @@ def render_mixed_precision(ctx: Context) -> Section:
     noise += (" A bf16 step that takes longer than a larger model's, and varies this much from step to step, is not "
               "paced by the GPU's arithmetic: the next section compares its kernel time with its wall time."
               if inverted else "")
-    return Section([text, noise, ctx.table("mixed_precision")], table, [text, noise], q.derived)
+    return Section([text, noise, ctx.table("mixed_precision")], q.table, [text, noise], q.derived)
 
 
 def render_host_bound(ctx: Context) -> Section:
-    table = kernel_vs_wall(ctx.frame("profile_bf16"))
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("kernel_vs_wall"))
+    table = q.frame
     ok = table[table["status"] == "ok"]
     share = column_values(ok, "kernel share of step").set_axis(ok["size"].astype(str))
     bound = share[share < 0.5]
     parts = [
-        f"Eager {table['precision'].iloc[0]} training steps at context {table['context'].iloc[0]}, profiled (kernel "
+        f"Eager {table['precision'].iloc[0]} training steps at context {q.cell('context', 0)}, profiled (kernel "
         f"time) and timed by the harness in the same process (wall time, unprofiled). The GPU is busy with kernels "
-        + ", ".join(f"{v:.2f}" for v in share) + " of the step's wall time (" + ", ".join(share.index) + ")."]
+        + ", ".join(q.cell("kernel share of step", i) for i in ok.index) + " of the step's wall time ("
+        + ", ".join(share.index) + ")."]
     if len(bound):
         parts[0] += (f" Below one half ({', '.join(bound.index)}) the step is host-bound: the GPU waits for Python and "
                      f"the kernel launches, so the step time follows the number of kernels launched (which grows "
@@ -188,7 +194,7 @@ def render_host_bound(ctx: Context) -> Section:
     if len(ooms):
         parts.append("Out of memory: " + ", ".join(ooms["size"].astype(str)) + ".")
     # size names are words, not measurements: the "2" the number pattern reads in "2.7B"
-    return Section([*parts, ctx.table("kernel_vs_wall")], table, parts, q.derived, wording=("2",))
+    return Section([*parts, ctx.table("kernel_vs_wall")], q.table, parts, q.derived, wording=("2",))
 
 
 def render_accumulation(ctx: Context) -> str:
@@ -239,8 +245,7 @@ def recompile_limited(log: str) -> set[tuple[str, str]]:
 
 def render_compile(ctx: Context) -> Section:
     frame = ctx.frame("e2e_compile")
-    table = compile_timing(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("compile_timing"))
     rows = _steps(frame)
     # one log per size (compile_timing_size); older runs wrote a single compile_timing log
     logs = [ctx.log("compile_timing"), *(ctx.log(f"compile/{size}") for size in frame["size"].unique())]
@@ -286,8 +291,8 @@ def render_compile(ctx: Context) -> Section:
     if trend:
         parts.append(trend)
         checked.append(trend)
-    parts.append(_compile_gaps(frame, table, scopes))
-    return Section([*parts, ctx.table("compile_timing"), ctx.figure("compile_timing", "compile")], table, checked,
+    parts.append(_compile_gaps(frame, q.frame, scopes))
+    return Section([*parts, ctx.table("compile_timing"), ctx.figure("compile_timing", "compile")], q.table, checked,
                    q.derived)
 
 
@@ -295,14 +300,15 @@ def _speedup_by_size(q: Quotes, blocks: str, kept) -> str:
     """How the block-compiled speed-up changes from the smallest to the largest size, per mode: the text
     says which way it goes in this run, with the table's cells."""
     sentences = []
-    for mode in sorted(set(q.table["mode"])):
-        rows = q.table[(q.table["mode"] == mode) & kept(q.table)]
-        values = column_values(rows, blocks).set_axis(rows["size"].astype(str)).dropna()
+    for mode in sorted(set(q.frame["mode"])):
+        rows = q.frame[(q.frame["mode"] == mode) & kept(q.frame)]
+        values = column_values(rows, blocks).dropna()
         if len(values) < 2:
             continue
+        first, last = values.index[0], values.index[-1]  # row positions of the table
         way = ("falls" if values.iloc[-1] < values.iloc[0] else "grows") + " with size"
-        sentences.append(f"{mode}: {values.iloc[0]:.2f}× for {values.index[0]}, {values.iloc[-1]:.2f}× for "
-                         f"{values.index[-1]} ({way})")
+        sentences.append(f"{mode}: {q.cell(blocks, first)}× for {rows.at[first, 'size']}, "
+                         f"{q.cell(blocks, last)}× for {rows.at[last, 'size']} ({way})")
     if not sentences:
         return ""
     return ("The block-compiled speed-up by size, " + "; ".join(sentences) + ". Where it falls with size, what "
@@ -335,8 +341,8 @@ def _compile_gaps(frame: pd.DataFrame, table: pd.DataFrame, scopes: list[str]) -
 
 def render_baseline(ctx: Context) -> Section:
     frame = ctx.frame("e2e_baseline")
-    table = baseline_timing(frame)
-    q = Quotes(table)
+    q = Quotes(ctx.numeric("baseline_timing"))
+    table = q.frame
     ok = table[table["median (ms)"].notna()]
     parts = [f"Our model and the plain-PyTorch baseline (`cs336_systems/bench/plain_model.py`: the same function "
              f"and parameter count written as a competent PyTorch user would: one fused QKV projection, `nn.RMSNorm`, "
@@ -349,19 +355,19 @@ def render_baseline(ctx: Context) -> Section:
         ours, plain = rows[rows["model"] == "ours"], rows[rows["model"] == "plain"]
         if not len(ours) or not len(plain):
             continue
-        for _, row in ours.iterrows():
-            ratio = row["÷ plain"]
+        baseline = plain.index[0]
+        for i, row in ours.iterrows():
             parts.append(
                 f"{size}, {COMPILE_SCOPE_NAMES.get(scope, 'eager')}: ours ({row['attention']} attention, "
-                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}) takes {row['median (ms)']:.2f} ms per "
-                f"step (median; MFU {row['MFU']:.3f}), the baseline {plain['median (ms)'].iloc[0]:.2f} ms (MFU "
-                f"{plain['MFU'].iloc[0]:.3f}): {ratio:.3f}× the baseline's time, "
-                + ("slower." if ratio > 1 else "as fast or faster."))
+                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}) takes {q.cell('median (ms)', i)} ms per "
+                f"step (median; MFU {q.cell('MFU', i)}), the baseline {q.cell('median (ms)', baseline)} ms (MFU "
+                f"{q.cell('MFU', baseline)}): {q.cell('÷ plain', i)}× the baseline's time, "
+                + ("slower." if row["÷ plain"] > 1 else "as fast or faster."))
     ooms = table[table["median (ms)"].isna()]
     if len(ooms):
         parts.append("Out of memory: " + ", ".join(f"{r['size']} {r['model']}" for _, r in ooms.iterrows()) + ".")
     settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length"))
-    return Section([*parts, ctx.table("baseline_timing")], table, parts, q.derived, wording=settings)
+    return Section([*parts, ctx.table("baseline_timing")], q.table, parts, q.derived, wording=settings)
 
 
 def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.Series) -> list[str]:
@@ -374,7 +380,7 @@ def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.S
                              "size": t["size"].astype(str), "attention": t["attention"], "mode": t["mode"]}).dropna()
         return (pair["blocks"] / pair["other"]).set_axis(pd.MultiIndex.from_frame(pair[["size", "attention", "mode"]]))
 
-    versus = times(q.table)
+    versus = times(q.frame)
     if not len(versus):
         return []
     runs = {(commits.get((*key, "blocks")), commits.get((*key, scope))) for key in versus.index}

@@ -1,24 +1,29 @@
 """Handout 1.1.4 (workflow/rules/benchmarking.smk, rule profile): kernel summaries per range of a
-training step, from the profiler's tables."""
+training step, from the profiler's tables.
+
+(a) and (d)'s optimizer time quote the grid table (profile_grid), (b) the top-kernels table (profile_kernels),
+both read back as the `table` rule built them; the shares of (c) and (d) and the attention stages of (e) are
+sums over the profile rows that no table lists."""
 
 from __future__ import annotations
 
 from cs336_systems.model import get_config
 from cs336_systems.report.profile_tables import (MATMUL, attention_kernels, profile_grid, profile_kernels,
                                                  profile_kernels_of, profile_point)
-from cs336_systems.report.section import Context, Deliverable, Table
+from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table
 
 
-def render_profile(ctx: Context) -> str:
+def render_profile(ctx: Context) -> Section:
     frame = ctx.frame("profile")
     size, context = profile_point(frame)
     rows = frame[(frame["size"] == size) & (frame["context_length"] == context)]
     kernels = profile_kernels_of(rows)
-    harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
-    by_phase = kernels.groupby("phase")["ms_per_step"].sum()
+    q = Quotes(ctx.numeric("profile_grid"))
+    point = q.table.row(size=size, context=context)
     tool = kernels["tool"].iloc[0]
+    top_kernels = ctx.numeric("profile_kernels")
+    top = top_kernels.data[top_kernels.data["phase"] == "forward"]["ms per step"].idxmax()  # a row of that table
     fwd = kernels[kernels["phase"] == "forward"].sort_values("ms_per_step")
-    top = fwd.iloc[-1]
     both = kernels[kernels["phase"].isin(["forward", "backward"])].groupby("name")["ms_per_step"].sum()
     is_mm = kernels["name"].str.contains(MATMUL, case=False, regex=True)
     train = kernels["phase"].isin(["forward", "backward", "optimizer"])
@@ -27,7 +32,6 @@ def render_profile(ctx: Context) -> str:
     mm_inf = kernels[inference & is_mm]["ms_per_step"].sum() / kernels[inference]["ms_per_step"].sum()
     notable = non_matmul_shares(kernels, "forward")
     stages = rows[(rows["kind"] == "attention_stage") & (rows["phase"] == "forward")].set_index("name")["ms_per_step"]
-    config = get_config(size)
     ooms = frame[frame["status"] == "oom"]
     parts = [
         f"Profiled with {tool}"
@@ -36,23 +40,27 @@ def render_profile(ctx: Context) -> str:
         f"context {context}, batch {int(rows['batch_size'].iloc[0])}, {rows['precision'].iloc[0]}. "
         + (f"Out of memory: {', '.join(f'{s} at {c}' for s, c in zip(ooms['size'], ooms['context_length']))}."
            if len(ooms) else "Every size and context length of the grid ran."),
-        f"(a) The kernels of one forward pass add up to {by_phase['forward']:.2f} ms; the harness timed "
-        f"{harness['forward']:.2f} ms for the same forward pass (synchronized wall time, which also counts "
-        f"launch gaps and Python overhead).",
-        f"(b) The kernel with the most time in the forward pass is `{top['name'][:80]}` "
-        f"({top['ms_per_step'] / by_phase['forward']:.0%} of forward time), launched "
-        f"{top['calls_per_step']:.0f} times per forward pass. Over forward and backward together the top "
-        f"kernel is `{both.idxmax()[:80]}`" + (", the same one." if both.idxmax() == top["name"] else ", a different one."),
+        f"(a) The kernels of one forward pass add up to {q.cell('forward kernels (ms)', point)} ms; the harness "
+        f"timed {q.cell('forward harness (ms)', point)} ms for the same forward pass (synchronized wall time, which "
+        f"also counts launch gaps and Python overhead).",
+        f"(b) The kernel with the most time in the forward pass is `{fwd['name'].iloc[-1][:80]}` "
+        f"({top_kernels.quote('share of phase', top)} of forward time), launched "
+        f"{top_kernels.quote('calls per step', top)} times per forward pass. Over forward and backward together the "
+        f"top kernel is `{both.idxmax()[:80]}`"
+        + (", the same one." if both.idxmax() == fwd["name"].iloc[-1] else ", a different one."),
         f"(c) In the forward pass, kernels other than matrix multiplications take {notable.sum():.0%} of the kernel "
         f"time; those with at least {NOTABLE:.0%} of it: "
         + (", ".join(f"`{n[:60]}` ({v:.1%})" for n, v in notable[notable >= NOTABLE].items()) or "none") + ".",
         f"(d) Matrix multiplications take {mm_train:.0%} of the kernel time of a full training step (with AdamW, "
-        f"whose elementwise kernels add {by_phase.get('optimizer', 0):.2f} ms) against {mm_inf:.0%} of inference.",
+        f"whose elementwise kernels add {q.cell('optimizer kernels (ms)', point)} ms) against {mm_inf:.0%} of "
+        f"inference.",
     ]
     parts.append(_attention_paragraph(rows, stages, get_config(size).head_dim))
     if len(ooms):
         parts.append(_oom_paragraph(ctx, ooms))
-    return "\n\n".join([*parts, ctx.table("profile_grid"), ctx.table("profile_kernels")])
+    # (a) is the grid's cells; the other answers are sums over the profile rows (and (b) the top-kernels table)
+    return Section([*parts, ctx.table("profile_grid"), ctx.table("profile_kernels")], q.table, [parts[1]],
+                   q.derived)
 
 
 NOTABLE = 0.01  # (c) names the non-matmul kernels with at least this share of the phase's kernel time
