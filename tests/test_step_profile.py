@@ -108,6 +108,35 @@ def test_phase_rules():
     assert categorize("aten::empty", None) == "other"
 
 
+def _event(device_type, name, start, end, kernels=(), parent=None):
+    from types import SimpleNamespace
+    return SimpleNamespace(device_type=device_type, name=name, time_range=SimpleNamespace(start=start, end=end),
+                           kernels=list(kernels), cpu_parent=parent, self_cpu_time_total=0)
+
+
+def test_cuda_kernels_no_op_launched_are_counted_in_the_phase_they_ran_in():
+    """On CUDA the profiler links a kernel to the op whose runtime call launched it; our AdamW's Triton kernels,
+    launched from Python outside any op, come out linked to nothing (an H200 run showed optimizer = 0 ms and the
+    categories 28 ms short of the total). Such kernels count by name, in the phase that started last before
+    they ran on the device (after the host range has ended, here)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    rng = step_profile.RANGE_PREFIX
+    events = [_event(cpu, rng + "forward", 0, 100), _event(cpu, rng + "backward", 100, 200),
+              _event(cpu, rng + "optimizer", 200, 210),
+              _event(cpu, "aten::mm", 10, 20, [Kernel("nvjet_sm90_tst_gemm", 0, 40)]),
+              _event(cuda, "nvjet_sm90_tst_gemm", 15, 55),  # linked to aten::mm
+              _event(cuda, "nvjet_sm90_tst_gemm", 120, 160),  # the same kernel name and time, unlinked
+              _event(cuda, "_adamw_kernel", 230, 255), _event(cuda, "_adamw_kernel", 255, 280)]
+    assert step_profile.unlinked_kernels(events) == [("nvjet_sm90_tst_gemm", 120, 0.04), ("_adamw_kernel", 230, 0.025),
+                                                    ("_adamw_kernel", 255, 0.025)]
+    times = step_profile.device_times(events, torch.device("cuda"))
+    assert times["optimizer"] == (2, pytest.approx(0.05)) and times["GEMM"] == (2, pytest.approx(0.08))
+    assert sum(ms for _, ms in times.values()) == pytest.approx((40 + 40 + 25 + 25) / 1e3)
+
+
 # ---- the profiled run --------------------------------------------------------------------------------------
 
 

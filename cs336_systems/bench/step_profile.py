@@ -8,7 +8,9 @@ forward + loss call, `loss` nested in it from the final norm's output on (a forw
 history is recorded around the step and its snapshot pickled to DIR (`bench.e2e.dump_snapshot`, with the
 phases' host times, so `report.memory` can draw it).
 
-Device time: on CUDA each GPU kernel's duration, given to the CPU op that launched it; on a CPU each op's
+Device time: on CUDA each GPU kernel's duration, given to the CPU op that launched it (a kernel the profiler
+links to no op, as a Triton kernel launched from Python outside any op is on CUDA, to the phase that started
+last before it ran: `unlinked_kernels`); on a CPU each op's
 self CPU time (ATen and our custom ops, ranges excluded), which partitions the ops' time without double
 counting. A kernel's phase is the innermost phase range whose host interval holds its launching op's start
 (the autograd engine runs CUDA backward ops on its own thread, outside the main thread's range stack, but
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,6 +123,30 @@ def _phase_at(intervals, t: float) -> str | None:
     return next((phase for start, end, phase in intervals if start <= t <= end), None)
 
 
+def _phase_started_before(intervals, t: float) -> str | None:
+    """The phase whose range started last before t: a kernel's phase from its device start, which lags its
+    launch (and may come after its range has ended on the host)."""
+    return next((phase for start, _, phase in intervals if start <= t), None)
+
+
+def unlinked_kernels(events) -> list[tuple[str, float, float]]:
+    """(name, device start µs, ms) of the device kernels that no CPU event lists among its launches. The
+    profiler links a kernel to its launching op through the CUDA runtime call; a Triton kernel launched from
+    Python (our AdamW's) goes through the driver with no op around it and comes out unlinked on CUDA."""
+    linked = Counter((kernel.name, kernel.duration) for event in events if event.device_type == DeviceType.CPU
+                     for kernel in event.kernels)
+    found = []
+    for event in events:
+        if event.device_type != DeviceType.CUDA:
+            continue
+        key = (event.name, event.time_range.end - event.time_range.start)
+        if linked[key] > 0:
+            linked[key] -= 1
+        else:
+            found.append((event.name, event.time_range.start, key[1] / 1e3))
+    return found
+
+
 def _parents(event) -> tuple[str, ...]:
     names, parent = [], event.cpu_parent
     while parent is not None:
@@ -148,6 +175,11 @@ def device_times(events, device: torch.device) -> dict[str, tuple[int, float]]:
         phase, parents = _phase_at(intervals, event.time_range.start), _parents(event)
         for name, ms in launched:
             entry = found[categorize(name, phase, parents)]
+            entry[0] += 1
+            entry[1] += ms
+    if device.type == "cuda":
+        for name, start, ms in unlinked_kernels(events):
+            entry = found[categorize(name, _phase_started_before(intervals, start))]
             entry[0] += 1
             entry[1] += ms
     return {category: (calls, ms) for category, (calls, ms) in found.items()}
