@@ -18,8 +18,7 @@ model freed, with its compiled code, before the next is built):
 - `ours-keep:N` and `ours-mm:N` (any N from 1 to the model's layers, parsed from the name): what the memory
   that selective checkpointing leaves free buys. keep: the first N blocks not checkpointed
   (`CheckpointPolicy.selective(N)`); mm: the first N blocks checkpointed but saving their matrix products'
-  outputs, so their rerun skips every GEMM (`CheckpointPolicy.selective(0, N)`, about half the memory per
-  block of keep for all of its recomputed FLOPs); the other blocks selective.
+  outputs, so their rerun skips every GEMM (`CheckpointPolicy.selective(0, N)`); the other blocks selective.
 
 With `--profile DIR`, each point runs one more step under the profiler after its timed ones
 (`bench/step_profile.py`): device time by category (attention forward/backward, GEMM, loss, optimizer,
