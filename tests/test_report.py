@@ -552,6 +552,31 @@ def test_memory_timeline_marks_phases_on_a_time_axis(drawn):
     assert len(fig.axes[0].texts) == 0 and "phases cannot be placed" in fig.axes[0].get_xlabel()
 
 
+def test_memory_levels_at_each_phase_start_peak_and_end():
+    """Levels per phase from the host time stamps: an event at a phase's boundary belongs to it, a phase's
+    peak counts the level it starts at, and a phase with no event keeps the level before it."""
+    t0 = 1_700_000_000_000_000
+    events = [dict(e, time_us=t0 + 1000 * i) for i, e in enumerate(SNAPSHOT["device_traces"][0])]
+    xs, ys, _ = memory.timed_timeline({**SNAPSHOT, "device_traces": [events]})  # levels after each event
+    at = dict(zip(xs, ys))  # ms -> MiB: 0 -> 100, 1 -> 104, 2 -> 120, 4 -> 104, 5 -> 108, 7 -> 104
+    snapshot = {**SNAPSHOT, "device_traces": [events],
+                "phases": [{"phase": "forward", "start_us": t0 + 1000, "end_us": t0 + 3500},
+                           {"phase": "backward", "start_us": t0 + 3600, "end_us": t0 + 5000},
+                           {"phase": "optimizer", "start_us": t0 + 5500, "end_us": t0 + 6500}]}
+    assert memory.phase_levels(snapshot) == {
+        "forward_start_mib": at[1], "forward_peak_mib": at[2], "forward_end_mib": at[2],
+        "backward_start_mib": at[2], "backward_peak_mib": at[2], "backward_end_mib": at[5],
+        "optimizer_start_mib": at[5], "optimizer_peak_mib": at[5], "optimizer_end_mib": at[5]}
+    # before the first event: what was live at the dump less the window's net change (108 MiB here)
+    early = {**snapshot, "phases": [{"phase": "forward", "start_us": t0 - 10, "end_us": t0 - 5}]}
+    live = memory.allocated_at_dump(SNAPSHOT) / MiB - sum(
+        (e["size"] if e["action"] == "alloc" else -e["size"]) / MiB for e in events
+        if e["action"] in ("alloc", "free_completed"))
+    assert memory.phase_levels(early) == {"forward_start_mib": live, "forward_peak_mib": live,
+                                          "forward_end_mib": live}
+    assert memory.phase_levels(SNAPSHOT) == {}  # no time stamps, no phases: nothing to place
+
+
 def test_trace_figures_share_their_time_axis_and_mark_phases(tmp_path, drawn):
     import json
 
