@@ -127,37 +127,62 @@ def _timelines(q: Quotes, longest: int) -> str:
     return text
 
 
+def _above(header: str, factor: int, pick: str | None = None):
+    """A formula: the column less `factor` times the float32 weights, per row, or its min / max (`pick`)."""
+    def formula(t):
+        values = column_values(t, header) - factor * column_values(t, WEIGHTS)
+        return values if pick is None else getattr(values, pick)()
+    return formula
+
+
 def _peaks(q: Quotes) -> str:
     """(b): the two peaks per context length, against what must be resident."""
-    def above(header: str, factor: int):
-        return lambda t: column_values(t, header) - factor * column_values(t, WEIGHTS)
+    def span(header: str, factor: int, fmt: str, what: str) -> str:
+        return (f"{q.derive(_above(header, factor, 'min'), fmt, what + ', least')}"
+                f"{'–' if fmt == ',.0f' else ' to '}{q.derive(_above(header, factor, 'max'), fmt, what + ', most')}")
 
-    lo = lambda header, factor: lambda t: above(header, factor)(t).min()  # noqa: E731
-    hi = lambda header, factor: lambda t: above(header, factor)(t).max()  # noqa: E731
-    by_context = q.frame.assign(above=above(FORWARD, 1)(q.frame)).groupby("precision", sort=False)["above"]
-    grows = by_context.apply(lambda values: values.is_monotonic_increasing).all()  # rows run by context
-    optimizer_bound = _optimizer_sets_step_peak(q)
+    extra = q.frame.assign(above=_above(FORWARD, 1)(q.frame))
+    grows = extra.groupby("precision", sort=False)["above"].apply(lambda v: v.is_monotonic_increasing).all()
     text = (
-        f"(b) The forward pass (no_grad) peaks {q.derive(lo(FORWARD, 1), ',.0f', 'forward peak above weights, least')}"
-        f"–{q.derive(hi(FORWARD, 1), ',.0f', 'forward peak above weights, most')} MiB above the float32 weights: "
-        f"the working set of one layer"
+        f"(b) The forward pass (no_grad) peaks {span(FORWARD, 1, ',.0f', 'forward peak above the weights')} MiB "
+        f"above the float32 weights: the working set of one layer"
         + (", which grows with the context (its T×T attention scores most)" if grows else "")
-        + f". A training "
-        f"step peaks {q.derive(lo(TRAIN, 5), '+,.0f', 'train peak above five weights, least')} to "
-        f"{q.derive(hi(TRAIN, 5), '+,.0f', 'train peak above five weights, most')} MiB from five times the weights "
-        f"({_times_weights(q, 5, 'weights, gradients, two moments and the update temporary')} MiB: weights, "
-        f"gradients, AdamW's two moments and the temporary of the multi-tensor update)")
+        + f". A training step peaks {span(TRAIN, 5, '+,.0f', 'train step peak above five times the weights')} MiB "
+        f"from five times the weights ({_times_weights(q, 5, 'weights, gradients, two moments and the update temporary')}"
+        f" MiB: weights, gradients, AdamW's two moments and the temporary of the multi-tensor update)")
     text += (", at every context length: the peak is the optimizer step, not the activations of the backward pass, "
-             "so it does not grow with the context here." if optimizer_bound else
+             "so it does not grow with the context here." if _optimizer_sets_step_peak(q) else
              ": what lies above that is the activations kept for the backward pass.")
-    return text
+    return text + _activations_next_to_peak(q)
+
+
+def _activations_next_to_peak(q: Quotes) -> str:
+    """(b), continued: the activations are not small at the longest context, only below the optimizer's peak."""
+    peak = "train: forward+backward peak (MiB)"
+    longest = int(q.table.data["context"].max())
+    precision = "fp32" if q.table.has(precision="fp32", context=longest) else str(q.table.data["precision"].iloc[0])
+    row = q.table.row(precision=precision, context=longest)
+    if peak not in q.table.headers:
+        return (f" The activations are not small, though: the training timelines (context {q.cell('context', row)}) "
+                "climb by nearly twice the weights during the forward pass, to within a few GiB of the optimizer's "
+                "peak; the phase levels that measure this are pending (see (c)).")
+
+    def rise(t):
+        return (column_values(t, peak) - column_values(t, "train: before forward (MiB)")).iloc[row]
+
+    def below(t):
+        return (column_values(t, TRAIN) - column_values(t, peak)).iloc[row]
+
+    return (f" The activations are not small, though: at context {q.cell('context', row)} ({precision}) the forward "
+            f"raises memory by {q.derive(rise, ',.0f', 'forward+backward peak less the level before it, longest context')} MiB, "
+            f"to a forward+backward peak {q.derive(below, ',.0f', 'step peak less forward+backward peak, longest context')} MiB "
+            f"below the optimizer's.")
 
 
 def _optimizer_sets_step_peak(q: Quotes) -> bool:
     """Whether every training step peaks within a tenth of the weights of five times the weights: weights,
     gradients, two moments and the update's temporary, i.e. at the optimizer step, not the activations."""
-    above = column_values(q.frame, TRAIN) - 5 * column_values(q.frame, WEIGHTS)
-    return bool((above.abs() < 0.1 * column_values(q.frame, WEIGHTS)).all())
+    return bool((_above(TRAIN, 5)(q.frame).abs() < 0.1 * column_values(q.frame, WEIGHTS)).all())
 
 
 def _precision(q: Quotes, longest: int) -> str:
