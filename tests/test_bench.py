@@ -503,3 +503,72 @@ def test_profile_attributes_kernels_to_attention_stages():
     # a stage's kernels add up to no more than the stage range's own time
     stage_ms = rows[(rows["kind"] == "attention_stage") & (rows["phase"] == "forward")].set_index("name")["ms_per_step"]
     assert (staged.groupby("stage")["ms_per_step"].sum() <= stage_ms.reindex(ops.index) * 1.001).all()
+
+
+def test_memory_saved_for_backward_splits_activations_and_weight_copies():
+    """What a forward saves for the backward, on a case whose answer follows from the shapes: autocast's
+    x_bf16 @ (Wᵀ)_bf16 saves both casts (x requires grad), then .float().pow(2) saves its float32 input."""
+    from cs336_systems.model.transformer import Linear
+
+    layer, x = Linear(8, 6), torch.randn(3, 8, requires_grad=True)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        return out.float().pow(2).sum()
+
+    saved = {k: v * 2**20 for k, v in memory.saved_mib(forward, layer.parameters()).items()}  # bytes
+    assert saved == {"saved_weight_copies_mib": 8 * 6 * 2, "saved_fp32_activations_mib": 3 * 6 * 4,
+                     "saved_activations_mib": 3 * 8 * 2 + 3 * 6 * 4}
+    # float32: the matmul saves the parameter itself (resident anyway), so no copies and x counts at 4 B
+    fp32 = memory.saved_mib(lambda: layer(x).pow(2).sum(), layer.parameters())
+    assert fp32["saved_weight_copies_mib"] == 0 and fp32["saved_activations_mib"] * 2**20 == 3 * 8 * 4 + 3 * 6 * 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_saved_weight_copies_of_the_model_are_its_matmul_weights_in_bf16(precision):
+    """The tiny model under bf16 autocast keeps one bf16 copy of every matmul weight (attention, SwiGLU and
+    LM head; not the embedding or the norms, which autocast does not cast); float32 keeps none."""
+    from cs336_systems.model.transformer import Linear
+
+    spec = e2e.RunSpec(size="tiny", mode="train_step", precision=precision, attention="naive", batch_size=2,
+                       context_length=16, warmup=0, steps=1, device="cpu")
+    saved = memory.saved_for_backward(spec)
+    torch.manual_seed(0)
+    model = e2e.build_model(spec, torch.device("cpu"))
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, Linear))
+    assert saved["saved_weight_copies_mib"] * 2**20 == (2 * matmul_weights if precision == "bf16" else 0)
+    assert saved["saved_activations_mib"] > 0
+    assert 0 < saved["saved_fp32_activations_mib"] <= saved["saved_activations_mib"]
+
+
+def test_memory_rows_carry_the_phase_levels_and_what_the_forward_saves(tmp_path, monkeypatch):
+    """memory_rows reads each point's snapshot back for its phase levels, and measures what a training step's
+    forward saves; a forward-only point gets no saved columns and an OOM point neither (CUDA stood in for)."""
+    import pickle
+
+    from cs336_systems.report import memory as report_memory
+
+    def run(spec):
+        if spec.context_length == 32:
+            return [{"phase": "step", "status": "oom"}]
+        t0, mib = 1_000_000, 2**20
+        snapshot = {"segments": [{"blocks": [{"size": 10 * mib, "state": "active_allocated"}]}],
+                    "device_traces": [[{"action": "alloc", "size": 10 * mib, "time_us": t0 + 10, "frames": []}]],
+                    "phases": [{"phase": "forward", "start_us": t0, "end_us": t0 + 20}]}
+        Path(spec.memory_snapshot).write_bytes(pickle.dumps(snapshot))
+        return [{"phase": "step", "status": "ok", "peak_memory_mib": 10.0}]
+
+    monkeypatch.setattr(memory, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(memory, "provenance", lambda device: {"device_name": "GPU"})
+    monkeypatch.setattr(memory.e2e, "run", run)
+    monkeypatch.setattr(memory, "saved_for_backward", lambda spec: {"saved_activations_mib": 1.0})
+    config = memory.MemoryConfig(snapshot_dir=tmp_path, context_lengths=(16, 32), precisions=("fp32",))
+    # rows in the order of the grid: each context length, then each mode (the stand-in rows name neither)
+    rows = dict(zip([("forward", 16), ("train_step", 16), ("forward", 32), ("train_step", 32)],
+                    memory.memory_rows(config)))
+    levels = report_memory.phase_levels(pickle.loads((tmp_path / "forward_fp32_16.pickle").read_bytes()))
+    assert levels == {"forward_start_mib": 0.0, "forward_peak_mib": 10.0, "forward_end_mib": 10.0}
+    assert rows[("forward", 16)].items() >= levels.items() and "saved_activations_mib" not in rows[("forward", 16)]
+    assert rows[("train_step", 16)]["saved_activations_mib"] == 1.0
+    assert "forward_peak_mib" not in rows[("train_step", 32)] and rows[("train_step", 32)]["snapshot"] == ""

@@ -260,7 +260,7 @@ def committed(request):
 
 # The sections whose prose is picked from the table they embed; the others still compute their text
 # from the results rows (each is a Section once converted, and is then checked below).
-QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.4 (a–e)", "1.1.5 (c) fp32", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile",
+QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.4 (a–e)", "1.1.5 (c) fp32", "1.1.6 (a–e)", "1.2.1", "1.3.1 (a)", "1.3.1 (b) torch_compile",
            "1.3.2 flash_forward", "1.3.2 (e) flash_benchmarking", "1.3.2 (e), continued", "1.3.3",
            "1.3.3, continued", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end",
@@ -550,6 +550,31 @@ def test_memory_timeline_marks_phases_on_a_time_axis(drawn):
     memory.draw_timeline(SNAPSHOT, "unused.png", "no stamps")  # old snapshots: event index, no phases
     (fig, _), = drawn.values()
     assert len(fig.axes[0].texts) == 0 and "phases cannot be placed" in fig.axes[0].get_xlabel()
+
+
+def test_memory_levels_at_each_phase_start_peak_and_end():
+    """Levels per phase from the host time stamps: an event at a phase's boundary belongs to it, a phase's
+    peak counts the level it starts at, and a phase with no event keeps the level before it."""
+    t0 = 1_700_000_000_000_000
+    events = [dict(e, time_us=t0 + 1000 * i) for i, e in enumerate(SNAPSHOT["device_traces"][0])]
+    xs, ys, _ = memory.timed_timeline({**SNAPSHOT, "device_traces": [events]})  # levels after each event
+    at = dict(zip(xs, ys))  # ms -> MiB: 0 -> 100, 1 -> 104, 2 -> 120, 4 -> 104, 5 -> 108, 7 -> 104
+    snapshot = {**SNAPSHOT, "device_traces": [events],
+                "phases": [{"phase": "forward", "start_us": t0 + 1000, "end_us": t0 + 3500},
+                           {"phase": "backward", "start_us": t0 + 3600, "end_us": t0 + 5000},
+                           {"phase": "optimizer", "start_us": t0 + 5500, "end_us": t0 + 6500}]}
+    assert memory.phase_levels(snapshot) == {
+        "forward_start_mib": at[1], "forward_peak_mib": at[2], "forward_end_mib": at[2],
+        "backward_start_mib": at[2], "backward_peak_mib": at[2], "backward_end_mib": at[5],
+        "optimizer_start_mib": at[5], "optimizer_peak_mib": at[5], "optimizer_end_mib": at[5]}
+    # before the first event: what was live at the dump less the window's net change (108 MiB here)
+    early = {**snapshot, "phases": [{"phase": "forward", "start_us": t0 - 10, "end_us": t0 - 5}]}
+    live = memory.allocated_at_dump(SNAPSHOT) / MiB - sum(
+        (e["size"] if e["action"] == "alloc" else -e["size"]) / MiB for e in events
+        if e["action"] in ("alloc", "free_completed"))
+    assert memory.phase_levels(early) == {"forward_start_mib": live, "forward_peak_mib": live,
+                                          "forward_end_mib": live}
+    assert memory.phase_levels(SNAPSHOT) == {}  # no time stamps, no phases: nothing to place
 
 
 def test_trace_figures_share_their_time_axis_and_mark_phases(tmp_path, drawn):
@@ -851,3 +876,33 @@ def test_leaderboard_8b_section_renders_at_smoke_scale(tmp_path):
     assert unquoted(body) == [] and "nan" not in body.markdown()
     assert "this device measures no MFU" in body.markdown() and "`ours-full_ac` takes" in body.markdown()
     assert "SDPA attention in place" not in body.markdown()  # no such ablation in this run
+
+
+@pytest.mark.parametrize("bf16_change", [+500.0, -500.0])
+def test_memory_section_quotes_the_recorded_phase_columns(tmp_path, bf16_change):
+    """With the columns bench/memory.py now records (phase levels, what the forward saves), the 1.1.6 table
+    carries them and (c) quotes them instead of a pending line, its verdict following the data; every number
+    stays a cell or a recorded formula."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections import memory as section
+
+    rows = pd.read_csv(ROOT / "results" / "memory.csv")
+    train = rows["mode"] == "train_step"
+    rng = np.random.default_rng(0)
+    rows = rows.assign(**{name: np.where(train, rng.uniform(1e3, 4e4, len(rows)), np.nan) for name in section.RECORDED})
+    # the forward+backward peak: bf16's is fp32's plus bf16_change at each context (the backward's lower)
+    fp32 = rows[train & (rows["precision"] == "fp32")].set_index("context_length")["forward_peak_mib"]
+    bf16 = train & (rows["precision"] == "bf16")
+    rows.loc[bf16, "forward_peak_mib"] = rows.loc[bf16, "context_length"].map(fp32) + bf16_change
+    rows.loc[train, "backward_peak_mib"] = 0.0
+    (tmp_path / "tables").mkdir()
+    rows.to_csv(tmp_path / "memory.csv", index=False)
+    section.memory_peaks(rows).save(tmp_path / "tables" / "memory_peaks.json")
+    body = section.render_memory(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(body) == []
+    point = rows[bf16 & (rows["context_length"] == rows["context_length"].max())].iloc[0]
+    precision = next(p for p in body.checked if p.startswith("(c)"))
+    assert f"{point['forward_peak_mib']:,.0f} MiB in bf16 ({bf16_change:+,.0f} MiB)" in precision
+    assert f"{point['saved_weight_copies_mib']:,.0f} MiB of bf16 weight copies" in precision
+    assert "pending" not in precision
+    assert ("does not lower this peak" in precision) == (bf16_change >= 0)

@@ -4,7 +4,10 @@ For each (context length, mode, precision) it runs the harness for one measured 
 with the allocator history recorded (max_entries=1_000_000), dumps the snapshot pickle to
 `--snapshot-dir/<mode>_<precision>_<context>.pickle` (with the recorded step's forward / backward /
 optimizer spans under "phases", which the timelines of cs336_systems.report.memory mark), and writes
-one row per point with the peak memory. CUDA only: the allocator history is a CUDA feature.
+one row per point with the peak memory, the memory level at the start, maximum and end of each phase (read
+from the snapshot: `forward_start_mib`, `forward_peak_mib`, …), and for a training step what its forward pass
+saves for the backward (`saved_*_mib`, see `saved_for_backward`): what the activations cost in each precision.
+CUDA only: the allocator history is a CUDA feature.
 
     python -m cs336_systems.bench.memory --size 2.7B --context-lengths 128 256 512 --out results/memory.csv
 
@@ -15,17 +18,22 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import pickle
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from cs336_systems.bench import e2e
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
+from cs336_systems.model import MODEL_SIZES, cross_entropy
 from cs336_systems.provenance import provenance
+from cs336_systems.report.memory import phase_levels
 from cs336_systems.results import write_rows
-from cs336_systems.timing import DTYPES, resolve_device
-from cs336_systems.model import MODEL_SIZES
+from cs336_systems.timing import DTYPES, autocast, resolve_device
 
 MODES = ("forward", "train_step")
 
@@ -67,11 +75,83 @@ def memory_rows(config: MemoryConfig) -> list[dict]:
                            batch_size=config.batch_size, context_length=context, warmup=config.warmup, steps=1,
                            device=config.device, memory_snapshot=str(snapshot))
         step = [r for r in e2e.run(spec) if r["phase"] == "step"][0]
-        rows.append({**step, "snapshot": snapshot.name if step["status"] == "ok" else "",
+        extra = {}
+        if step["status"] == "ok":
+            with open(snapshot, "rb") as f:
+                extra = phase_levels(pickle.load(f))
+            if mode == "train_step":
+                extra |= saved_for_backward(spec)
+        rows.append({**step, "snapshot": snapshot.name if step["status"] == "ok" else "", **extra,
                      **provenance(config.device)})
         print(f"{mode} {precision} ctx={context}: {step['status']} {step.get('peak_memory_mib', '')}",
               file=sys.stderr, flush=True)
     return rows
+
+
+def saved_for_backward(spec: e2e.RunSpec) -> dict[str, float]:
+    """What one forward pass of `spec` (loss included, the model built as e2e builds it) saves for the
+    backward, in MiB of distinct storages (a tensor saved by two ops, or a view of one, counts once):
+
+    - `saved_activations_mib`: tensors computed from the inputs (`saved_fp32_activations_mib` of them float32);
+    - `saved_weight_copies_mib`: copies of parameters, which autocast makes when it casts a float32 weight
+      to the compute dtype and which the matmul keeps for the input gradient (float32 runs save the
+      parameters themselves: resident anyway, counted in neither column).
+
+    A copy is told by its autograd history: the saved tensor, or the tensor it is a view of, comes from
+    a dtype conversion (ToCopyBackward0) of a parameter (or of a view of one)."""
+    device = resolve_device(spec.device)
+    torch.manual_seed(0)
+    model = e2e.build_model(spec, device)
+    tokens = torch.randint(model.config.vocab_size, (spec.batch_size, spec.context_length + 1), device=device)
+
+    def forward() -> torch.Tensor:
+        with autocast(spec.precision, device):
+            return cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+
+    return saved_mib(forward, model.parameters())
+
+
+def saved_mib(forward: Callable[[], torch.Tensor], parameters: Iterable[torch.Tensor]) -> dict[str, float]:
+    """`saved_for_backward`'s columns for any `forward()` over `parameters` (its output is dropped)."""
+    resident = {p.untyped_storage().data_ptr() for p in parameters}
+    storages: dict[int, tuple[int, str]] = {}  # storage address -> (bytes, kind)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in resident:
+            kind = ("weight copy" if _is_parameter_copy(tensor, resident) else
+                    "fp32 activation" if tensor.dtype == torch.float32 else "activation")
+            storages.setdefault(storage.data_ptr(), (storage.nbytes(), kind))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    total = {kind: sum(n for n, k in storages.values() if k == kind) / 2**20
+             for kind in ("weight copy", "fp32 activation", "activation")}
+    return {"saved_activations_mib": total["fp32 activation"] + total["activation"],
+            "saved_fp32_activations_mib": total["fp32 activation"],
+            "saved_weight_copies_mib": total["weight copy"]}
+
+
+def _is_parameter_copy(tensor: torch.Tensor, parameters: set[int]) -> bool:
+    """Whether `tensor` is a dtype conversion (ToCopyBackward0) of a parameter, views allowed on either side:
+    autocast casts the Wᵀ view that `x @ W.T` multiplies, and a matmul may save a view of its operand."""
+    function = _through_views(tensor.grad_fn)
+    if function is None or function.name() != "ToCopyBackward0":
+        return False
+    source = _through_views(function.next_functions[0][0])
+    variable = getattr(source, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+    return variable is not None and variable.untyped_storage().data_ptr() in parameters
+
+
+VIEWS = ("TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0",
+         "AliasBackward0", "UnsafeViewBackward0")
+
+
+def _through_views(function):
+    while function is not None and function.name() in VIEWS:
+        function = function.next_functions[0][0]
+    return function
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -83,6 +83,35 @@ def timed_timeline(snapshot: dict) -> tuple[list[float], list[float], float | No
     return [(events[i]["time_us"] - start) / 1e3 for i in xs], ys, start
 
 
+def phase_levels(snapshot: dict) -> dict[str, float]:
+    """Memory allocated by tensors (MiB) at the start, the maximum and the end of each recorded phase:
+    `{phase}_start_mib`, `{phase}_peak_mib`, `{phase}_end_mib`. An event belongs to a phase when its host
+    time stamp lies in the phase's span (allocations and frees are made by the host as it enqueues the
+    kernels, so this is exact even where the GPU runs behind); the level at a time is that after the last
+    event at or before it. Empty when the snapshot has no phase marks or no time stamps."""
+    xs, ys, start_us = timed_timeline(snapshot)
+    spans = phase_spans(snapshot)
+    if start_us is None or not spans:
+        return {}
+    events = trace(snapshot)
+    first = [e for e in events if e["action"] in ("alloc", "free_completed")]
+    # the level before the window's first event: the first point of the timeline less that event's change
+    initial = ys[0] - (first[0]["size"] if first[0]["action"] == "alloc" else -first[0]["size"]) / 2**20
+    times = [start_us + x * 1e3 for x in xs]
+
+    def level(t_us: float) -> float:
+        before = [y for t, y in zip(times, ys) if t <= t_us]
+        return before[-1] if before else initial
+
+    levels = {}
+    for phase, begin, end in spans:
+        inside = [y for t, y in zip(times, ys) if begin <= t <= end]
+        levels[f"{phase}_start_mib"] = level(begin)
+        levels[f"{phase}_peak_mib"] = max([level(begin), *inside])
+        levels[f"{phase}_end_mib"] = level(end)
+    return levels
+
+
 def origin(frames: list[dict], package: str = "cs336_systems") -> str:
     """The innermost frame in our own code (else the innermost frame) as file:line (function)."""
     ours = [f for f in frames if package in f.get("filename", "")]

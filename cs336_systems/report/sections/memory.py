@@ -1,61 +1,83 @@
 """Handout 1.1.6 (workflow/rules/benchmarking.smk, rules memory_profile and memory_timelines): peak
-memory of the largest model by context length and precision, and what the allocator snapshots show."""
+memory of the largest model by context length and precision, what the allocator snapshots show, and
+why bf16 autocast lowers neither peak.
+
+(a)–(c) quote the table `memory_peaks` (one row per precision and context length); (d) is arithmetic on
+the model's shape and (e) reads the largest-allocation rows of the forward snapshot (memory_allocations.csv).
+The columns of the training step's phases and of what its forward saves for the backward come from runs
+of bench/memory.py that record them; rows of an earlier run leave them out and the prose says so."""
 
 from __future__ import annotations
 
+import pandas as pd
+
 from cs336_systems.model import get_config
 from cs336_systems.model.functional import parameter_count
-from cs336_systems.report.section import Context, Deliverable
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
+
+WEIGHTS = "fp32 weights (MiB)"
+FORWARD, TRAIN = "forward peak (MiB)", "train step peak (MiB)"
+# Recorded by bench/memory.py from the training step's snapshot and a forward with saved-tensor hooks:
+# header -> how it is computed from the train_step row's columns.
+PHASE_COLUMNS = {
+    "train: before forward (MiB)": lambda row: row["forward_start_mib"],
+    "train: forward+backward peak (MiB)": lambda row: max(row["forward_peak_mib"], row["backward_peak_mib"]),
+    "saved activations (MiB)": lambda row: row["saved_activations_mib"],
+    "of which fp32 (MiB)": lambda row: row["saved_fp32_activations_mib"],
+    "saved weight copies (MiB)": lambda row: row["saved_weight_copies_mib"],
+}
+RECORDED = ("forward_start_mib", "forward_peak_mib", "backward_peak_mib", "saved_activations_mib",
+            "saved_fp32_activations_mib", "saved_weight_copies_mib")
+PENDING = ("`snakemake results/memory.csv results/memory_allocations.csv --cores 1 --forcerun memory_profile` "
+           "on one GPU")
 
 
-def render_memory(ctx: Context) -> str:
-    peaks = ctx.frame("memory")
-    allocations = ctx.frame("memory_allocations")
-    ok = peaks[peaks["status"] == "ok"]
-    table = ok.pivot_table(index="context_length", columns=["mode", "precision"], values="peak_memory_mib").round(0)
-    table.columns = [f"{mode} {precision} peak (MiB)" for mode, precision in table.columns]
+def memory_peaks(frame: pd.DataFrame) -> NumericTable:
+    """(b) and (c): per precision and context length, the peak of a forward pass (no_grad) and of a training
+    step, beside the float32 weights (P × 4 B) they are read against; where the run recorded them, the
+    training step's level before its forward, its forward+backward peak, and what its forward saves."""
+    phases = [h for h in PHASE_COLUMNS if set(RECORDED) <= set(frame.columns)]
+    weights = parameter_count(get_config(str(frame["size"].iloc[0]))) * 4 / 2**20
+    records, status = [], {}
+    for precision in [p for p in ("fp32", "bf16", "fp16") if p in set(frame["precision"])]:
+        for context in sorted(set(frame["context_length"])):
+            point = frame[(frame["precision"] == precision) & (frame["context_length"] == context)]
+            record = {"precision": precision, "context": int(context), WEIGHTS: weights}
+            for header, mode in ((FORWARD, "forward"), (TRAIN, "train_step")):
+                row = point[point["mode"] == mode]
+                ok = len(row) and row["status"].iloc[0] == "ok"
+                record[header] = row["peak_memory_mib"].iloc[0] if ok else float("nan")
+                if len(row) and not ok:
+                    status.setdefault(header, {})[len(records)] = str(row["status"].iloc[0])
+                if mode == "train_step":
+                    for name in phases:
+                        record[name] = PHASE_COLUMNS[name](row.iloc[0]) if ok else float("nan")
+            records.append(record)
+    headers = [FORWARD, TRAIN, WEIGHTS, *phases]
+    return NumericTable(pd.DataFrame(records, columns=["precision", "context", *headers]),
+                        (Col("precision"), Col("context", "d"), *(Col(h, ",.0f") for h in headers)), status)
+
+
+def render_memory(ctx: Context) -> Section:
+    peaks, allocations = ctx.frame("memory"), ctx.frame("memory_allocations")
+    q = Quotes(ctx.numeric("memory_peaks"))
+    table = q.frame
     size, batch = peaks["size"].iloc[0], int(peaks["batch_size"].iloc[0])
     config = get_config(size)
-    longest = int(ok["context_length"].max())
-    residual = batch * longest * config.d_model * 4 / 2**20
-    parts = [f"{size}, batch {batch}; peak memory allocated by tensors during one measured step (after warm-up), "
+    longest = int(table["context"].max())
+    ooms = peaks[peaks["status"] == "oom"]
+    intro = (f"{size}, batch {batch}; peak memory allocated by tensors during one measured step (after warm-up), "
              f"from `torch.cuda.max_memory_allocated`. Out of memory: "
-             + (", ".join(f"{m} {p} at {c}" for m, p, c in peaks[peaks["status"] == "oom"][
-                 ["mode", "precision", "context_length"]].values) or "none") + ".",
-             table.reset_index().to_markdown(index=False)]
+             + (", ".join(f"{m} {p} at {c}" for m, p, c in ooms[["mode", "precision", "context_length"]].values)
+                or "none") + ".")
+    parts = [intro, ctx.table("memory_peaks")]
     for precision in ("fp32", "bf16"):
-        name = f"forward_{precision}_{longest}"
-        parts.append(ctx.figure(f"memory/{name}", f"forward {precision}"))
+        parts.append(ctx.figure(f"memory/forward_{precision}_{longest}", f"forward {precision}"))
         parts.append(ctx.figure(f"memory/train_step_{precision}_{longest}", f"train step {precision}"))
-    # What must be resident, from the parameter count P (float32, 4 B each): the weights alone in a
-    # forward pass (run under no_grad, so one layer's activations are live at a time); in a training
-    # step weights, gradients, AdamW's two moments, and the √v temporary of the multi-tensor update.
-    weights = parameter_count(config) * 4 / 2**20
-    fixed = {"forward": weights, "train_step": 5 * weights}
-    above = ok.assign(above=ok["peak_memory_mib"] - ok["mode"].map(fixed))
-    forward, train = above[above["mode"] == "forward"], above[above["mode"] == "train_step"]
-    parts.append(
-        f"(b) The model has {parameter_count(config) / 1e9:.2f}B parameters: {weights:,.0f} MiB of float32 weights. "
-        f"The forward pass (no_grad) peaks {forward['above'].min():,.0f}–{forward['above'].max():,.0f} MiB above "
-        f"the weights: the working set of one layer, which grows with the context. A training step peaks "
-        f"{train['above'].min():+,.0f} to {train['above'].max():+,.0f} MiB from 5 × the weights "
-        f"({fixed['train_step']:,.0f} MiB: weights, gradients, AdamW's two moments and the √v temporary "
-        f"of the update)"
-        + (", at every context length: the peak is the optimizer step, not the activations of the backward "
-           "pass, so it does not grow with the context here."
-           if train["above"].abs().max() < 0.1 * weights else
-           ": what lies above that is the activations kept for the backward pass."))
-    if {"fp32", "bf16"} <= set(ok["precision"]):
-        wide = ok.pivot_table(index=["mode", "context_length"], columns="precision", values="peak_memory_mib")
-        delta = (wide["bf16"] - wide["fp32"]).dropna()
-        optimizer_peak = train["above"].abs().max() < 0.1 * weights  # as (b): the step's peak is the optimizer's
-        parts.append(f"(c) bf16 autocast changes the peak by {delta.min():+.0f} to {delta.max():+.0f} MiB: neither "
-                     f"peak holds what autocast halves, the activations kept for the backward. The forward pass "
-                     f"(no_grad) keeps none; its peak is the float32 weights plus one layer's working set"
-                     + (", and the training step's peak is its optimizer step (weights, gradients and AdamW "
-                        "state, all float32), after the backward has freed the activations. These rows do not "
-                        "show how bf16 changes the forward+backward peak, which the activations do set."
-                        if optimizer_peak else "."))
+    checked = [_timelines(q, longest), _peaks(q), _precision(q, longest)]
+    parts += checked
+    residual = batch * longest * config.d_model * 4 / 2**20
     parts.append(f"(d) One residual-stream activation at context {longest} is batch × context × d_model × 4 B = "
                  f"{batch} × {longest} × {config.d_model} × 4 / 1024² = {residual:.1f} MiB.")
     if allocations is not None:
@@ -65,7 +87,158 @@ def render_memory(ctx: Context) -> str:
             parts[-1] += f" The forward snapshot has {int(same['count'].sum())} allocations of exactly that size."
         parts.append(_largest_allocations(forward, config, batch, longest)
                      + "\n\n" + forward[["size_mib", "count", "origin"]].round(1).to_markdown(index=False))
-    return "\n\n".join(parts)
+    # "2" of "2.7B" is the size's name, not a measurement
+    return Section(parts, q.table, checked, q.derived, wording=("2",))
+
+
+def _weights(q: Quotes) -> str:
+    return q.cell(WEIGHTS, 0)
+
+
+def _times_weights(q: Quotes, factor: int, what: str) -> str:
+    return q.derive(lambda t: factor * column_values(t, WEIGHTS).iloc[0], ",.0f", what)
+
+
+def _timelines(q: Quotes, longest: int) -> str:
+    """(a): what each timeline shows, phase by phase (the figures above, context `longest`)."""
+    fp32 = q.table.row(precision="fp32", context=longest)
+    text = (
+        f"(a) The timelines are drawn over host time (each allocation and free is made by the host as it "
+        f"enqueues the kernels, ahead of the GPU; the shaded phases end at the synchronize that closes each). "
+        f"The forward-only timeline is flat: the float32 weights ({_weights(q)} MiB) stay resident and, under "
+        f"no_grad, each layer's activations are freed as the next layer runs, so the curve only shows one small "
+        f"tooth per layer up to the forward peak ({q.cell(FORWARD, fp32)} MiB in fp32 at context {longest}); "
+        f"nothing in it grows with depth. The training step's timeline tells its stages apart by shape. It opens at "
+        f"about four times the weights ({_times_weights(q, 4, 'weights, gradients and two AdamW moments')} MiB: "
+        f"weights, the last step's gradients and AdamW's two moments) and drops to three times "
+        f"({_times_weights(q, 3, 'weights and two AdamW moments')} MiB) when `zero_grad` frees the gradients. "
+        f"The forward pass is a steady ramp up, each layer adding the activations it saves for the backward")
+    if "train: before forward (MiB)" in q.table.headers:
+        rise = q.derive(lambda t: (column_values(t, "train: forward+backward peak (MiB)")
+                                   - column_values(t, "train: before forward (MiB)")).iloc[fp32],
+                        ",.0f", f"fp32 forward+backward peak less the level before the forward, context {longest}")
+        text += f" ({rise} MiB in fp32 at context {longest})"
+    text += (
+        "; the backward is a slower ramp down, freeing those activations layer by layer while it allocates the "
+        "gradients, and ends at four times the weights; the optimizer step is a short plateau one weights' "
+        "worth higher (the multi-tensor AdamW's temporary per parameter)"
+        + (f" that sets the step's peak ({q.cell(TRAIN, fp32)} MiB)" if _optimizer_sets_step_peak(q) else "")
+        + ", then falls back. So yes: ramp up, ramp down and plateau are forward, backward and optimizer.")
+    return text
+
+
+def _above(header: str, factor: int, pick: str | None = None):
+    """A formula: the column less `factor` times the float32 weights, per row, or its min / max (`pick`)."""
+    def formula(t):
+        values = column_values(t, header) - factor * column_values(t, WEIGHTS)
+        return values if pick is None else getattr(values, pick)()
+    return formula
+
+
+def _peaks(q: Quotes) -> str:
+    """(b): the two peaks per context length, against what must be resident."""
+    def span(header: str, factor: int, fmt: str, what: str) -> str:
+        return (f"{q.derive(_above(header, factor, 'min'), fmt, what + ', least')}"
+                f"{'–' if fmt == ',.0f' else ' to '}{q.derive(_above(header, factor, 'max'), fmt, what + ', most')}")
+
+    extra = q.frame.assign(above=_above(FORWARD, 1)(q.frame))
+    grows = extra.groupby("precision", sort=False)["above"].apply(lambda v: v.is_monotonic_increasing).all()
+    text = (
+        f"(b) The forward pass (no_grad) peaks {span(FORWARD, 1, ',.0f', 'forward peak above the weights')} MiB "
+        f"above the float32 weights: the working set of one layer"
+        + (", which grows with the context (its T×T attention scores most)" if grows else "")
+        + f". A training step peaks {span(TRAIN, 5, '+,.0f', 'train step peak above five times the weights')} MiB "
+        f"from five times the weights ({_times_weights(q, 5, 'weights, gradients, two moments and the update temporary')}"
+        f" MiB: weights, gradients, AdamW's two moments and the temporary of the multi-tensor update)")
+    text += (", at every context length: the peak is the optimizer step, not the activations of the backward pass, "
+             "so it does not grow with the context here." if _optimizer_sets_step_peak(q) else
+             ": what lies above that is the activations kept for the backward pass.")
+    return text + _activations_next_to_peak(q)
+
+
+def _activations_next_to_peak(q: Quotes) -> str:
+    """(b), continued: the activations are not small at the longest context, only below the optimizer's peak."""
+    peak = "train: forward+backward peak (MiB)"
+    longest = int(q.table.data["context"].max())
+    precision = "fp32" if q.table.has(precision="fp32", context=longest) else str(q.table.data["precision"].iloc[0])
+    row = q.table.row(precision=precision, context=longest)
+    if peak not in q.table.headers:
+        return (f" The activations are not small, though: the training timelines (context {q.cell('context', row)}) "
+                "climb by nearly twice the weights during the forward pass, to within a few GiB of the optimizer's "
+                "peak; the phase levels that measure this are pending (see (c)).")
+
+    def rise(t):
+        return (column_values(t, peak) - column_values(t, "train: before forward (MiB)")).iloc[row]
+
+    def below(t):
+        return (column_values(t, TRAIN) - column_values(t, peak)).iloc[row]
+
+    return (f" The activations are not small, though: at context {q.cell('context', row)} ({precision}) the forward "
+            f"raises memory by {q.derive(rise, ',.0f', 'forward+backward peak less the level before it, longest context')} MiB, "
+            f"to a forward+backward peak {q.derive(below, ',.0f', 'step peak less forward+backward peak, longest context')} MiB "
+            f"below the optimizer's.")
+
+
+def _optimizer_sets_step_peak(q: Quotes) -> bool:
+    """Whether every training step peaks within a tenth of the weights of five times the weights: weights,
+    gradients, two moments and the update's temporary, i.e. at the optimizer step, not the activations."""
+    return bool((_above(TRAIN, 5)(q.frame).abs() < 0.1 * column_values(q.frame, WEIGHTS)).all())
+
+
+def _precision(q: Quotes, longest: int) -> str:
+    """(c): which peak bf16 lowers, and why; with the recorded columns, what the forward saves per precision."""
+    table = q.frame
+    if not {"fp32", "bf16"} <= set(table["precision"]):
+        return "(c) The run has no fp32 and bf16 rows to compare."
+
+    def delta(header: str, pick: str | None = None, context: int | None = None):
+        def formula(t):
+            wide = t.pivot_table(index="context", columns="precision", values=header)
+            values = wide["bf16"] - wide["fp32"]
+            return values.loc[context] if pick is None else getattr(values, pick)()
+        return formula
+
+    text = (
+        f"(c) bf16 autocast changes the forward peak by {q.derive(delta(FORWARD, 'min'), '+,.0f', 'forward bf16 - fp32, least')}"
+        f" to {q.derive(delta(FORWARD, 'max'), '+,.0f', 'forward bf16 - fp32, most')} MiB and the training step's "
+        f"by {q.derive(delta(TRAIN, 'min'), '+,.0f', 'train bf16 - fp32, least')} to "
+        f"{q.derive(delta(TRAIN, 'max'), '+,.0f', 'train bf16 - fp32, most')} MiB: not significantly. Neither "
+        f"peak is made of what autocast shrinks. The forward pass runs under no_grad, so it keeps no activations; "
+        f"its peak is the float32 weights plus one layer's working set, and autocast only adds short-lived bf16 "
+        f"casts of the weight being multiplied.")
+    if _optimizer_sets_step_peak(q):
+        text += (" The training step's peak is its optimizer step, on float32 weights, gradients and AdamW state "
+                 "that autocast never touches.")
+    text += (" Autocast acts on what the forward of a training step saves for the backward, and there it need not "
+             "halve memory: each matmul saves its bf16 operands, including a bf16 copy of its weight (the float32 "
+             "run saves the weight itself, resident anyway), while the norms, the softmax and the loss still "
+             "compute, and save, float32.")
+    if "saved weight copies (MiB)" not in q.table.headers:
+        return text + (
+            " The rows above hold only each step's overall peak, so they do not show the forward+backward peak per "
+            "precision nor what the forward saves; the timelines suggest the bf16 forward climbs no lower than the "
+            "fp32 one. bench/memory.py now records both (the phase levels from the snapshot, and the saved "
+            "activations, their float32 part and the weight copies from a forward with saved-tensor hooks): "
+            f"pending: {PENDING}.")
+    fp32, bf16 = (q.table.row(precision=p, context=longest) for p in ("fp32", "bf16"))
+    peak, saved, copies = "train: forward+backward peak (MiB)", "saved activations (MiB)", "saved weight copies (MiB)"
+
+    def bf16_over_fp32(t):
+        kept = column_values(t, saved) + column_values(t, copies)
+        return kept.iloc[bf16] / kept.iloc[fp32]
+
+    change = delta(peak, context=longest)(table)
+    text += (
+        f" Measured at context {longest}: the fp32 forward saves {q.cell(saved, fp32)} MiB of activations; the bf16 "
+        f"forward saves {q.cell(saved, bf16)} MiB, {q.cell('of which fp32 (MiB)', bf16)} MiB of it float32, plus "
+        f"{q.cell(copies, bf16)} MiB of bf16 weight copies: "
+        f"{q.derive(bf16_over_fp32, '.2f', 'bf16 saved (activations and copies) over fp32 saved')}× what fp32 "
+        f"keeps. The forward+backward peak is {q.cell(peak, fp32)} MiB in fp32 and {q.cell(peak, bf16)} MiB in bf16 "
+        f"({q.derive(delta(peak, context=longest), '+,.0f', f'forward+backward peak bf16 - fp32 at {longest}')} MiB)")
+    text += (": so bf16 does not lower this peak either." if change >= 0 else
+             ": bf16 lowers this peak, which is not the step's." if _optimizer_sets_step_peak(q) else
+             ": bf16 lowers this peak.")
+    return text
 
 
 def _largest_allocations(forward, config, batch: int, context: int) -> str:
@@ -88,5 +261,9 @@ def _largest_allocations(forward, config, batch: int, context: int) -> str:
 
 DELIVERABLES = [
     Deliverable("1.1.6 (a–e) memory_profiling of the 2.7B model", "memory_profile", render_memory,
-                ("memory", "memory_allocations"), cuda_only="the allocator history is a CUDA feature"),
+                ("memory", "memory_allocations"),
+                tables=(Table("memory_peaks", "memory", memory_peaks,
+                              "Peak memory of the 2.7B model (batch 4) per precision and context length: forward "
+                              "pass (no_grad) and training step (forward, backward, AdamW)"),),
+                cuda_only="the allocator history is a CUDA feature"),
 ]
