@@ -190,7 +190,7 @@ def _unlinked_note(ctx: Context) -> str:
     """What the categories miss of the total where the profile predates counting the kernels the profiler links
     to no op (bench/step_profile.unlinked_kernels): our AdamW's, so `optimizer` read 0."""
     frame = ctx.frame("leaderboard_8b_profile")
-    times = profile_table(frame).data.set_index("category").drop(columns="batch")
+    times = ctx.numeric("leaderboard_8b_profile").data.set_index("category").drop(columns="batch")
     short = times.loc["profiled ops (total)"] - times.loc[list(PROFILE_CATEGORIES)].sum()
     failed = _profiled(frame, "error")["provider"].tolist()
     note = (f"The profiled steps of {', '.join(f'`{p}`' for p in failed)} failed (the error is in their rows of "
