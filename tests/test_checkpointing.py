@@ -318,3 +318,17 @@ def test_matmul_saving_policy_errors_name_the_value():
         CheckpointPolicy.selective(2, 3).check(4)
     with pytest.raises(ValueError, match="does not model blocks that save their matmul outputs"):
         checkpoint_cost(CheckpointPolicy.selective(0, 1), 4, 1.0, 1.0)
+
+
+def test_matmul_blocks_that_fit_fill_the_free_memory_and_no_more():
+    from cs336_systems.model.checkpointing import matmul_block_bytes, matmul_blocks_that_fit
+
+    gib = 2**30
+    block = matmul_block_bytes(4096, 11008, 32768, 2)  # the 8B model at batch 1 x 32768, bf16
+    assert round(block / gib, 2) == 2.34
+    assert matmul_blocks_that_fit(10 * block - 1, block, 34) == 9
+    assert matmul_blocks_that_fit(10 * block, block, 34) == 10
+    assert matmul_blocks_that_fit(1000 * block, block, 34) == 34
+    assert matmul_blocks_that_fit(-5.0, block, 34) == matmul_blocks_that_fit(float("nan"), block, 34) == 0
+    with pytest.raises(ValueError, match="positive number of bytes, got 0"):
+        matmul_blocks_that_fit(1.0, 0, 34)

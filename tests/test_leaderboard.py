@@ -149,7 +149,7 @@ def test_every_flag_has_help_text(monkeypatch):
 def test_rows_name_what_each_provider_runs():
     columns = {name: leaderboard.recipe_columns(name, _tiny(param_dtype="bf16")) for name in leaderboard.RECIPES}
     assert columns["ours"] == {"provider": "ours", "model": "ours", "attention": "flash_triton", "loss_path": "fused",
-                               "optimizer": "ours_fused", "checkpoint": "selective", "compile": "none",
+                               "optimizer": "ours_fused", "checkpoint": "selective:auto", "compile": "none",
                                "param_dtype": "bf16", "optimizer_state_dtype": "bf16"}
     assert columns["torch_plain_sac"]["optimizer"] == columns["ours-torch_adamw"]["optimizer"] == "torch_fused"
     assert columns["ours-fp32_moments"]["optimizer_state_dtype"] == "fp32"
@@ -157,6 +157,25 @@ def test_rows_name_what_each_provider_runs():
     for name in leaderboard.ABLATIONS:
         changed = {k for k, v in columns[name].items() if v != columns["ours"][k]} - {"provider"}
         assert len(changed) == 1, (name, changed)
+
+
+def test_ours_saves_the_matmuls_of_as_many_blocks_as_the_free_memory_holds(tmp_path, monkeypatch):
+    """`AUTO`, resolved per point: a plain selective probe's peak, subtracted from the capacity less the margin,
+    divided by a block's matmul outputs (tokens x (4 d + 2 d_ff) x 4 B in TINY's float32). With room for one block and a half the
+    row runs and records selective:0,1; with none, plain selective. (A CPU has no allocator peak: stood in for.)"""
+    config = get_config("tiny", edition="2026", context_length=24)
+    block = 2 * 24 * (4 * config.d_model + 2 * config.d_ff) * 4
+    gib = 2**30
+    monkeypatch.setattr(leaderboard, "_peak_bytes", lambda device: 10 * gib)
+    rows = {}
+    for capacity, name in [(10 + 1 + 1.5 * block / gib, "one"), (10 + 1 + 0.5 * block / gib, "none")]:
+        leaderboard.main([*TINY, "--check-size", "none", "--providers", "ours", "--ablations",
+                          "--memory-margin-gib", "1", "--memory-capacity-gib", repr(capacity),
+                          "--out", str(tmp_path / f"{name}.csv")])
+        rows[name] = pd.read_csv(tmp_path / f"{name}.csv").iloc[0]
+    assert (rows["one"]["checkpoint"], rows["one"]["matmul_blocks"]) == ("selective:0,1", 1)
+    assert (rows["none"]["checkpoint"], rows["none"]["matmul_blocks"]) == ("selective", 0)
+    assert rows["one"]["probe_peak_gib"] == 10 and rows["one"]["status"] == "ok" and rows["one"]["step_ms"] > 0
 
 
 def test_points_run_ablations_only_at_their_batches():

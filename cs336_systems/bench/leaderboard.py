@@ -5,16 +5,19 @@ The step is the handout's: `zero_grad(set_to_none=True)`, forward, cross-entropy
 on random token ids, bf16 parameters built directly on the GPU. Providers, run one after another (each
 model freed, with its compiled code, before the next is built):
 
-- `ours`: our `TransformerLM` in bf16 with our Triton FlashAttention (`flash_triton`), our fused LM head +
-  cross-entropy (`lm_loss(..., fused=True)`), our fused Triton AdamW (moments in the parameters' dtype),
-  selective activation checkpointing and per-block compilation, applied by `parallelize(model, ParallelPlan)`;
+- `ours`: our `TransformerLM` in bf16 with our FlashAttention (`flash_triton`: on sm_90 the Gluon kernels), our
+  fused LM head + cross-entropy (`lm_loss(..., fused=True)`), our fused Triton AdamW (moments in the parameters'
+  dtype), selective activation checkpointing with as many blocks saving their matmul outputs as the free memory
+  holds (`AUTO`: per point, a plain selective probe's peak decides, `probe_matmul_blocks`; the rows' `checkpoint`
+  column is the policy chosen), and per-block compilation, applied by `parallelize(model, ParallelPlan)`;
 - `torch_plain_sac`, `torch_plain_ac`: the plain-PyTorch anchor (`bench/plain_model.py`: fused QKV, SDPA,
   per-block compile, chunked checkpointed LM head + CE, `torch.optim.AdamW(fused=True)`) with torchtitan's
   selective checkpointing, or full per-block checkpointing;
 - ablations of ours, each changing one thing: `ours-no_fused_ce` (the plain CE of the full logits),
   `ours-torch_adamw` (torch's fused AdamW), `ours-sdpa_attention` (SDPA instead of our kernel),
-  `ours-full_ac` (every block fully recomputed) and `ours-fp32_moments` (the numerics variant: float32
-  AdamW moments beside the bf16 parameters);
+  `ours-full_ac` (every block fully recomputed), `ours-selective` (plain selective checkpointing: no block
+  saves its matmul outputs) and `ours-fp32_moments` (the numerics variant: float32 AdamW moments beside the
+  bf16 parameters);
 - `ours-keep:N` and `ours-mm:N` (any N from 1 to the model's layers, parsed from the name): what the memory
   that selective checkpointing leaves free buys. keep: the first N blocks not checkpointed
   (`CheckpointPolicy.selective(N)`); mm: the first N blocks checkpointed but saving their matrix products'
@@ -71,6 +74,7 @@ from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, 
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
 from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, parallelize
 from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops
+from cs336_systems.model.checkpointing import matmul_block_bytes, matmul_blocks_that_fit
 from cs336_systems.optim import AdamW
 from cs336_systems.provenance import device_name, provenance
 from cs336_systems.results import PartialRows
@@ -108,7 +112,12 @@ class Recipe:
     moments: str = "param"
 
 
-OURS = Recipe("ours", "flash_triton", "fused", "ours_fused", "selective")
+# Ours' checkpointing: selective, with as many of the blocks saving their matmul outputs as the memory left free
+# by a plain selective step holds, chosen per point by `probe_matmul_blocks` (model/checkpointing.py has the policy).
+AUTO = "selective:auto"
+# The correctness check's model has 2 blocks: one saving its matmul outputs, one plain selective (both paths).
+CHECK_CHECKPOINT = "selective:0,1"
+OURS = Recipe("ours", "flash_triton", "fused", "ours_fused", AUTO)
 PLAIN_SAC = Recipe("plain", "sdpa", "chunked", "torch_fused", "sac")
 PROVIDERS: dict[str, Recipe] = {
     "ours": OURS,
@@ -122,6 +131,7 @@ ABLATIONS: dict[str, Recipe] = {
     "ours-sdpa_attention": replace(OURS, attention="sdpa"),
     "ours-full_ac": replace(OURS, checkpoint="every:1"),
     "ours-fp32_moments": replace(OURS, moments="fp32"),
+    "ours-selective": replace(OURS, checkpoint="selective"),
 }
 RECIPES = {**PROVIDERS, **ABLATIONS}
 # Ablations that use the memory selective checkpointing leaves free, sized by N in their name: the policy
@@ -190,6 +200,8 @@ class LeaderboardConfig:
     check_context: int = 1024
     check_batch: int = 2
     lr: float = 1e-4
+    memory_margin_gib: float = 4.0
+    memory_capacity_gib: float | None = None
     profile_dir: str | None = None
     profile_out: str | None = None
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
@@ -217,6 +229,9 @@ class LeaderboardConfig:
         check_positive("timed steps", self.steps)
         check_positive("chunk tokens", self.chunk_tokens)
         check_positive("learning rate", self.lr)
+        check_positive("memory margin (GiB)", self.memory_margin_gib)
+        if self.memory_capacity_gib is not None:
+            check_positive("memory capacity (GiB)", self.memory_capacity_gib)
         self.model_config()  # an unknown size raises here
         resolve_device(self.device)
 
@@ -275,6 +290,9 @@ def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCon
     if weights is not None:
         model.load_state_dict(weights)
     parameters = dict(model.named_parameters())  # before wrapping: the names of TransformerLM itself
+    if recipe.checkpoint == AUTO:
+        raise ValueError(f"{AUTO!r} is resolved per point (probe_matmul_blocks) before ours is built; build() "
+                         "takes the resolved policy as `checkpoint`")
     plan = ParallelPlan(compile=config.compile, checkpoint=CheckpointPolicy.parse(recipe.checkpoint),
                         data_parallel=DataParallelSpec())
     wrapped = parallelize(model, plan, device)
@@ -297,10 +315,13 @@ def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCo
 
 
 def build(provider: str, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
-          weights: dict | None = None) -> Trainee:
+          weights: dict | None = None, checkpoint: str | None = None) -> Trainee:
     """The provider's model, built directly on the device in the run's dtype (with `weights`, our
-    model's state dict, loaded when given), its loss and its optimizer."""
+    model's state dict, loaded when given; with `checkpoint`, that policy in place of its recipe's), its loss
+    and its optimizer."""
     chosen = recipe(provider)
+    if checkpoint is not None:
+        chosen = replace(chosen, checkpoint=checkpoint)
     builder = build_ours if chosen.model == "ours" else build_plain
     return builder(chosen, model_config, config, device, weights)
 
@@ -357,11 +378,49 @@ def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tens
 # ---- the timed points -------------------------------------------------------------------------------
 
 
-def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
-    """Build the provider, run its steps, and return the timing columns (times in ms)."""
+def _peak_bytes(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
+
+
+def _capacity_bytes(config: LeaderboardConfig, device: torch.device) -> float:
+    if config.memory_capacity_gib is not None:
+        return config.memory_capacity_gib * 2**30
+    return torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else math.nan
+
+
+def probe_matmul_blocks(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
+    """Resolve `AUTO` for one point: the provider with plain selective checkpointing runs its warm-up steps
+    (the first compiles), its allocator peak is read, and the blocks that fit in the device's memory less that
+    peak and `memory_margin_gib` save their matmul outputs. Columns: the policy chosen, its block count and the
+    probe's peak. Where no peak can be read (a CPU), no block saves its matmuls."""
     model_config = config.model_config()
     torch.manual_seed(0)
-    trainee = build(provider, model_config, config, device)
+    trainee = build(provider, model_config, config, device, checkpoint="selective")
+    inputs, targets = _tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
+    for _ in range(config.warmup):
+        train_step(trainee, inputs, targets)
+    synchronize(device)
+    peak = _peak_bytes(device)
+    del trainee, inputs, targets
+    _fresh(device)
+    element = torch.empty((), dtype=DTYPES[config.param_dtype]).element_size()
+    blocks = matmul_blocks_that_fit(_capacity_bytes(config, device) - config.memory_margin_gib * 2**30 - peak,
+                                    matmul_block_bytes(model_config.d_model, model_config.d_ff,
+                                                       batch * config.context_length, element),
+                                    model_config.num_layers)
+    policy = f"selective:0,{blocks}" if blocks else "selective"
+    print(f"  [{provider} batch={batch}] plain selective peaks at {peak / 2**30:.1f} GiB: {blocks} blocks save their "
+          f"matmul outputs ({policy})", file=sys.stderr, flush=True)
+    return {"checkpoint": policy, "matmul_blocks": blocks, "probe_peak_gib": peak / 2**30}
+
+
+def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
+    """Build the provider, run its steps, and return the timing columns (times in ms); ours' checkpointing
+    first resolved by `probe_matmul_blocks`."""
+    model_config = config.model_config()
+    probe = probe_matmul_blocks(provider, batch, config, device) if recipe(provider).checkpoint == AUTO else {}
+    torch.manual_seed(0)
+    trainee = build(provider, model_config, config, device, checkpoint=probe.get("checkpoint"))
     inputs, targets = _tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
     times = []
     total = config.warmup + config.steps
@@ -379,10 +438,10 @@ def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.
     synchronize(device)
     summary = summarize(times[config.warmup:])
     # the timed steps' peak, read before the profiled step resets the allocator's peak for its own
-    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else math.nan
+    peak = _peak_bytes(device) / 2**30
     profiled = profile_one_step(trainee, inputs, targets, config, device, f"{provider}_b{batch}") \
         if config.profile_dir else []
-    return {"profile_rows": profiled,
+    return {**probe, "profile_rows": profiled,
             "step_ms": summary["mean_ms"], "step_std_ms": summary["std_ms"], "step_median_ms": summary["median_ms"],
             "n_steps": summary["n"], "first_step_s": times[0] / 1e3, "loss": loss.item(),
             "peak_mem_gib": peak}
@@ -462,7 +521,8 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
         _fresh(device)
         base = {**recipe_columns(provider, config), "size": f"check:{config.check_size}", "world_size": 1,
                 "batch": config.check_batch, "context_length": config.check_context}
-        trainee = build(provider, model_config, config, device, weights)
+        trainee = build(provider, model_config, config, device, weights,
+                        checkpoint=CHECK_CHECKPOINT if recipe(provider).checkpoint == AUTO else None)
         result = _loss_and_gradients(trainee, inputs, targets)
         errors = _errors(result, reference)
         del trainee
@@ -539,6 +599,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the correctness check's model: scaled (2 layers, d 256, the 8B head dim and vocab), "
                              "tiny, or none (no check)")
     parser.add_argument("--check-context", type=positive_int, default=1024, help="tokens per sequence of the check")
+    parser.add_argument("--memory-margin-gib", type=float, default=4.0,
+                        help="memory ours leaves free when it chooses how many blocks save their matmul outputs")
+    parser.add_argument("--memory-capacity-gib", type=float, default=None,
+                        help="the memory ours plans with (default: the device's total)")
     parser.add_argument("--profile", metavar="DIR",
                         help="after each point's timed steps, one more step under torch.profiler (and, on CUDA, the "
                              "allocator history: DIR/<provider>_b<batch>.pickle); its time by category and peak "
@@ -564,6 +628,7 @@ def main(argv: list[str] | None = None) -> None:
         providers=tuple(args.providers), ablations=tuple(args.ablations), ablation_batches=args.ablation_batch and tuple(args.ablation_batch),
         warmup=args.warmup, steps=args.steps, compile=args.compile, param_dtype=args.param_dtype,
         chunk_tokens=args.chunk_tokens, check_size=args.check_size, check_context=args.check_context,
+        memory_margin_gib=args.memory_margin_gib, memory_capacity_gib=args.memory_capacity_gib,
         profile_dir=args.profile, profile_out=args.profile_out, device=args.device)
     run(config, args.out)
 

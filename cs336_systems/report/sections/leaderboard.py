@@ -18,6 +18,7 @@ ABLATION_CHANGES = {  # what each ablation switches off (bench/leaderboard.py's 
     "ours-sdpa_attention": "SDPA attention instead of our FlashAttention",
     "ours-full_ac": "every block fully recomputed instead of selective checkpointing",
     "ours-fp32_moments": "float32 AdamW moments (numerics variant)",
+    "ours-selective": "plain selective checkpointing (no block saves its matmul outputs)",
 }
 SIZED_CHANGES = {  # ours-keep:N and ours-mm:N, parsed by bench/leaderboard.py
     "ours-keep:": "the first {} blocks kept whole (not checkpointed), the rest selective",
@@ -313,7 +314,20 @@ def _memory_sentence(q: Quotes, rows: pd.DataFrame) -> str:
     if not said:
         return ""
     return (" Spending the memory selective checkpointing leaves free, the fastest measured variant: "
-            + "; ".join(said) + ". Ours does not choose N by itself yet: these are ablation rows.")
+            + "; ".join(said) + ".")
+
+
+def _auto_sentence(frame: pd.DataFrame) -> str:
+    """Whether the runs' `ours` chose its matmul-saving blocks itself (bench/leaderboard.py, `AUTO`)."""
+    ours = _timed(frame)
+    ours = ours[(ours["provider"] == "ours") & (ours["status"] == "ok")]
+    chosen = ours.dropna(subset=["matmul_blocks"]) if "matmul_blocks" in ours.columns else ours.iloc[:0]
+    if not len(chosen):
+        return (" In these runs `ours` used plain selective checkpointing; it now chooses how many blocks save "
+                "their matmul outputs itself, from a plain selective probe's peak (`probe_matmul_blocks`), which "
+                "no run has measured yet.")
+    return " `ours` chose its checkpointing itself from a plain selective probe's peak: " + "; ".join(
+        f"{row['checkpoint']} at batch {row['batch']} (run {str(row['run_id'])[:6]})" for _, row in chosen.iterrows()) + "."
 
 
 def render_leaderboard(ctx: Context) -> Section:
@@ -338,7 +352,7 @@ def render_leaderboard(ctx: Context) -> Section:
              "selective and with full per-block checkpointing. "
              + (f"Before the timings the correctness check at a scaled-down config with the same code paths gave "
                 f"{', '.join(f'`{p}` {s}' for p, s in zip(checks['provider'], checks['status']))} (loss and every "
-                "gradient against a float32 reference)." if len(checks) else ""))
+                "gradient against a float32 reference)." if len(checks) else "") + _auto_sentence(frame))
     batches = sorted(set(q.frame.loc[q.frame["provider"] == "ours", "batch"]), reverse=True)
     gap = _gap_paragraph(q, batches)
     flops = ("FLOPs per step are counted as the leaderboard counts them (`model.functional.leaderboard_flops`): "
