@@ -547,7 +547,7 @@ def test_memory_rows_carry_the_phase_levels_and_what_the_forward_saves(tmp_path,
     forward saves; a forward-only point gets no saved columns and an OOM point neither (CUDA stood in for)."""
     import pickle
 
-    from cs336_systems.report import memory as report_memory
+    from cs336_systems.analysis import snapshot as snapshots
 
     def run(spec):
         if spec.context_length == 32:
@@ -567,7 +567,7 @@ def test_memory_rows_carry_the_phase_levels_and_what_the_forward_saves(tmp_path,
     # rows in the order of the grid: each context length, then each mode (the stand-in rows name neither)
     rows = dict(zip([("forward", 16), ("train_step", 16), ("forward", 32), ("train_step", 32)],
                     memory.memory_rows(config)))
-    levels = report_memory.phase_levels(pickle.loads((tmp_path / "forward_fp32_16.pickle").read_bytes()))
+    levels = snapshots.phase_levels(pickle.loads((tmp_path / "forward_fp32_16.pickle").read_bytes()))
     assert levels == {"forward_start_mib": 0.0, "forward_peak_mib": 10.0, "forward_end_mib": 10.0}
     assert rows[("forward", 16)].items() >= levels.items() and "saved_activations_mib" not in rows[("forward", 16)]
     assert rows[("train_step", 16)]["saved_activations_mib"] == 1.0

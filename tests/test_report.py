@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from cs336_systems.analysis import snapshot as snapshots
 from cs336_systems.report import memory
 from cs336_systems.report.__main__ import make_tables
 from cs336_systems.report.frame import Col, NumericTable
@@ -39,7 +40,7 @@ SNAPSHOT = {"segments": [{"device": 0, "blocks": [
 
 
 def test_active_timeline_starts_from_what_was_live_before_recording():
-    xs, ys = memory.active_timeline(SNAPSHOT)
+    xs, ys = snapshots.active_timeline(SNAPSHOT)
     assert ys == [100, 104, 120, 104, 108, 104]  # ends at the 104 MiB the segments hold at the dump
     assert xs == [0, 1, 2, 4, 5, 7]
 
@@ -526,12 +527,12 @@ def test_train_matrix_figure_plots_the_difference_to_torch_ddp(drawn):
 def test_memory_phases_from_our_marks_or_pytorch_annotations():
     ours = {"phases": [{"phase": "backward", "start_us": 20, "end_us": 30},
                        {"phase": "forward", "start_us": 5, "end_us": 15}]}
-    assert memory.phase_spans(ours) == [("forward", 5.0, 15.0), ("backward", 20.0, 30.0)]
+    assert snapshots.phase_spans(ours) == [("forward", 5.0, 15.0), ("backward", 20.0, 30.0)]
     theirs = {"external_annotations": [
         {"stage": "START", "name": "forward", "time_us": 5}, {"stage": "END", "name": "forward", "time_us": 15},
         {"stage": "START", "name": "measured_step", "time_us": 4},
         {"stage": "START", "name": "optimizer", "time_us": 40}]}  # no END: dropped
-    assert memory.phase_spans(theirs) == [("forward", 5.0, 15.0)]
+    assert snapshots.phase_spans(theirs) == [("forward", 5.0, 15.0)]
 
 
 def test_memory_timeline_marks_phases_on_a_time_axis(drawn):
@@ -540,7 +541,7 @@ def test_memory_timeline_marks_phases_on_a_time_axis(drawn):
     snapshot = {**SNAPSHOT, "device_traces": [events],
                 "phases": [{"phase": "forward", "start_us": t0, "end_us": t0 + 3500},
                            {"phase": "backward", "start_us": t0 + 3600, "end_us": t0 + 7000}]}
-    xs, ys, start = memory.timed_timeline(snapshot)
+    xs, ys, start = snapshots.timed_timeline(snapshot)
     assert start == t0 and xs == [0.0, 1.0, 2.0, 4.0, 5.0, 7.0] and ys == [100, 104, 120, 104, 108, 104]
     memory.draw_timeline(snapshot, "unused.png", "t", rows=pd.DataFrame({"device_name": ["NVIDIA H200"]}))
     (fig, stamp), = drawn.values()
@@ -557,24 +558,24 @@ def test_memory_levels_at_each_phase_start_peak_and_end():
     peak counts the level it starts at, and a phase with no event keeps the level before it."""
     t0 = 1_700_000_000_000_000
     events = [dict(e, time_us=t0 + 1000 * i) for i, e in enumerate(SNAPSHOT["device_traces"][0])]
-    xs, ys, _ = memory.timed_timeline({**SNAPSHOT, "device_traces": [events]})  # levels after each event
+    xs, ys, _ = snapshots.timed_timeline({**SNAPSHOT, "device_traces": [events]})  # levels after each event
     at = dict(zip(xs, ys))  # ms -> MiB: 0 -> 100, 1 -> 104, 2 -> 120, 4 -> 104, 5 -> 108, 7 -> 104
     snapshot = {**SNAPSHOT, "device_traces": [events],
                 "phases": [{"phase": "forward", "start_us": t0 + 1000, "end_us": t0 + 3500},
                            {"phase": "backward", "start_us": t0 + 3600, "end_us": t0 + 5000},
                            {"phase": "optimizer", "start_us": t0 + 5500, "end_us": t0 + 6500}]}
-    assert memory.phase_levels(snapshot) == {
+    assert snapshots.phase_levels(snapshot) == {
         "forward_start_mib": at[1], "forward_peak_mib": at[2], "forward_end_mib": at[2],
         "backward_start_mib": at[2], "backward_peak_mib": at[2], "backward_end_mib": at[5],
         "optimizer_start_mib": at[5], "optimizer_peak_mib": at[5], "optimizer_end_mib": at[5]}
     # before the first event: what was live at the dump less the window's net change (108 MiB here)
     early = {**snapshot, "phases": [{"phase": "forward", "start_us": t0 - 10, "end_us": t0 - 5}]}
-    live = memory.allocated_at_dump(SNAPSHOT) / MiB - sum(
+    live = snapshots.allocated_at_dump(SNAPSHOT) / MiB - sum(
         (e["size"] if e["action"] == "alloc" else -e["size"]) / MiB for e in events
         if e["action"] in ("alloc", "free_completed"))
-    assert memory.phase_levels(early) == {"forward_start_mib": live, "forward_peak_mib": live,
+    assert snapshots.phase_levels(early) == {"forward_start_mib": live, "forward_peak_mib": live,
                                           "forward_end_mib": live}
-    assert memory.phase_levels(SNAPSHOT) == {}  # no time stamps, no phases: nothing to place
+    assert snapshots.phase_levels(SNAPSHOT) == {}  # no time stamps, no phases: nothing to place
 
 
 def test_trace_figures_share_their_time_axis_and_mark_phases(tmp_path, drawn):
@@ -618,7 +619,7 @@ def test_recorded_snapshot_carries_the_phase_marks(tmp_path, monkeypatch):
     before = time.time_ns() // 1000
     e2e.measure(e2e.RunSpec(size="tiny", mode="train_step", precision="fp32", attention="naive", batch_size=2,
                             context_length=16, warmup=1, steps=1, device="cpu", memory_snapshot=str(path)))
-    spans = memory.phase_spans(pickle.loads(path.read_bytes()))
+    spans = snapshots.phase_spans(pickle.loads(path.read_bytes()))
     assert [name for name, _, _ in spans] == ["forward", "backward", "optimizer"]
     bounds = [t for _, start, end in spans for t in (start, end)]
     assert bounds == sorted(bounds) and bounds[0] >= before and bounds[-1] <= time.time_ns() // 1000

@@ -7,7 +7,8 @@ torch.distributed, no plotting, no report text.
 - `ddp`: the all-reduce cost t = o + bytes/w, the bucket-size model and how many rounds a comparison needs;
 - `fsdp_accounting`: model-state memory per rank under DDP, ZeRO-1 and FSDP;
 - `parallelism`: the 2026 handout's section 8 (data, FSDP, tensor and 2-D parallelism), in sympy;
-- `communication_accounting`: the 2025 handout's 2.4, the XXL model's memory and compute-bound batch.
+- `communication_accounting`: the 2025 handout's 2.4, the XXL model's memory and compute-bound batch;
+- `snapshot`: reading allocator snapshots: live-tensor memory over the recorded window and each phase's levels.
 
 bench/ and report/ import from here; nothing here imports either.
 """

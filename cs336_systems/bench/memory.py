@@ -31,7 +31,7 @@ from cs336_systems.bench.checks import check_known, check_non_negative, check_no
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.model import MODEL_SIZES, cross_entropy
 from cs336_systems.provenance import provenance
-from cs336_systems.report.memory import phase_levels
+from cs336_systems.analysis.snapshot import phase_levels
 from cs336_systems.results import write_rows
 from cs336_systems.timing import DTYPES, autocast, resolve_device
 
