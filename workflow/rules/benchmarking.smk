@@ -216,6 +216,11 @@ rule profile_bf16:
         " --steps {params.steps} --out {output} 2> {log}"
 
 
+# The allocator history is CUDA's: a scale without a GPU switches 1.1.6 off, and its section says pending.
+if not S["memory"]["enabled"]:
+    SWITCHED_OFF.update({f"{R}/memory.csv", f"{R}/memory_allocations.csv"})
+
+
 rule memory_profile:
     output:
         peaks=f"{R}/memory.csv",

@@ -50,10 +50,15 @@ def needs_gpus(gpus, *paths):
         GPUS_NEEDED[path] = gpus
 
 
+# results paths whose rule this scale switches off (a config section's `enabled: false`; rules/*.smk fill it)
+SWITCHED_OFF = set()
+
+
 def usable(path):
     """Whether the report may ask for `path`: this run can make it, or it only reports and `path` is here."""
-    fits = GPUS_NEEDED.get(path, 0) <= MAX_GPUS
-    return fits if MEASURE else os.path.exists(path)
+    if not MEASURE:
+        return os.path.exists(path)
+    return path not in SWITCHED_OFF and GPUS_NEEDED.get(path, 0) <= MAX_GPUS
 
 
 def available(inputs):
