@@ -50,7 +50,7 @@ def needs_gpus(gpus, *paths):
         GPUS_NEEDED[path] = gpus
 
 
-# results paths whose rule this scale switches off (a config section's `enabled: false`; rules/*.smk fill it)
+# results paths this scale does not make (a config section switched off with enabled = false; rules/*.smk fill it)
 SWITCHED_OFF = set()
 
 
