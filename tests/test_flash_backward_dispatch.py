@@ -30,10 +30,7 @@ from cs336_systems.kernels.flash_dispatch import (
 )
 from cs336_systems.kernels.settings import FlashSettings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
-from tests.test_flash_gluon import FA2_TILE, _counting, _fresh, _rel_err, _with_grads
-
-ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 GPU")
+from tests.test_flash_gluon import FA2_TILE, _counting, _fresh, _rel_err, _with_grads, needs_sm90
 # The stage-2 run's CSV (results/diagnosis/flash_gluon_stage2.py --out ..., H100, commit 5eab24b; NOTES.md,
 # "Wiring the backward").
 TIMINGS = Path(__file__).parents[1] / "results/diagnosis/flash_gluon_stage2/stage2.csv"

@@ -27,9 +27,7 @@ from cs336_systems.kernels.flash_gluon_bwd import (
     query_steps,
 )
 from cs336_systems.model.attention import naive_attention
-
-ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 GPU")
+from tests.test_flash_gluon import needs_sm90
 LOG2E = 1.4426950408889634
 
 

@@ -127,33 +127,24 @@ _gluon = functools.partial(_kernel_module, "flash_gluon")
 _gluon_bwd = functools.partial(_kernel_module, "flash_gluon_bwd")
 
 
-def _interpreter_problem(name: str) -> str | None:
+def _module_problem(name: str, check: Callable[[ModuleType], str | None]) -> str | None:
+    """Why the Gluon kernel of module `name` cannot run: the interpreter is on, the module does not import, or
+    `check(module)` names a problem of the inputs; None if it can."""
     if INTERPRET:
         return f"{name}: Triton's interpreter is on (TRITON_INTERPRET=1); the Gluon kernel needs the compiler"
-    return None
+    module, problem = _kernel_module(name)
+    return problem if module is None else check(module)
 
 
 def gluon_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the Gluon forward cannot take these inputs, or None."""
-    problem = _interpreter_problem("flash_gluon")
-    if problem:
-        return problem
-    module, problem = _gluon()
-    if module is None:
-        return problem
-    return module.layout_problem(q, k, v) or module.device_problem(q)
+    return _module_problem("flash_gluon", lambda module: module.layout_problem(q, k, v) or module.device_problem(q))
 
 
 def gluon_backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            grad_out: torch.Tensor) -> str | None:
     """Why the Gluon backward cannot take these inputs (the forward's O and L, and dO), or None."""
-    problem = _interpreter_problem("flash_gluon_bwd")
-    if problem:
-        return problem
-    module, problem = _gluon_bwd()
-    if module is None:
-        return problem
-    return module.backward_problem(q, k, v, out, grad_out, lse)
+    return _module_problem("flash_gluon_bwd", lambda module: module.backward_problem(q, k, v, out, grad_out, lse))
 
 
 # ----------------------------------------------------------------------------------------------
