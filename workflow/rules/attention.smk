@@ -34,7 +34,7 @@ rule flash_correctness:
     conda:
         ENV
     # Triton compiles are single-threaded CPU work; the tests are dealt out to this many processes.
-    threads: 8
+    threads: 16
     resources:
         gpu=GPUS,
     params:

@@ -1,0 +1,107 @@
+"""Where the per-call floor of our attention goes at short sequences (issue #26's grid target).
+
+    python results/diagnosis/flash_host_floor.py --out-dir DIR
+
+`flash_llm_shapes` (0037fdf, H100) shows forward+backward of `flash_triton` at 1.0-1.1 ms eager and 1.8 ms
+compiled wherever the problem is small (1 x 16 x 512-4096, d=128, causal), against cuDNN's 0.4-0.6 ms, and
+the compiled call slower than the eager one. For a few such shapes this times, per variant (eager; compiled
+with static shapes; compiled after it saw three shapes, as the bench's provider is, i.e. dynamic):
+- the median device time of forward+backward (bench_ms, as the bench);
+- host time per call: 200 calls issued with no synchronisation, then one; if host-bound, wall/200;
+- a cProfile of 100 calls (top functions by own time) into DIR/profile_*.txt.
+Rows go to DIR/host_floor.csv with provenance.
+"""
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from cs336_systems.model.attention import get_attention
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import bench_ms
+
+SHAPES = [(1, 16, 1024, 128), (1, 16, 4096, 128), (2, 32, 4096, 128), (1, 16, 512, 64)]
+
+
+def tensors(batch, heads, seq, dim):
+    # the model's layout: (batch, seq, heads, dim) viewed as (batch, heads, seq, dim)
+    q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+    return q, k, v, torch.randn_like(q)
+
+
+def variants():
+    eager = get_attention("flash_triton")
+    static = torch.compile(get_attention("flash_triton"), dynamic=False)
+    dynamic = torch.compile(lambda q, k, v, c: get_attention("flash_triton")(q, k, v, c))
+    for shape in ((1, 4, 256, 64), (1, 4, 384, 64), (1, 4, 640, 64)):  # as the bench's provider: dynamic after 2
+        q, k, v, do = tensors(*shape)
+        dynamic(q, k, v, True).backward(do)
+    return {"eager": eager, "compiled_static": static, "compiled_dynamic": dynamic}
+
+
+def host_us(call, n=200):
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    return (issued - start) / n * 1e6, (end - start) / n * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", "."))
+    out = Path(parser.parse_args().out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prov = provenance("cuda")
+    rows = []
+    fns = variants()
+    for shape in SHAPES:
+        q, k, v, do = tensors(*shape)
+        for name, fn in fns.items():
+            def both():
+                fn(q, k, v, True).backward(do)
+                q.grad = k.grad = v.grad = None
+
+            def forward():
+                with torch.no_grad():
+                    fn(q, k, v, True)
+
+            for pass_, call in (("forward", forward), ("forward_backward", both)):
+                device_ms = bench_ms(call, q.device, 200, 1000, min_calls=10)
+                issue_us, wall_us = host_us(call)
+                row = {"batch": shape[0], "heads": shape[1], "seq_len": shape[2], "head_dim": shape[3],
+                       "variant": name, "pass": pass_, "median_ms": device_ms, "issue_us_per_call": issue_us,
+                       "wall_us_per_call": wall_us, **prov}
+                rows.append(row)
+                print({k: (round(x, 3) if isinstance(x, float) else x) for k, x in row.items() if k in
+                       ("seq_len", "heads", "batch", "head_dim", "variant", "pass", "median_ms",
+                        "issue_us_per_call", "wall_us_per_call")}, flush=True)
+                write_rows(rows, out / "host_floor.csv")
+            if shape in (SHAPES[0], SHAPES[1]):
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(100):
+                    both()
+                torch.cuda.synchronize()
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(35)
+                text.write("\n\n--- by cumulative time ---\n")
+                pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
+                (out / f"profile_{name}_{shape[2]}x{shape[3]}.txt").write_text(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
