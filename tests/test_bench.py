@@ -525,6 +525,24 @@ def test_memory_saved_for_backward_splits_activations_and_weight_copies():
     assert fp32["saved_weight_copies_mib"] == 0 and fp32["saved_activations_mib"] * 2**20 == 3 * 8 * 4 + 3 * 6 * 4
 
 
+def test_memory_saved_for_backward_frees_what_the_forward_made():
+    """An op that saves its own output (exp) must not keep it alive once the measurement is done: packing
+    the output as itself made a cycle through its grad_fn, and on a GPU each point leaked its model."""
+    import gc
+    import weakref
+
+    x, outputs = torch.randn(1000, requires_grad=True), []
+
+    def forward():
+        y = x.exp()
+        outputs.append(weakref.ref(y))
+        return y.sum()
+
+    assert memory.saved_mib(forward, [x])["saved_activations_mib"] * 2**20 == 1000 * 4
+    gc.collect()
+    assert outputs[0]() is None
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_memory_saved_weight_copies_of_the_model_are_its_matmul_weights_in_bf16(precision):
     """The tiny model under bf16 autocast keeps one bf16 copy of every matmul weight (attention, SwiGLU and

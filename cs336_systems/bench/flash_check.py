@@ -47,19 +47,33 @@ def collect(tests: Path, select: str | None = None) -> list[str]:
     return ids
 
 
+def outcome_of(case: ET.Element) -> str:
+    """A junit test case's outcome: passed, failed, error or skipped."""
+    return next((OUTCOME[tag] for tag in OUTCOME if case.find(tag) is not None), "passed")
+
+
 def run_tests(runs: list[tuple[tuple[str, ...], int]], workers: int, tmp: Path,
               cwd: Path) -> list[tuple[int, ET.Element]]:
     """Each (test ids, repeat) in a pytest process of its own with CS336_FLASH_SEED=repeat, `workers` at a
     time, the next run going to the first free worker (a few tests take most of the time, so fixed shards
     would leave workers idle); their (repeat, junit test case). Triton's on-disk cache is shared, so a
     kernel compiled for one run serves the rest."""
+    # Each process gets its share of the CPU's threads: 16 processes of 16 intra-op threads each (torch's
+    # default) left the float64 CPU references of a 16-core machine oversubscribed, and the call took more
+    # than twice its serial estimate.
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+
     def one(index: int, run: tuple[tuple[str, ...], int]) -> list[tuple[int, ET.Element]]:
         test_ids, repeat = run
         xml = tmp / f"test{index}.xml"
         subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
                         *test_ids], cwd=cwd,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1", "CS336_FLASH_SEED": str(repeat)})
-        return [(repeat, case) for case in ET.parse(xml).getroot().iter("testcase")] if xml.exists() else []
+                       env={**os.environ, "PYTHONUNBUFFERED": "1", "CS336_FLASH_SEED": str(repeat),
+                            "OMP_NUM_THREADS": threads})
+        cases = [(repeat, case) for case in ET.parse(xml).getroot().iter("testcase")] if xml.exists() else []
+        for _, case in cases:  # the log names each outcome as it comes (a cut run still says what failed)
+            print(f"repeat {repeat}: {case.get('name')}: {outcome_of(case)} ({case.get('time')} s)", flush=True)
+        return cases
 
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return [found for cases in pool.map(one, range(len(runs)), runs) for found in cases]
@@ -83,8 +97,7 @@ def flash_check_rows(device: str, workers: int = 1, tests: Path = TESTS, repeats
     prov = provenance(device)
     rows = []
     for repeat, case in cases:
-        outcome = next((OUTCOME[tag] for tag in OUTCOME if case.find(tag) is not None), "passed")
-        rows.append({"test": case.get("name"), "repeat": repeat, "outcome": outcome,
+        rows.append({"test": case.get("name"), "repeat": repeat, "outcome": outcome_of(case),
                      "seconds": float(case.get("time", 0)), **prov})
     missing = len(ids) * repeats - len(rows)
     failed = sorted({f"{r['test']} (repeat {r['repeat']})" for r in rows if r["outcome"] in ("failed", "error")})

@@ -122,7 +122,10 @@ def saved_mib(forward: Callable[[], torch.Tensor], parameters: Iterable[torch.Te
             kind = ("weight copy" if _is_parameter_copy(tensor, resident) else
                     "fp32 activation" if tensor.dtype == torch.float32 else "activation")
             storages.setdefault(storage.data_ptr(), (storage.nbytes(), kind))
-        return tensor
+        # Detached: a saved output packed as itself holds its own grad_fn, a cycle through autograd's C++
+        # graph that Python's collector cannot see, so the whole model leaked with it (on the H100 every
+        # later point of the profile ran out of memory, 74fa72a).
+        return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         forward()
