@@ -355,7 +355,9 @@ def test_kernel_resources_see_the_float32_spills(tmp_path):
                     "--dtypes", "fp32", "bf16", "--float32-dots", "ieee", "tf32x3", "--head-dims", "64",
                     "--tiles", "64,64,4,3", "--out", str(out)], check=True, capture_output=True, text=True, timeout=600)
     rows = pd.read_csv(out).set_index("dot")
-    assert (rows["status"] == "ok").all() and (rows["registers"] > 0).all() and (rows["arch"] == "sm_90").all()
+    failed = rows[rows["status"] != "ok"]
+    assert failed.empty, failed.get("error", failed["status"]).to_dict()  # the compiler's own words
+    assert (rows["registers"] > 0).all() and (rows["arch"] == "sm_90").all()
     fp32 = rows[rows["dtype"] == "fp32"]["spill_store_bytes"]
     assert fp32["ieee"] > 0 and fp32["tf32x3"] < fp32["ieee"], fp32.to_dict()
     assert (rows[rows["dtype"] == "bf16"]["spill_store_bytes"] == 0).all()

@@ -66,8 +66,9 @@ def run_tests(runs: list[tuple[tuple[str, ...], int]], workers: int, tmp: Path,
     def one(index: int, run: tuple[tuple[str, ...], int]) -> list[tuple[int, ET.Element]]:
         test_ids, repeat = run
         xml = tmp / f"test{index}.xml"
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                        *test_ids], cwd=cwd,
+        # -n 0: pyproject's addopts would give every one-test process its own pool of xdist workers
+        subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
+                        f"--junitxml={xml}", *test_ids], cwd=cwd,
                        env={**os.environ, "PYTHONUNBUFFERED": "1", "CS336_FLASH_SEED": str(repeat),
                             "OMP_NUM_THREADS": threads})
         cases = [(repeat, case) for case in ET.parse(xml).getroot().iter("testcase")] if xml.exists() else []
