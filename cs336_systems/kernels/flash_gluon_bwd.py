@@ -22,6 +22,10 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
        registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False keeps the per-consumer
        variant, which spills there) and the reduce-add traffic;
   3. dQ = accumulator * scale, cast to q's dtype into q's layout (a torch copy).
+Two schedules of a consumer's step (BwdTile.defer_dq, default off): lockstep (`_query_step`) issues, waits for
+and reduces step i's dQ at the end of step i; deferred (`_deferred_step`) issues step i's dQ wgmmas at the start of
+step i + 1, just before S^T, and stores and reduces them while S^T runs (the tail overlaps this consumer's own
+tensor-core work), and frees the slot as soon as dK retires.
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
   kv_bar                producer -> consumers: both consumers' K and V sub-tiles landed (expect-tx bytes)
@@ -83,18 +87,24 @@ class BwdTile:
     d = 128 is 128 of its registers); num_slots: Q/dO ring depth; split_dq: dQ of a step computed once for the
     program's block_n keys, each consumer taking half of the head dim (half the dQ registers and half the
     reduce-add traffic, for a barrier between the consumers each step), else per consumer over its own keys;
-    registers as in flash_gluon.GluonTile."""
+    defer_dq: the deferred-dQ schedule (`_deferred_step`: a step's dQ wgmmas are issued at the start of the next
+    step, ahead of its S^T, and drained while S^T runs), else the lockstep one (`_query_step`: dQ issued, waited
+    for and reduced at the end of its own step); registers as in flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
     block_n: int = 128
     num_slots: int = 2
     split_dq: bool = True
+    defer_dq: bool = False
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
 
     def __post_init__(self):
+        for name in ("split_dq", "defer_dq"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{self}: {name} must be a bool, got {getattr(self, name)!r}")
         if self.block_n != CONSUMERS * 64:
             raise ValueError(f"{self}: block_n must be {CONSUMERS} x 64 (one 64-key wgmma M per consumer)")
         if self.block_n % self.block_m:
@@ -263,23 +273,95 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_sm
 
 
 @gluon.jit
+def _ds_buffer(ds_smem, step, SPLIT_DQ: gl.constexpr):
+    """The dS^T buffer of a step: by step parity when split (both consumers read it), else the one buffer."""
+    if SPLIT_DQ:
+        return ds_smem.index(step % 2)
+    else:
+        return ds_smem.index(0)
+
+
+@gluon.jit
+def _grads_of_step(s_t, dp_t, q_s, do_s, l2_row, delta_row, ds_buf, dk, dv, q_row, offs_n, qk_scale, masked,
+                   CID: gl.constexpr, EXACT: gl.constexpr):
+    """From S^T and dP^T in flight (dP^T issued last): P^T, dV += P^T dO, dS^T, dK += dS^T Q, this consumer's dS^T
+    into its rows of ds_buf (fenced). Returns dK, dV with every wgmma of the step retired (so the slot may go)."""
+    BM: gl.constexpr = q_s.shape[0]
+    BNC: gl.constexpr = offs_n.shape[0]  # this consumer's keys
+    D: gl.constexpr = q_s.shape[1]
+    dtype: gl.constexpr = q_s.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
+    # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
+    # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
+    if EXACT:  # tests only: integer arithmetic, every value exact (see the module docstring)
+        p_t = s_t - gl.floor(s_t * 0.125) * 8.0
+    else:
+        p_t = gl.exp2(s_t * qk_scale - l2_row.load(s_layout))  # padded queries: L2 = +inf, P = 0
+    if masked:  # a runtime branch: only the diagonal's tiles pay for the mask
+        offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+        p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)  # dV's tensor-core work overlaps dS^T below
+    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dP^T retired (issued before dV); dV may still run
+    ds_t = (p_t * (dp_t - delta_row.load(s_layout))).to(dtype)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+    # dS^T to shared memory for dQ (the caller knows the buffer's last reader retired)
+    ds_buf.slice(CID * BNC, BNC).store(ds_t)
+    fence_async_shared()
+    # dV and dK retire before dQ's accumulator is live: P^T, dS^T (kept alive to here) and dQ never share registers
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+    return dk, dv
+
+
+@gluon.jit
+def _dq_issue(ds_buf, k_smem, DQ: gl.constexpr, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """The async wgmma(s) of a step's dQ rows from its dS^T buffer (in flight on return). Split: dQ_i[:, this
+    half] = sum over the consumers' key blocks j of dS_ij K_j[:, this half]; else dS_i K over this consumer's keys."""
+    BM: gl.constexpr = ds_buf.shape[1]
+    BNC: gl.constexpr = k_smem.shape[3]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ, 16])
+    if SPLIT_DQ:
+        dq = warpgroup_mma(ds_buf.slice(0, BNC).permute((1, 0)), _as_2d(k_smem, 0).slice(CID * DQ, DQ, dim=1),
+                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_buf.slice(BNC, BNC).permute((1, 0)), _as_2d(k_smem, 1).slice(CID * DQ, DQ, dim=1),
+                           dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_buf.slice(CID * BNC, BNC).permute((1, 0)), _as_2d(k_smem, CID),
+                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
+    return dq
+
+
+@gluon.jit
+def _dq_drain(dq, dq_c, desc_dq, b, h, q_row, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """A retired dQ part into this consumer's float32 buffer and on by TMA reduce-add into the accumulator."""
+    BM: gl.constexpr = dq_c.shape[2]
+    DQ: gl.constexpr = dq_c.shape[3]
+    tma.store_wait(0)  # the previous reduce-add has finished reading dq_c
+    dq_c.reshape([BM, DQ]).store(dq)
+    fence_async_shared()
+    if SPLIT_DQ:
+        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
+    else:
+        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
+
+
+@gluon.jit
 def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_c, desc_dq,
                 dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
                 SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
-    """One query tile (rows q_row..q_row+BM) against this consumer's keys: dK, dV accumulated, dQ reduced.
-    SPLIT_DQ: dQ_i = dS_i K over both consumers' keys, each consumer taking half of the head dim (both dS^T in
-    shared memory, buffered by step parity, ds_ready says both are written); else each consumer reduces its own
-    keys' (BM, d) partial."""
+    """One query tile (rows q_row..q_row+BM) against this consumer's keys, the lockstep schedule: dK, dV
+    accumulated, then this step's dQ computed, waited for and reduced. SPLIT_DQ: dQ_i = dS_i K over both consumers'
+    keys, each consumer taking half of the head dim (both dS^T in shared memory, buffered by step parity, ds_ready
+    says both are written); else each consumer reduces its own keys' (BM, d) partial."""
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
-    D: gl.constexpr = k_smem.shape[4]
     DQ: gl.constexpr = dq_c.shape[3]  # dQ columns this consumer reduces: D / 2 when split, else D
-    dtype: gl.constexpr = k_smem.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     k_c = _as_2d(k_smem, CID)
     q_s = _as_2d(q_ring, idx)
     do_s = _as_2d(do_ring, idx)
@@ -288,54 +370,65 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
     mbarrier.wait(ready.index(idx), phase)
     s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
-    # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
-    # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
-    if EXACT:  # tests only: integer arithmetic, every value exact (see the module docstring)
-        p_t = s_t - gl.floor(s_t * 0.125) * 8.0
-    else:
-        p_t = gl.exp2(s_t * qk_scale - l2_ring.index(idx).load(s_layout))  # padded queries: L2 = +inf, P = 0
-    if masked:  # a runtime branch: only the diagonal's tiles pay for the mask
-        offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-        p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
-    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)  # dV's tensor-core work overlaps dS^T below
-    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dP^T retired (issued before dV); dV may still run
-    ds_t = (p_t * (dp_t - delta_ring.index(idx).load(s_layout))).to(dtype)
-    ds_op = gl.convert_layout(ds_t, a_layout)
-    dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-    # dS^T to shared memory for dQ. Its buffer was last read by the dQ wgmmas of step - 2 (split: both consumers';
-    # the other one's retired before it arrived on ds_ready in step - 1, which this one waited for) or step - 1
-    # (not split: this consumer's own, waited on below)
-    if SPLIT_DQ:
-        ds_buf = ds_smem.index(step % 2)
-    else:
-        ds_buf = ds_smem.index(0)
-    ds_buf.slice(CID * BNC, BNC).store(ds_t)
-    fence_async_shared()
-    # dV and dK retire before dQ's accumulator is live: P^T, dS^T (kept alive to here) and dQ never share registers
-    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+    # dS^T's buffer was last read by the dQ wgmmas of step - 2 (split: both consumers'; the other one's retired
+    # before it arrived on ds_ready in step - 1, which this one waited for) or step - 1 (not split: this
+    # consumer's own, waited on below)
+    ds_buf = _ds_buffer(ds_smem, step, SPLIT_DQ)
+    dk, dv = _grads_of_step(s_t, dp_t, q_s, do_s, l2_ring.index(idx), delta_ring.index(idx), ds_buf, dk, dv, q_row,
+                            offs_n, qk_scale, masked, CID, EXACT)
     if SPLIT_DQ:
         gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
         mbarrier.arrive(ds_ready.index(step % 2), count=1)
         mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
-        # dQ_i[:, this half] = sum over the consumers' key blocks j of dS_ij K_j[:, this half]
-        dq = warpgroup_mma(ds_buf.slice(0, BNC).permute((1, 0)), _as_2d(k_smem, 0).slice(CID * DQ, DQ, dim=1),
-                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_buf.slice(BNC, BNC).permute((1, 0)), _as_2d(k_smem, 1).slice(CID * DQ, DQ, dim=1),
-                           dq, is_async=True)
-    else:
-        dq = warpgroup_mma(ds_buf.slice(CID * BNC, BNC).permute((1, 0)), k_c, gl.zeros([BM, DQ], gl.float32, dq_layout),
-                           use_acc=False, is_async=True)
+    dq = _dq_issue(ds_buf, k_smem, DQ, CID, SPLIT_DQ)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(empty.index(idx), count=1)  # every wgmma reading Q_i and dO_i has retired
-    tma.store_wait(0)  # the previous reduce-add has finished reading dq_c
-    dq_c.reshape([BM, DQ]).store(dq)
-    fence_async_shared()
+    _dq_drain(dq, dq_c, desc_dq, b, h, q_row, CID, SPLIT_DQ)
+    nidx, nphase = _next_slot(idx, phase, NUM)
+    return dk, dv, nidx, nphase
+
+
+@gluon.jit
+def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_c,
+                   desc_dq, dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
+                   SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
+    """One query tile, the deferred-dQ schedule (BwdTile.defer_dq): the previous step's dQ wgmmas are issued here,
+    ahead of this step's S^T, and drained (stored, reduced) while S^T runs, so the dQ tail no longer stands between
+    two steps' tensor-core work; dP^T is issued after the drain, so at most two accumulators besides dK and dV are
+    live (issuing it before the drain spilled 512 B at d=128). The slot is released as soon as dK retires (dQ does
+    not read it). The consumers still meet on ds_ready at the end of each step: waiting there at the start of the
+    next step instead (looser lockstep) made Triton 3.6's ptxas 12.8 crash (SIGSEGV), in every placement tried.
+    Step 0 issues a dQ of whatever buffer step - 1 would use and drops it (one wgmma pair per program, to keep
+    one loop: a peeled step spilled before); the consumer's epilogue issues the last step's dQ."""
+    NUM: gl.constexpr = q_ring.shape[0]
+    BM: gl.constexpr = q_ring.shape[3]
+    BNC: gl.constexpr = k_smem.shape[3]
+    DQ: gl.constexpr = dq_c.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    k_c = _as_2d(k_smem, CID)
+    q_s = _as_2d(q_ring, idx)
+    do_s = _as_2d(do_ring, idx)
+    s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
+
+    mbarrier.wait(ready.index(idx), phase)
+    # step - 1's dQ (its dS^T are written: both consumers met on ds_ready at the end of step - 1)
+    dq = _dq_issue(_ds_buffer(ds_smem, step + 1, SPLIT_DQ), k_smem, DQ, CID, SPLIT_DQ)  # step + 1: step - 1's parity
+    s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(1, deps=(dq, ))  # the dQ wgmmas retired (issued first); S^T may still run
+    if step > 0:
+        _dq_drain(dq, dq_c, desc_dq, b, h, q_row - BM, CID, SPLIT_DQ)
+    dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    # dS^T's buffer was last read by the dQ wgmmas of step - 2 (split: both consumers', issued at the start of
+    # step - 1; the other one retired its own before it arrived on ds_ready at the end of step - 1, which this one
+    # waited for) or, not split, by this consumer's dQ of step - 1, retired above
+    ds_buf = _ds_buffer(ds_smem, step, SPLIT_DQ)
+    dk, dv = _grads_of_step(s_t, dp_t, q_s, do_s, l2_ring.index(idx), delta_ring.index(idx), ds_buf, dk, dv, q_row,
+                            offs_n, qk_scale, masked, CID, EXACT)
+    mbarrier.arrive(empty.index(idx), count=1)  # S, dP, dV, dK (every wgmma reading Q_i and dO_i) retired
     if SPLIT_DQ:
-        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
-    else:
-        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
+        gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
+        mbarrier.arrive(ds_ready.index(step % 2), count=1)
+        mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
     nidx, nphase = _next_slot(idx, phase, NUM)
     return dk, dv, nidx, nphase
 
@@ -343,8 +436,8 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
 @gluon.jit
 def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem, dq_smem,
               kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr,
-              MASKED_STEPS: gl.constexpr):
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
+              EXACT: gl.constexpr, MASKED_STEPS: gl.constexpr):
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
     D: gl.constexpr = k_smem.shape[4]
@@ -367,10 +460,23 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
         n_masked = gl.minimum(n_steps, MASKED_STEPS)
     # One loop with a branch for the diagonal's tiles: peeling them into a loop of their own (as the forward does)
     # left more values live across the two loops, and the unmasked loop spilled at d=128
-    for i in range(0, n_steps):
-        dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
-                                         ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
-                                         (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ, EXACT)
+    if DEFER_DQ:
+        for i in range(0, n_steps):
+            dk, dv, idx, phase = _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
+                                                ds_smem, ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
+                                                (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
+                                                EXACT)
+        if n_steps > 0:  # the last step's dQ, which no next step issues (its dS^T are written: waited for)
+            last = n_steps - 1
+            dq = _dq_issue(_ds_buffer(ds_smem, last, SPLIT_DQ), k_smem, dq_c.shape[3], CID, SPLIT_DQ)
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+            _dq_drain(dq, dq_c, desc_dq, b, h, (m_first + last) * BM, CID, SPLIT_DQ)
+    else:
+        for i in range(0, n_steps):
+            dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
+                                             ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
+                                             (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
+                                             EXACT)
 
     # dK and dV leave through this consumer's K and V buffers, rows past the last key clipped. Split dQ: the other
     # consumer's dQ wgmmas read this one's K rows too, so wait until both have left the loop (each retired its
@@ -391,8 +497,8 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
 @gluon.jit(do_not_specialize=["H", "n_queries", "n_kv_tiles"])
 def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
                             H, n_queries, n_kv_tiles, qk_scale, sm_scale,
-                            IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr,
-                            NUM_SLOTS: gl.constexpr,
+                            IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
+                            EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BNC: gl.constexpr = desc_k.block_type.shape[2]
@@ -436,10 +542,10 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     gl.warp_specialize([
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
                      dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     0, IS_CAUSAL, SPLIT_DQ, EXACT, MASKED_STEPS)),
+                     0, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, EXACT, MASKED_STEPS)),
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
                      dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     1, IS_CAUSAL, SPLIT_DQ, EXACT, MASKED_STEPS)),
+                     1, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, EXACT, MASKED_STEPS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
                      delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -472,7 +578,7 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
             _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
-            tile.split_dq, exact, tile.num_slots, tile.consumer_registers, tile.producer_registers)
+            tile.split_dq, tile.defer_dq, exact, tile.num_slots, tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
 
