@@ -105,6 +105,10 @@ class BwdTile:
         for name in ("split_dq", "defer_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{self}: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.defer_dq and not self.split_dq:
+            # with per-consumer dQ, Triton 3.6's ptxas crashed at d=64 and spilled 628 B at d=128
+            raise ValueError(f"{self}: defer_dq=True needs split_dq=True (the deferred schedule is written for the "
+                             "split dQ only)")
         if self.block_n != CONSUMERS * 64:
             raise ValueError(f"{self}: block_n must be {CONSUMERS} x 64 (one 64-key wgmma M per consumer)")
         if self.block_n % self.block_m:
@@ -399,7 +403,8 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     not read it). The consumers still meet on ds_ready at the end of each step: waiting there at the start of the
     next step instead (looser lockstep) made Triton 3.6's ptxas 12.8 crash (SIGSEGV), in every placement tried.
     Step 0 issues a dQ of whatever buffer step - 1 would use and drops it (one wgmma pair per program, to keep
-    one loop: a peeled step spilled before); the consumer's epilogue issues the last step's dQ."""
+    one loop: a peeled step spilled before); the consumer's epilogue issues the last step's dQ. Split dQ only
+    (BwdTile refuses defer_dq without split_dq)."""
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
@@ -409,6 +414,7 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     q_s = _as_2d(q_ring, idx)
     do_s = _as_2d(do_ring, idx)
     s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
+    gl.static_assert(SPLIT_DQ, "the deferred-dQ schedule is written for the split dQ only")
 
     mbarrier.wait(ready.index(idx), phase)
     # step - 1's dQ (its dS^T are written: both consumers met on ds_ready at the end of step - 1)
@@ -418,17 +424,16 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     if step > 0:
         _dq_drain(dq, dq_c, desc_dq, b, h, q_row - BM, CID, SPLIT_DQ)
     dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    # dS^T's buffer was last read by the dQ wgmmas of step - 2 (split: both consumers', issued at the start of
-    # step - 1; the other one retired its own before it arrived on ds_ready at the end of step - 1, which this one
-    # waited for) or, not split, by this consumer's dQ of step - 1, retired above
+    # dS^T's buffer was last read by both consumers' dQ wgmmas of step - 2, issued at the start of step - 1: this
+    # one retired its own there, the other one its own before it arrived on ds_ready at the end of step - 1, which
+    # this one waited for
     ds_buf = _ds_buffer(ds_smem, step, SPLIT_DQ)
     dk, dv = _grads_of_step(s_t, dp_t, q_s, do_s, l2_ring.index(idx), delta_ring.index(idx), ds_buf, dk, dv, q_row,
                             offs_n, qk_scale, masked, CID, EXACT)
     mbarrier.arrive(empty.index(idx), count=1)  # S, dP, dV, dK (every wgmma reading Q_i and dO_i) retired
-    if SPLIT_DQ:
-        gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
-        mbarrier.arrive(ds_ready.index(step % 2), count=1)
-        mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
+    gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
+    mbarrier.arrive(ds_ready.index(step % 2), count=1)
+    mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
     nidx, nphase = _next_slot(idx, phase, NUM)
     return dk, dv, nidx, nphase
 
