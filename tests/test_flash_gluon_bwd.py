@@ -60,6 +60,19 @@ def test_the_deferred_schedule_is_opt_in_and_flags_must_be_bools():
         BwdTile(64, split_dq=False, defer_dq=True)
 
 
+def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
+    assert BwdTile(128, dq_buffers=2).shared_bytes() - TILES[128].shared_bytes() == 2 * 64 * 64 * 4  # 32 KiB more
+    assert BwdTile(128, dq_buffers=2).shared_bytes() <= bwd.SHARED_BYTES
+    with pytest.raises(ValueError, match="dq_buffers must be 1 or 2, got 3"):
+        BwdTile(64, dq_buffers=3)
+    with pytest.raises(ValueError, match="two dQ buffers need an even num_slots"):
+        BwdTile(64, num_slots=3, dq_buffers=2)
+    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):  # per-consumer dQ, two (64, 128) buffers
+        BwdTile(128, split_dq=False, dq_buffers=2)
+    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):
+        BwdTile(128, num_slots=4)
+
+
 @pytest.mark.parametrize("n_kv_tiles,batch_heads", [(5, 3), (1, 4), (7, 1)])
 def test_program_order_covers_every_tile_once_one_head_at_a_time(n_kv_tiles, batch_heads):
     order = program_order(n_kv_tiles, batch_heads)
@@ -166,7 +179,7 @@ def test_exact_reference_is_exact_in_the_kernels_precisions(causal):
         bwd.exact_reference(q, k, v * 37, do * 37, causal)
 
 
-@pytest.mark.parametrize("variant", ["shipped", "deferred_dq"])
+@pytest.mark.parametrize("variant", ["shipped", "deferred_dq", "dq2", "deferred_dq2"])
 def test_compiles_for_sm90_without_spills(tmp_path, variant):
     """The d=128 causal bf16 configuration of each schedule compiled for the H100 on this machine through the
     launcher's own host code: 0 spills, the tiles' shared memory, the dQ reduce-add lowered to TMA. In a process of
@@ -178,9 +191,11 @@ def test_compiles_for_sm90_without_spills(tmp_path, variant):
     rows = pd.read_csv(out)
     assert len(rows) == 1 and (rows["status"] == "ok").all(), rows.to_dict("records")
     row = rows.iloc[0]
-    assert row["variant"] == variant and bool(row["defer_dq"]) == (variant == "deferred_dq")
+    assert row["variant"] == variant and bool(row["defer_dq"]) == variant.startswith("deferred")
+    assert row["dq_buffers"] == (2 if variant.endswith("dq2") else 1)
     assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0
-    assert TILES[128].shared_bytes() <= row["shared_bytes"] <= TILES[128].shared_bytes() + 1024
+    tile_bytes = row["tile_shared_bytes"]
+    assert TILES[128].shared_bytes() <= tile_bytes <= row["shared_bytes"] <= tile_bytes + 1024
     assert row["tma_reduce_ops"] >= 1
 
 
@@ -200,6 +215,13 @@ GPU_CASES = [
     ((2, 257, 128), (2, 257, 128), True, False),
 ]
 FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
+# a consumer's step schedule -> BwdTile fields (lockstep: what TILES ships)
+SCHEDULES = {
+    "lockstep": {"defer_dq": False, "dq_buffers": 1},
+    "deferred": {"defer_dq": True, "dq_buffers": 1},
+    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2},
+    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2},
+}
 
 
 def _rel_err(x, ref):
@@ -236,10 +258,10 @@ def _check_against_float64_and_fa2(q, k, v, do, causal, tile=None):
 @needs_sm90
 @pytest.mark.parametrize("q_shape,k_shape,causal,model_layout", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("defer_dq", [False, True])
-def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype, defer_dq):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype, schedule):
     q, k, v = (_fresh(s, model_layout, dtype) for s in (q_shape, k_shape, k_shape))
-    tile = dataclasses.replace(TILES[q_shape[-1]], defer_dq=defer_dq)
+    tile = dataclasses.replace(TILES[q_shape[-1]], **SCHEDULES[schedule])
     _check_against_float64_and_fa2(q, k, v, _fresh(q_shape, model_layout, dtype), causal, tile)
 
 
@@ -261,8 +283,8 @@ def test_gpu_other_dq_scheme_and_stride0_grad_out(head_dim, causal):
 @needs_sm90
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("split_dq,defer_dq", [(True, False), (False, False), (True, True)])
-def test_gpu_exact_pipeline(head_dim, causal, split_dq, defer_dq):
+@pytest.mark.parametrize("split_dq,schedule", [(True, s) for s in SCHEDULES] + [(False, "lockstep")])
+def test_gpu_exact_pipeline(head_dim, causal, split_dq, schedule):
     """EXACT: P^T = S^T mod 8 with integer inputs, O = 0 and scale 1, so every product and sum is an exact integer:
     dQ, dK, dV must equal the float64 reference rounded to bf16, bit for bit, on repeated launches (any lost,
     repeated or reordered tile, a barrier race or a register-A hazard shows as a mismatch). Ragged lengths,
@@ -271,7 +293,7 @@ def test_gpu_exact_pipeline(head_dim, causal, split_dq, defer_dq):
     q, k, v, do = bwd.exact_inputs((2, 3, 777, head_dim), (2, 3, 1000, head_dim), "cuda", gen)
     expected = [g.to(torch.bfloat16) for g in bwd.exact_reference(q, k, v, do, causal)]
     o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
-    tile = dataclasses.replace(TILES[head_dim], split_dq=split_dq, defer_dq=defer_dq)
+    tile = dataclasses.replace(TILES[head_dim], split_dq=split_dq, **SCHEDULES[schedule])
     for _ in range(3):
         grads = bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
         for name, g, e in zip(("dQ", "dK", "dV"), grads, expected):

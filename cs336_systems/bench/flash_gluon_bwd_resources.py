@@ -21,15 +21,28 @@ from cs336_systems.bench.flash_gluon_resources import compiled_row, use_compile_
 
 # (head dim, causal, dtype, variant): what the launcher ships, then (bf16) the alternative dQ scheme, for the record:
 # "shipped" is TILES' tile; "split_dq" / "per_consumer_dq" force that dQ scheme (flash_gluon_bwd.BwdTile.split_dq);
-# "exact" is the shipped tile with EXACT (P^T = S^T mod 8), which the GPU tests run; "deferred_dq" the shipped tile
-# with the deferred-dQ schedule (BwdTile.defer_dq), "deferred_exact" that with EXACT
+# "exact" is the shipped tile with EXACT (P^T = S^T mod 8), which the GPU tests run; the schedules of the v2 work
+# (BwdTile.defer_dq, dq_buffers) each with its EXACT twin: VARIANTS
+VARIANTS = {  # name -> (BwdTile fields changed from TILES', EXACT)
+    "shipped": ({}, False),
+    "exact": ({}, True),
+    "split_dq": ({"split_dq": True}, False),
+    "per_consumer_dq": ({"split_dq": False}, False),
+    "deferred_dq": ({"defer_dq": True}, False),
+    "deferred_exact": ({"defer_dq": True}, True),
+    "dq2": ({"dq_buffers": 2}, False),
+    "dq2_exact": ({"dq_buffers": 2}, True),
+    "deferred_dq2": ({"defer_dq": True, "dq_buffers": 2}, False),
+    "deferred_dq2_exact": ({"defer_dq": True, "dq_buffers": 2}, True),
+}
 CONFIGS = [(d, causal, dtype, "shipped") for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
 CONFIGS += [(d, causal, "bf16", "per_consumer_dq") for d in (64, 128) for causal in (True, False)]
 CONFIGS += [(d, causal, "bf16", "exact") for d in (64, 128) for causal in (True, False)]  # the GPU tests' EXACT
-CONFIGS += [(d, causal, dtype, "deferred_dq") for d in (64, 128) for causal in (True, False)
-            for dtype in ("bf16", "fp16")]
-CONFIGS += [(d, causal, "bf16", "deferred_exact") for d in (64, 128) for causal in (True, False)]
-EXACT_VARIANTS = ("exact", "deferred_exact")
+for _variant, _exact_twin in (("deferred_dq", "deferred_exact"), ("dq2", "dq2_exact"),
+                              ("deferred_dq2", "deferred_dq2_exact")):  # every dtype, then the EXACT twin in bf16
+    CONFIGS += [(d, causal, dtype, _variant) for d in (64, 128) for causal in (True, False)
+                for dtype in ("bf16", "fp16")]
+    CONFIGS += [(d, causal, "bf16", _exact_twin) for d in (64, 128) for causal in (True, False)]
 
 
 def variant_tile(head_dim: int, variant: str):
@@ -38,15 +51,9 @@ def variant_tile(head_dim: int, variant: str):
 
     from cs336_systems.kernels import flash_gluon_bwd as bwd
 
-    tile = bwd.tile_for(head_dim)
-    if variant in ("shipped", "exact"):
-        return tile
-    if variant in ("split_dq", "per_consumer_dq"):
-        return replace(tile, split_dq=variant == "split_dq")
-    if variant in ("deferred_dq", "deferred_exact"):
-        return replace(tile, defer_dq=True)
-    raise ValueError(f"unknown variant {variant!r} (shipped, exact, split_dq, per_consumer_dq, deferred_dq, "
-                     "deferred_exact)")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r} ({', '.join(VARIANTS)})")
+    return replace(bwd.tile_for(head_dim), **VARIANTS[variant][0])
 
 
 def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "shipped", n: int = 1000,
@@ -64,7 +71,7 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "s
     dq_acc = torch.empty(2, 4, n, head_dim, dtype=torch.float32)
     rows = torch.empty(8, bwd.padded_queries(n, tile), dtype=torch.float32)
     args, grid, options = bwd.kernel_launch(q, q, q, q, q, q, dq_acc, rows, rows, is_causal, head_dim**-0.5,
-                                            tile, variant in EXACT_VARIANTS)
+                                            tile, VARIANTS[variant][1])
     row = {"kernel": "flash_gluon_backward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
            "variant": variant, **{k: v for k, v in vars(tile).items() if k != "head_dim"},
            "tile_shared_bytes": tile.shared_bytes()}
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shipped-only", action="store_true", help="skip the alternative dQ scheme's rows")
     parser.add_argument("--only-first", action="store_true", help="only the first selected configuration (tests)")
     parser.add_argument("--variants", nargs="+", default=None,
-                        help="only these variants (shipped, exact, per_consumer_dq, deferred_dq, deferred_exact)")
+                        help=f"only these variants ({', '.join(VARIANTS)})")
     parser.add_argument("--sass-check", default=None, metavar="DIR",
                         help="folder of the Gluon probe's sass_check.py: also count register-A hazards in the SASS")
     parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")

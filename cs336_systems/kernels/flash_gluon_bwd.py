@@ -25,7 +25,9 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
 Two schedules of a consumer's step (BwdTile.defer_dq, default off): lockstep (`_query_step`) issues, waits for
 and reduces step i's dQ at the end of step i; deferred (`_deferred_step`) issues step i's dQ wgmmas at the start of
 step i + 1, just before S^T, and stores and reduces them while S^T runs (the tail overlaps this consumer's own
-tensor-core work), and frees the slot as soon as dK retires.
+tensor-core work), and frees the slot as soon as dK retires. Either may keep two float32 dQ buffers per consumer
+(BwdTile.dq_buffers = 2, by step parity): writing one then waits (`tma.store_wait(1)`) only for the reduce-add of
+two steps ago, not the last one.
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
   kv_bar                producer -> consumers: both consumers' K and V sub-tiles landed (expect-tx bytes)
@@ -77,6 +79,9 @@ from cs336_systems.kernels.flash_gluon import _as_2d, _as_4d, _descriptor, _next
 
 LOG2E = 1.4426950408889634
 CONSUMERS = 2  # consumer warpgroups per program, each owning block_n / CONSUMERS keys
+# the most dynamic shared memory a block may have on sm_90 (227 KiB), less 1 KiB for the barriers and the
+# compiler's own: tiles beyond it fail at launch, so BwdTile refuses them up front
+SHARED_BYTES = 227 * 1024 - 1024
 _CONSUMERS = gl.constexpr(CONSUMERS)
 
 
@@ -89,7 +94,9 @@ class BwdTile:
     reduce-add traffic, for a barrier between the consumers each step), else per consumer over its own keys;
     defer_dq: the deferred-dQ schedule (`_deferred_step`: a step's dQ wgmmas are issued at the start of the next
     step, ahead of its S^T, and drained while S^T runs), else the lockstep one (`_query_step`: dQ issued, waited
-    for and reduced at the end of its own step); registers as in flash_gluon.GluonTile."""
+    for and reduced at the end of its own step); dq_buffers: float32 dQ buffers per consumer, 1, or 2 by step
+    parity so that writing one waits only for the reduce-add of two steps ago; registers as in
+    flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
@@ -97,6 +104,7 @@ class BwdTile:
     num_slots: int = 2
     split_dq: bool = True
     defer_dq: bool = False
+    dq_buffers: int = 1
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
@@ -105,6 +113,14 @@ class BwdTile:
         for name in ("split_dq", "defer_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{self}: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.dq_buffers not in (1, 2):
+            raise ValueError(f"{self}: dq_buffers must be 1 or 2, got {self.dq_buffers!r}")
+        if self.dq_buffers == 2 and self.num_slots % 2:
+            raise ValueError(f"{self}: two dQ buffers need an even num_slots (the deferred schedule picks the "
+                             "buffer by the slot's parity)")
+        if self.shared_bytes() > SHARED_BYTES:
+            raise ValueError(f"{self}: its tiles need {self.shared_bytes()} B of shared memory, more than the "
+                             f"{SHARED_BYTES} B an sm_90 block may have")
         if self.defer_dq and not self.split_dq:
             # with per-consumer dQ, Triton 3.6's ptxas crashed at d=64 and spilled 628 B at d=128
             raise ValueError(f"{self}: defer_dq=True needs split_dq=True (the deferred schedule is written for the "
@@ -136,7 +152,7 @@ class BwdTile:
         kv = 2 * self.block_n * d * element_size
         ring = self.num_slots * self.block_m * (2 * d * element_size + 2 * 4)
         ds = (2 if self.split_dq else 1) * self.block_n * self.block_m * element_size
-        dq = CONSUMERS * self.block_m * self.dq_columns * 4
+        dq = CONSUMERS * self.dq_buffers * self.block_m * self.dq_columns * 4
         return kv + ring + ds + dq
 
 
@@ -340,11 +356,18 @@ def _dq_issue(ds_buf, k_smem, DQ: gl.constexpr, CID: gl.constexpr, SPLIT_DQ: gl.
 
 
 @gluon.jit
-def _dq_drain(dq, dq_c, desc_dq, b, h, q_row, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
-    """A retired dQ part into this consumer's float32 buffer and on by TMA reduce-add into the accumulator."""
-    BM: gl.constexpr = dq_c.shape[2]
-    DQ: gl.constexpr = dq_c.shape[3]
-    tma.store_wait(0)  # the previous reduce-add has finished reading dq_c
+def _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """A retired dQ part of a step into this consumer's float32 buffer (one, or two by step parity: BwdTile.
+    dq_buffers; `step` is only read for its parity) and on by TMA reduce-add into the accumulator."""
+    NB: gl.constexpr = dq_smem.shape[0] // _CONSUMERS  # dQ buffers per consumer: 1 or 2
+    BM: gl.constexpr = dq_smem.shape[3]
+    DQ: gl.constexpr = dq_smem.shape[4]
+    if NB == 1:
+        dq_c = dq_smem.index(CID)
+    else:
+        dq_c = dq_smem.index(CID * 2 + (step & 1))
+    # the reduce-add that last read dq_c (NB steps ago) has finished; the NB - 1 later ones may still run
+    tma.store_wait(NB - 1)
     dq_c.reshape([BM, DQ]).store(dq)
     fence_async_shared()
     if SPLIT_DQ:
@@ -354,7 +377,7 @@ def _dq_drain(dq, dq_c, desc_dq, b, h, q_row, CID: gl.constexpr, SPLIT_DQ: gl.co
 
 
 @gluon.jit
-def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_c, desc_dq,
+def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_smem, desc_dq,
                 dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
                 SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
     """One query tile (rows q_row..q_row+BM) against this consumer's keys, the lockstep schedule: dK, dV
@@ -364,7 +387,7 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
-    DQ: gl.constexpr = dq_c.shape[3]  # dQ columns this consumer reduces: D / 2 when split, else D
+    DQ: gl.constexpr = dq_smem.shape[4]  # dQ columns this consumer reduces: D / 2 when split, else D
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     k_c = _as_2d(k_smem, CID)
     q_s = _as_2d(q_ring, idx)
@@ -387,13 +410,13 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
     dq = _dq_issue(ds_buf, k_smem, DQ, CID, SPLIT_DQ)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(empty.index(idx), count=1)  # every wgmma reading Q_i and dO_i has retired
-    _dq_drain(dq, dq_c, desc_dq, b, h, q_row, CID, SPLIT_DQ)
+    _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID, SPLIT_DQ)
     nidx, nphase = _next_slot(idx, phase, NUM)
     return dk, dv, nidx, nphase
 
 
 @gluon.jit
-def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_c,
+def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_smem,
                    desc_dq, dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
                    SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
     """One query tile, the deferred-dQ schedule (BwdTile.defer_dq): the previous step's dQ wgmmas are issued here,
@@ -408,13 +431,14 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
-    DQ: gl.constexpr = dq_c.shape[3]
+    DQ: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     k_c = _as_2d(k_smem, CID)
     q_s = _as_2d(q_ring, idx)
     do_s = _as_2d(do_ring, idx)
     s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
     gl.static_assert(SPLIT_DQ, "the deferred-dQ schedule is written for the split dQ only")
+    gl.static_assert(NUM % 2 == 0 or dq_smem.shape[0] == _CONSUMERS, "two dQ buffers need an even ring")
 
     mbarrier.wait(ready.index(idx), phase)
     # step - 1's dQ (its dS^T are written: both consumers met on ds_ready at the end of step - 1)
@@ -422,7 +446,9 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
     dq = warpgroup_mma_wait(1, deps=(dq, ))  # the dQ wgmmas retired (issued first); S^T may still run
     if step > 0:
-        _dq_drain(dq, dq_c, desc_dq, b, h, q_row - BM, CID, SPLIT_DQ)
+        # step - 1 by its slot (same parity with an even ring, BwdTile checks): a dQ buffer picked from step - 1
+        # itself kept one more value live and spilled 4 B at d=128 with two dQ buffers
+        _dq_drain(dq, dq_smem, desc_dq, b, h, q_row - BM, idx + NUM - 1, CID, SPLIT_DQ)
     dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
     # dS^T's buffer was last read by both consumers' dQ wgmmas of step - 2, issued at the start of step - 1: this
     # one retired its own there, the other one its own before it arrived on ds_ready at the end of step - 1, which
@@ -451,7 +477,6 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     k_c = _as_2d(k_smem, CID)
     v_c = _as_2d(v_smem, CID)
-    dq_c = dq_smem.index(CID)
     key0 = n0 + CID * BNC
     offs_n = key0 + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BNC, D], gl.float32, kv_layout)
@@ -468,18 +493,18 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
     if DEFER_DQ:
         for i in range(0, n_steps):
             dk, dv, idx, phase = _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
-                                                ds_smem, ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
+                                                ds_smem, ds_ready, dq_smem, desc_dq, dk, dv, idx, phase, i, b, h,
                                                 (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
                                                 EXACT)
         if n_steps > 0:  # the last step's dQ, which no next step issues (its dS^T are written: waited for)
             last = n_steps - 1
-            dq = _dq_issue(_ds_buffer(ds_smem, last, SPLIT_DQ), k_smem, dq_c.shape[3], CID, SPLIT_DQ)
+            dq = _dq_issue(_ds_buffer(ds_smem, last, SPLIT_DQ), k_smem, dq_smem.shape[4], CID, SPLIT_DQ)
             dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _dq_drain(dq, dq_c, desc_dq, b, h, (m_first + last) * BM, CID, SPLIT_DQ)
+            _dq_drain(dq, dq_smem, desc_dq, b, h, (m_first + last) * BM, last, CID, SPLIT_DQ)
     else:
         for i in range(0, n_steps):
             dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
-                                             ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
+                                             ds_ready, dq_smem, desc_dq, dk, dv, idx, phase, i, b, h,
                                              (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
                                              EXACT)
 
@@ -503,7 +528,7 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
 def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
                             H, n_queries, n_kv_tiles, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
-                            EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr,
+                            EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BNC: gl.constexpr = desc_k.block_type.shape[2]
@@ -517,7 +542,7 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     do_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_do.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, _CONSUMERS * BNC, BM],
                                         gl.NVMMASharedLayout.get_default_for([_CONSUMERS * BNC, BM], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS, 1, 1, BM, DQ], desc_dq.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS * DQ_BUFFERS, 1, 1, BM, DQ], desc_dq.layout)
     l2_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_l2.layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_delta.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -583,7 +608,8 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
             _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
-            tile.split_dq, tile.defer_dq, exact, tile.num_slots, tile.consumer_registers, tile.producer_registers)
+            tile.split_dq, tile.defer_dq, exact, tile.num_slots, tile.dq_buffers, tile.consumer_registers,
+            tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
 

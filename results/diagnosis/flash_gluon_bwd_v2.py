@@ -1,11 +1,12 @@
-"""Issues #26 and #24 on one GPU: is the Gluon backward's deferred-dQ schedule (`BwdTile.defer_dq` in
-kernels/flash_gluon_bwd.py) correct, and is it faster than the lockstep schedule shipped now, against SDPA's cuDNN
-backward, in the same run? Written to finish in one call of under 5 minutes on an H100 or H200.
+"""Issues #26 and #24 on one GPU: are the Gluon backward's new schedules (kernels/flash_gluon_bwd.py: `BwdTile.
+defer_dq`, the deferred-dQ schedule, and `BwdTile.dq_buffers` = 2, two float32 dQ buffers per consumer, alone and
+together) correct, and faster than the lockstep schedule shipped now, against SDPA's cuDNN backward, in the same
+run? Written to finish in one call of under 5 minutes on an H100 or H200.
 
     python results/diagnosis/flash_gluon_bwd_v2.py [--out-dir DIR] [--rounds 5] [--only-checks]
 
 (--out-dir defaults to $OUT; the CSV is DIR/flash_gluon_bwd_v2.csv.)
-Checks first, and the run stops (exit 1, nothing timed) if one fails, each schedule beside the other:
+Checks first, and the run stops (exit 1, nothing timed) if one fails, each schedule (SCHEDULES) beside the others:
 - EXACT (P^T = S^T mod 8, integer inputs, O = 0, scale 1: every value an exact integer): dQ, dK, dV bit for bit
   against the float64 reference (`flash_gluon_bwd.exact_reference`) rounded to bf16, on 3 launches, d 64/128 x
   causal or not, 777 queries x 1000 keys (ragged, rectangular), and one long case (4096 x 4096, d=128, causal:
@@ -13,11 +14,11 @@ Checks first, and the run stops (exit 1, nothing timed) if one fails, each sched
 - stage 2's awkward cases (`flash_gluon_stage2.CHECKS`: ragged lengths, rectangular both ways, 3-d inputs, the
   model's strides, a stride-0 dO), bf16, fresh random inputs, O and L from the Gluon forward: dQ, dK, dV within 2x
   (+2e-3) of our FA2 backward's own error against float64 on the same O and L, finite, in their inputs' layouts,
-  dK and dV repeatable across two launches. Whether the deferred dK, dV equal the lockstep ones bit for bit (the
+  dK and dV repeatable across two launches. Whether a schedule's dK, dV equal the lockstep ones bit for bit (the
   same per-step arithmetic in another order of issue; expected) is recorded, not required.
 Timing: the backward alone from the Gluon forward's O and L (bf16, contiguous (batch, heads, seq, dim)), at the 8B
 shape (2 x 32 x 32768, d=128, causal), 4 x 32 x 4096 d=128 causal, 1 x 16 x 16384 d=64 causal and 8 x 16 x 2048
-d=64 non-causal: `--rounds` interleaved rounds, each round timing lockstep, deferred and cuDNN once each (the order
+d=64 non-causal: `--rounds` interleaved rounds, each round timing every schedule and cuDNN once each (the order
 rotated per round) by a `triton.testing.do_bench` median; the summary row per provider is the median over rounds
 (min and max beside), with its ratio to cuDNN and to lockstep. TFLOP/s counts 10 n_q n_k d per head, halved when
 causal. One long-format CSV row per measurement with provenance, rewritten after every row; a watchdog ends the run
@@ -56,11 +57,19 @@ EXACT_SHAPES = [((2, 3, 777), (2, 3, 1000))]
 EXACT_LONG = ((1, 2, 4096, 128), (1, 2, 4096, 128), True)
 
 
+# name -> BwdTile fields: the lockstep schedule shipped now first (the others are compared with it)
+SCHEDULES = {
+    "lockstep": {"defer_dq": False, "dq_buffers": 1},
+    "deferred": {"defer_dq": True, "dq_buffers": 1},
+    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2},
+    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2},
+}
+
+
 def schedules(head_dim):
-    """(name, tile): the lockstep schedule shipped now, then the deferred-dQ one."""
+    """(name, tile) of each schedule at this head dim."""
     tile = flash_gluon_bwd.tile_for(head_dim)
-    return [("lockstep", dataclasses.replace(tile, defer_dq=False)),
-            ("deferred", dataclasses.replace(tile, defer_dq=True))]
+    return [(name, dataclasses.replace(tile, **fields)) for name, fields in SCHEDULES.items()]
 
 
 def exact_cases():
@@ -178,7 +187,8 @@ def timing_rows(name, batch, heads, n, d, causal, rounds: int, rep_ms: int):
         yield row
     print(f"time {name}: " + "  ".join(f"{p} {median[p]:.3f} ms ({flops / median[p] * 1e-9:.0f} TFLOP/s, "
                                        f"{median[p] / cudnn:.3f}x cuDNN)" for p in providers)
-          + f"  deferred / lockstep {median['deferred'] / median['lockstep']:.3f}", flush=True)
+          + "  vs lockstep: " + " ".join(f"{p} {median[p] / median['lockstep']:.3f}" for p in SCHEDULES
+                                         if p != "lockstep"), flush=True)
 
 
 def time_all(rounds: int, timeout_s: float):
