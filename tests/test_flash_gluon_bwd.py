@@ -73,6 +73,18 @@ def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
         BwdTile(128, num_slots=4)
 
 
+def test_pingpong_is_a_deferred_variant_with_four_ds_buffers():
+    pingpong = BwdTile(128, defer_dq=True, pingpong=True)
+    assert pingpong.shared_bytes() - TILES[128].shared_bytes() == 2 * 128 * 64 * 2  # two more (128, 64) dS^T
+    with pytest.raises(ValueError, match="pingpong=True needs defer_dq=True"):
+        BwdTile(64, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong must be a bool, got 'no'"):
+        BwdTile(64, defer_dq=True, pingpong="no")
+    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):  # and two dQ buffers: too much at d=128
+        BwdTile(128, defer_dq=True, pingpong=True, dq_buffers=2)
+    assert BwdTile(64, defer_dq=True, pingpong=True, dq_buffers=2).shared_bytes() <= bwd.SHARED_BYTES
+
+
 @pytest.mark.parametrize("n_kv_tiles,batch_heads", [(5, 3), (1, 4), (7, 1)])
 def test_program_order_covers_every_tile_once_one_head_at_a_time(n_kv_tiles, batch_heads):
     order = program_order(n_kv_tiles, batch_heads)
@@ -221,6 +233,7 @@ SCHEDULES = {
     "deferred": {"defer_dq": True, "dq_buffers": 1},
     "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2},
     "deferred_dq2": {"defer_dq": True, "dq_buffers": 2},
+    "pingpong": {"defer_dq": True, "pingpong": True},
 }
 
 

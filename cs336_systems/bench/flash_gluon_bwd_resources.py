@@ -34,12 +34,14 @@ VARIANTS = {  # name -> (BwdTile fields changed from TILES', EXACT)
     "dq2_exact": ({"dq_buffers": 2}, True),
     "deferred_dq2": ({"defer_dq": True, "dq_buffers": 2}, False),
     "deferred_dq2_exact": ({"defer_dq": True, "dq_buffers": 2}, True),
+    "pingpong": ({"defer_dq": True, "pingpong": True}, False),
+    "pingpong_exact": ({"defer_dq": True, "pingpong": True}, True),
 }
 CONFIGS = [(d, causal, dtype, "shipped") for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
 CONFIGS += [(d, causal, "bf16", "per_consumer_dq") for d in (64, 128) for causal in (True, False)]
 CONFIGS += [(d, causal, "bf16", "exact") for d in (64, 128) for causal in (True, False)]  # the GPU tests' EXACT
 for _variant, _exact_twin in (("deferred_dq", "deferred_exact"), ("dq2", "dq2_exact"),
-                              ("deferred_dq2", "deferred_dq2_exact")):  # every dtype, then the EXACT twin in bf16
+                              ("deferred_dq2", "deferred_dq2_exact"), ("pingpong", "pingpong_exact")):  # every dtype, then the EXACT twin in bf16
     CONFIGS += [(d, causal, dtype, _variant) for d in (64, 128) for causal in (True, False)
                 for dtype in ("bf16", "fp16")]
     CONFIGS += [(d, causal, "bf16", _exact_twin) for d in (64, 128) for causal in (True, False)]

@@ -95,8 +95,9 @@ class BwdTile:
     defer_dq: the deferred-dQ schedule (`_deferred_step`: a step's dQ wgmmas are issued at the start of the next
     step, ahead of its S^T, and drained while S^T runs), else the lockstep one (`_query_step`: dQ issued, waited
     for and reduced at the end of its own step); dq_buffers: float32 dQ buffers per consumer, 1, or 2 by step
-    parity so that writing one waits only for the reduce-add of two steps ago; registers as in
-    flash_gluon.GluonTile."""
+    parity so that writing one waits only for the reduce-add of two steps ago; pingpong (with defer_dq): the
+    consumers need not meet every step (dQ two steps late, 4 dS^T buffers) and start a fraction of a step apart;
+    registers as in flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
@@ -105,12 +106,13 @@ class BwdTile:
     split_dq: bool = True
     defer_dq: bool = False
     dq_buffers: int = 1
+    pingpong: bool = False
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
 
     def __post_init__(self):
-        for name in ("split_dq", "defer_dq"):
+        for name in ("split_dq", "defer_dq", "pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{self}: {name} must be a bool, got {getattr(self, name)!r}")
         if self.dq_buffers not in (1, 2):
@@ -121,6 +123,8 @@ class BwdTile:
         if self.shared_bytes() > SHARED_BYTES:
             raise ValueError(f"{self}: its tiles need {self.shared_bytes()} B of shared memory, more than the "
                              f"{SHARED_BYTES} B an sm_90 block may have")
+        if self.pingpong and not self.defer_dq:
+            raise ValueError(f"{self}: pingpong=True needs defer_dq=True (it is a variant of the deferred schedule)")
         if self.defer_dq and not self.split_dq:
             # with per-consumer dQ, Triton 3.6's ptxas crashed at d=64 and spilled 628 B at d=128
             raise ValueError(f"{self}: defer_dq=True needs split_dq=True (the deferred schedule is written for the "
@@ -151,7 +155,7 @@ class BwdTile:
         d = self.head_dim
         kv = 2 * self.block_n * d * element_size
         ring = self.num_slots * self.block_m * (2 * d * element_size + 2 * 4)
-        ds = (2 if self.split_dq else 1) * self.block_n * self.block_m * element_size
+        ds = ((4 if self.pingpong else 2) if self.split_dq else 1) * self.block_n * self.block_m * element_size
         dq = CONSUMERS * self.dq_buffers * self.block_m * self.dq_columns * 4
         return kv + ring + ds + dq
 
@@ -294,9 +298,11 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_sm
 
 @gluon.jit
 def _ds_buffer(ds_smem, step, SPLIT_DQ: gl.constexpr):
-    """The dS^T buffer of a step: by step parity when split (both consumers read it), else the one buffer."""
+    """The dS^T buffer of a step: by step modulo the buffers when split (both consumers read it: 2 buffers, 4 with
+    BwdTile.pingpong), else the one buffer. `step` must not be negative (pass step + buffers for step - k)."""
+    NDS: gl.constexpr = ds_smem.shape[0]
     if SPLIT_DQ:
-        return ds_smem.index(step % 2)
+        return ds_smem.index(step % NDS)
     else:
         return ds_smem.index(0)
 
@@ -416,9 +422,9 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
 
 
 @gluon.jit
-def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_smem,
+def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, go, dq_smem,
                    desc_dq, dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
-                   SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
+                   SPLIT_DQ: gl.constexpr, PINGPONG: gl.constexpr, EXACT: gl.constexpr):
     """One query tile, the deferred-dQ schedule (BwdTile.defer_dq): the previous step's dQ wgmmas are issued here,
     ahead of this step's S^T, and drained (stored, reduced) while S^T runs, so the dQ tail no longer stands between
     two steps' tensor-core work; dP^T is issued after the drain, so at most two accumulators besides dK and dV are
@@ -427,7 +433,11 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     next step instead (looser lockstep) made Triton 3.6's ptxas 12.8 crash (SIGSEGV), in every placement tried.
     Step 0 issues a dQ of whatever buffer step - 1 would use and drops it (one wgmma pair per program, to keep
     one loop: a peeled step spilled before); the consumer's epilogue issues the last step's dQ. Split dQ only
-    (BwdTile refuses defer_dq without split_dq)."""
+    (BwdTile refuses defer_dq without split_dq).
+    PINGPONG (BwdTile.pingpong): the dQ of step - 2 (LAG = 2) instead, from 4 dS^T buffers, and at the end of a step
+    this consumer waits for the other one's step - 1 only, so either may run up to a step ahead; consumer 1 starts
+    when consumer 0 has drained in its step 0, so that one's softmax falls under the other's wgmmas (FA3's
+    ping-pong, by mbarriers and a start offset instead of named barriers)."""
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
@@ -439,36 +449,62 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
     gl.static_assert(SPLIT_DQ, "the deferred-dQ schedule is written for the split dQ only")
     gl.static_assert(NUM % 2 == 0 or dq_smem.shape[0] == _CONSUMERS, "two dQ buffers need an even ring")
+    LAG: gl.constexpr = 2 if PINGPONG else 1  # dQ issued LAG steps late
+    gl.static_assert(ds_smem.shape[0] == 2 * LAG, "2 dS^T buffers, 4 with pingpong")
 
     mbarrier.wait(ready.index(idx), phase)
-    # step - 1's dQ (its dS^T are written: both consumers met on ds_ready at the end of step - 1)
-    dq = _dq_issue(_ds_buffer(ds_smem, step + 1, SPLIT_DQ), k_smem, DQ, CID, SPLIT_DQ)  # step + 1: step - 1's parity
+    # step - LAG's dQ (its dS^T are written: this consumer waited on ds_ready for it at the end of step - 1)
+    if PINGPONG:  # step - 2's buffer of 4: the one two away
+        dq = _dq_issue(ds_smem.index((step & 3) ^ 2), k_smem, DQ, CID, SPLIT_DQ)
+    else:  # step - 1's buffer of 2
+        dq = _dq_issue(_ds_buffer(ds_smem, step + 1, SPLIT_DQ), k_smem, DQ, CID, SPLIT_DQ)
     s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
     dq = warpgroup_mma_wait(1, deps=(dq, ))  # the dQ wgmmas retired (issued first); S^T may still run
-    if step > 0:
-        # step - 1 by its slot (same parity with an even ring, BwdTile checks): a dQ buffer picked from step - 1
+    if step >= LAG:
+        # step - LAG by its slot (same parity with an even ring, BwdTile checks): a dQ buffer picked from step - 1
         # itself kept one more value live and spilled 4 B at d=128 with two dQ buffers
-        _dq_drain(dq, dq_smem, desc_dq, b, h, q_row - BM, idx + NUM - 1, CID, SPLIT_DQ)
+        _dq_drain(dq, dq_smem, desc_dq, b, h, q_row - LAG * BM, idx + NUM - LAG, CID, SPLIT_DQ)
+    if PINGPONG:
+        if CID == 0:
+            if step == 0:  # the other consumer starts now, a fraction of a step behind (see _consumer)
+                mbarrier.arrive(go, count=1)
     dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    # dS^T's buffer was last read by both consumers' dQ wgmmas of step - 2, issued at the start of step - 1: this
-    # one retired its own there, the other one its own before it arrived on ds_ready at the end of step - 1, which
-    # this one waited for
-    ds_buf = _ds_buffer(ds_smem, step, SPLIT_DQ)
+    # dS^T's buffer was last read by both consumers' dQ wgmmas of step - 2 LAG, issued at the start of step - LAG:
+    # this one retired its own there, the other one its own before it arrived on ds_ready at the end of step - LAG,
+    # which this one waited for at the end of step - 1
+    if PINGPONG:
+        ds_buf = ds_smem.index(step & 3)
+    else:
+        ds_buf = _ds_buffer(ds_smem, step, SPLIT_DQ)
     dk, dv = _grads_of_step(s_t, dp_t, q_s, do_s, l2_ring.index(idx), delta_ring.index(idx), ds_buf, dk, dv, q_row,
                             offs_n, qk_scale, masked, CID, EXACT)
     mbarrier.arrive(empty.index(idx), count=1)  # S, dP, dV, dK (every wgmma reading Q_i and dO_i) retired
     gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
-    mbarrier.arrive(ds_ready.index(step % 2), count=1)
-    mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
+    if PINGPONG:  # 4 buffers and barriers; wait for the other consumer's step - 1 only (phase 1 passes at step 0)
+        j4 = step & 3
+        mbarrier.arrive(ds_ready.index(j4), count=1)
+        mbarrier.wait(ds_ready.index((j4 + 3) & 3), ((step + 3) // 4 + 1) & 1)
+    else:
+        mbarrier.arrive(ds_ready.index(step % 2), count=1)
+        mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
     nidx, nphase = _next_slot(idx, phase, NUM)
     return dk, dv, nidx, nphase
 
 
 @gluon.jit
+def _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, step, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """The deferred schedule's epilogue: one of the last steps' dQ, issued, waited for and drained."""
+    BM: gl.constexpr = ds_smem.shape[2]
+    dq = _dq_issue(_ds_buffer(ds_smem, step, SPLIT_DQ), k_smem, dq_smem.shape[4], CID, SPLIT_DQ)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    _dq_drain(dq, dq_smem, desc_dq, b, h, (m_first + step) * BM, step, CID, SPLIT_DQ)
+
+
+@gluon.jit
 def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem, dq_smem,
-              kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
+              kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
               CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
-              EXACT: gl.constexpr, MASKED_STEPS: gl.constexpr):
+              PINGPONG: gl.constexpr, EXACT: gl.constexpr, MASKED_STEPS: gl.constexpr):
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
     D: gl.constexpr = k_smem.shape[4]
@@ -491,16 +527,24 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
     # One loop with a branch for the diagonal's tiles: peeling them into a loop of their own (as the forward does)
     # left more values live across the two loops, and the unmasked loop spilled at d=128
     if DEFER_DQ:
+        if PINGPONG:
+            if CID == 1:
+                if n_steps > 0:  # consumer 0 arrives once, in its step 0
+                    mbarrier.wait(go, 0)
         for i in range(0, n_steps):
             dk, dv, idx, phase = _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
-                                                ds_smem, ds_ready, dq_smem, desc_dq, dk, dv, idx, phase, i, b, h,
-                                                (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
-                                                EXACT)
-        if n_steps > 0:  # the last step's dQ, which no next step issues (its dS^T are written: waited for)
-            last = n_steps - 1
-            dq = _dq_issue(_ds_buffer(ds_smem, last, SPLIT_DQ), k_smem, dq_smem.shape[4], CID, SPLIT_DQ)
-            dq = warpgroup_mma_wait(0, deps=(dq, ))
-            _dq_drain(dq, dq_smem, desc_dq, b, h, (m_first + last) * BM, last, CID, SPLIT_DQ)
+                                                ds_smem, ds_ready, go, dq_smem, desc_dq, dk, dv, idx, phase, i, b,
+                                                h, (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
+                                                PINGPONG, EXACT)
+        # the dQ of the last steps, which no next step issues (pingpong: the last two)
+        if PINGPONG:
+            if n_steps > 1:  # its dS^T are written: waited for at the end of the last step
+                _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, n_steps - 2, CID, SPLIT_DQ)
+        if n_steps > 0:
+            if PINGPONG:  # the other consumer's last step
+                last = n_steps - 1
+                mbarrier.wait(ds_ready.index(last % 4), (last // 4) & 1)
+            _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, n_steps - 1, CID, SPLIT_DQ)
     else:
         for i in range(0, n_steps):
             dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
@@ -528,6 +572,7 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
 def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
                             H, n_queries, n_kv_tiles, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
+                            PINGPONG: gl.constexpr,
                             EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
@@ -535,7 +580,7 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     D: gl.constexpr = desc_q.block_type.shape[3]
     DQ: gl.constexpr = desc_dq.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
-    DS_BUFFERS: gl.constexpr = 2 if SPLIT_DQ else 1
+    DS_BUFFERS: gl.constexpr = (4 if PINGPONG else 2) if SPLIT_DQ else 1
     k_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_v.layout)
     q_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_q.layout)
@@ -548,14 +593,17 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    DS_READY: gl.constexpr = 4 if PINGPONG else 2
+    ds_ready = gl.allocate_shared_memory(gl.int64, [DS_READY, 1], mbarrier.MBarrierLayout())
+    go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_SLOTS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=_CONSUMERS)
-    for i in gl.static_range(2):
+    for i in gl.static_range(DS_READY):
         mbarrier.init(ds_ready.index(i), count=_CONSUMERS)
+    mbarrier.init(go, count=1)
     mbarrier.init(done, count=_CONSUMERS)
 
     pid = gl.program_id(0)
@@ -571,11 +619,11 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     MASKED_STEPS: gl.constexpr = _CONSUMERS * BNC // BM
     gl.warp_specialize([
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
-                     dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     0, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, EXACT, MASKED_STEPS)),
+                     dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale,
+                     sm_scale, 0, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG, EXACT, MASKED_STEPS)),
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
-                     dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     1, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, EXACT, MASKED_STEPS)),
+                     dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale,
+                     sm_scale, 1, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG, EXACT, MASKED_STEPS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
                      delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -608,7 +656,7 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
             _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
-            tile.split_dq, tile.defer_dq, exact, tile.num_slots, tile.dq_buffers, tile.consumer_registers,
+            tile.split_dq, tile.defer_dq, tile.pingpong, exact, tile.num_slots, tile.dq_buffers, tile.consumer_registers,
             tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}

@@ -1,12 +1,14 @@
 """Issues #26 and #24 on one GPU: are the Gluon backward's new schedules (kernels/flash_gluon_bwd.py: `BwdTile.
 defer_dq`, the deferred-dQ schedule, and `BwdTile.dq_buffers` = 2, two float32 dQ buffers per consumer, alone and
-together) correct, and faster than the lockstep schedule shipped now, against SDPA's cuDNN backward, in the same
-run? Written to finish in one call of under 5 minutes on an H100 or H200.
+together; then `BwdTile.pingpong`, consumers a step apart at most) correct, and faster than the lockstep schedule
+shipped now, against SDPA's cuDNN backward, in the same run? Written to finish in one call of under 5 minutes on
+an H100 or H200. Two stages (STAGES), each checks then timing: the first four schedules, then ping-pong beside
+lockstep (its new barrier protocol last, so that a hang costs only its own rows).
 
-    python results/diagnosis/flash_gluon_bwd_v2.py [--out-dir DIR] [--rounds 5] [--only-checks]
+    python results/diagnosis/flash_gluon_bwd_v2.py [--out-dir DIR] [--rounds 5] [--only-checks] [--skip-pingpong]
 
 (--out-dir defaults to $OUT; the CSV is DIR/flash_gluon_bwd_v2.csv.)
-Checks first, and the run stops (exit 1, nothing timed) if one fails, each schedule (SCHEDULES) beside the others:
+Checks first, and the run stops (exit 1, nothing more timed) if one fails, each schedule beside the others:
 - EXACT (P^T = S^T mod 8, integer inputs, O = 0, scale 1: every value an exact integer): dQ, dK, dV bit for bit
   against the float64 reference (`flash_gluon_bwd.exact_reference`) rounded to bf16, on 3 launches, d 64/128 x
   causal or not, 777 queries x 1000 keys (ragged, rectangular), and one long case (4096 x 4096, d=128, causal:
@@ -59,17 +61,21 @@ EXACT_LONG = ((1, 2, 4096, 128), (1, 2, 4096, 128), True)
 
 # name -> BwdTile fields: the lockstep schedule shipped now first (the others are compared with it)
 SCHEDULES = {
-    "lockstep": {"defer_dq": False, "dq_buffers": 1},
-    "deferred": {"defer_dq": True, "dq_buffers": 1},
-    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2},
-    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2},
+    "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
+    "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False},
+    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2, "pingpong": False},
+    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False},
+    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True},
 }
+# stage 1 checks and times these; stage 2 the ping-pong schedule (new barrier protocol: a deadlock there, which the
+# watchdog ends, must not cost stage 1's rows), beside the lockstep one again
+STAGES = [["lockstep", "deferred", "lockstep_dq2", "deferred_dq2"], ["lockstep", "pingpong"]]
 
 
-def schedules(head_dim):
-    """(name, tile) of each schedule at this head dim."""
+def schedules(head_dim, names):
+    """(name, tile) of each named schedule at this head dim, lockstep first."""
     tile = flash_gluon_bwd.tile_for(head_dim)
-    return [(name, dataclasses.replace(tile, **fields)) for name, fields in SCHEDULES.items()]
+    return [(name, dataclasses.replace(tile, **SCHEDULES[name])) for name in names]
 
 
 def exact_cases():
@@ -80,14 +86,14 @@ def exact_cases():
     yield EXACT_LONG
 
 
-def exact_rows(timeout_s):
-    """EXACT, both schedules: mismatching elements of dQ, dK, dV on each of 3 launches (all must be 0)."""
+def exact_rows(names, timeout_s):
+    """EXACT, each named schedule: mismatching elements of dQ, dK, dV on each of 3 launches (all must be 0)."""
     for q_shape, k_shape, causal in exact_cases():
         faulthandler.dump_traceback_later(timeout_s, exit=True)
         q, k, v, do = flash_gluon_bwd.exact_inputs(q_shape, k_shape, "cuda")
         expected = [g.to(torch.bfloat16) for g in flash_gluon_bwd.exact_reference(q, k, v, do, causal)]
         o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
-        for schedule, tile in schedules(q_shape[-1]):
+        for schedule, tile in schedules(q_shape[-1], names):
             mismatches = []
             for _ in range(3):
                 grads = flash_gluon_bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
@@ -101,8 +107,8 @@ def exact_rows(timeout_s):
         faulthandler.cancel_dump_traceback_later()
 
 
-def float_rows(timeout_s):
-    """Stage 2's awkward cases, both schedules, against float64 and our FA2 backward (see the docstring)."""
+def float_rows(names, timeout_s):
+    """Stage 2's awkward cases, each named schedule, against float64 and our FA2 backward (see the docstring)."""
     for q_shape, k_shape, causal, model_layout, stride0 in CHECKS:
         faulthandler.dump_traceback_later(timeout_s, exit=True)
         q, k, v = fresh(q_shape, model_layout), fresh(k_shape, model_layout), fresh(k_shape, model_layout)
@@ -113,7 +119,7 @@ def float_rows(timeout_s):
             fa2 = flash_backward_triton(q, k, v, o, lse, do, causal)
         case = f"q{list(q_shape)} k{list(k_shape)}"
         lockstep = None
-        for schedule, tile in schedules(q_shape[-1]):
+        for schedule, tile in schedules(q_shape[-1], names):
             grads = flash_gluon_bwd.flash_backward_gluon(q, k, v, o, do, lse, causal, tile=tile)
             again = flash_gluon_bwd.flash_backward_gluon(q, k, v, o, do, lse, causal, tile=tile)
             torch.cuda.synchronize()
@@ -145,14 +151,14 @@ def float_rows(timeout_s):
         faulthandler.cancel_dump_traceback_later()
 
 
-def timing_rows(name, batch, heads, n, d, causal, rounds: int, rep_ms: int):
+def timing_rows(name, batch, heads, n, d, causal, names, rounds: int, rep_ms: int):
     """The per-round rows of one shape, then one summary row per provider (its tensors freed on return)."""
     from torch.nn.attention import SDPBackend
 
     q, k, v, do = (fresh((batch, heads, n, d)) for _ in range(4))
     o, lse = flash_gluon.flash_attention_gluon_forward(q, k, v, causal)
     fns = {schedule: (lambda t=tile: flash_gluon_bwd.flash_backward_gluon(q, k, v, o, do, lse, causal, tile=t))
-           for schedule, tile in schedules(d)}
+           for schedule, tile in schedules(d, names)}
     base = {"section": "timing_round", "case": name, "batch": batch, "heads": heads, "seq": n, "head_dim": d,
             "causal": causal, "dtype": "bfloat16"}
     try:  # a backend torch refuses at this shape is a row, not the end of the run
@@ -187,15 +193,14 @@ def timing_rows(name, batch, heads, n, d, causal, rounds: int, rep_ms: int):
         yield row
     print(f"time {name}: " + "  ".join(f"{p} {median[p]:.3f} ms ({flops / median[p] * 1e-9:.0f} TFLOP/s, "
                                        f"{median[p] / cudnn:.3f}x cuDNN)" for p in providers)
-          + "  vs lockstep: " + " ".join(f"{p} {median[p] / median['lockstep']:.3f}" for p in SCHEDULES
-                                         if p != "lockstep"), flush=True)
+          + "  vs lockstep: " + " ".join(f"{p} {median[p] / median['lockstep']:.3f}" for p in names[1:]), flush=True)
 
 
-def time_all(rounds: int, timeout_s: float):
+def time_all(names, rounds: int, timeout_s: float):
     for shape in SHAPES:
         faulthandler.dump_traceback_later(timeout_s, exit=True)
-        rep_ms = 600 if shape[3] >= 32768 else 200  # a few calls per do_bench at the 8B shape's ~80 ms
-        yield from timing_rows(*shape, rounds=rounds, rep_ms=rep_ms)
+        rep_ms = 500 if shape[3] >= 32768 else 200  # a few calls per do_bench at the 8B shape's ~80 ms
+        yield from timing_rows(*shape, names, rounds=rounds, rep_ms=rep_ms)
         torch.cuda.empty_cache()
         faulthandler.cancel_dump_traceback_later()
 
@@ -205,6 +210,7 @@ def main():
     parser.add_argument("--out-dir", default=os.environ.get("OUT"), help="folder for the CSV (default: $OUT)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per shape")
     parser.add_argument("--only-checks", action="store_true", help="skip the timing")
+    parser.add_argument("--skip-pingpong", action="store_true", help="stage 1 only (no BwdTile.pingpong)")
     parser.add_argument("--case-timeout", type=float, default=120.0,
                         help="seconds one check case or one timing shape may take before the run is ended (hang)")
     args = parser.parse_args()
@@ -226,16 +232,20 @@ def main():
             write_rows([{**r, **prov} for r in rows], out)
         print(f"section done at {time.time() - start:.0f} s", flush=True)
 
-    record(exact_rows(args.case_timeout))
-    record(float_rows(args.case_timeout))
-    failed = [row for row in rows if not row["ok"]]
-    print(f"{len(failed)} failed checks of {len(rows)}; {time.time() - start:.0f} s", flush=True)
-    if failed:
-        print("FAILED: " + "; ".join(f"{r['section']} {r['case']} causal={r['causal']} {r['schedule']}"
-                                     for r in failed), flush=True)
-        sys.exit(1)
-    if not args.only_checks:
-        record(time_all(args.rounds, args.case_timeout))
+    for stage, names in enumerate(STAGES[:1] if args.skip_pingpong else STAGES, 1):
+        print(f"stage {stage}: {', '.join(names)}", flush=True)
+        first = len(rows)
+        record({**row, "stage": stage} for row in exact_rows(names, args.case_timeout))
+        record({**row, "stage": stage} for row in float_rows(names, args.case_timeout))
+        failed = [row for row in rows[first:] if not row["ok"]]
+        print(f"stage {stage}: {len(failed)} failed checks of {len(rows) - first}; {time.time() - start:.0f} s",
+              flush=True)
+        if failed:
+            print("FAILED: " + "; ".join(f"{r['section']} {r['case']} causal={r['causal']} {r['schedule']}"
+                                         for r in failed), flush=True)
+            sys.exit(1)
+        if not args.only_checks:
+            record({**row, "stage": stage} for row in time_all(names, args.rounds, args.case_timeout))
     print(f"done in {time.time() - start:.0f} s", flush=True)
 
 
