@@ -536,15 +536,14 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
                                                 ds_smem, ds_ready, go, dq_smem, desc_dq, dk, dv, idx, phase, i, b,
                                                 h, (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
                                                 PINGPONG, EXACT)
-        # the dQ of the last steps, which no next step issues (pingpong: the last two)
-        if PINGPONG:
-            if n_steps > 1:  # its dS^T are written: waited for at the end of the last step
-                _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, n_steps - 2, CID, SPLIT_DQ)
-        if n_steps > 0:
-            if PINGPONG:  # the other consumer's last step
-                last = n_steps - 1
-                mbarrier.wait(ds_ready.index(last % 4), (last // 4) & 1)
-            _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, n_steps - 1, CID, SPLIT_DQ)
+        # the dQ of the last steps, which no next step issues (pingpong: the last two; one loop, as two copies
+        # kept more values live through the main loop and spilled there)
+        LAG: gl.constexpr = 2 if PINGPONG else 1
+        for t in range(gl.maximum(n_steps - LAG, 0), n_steps):
+            if PINGPONG:
+                if t == n_steps - 1:  # the other consumer's last step (step - 2's was waited for in the loop)
+                    mbarrier.wait(ds_ready.index(t % 4), (t // 4) & 1)
+            _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, t, CID, SPLIT_DQ)
     else:
         for i in range(0, n_steps):
             dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
