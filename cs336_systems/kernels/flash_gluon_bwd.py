@@ -594,7 +594,6 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     DS_READY: gl.constexpr = 4 if PINGPONG else 2
     ds_ready = gl.allocate_shared_memory(gl.int64, [DS_READY, 1], mbarrier.MBarrierLayout())
-    go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_SLOTS):
@@ -602,7 +601,11 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
         mbarrier.init(empty.index(i), count=_CONSUMERS)
     for i in gl.static_range(DS_READY):
         mbarrier.init(ds_ready.index(i), count=_CONSUMERS)
-    mbarrier.init(go, count=1)
+    if PINGPONG:  # consumer 0 -> consumer 1: start (once)
+        go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(go, count=1)
+    else:
+        go = done  # a placeholder: only ping-pong reads it
     mbarrier.init(done, count=_CONSUMERS)
 
     pid = gl.program_id(0)
