@@ -103,7 +103,7 @@ def exact_rows(names, timeout_s):
             print(f"exact {case} causal={causal} {schedule}: mismatches (dQ, dK, dV) per launch {mismatches} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)
             yield {"section": "exact", "case": case, "causal": causal, "dtype": "bfloat16", "schedule": schedule,
-                   "defer_dq": tile.defer_dq, "mismatches_dq_dk_dv": str(mismatches), "ok": ok}
+                   **SCHEDULES[schedule], "mismatches_dq_dk_dv": str(mismatches), "ok": ok}
         faulthandler.cancel_dump_traceback_later()
 
 
@@ -124,7 +124,7 @@ def float_rows(names, timeout_s):
             again = flash_gluon_bwd.flash_backward_gluon(q, k, v, o, do, lse, causal, tile=tile)
             torch.cuda.synchronize()
             row = {"section": "check", "case": case, "causal": causal, "model_layout": model_layout,
-                   "stride0_do": stride0, "dtype": "bfloat16", "schedule": schedule, "defer_dq": tile.defer_dq}
+                   "stride0_do": stride0, "dtype": "bfloat16", "schedule": schedule, **SCHEDULES[schedule]}
             ok = True
             for name, g, f, r in zip(("dq", "dk", "dv"), grads, fa2, ref):
                 err, fa2_err = rel_err(g, r), rel_err(f, r)
