@@ -5,7 +5,8 @@ row length, the support checks and their errors, the TMA reduce-add's version ch
 (plain Triton: under the interpreter on CPU, compiled on a GPU) against torch, and, in a process of its own, a
 compile for sm_90 with 0 spills. On an sm_90 GPU (marked `gpu`): dQ, dK, dV against a float64 autograd reference and
 against our Triton FA2 backward on awkward shapes (lengths not tile multiples, causal or not, rectangular both ways,
-3-d inputs, the model's strides, a stride-0 dO), with both dQ schemes and both step schedules (lockstep, deferred dQ).
+3-d inputs, the model's strides, a stride-0 dO), with both dQ schemes and each step schedule (SCHEDULES: lockstep,
+deferred dQ, two dQ buffers, ping-pong).
 """
 
 import dataclasses
