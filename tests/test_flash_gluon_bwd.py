@@ -5,7 +5,8 @@ row length, the support checks and their errors, the TMA reduce-add's version ch
 (plain Triton: under the interpreter on CPU, compiled on a GPU) against torch, and, in a process of its own, a
 compile for sm_90 with 0 spills. On an sm_90 GPU (marked `gpu`): dQ, dK, dV against a float64 autograd reference and
 against our Triton FA2 backward on awkward shapes (lengths not tile multiples, causal or not, rectangular both ways,
-3-d inputs, the model's strides, a stride-0 dO), with both dQ schemes.
+3-d inputs, the model's strides, a stride-0 dO), with both dQ schemes and each step schedule (SCHEDULES: lockstep,
+deferred dQ, two dQ buffers, ping-pong).
 """
 
 import dataclasses
@@ -46,6 +47,43 @@ def test_tiles_fit_shared_memory_and_keep_the_masking_assumption():
         BwdTile(64, block_m=96)
     with pytest.raises(ValueError, match="head dim 32"):
         bwd.tile_for(32)
+
+
+def test_the_deferred_schedule_is_opt_in_and_flags_must_be_bools():
+    """TILES ships the lockstep schedule until a GPU run says otherwise; a flag given as a string or int (which
+    Triton would take as a truthy constexpr) is refused, naming the field and the value."""
+    assert not any(tile.defer_dq for tile in TILES.values())
+    assert BwdTile(128, defer_dq=True).shared_bytes() == TILES[128].shared_bytes()  # no new buffers
+    for field, value in (("defer_dq", "yes"), ("defer_dq", 1), ("split_dq", None)):
+        with pytest.raises(ValueError, match=f"{field} must be a bool, got {value!r}"):
+            BwdTile(128, **{field: value})
+    with pytest.raises(ValueError, match="defer_dq=True needs split_dq=True"):
+        BwdTile(64, split_dq=False, defer_dq=True)
+
+
+def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
+    assert BwdTile(128, dq_buffers=2).shared_bytes() - TILES[128].shared_bytes() == 2 * 64 * 64 * 4  # 32 KiB more
+    assert BwdTile(128, dq_buffers=2).shared_bytes() <= bwd.SHARED_BYTES
+    with pytest.raises(ValueError, match="dq_buffers must be 1 or 2, got 3"):
+        BwdTile(64, dq_buffers=3)
+    with pytest.raises(ValueError, match="two dQ buffers need an even num_slots"):
+        BwdTile(64, num_slots=3, dq_buffers=2)
+    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):  # per-consumer dQ, two (64, 128) buffers
+        BwdTile(128, split_dq=False, dq_buffers=2)
+    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):
+        BwdTile(128, num_slots=4)
+
+
+def test_pingpong_is_a_deferred_variant_with_four_ds_buffers():
+    pingpong = BwdTile(128, defer_dq=True, pingpong=True)
+    assert pingpong.shared_bytes() - TILES[128].shared_bytes() == 2 * 128 * 64 * 2  # two more (128, 64) dS^T
+    with pytest.raises(ValueError, match="pingpong=True needs defer_dq=True"):
+        BwdTile(64, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong must be a bool, got 'no'"):
+        BwdTile(64, defer_dq=True, pingpong="no")
+    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):  # and two dQ buffers: too much at d=128
+        BwdTile(128, defer_dq=True, pingpong=True, dq_buffers=2)
+    assert BwdTile(64, defer_dq=True, pingpong=True, dq_buffers=2).shared_bytes() <= bwd.SHARED_BYTES
 
 
 @pytest.mark.parametrize("n_kv_tiles,batch_heads", [(5, 3), (1, 4), (7, 1)])
@@ -154,19 +192,23 @@ def test_exact_reference_is_exact_in_the_kernels_precisions(causal):
         bwd.exact_reference(q, k, v * 37, do * 37, causal)
 
 
-def test_compiles_for_sm90_without_spills(tmp_path):
-    """The shipped d=128 causal bf16 configuration compiled for the H100 on this machine through the launcher's own
-    host code: 0 spills, the tiles' shared memory, the dQ reduce-add lowered to TMA. In a process of its own
-    (Triton's JIT, a stand-in driver)."""
+@pytest.mark.parametrize("variant", ["shipped", "deferred_dq", "dq2", "deferred_dq2"])
+def test_compiles_for_sm90_without_spills(tmp_path, variant):
+    """The d=128 causal bf16 configuration of each schedule compiled for the H100 on this machine through the
+    launcher's own host code: 0 spills, the tiles' shared memory, the dQ reduce-add lowered to TMA. In a process of
+    its own (Triton's JIT, a stand-in driver)."""
     out = tmp_path / "gluon_bwd.csv"
     subprocess.run([sys.executable, "-m", "cs336_systems.bench.flash_gluon_bwd_resources", "--head-dims", "128",
-                    "--shipped-only", "--only-first", "--out", str(out)], check=True, capture_output=True, text=True,
-                   timeout=600)
+                    "--variants", variant, "--only-first", "--out", str(out)], check=True, capture_output=True,
+                   text=True, timeout=600)
     rows = pd.read_csv(out)
     assert len(rows) == 1 and (rows["status"] == "ok").all(), rows.to_dict("records")
     row = rows.iloc[0]
+    assert row["variant"] == variant and bool(row["defer_dq"]) == variant.startswith("deferred")
+    assert row["dq_buffers"] == (2 if variant.endswith("dq2") else 1)
     assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0
-    assert TILES[128].shared_bytes() <= row["shared_bytes"] <= TILES[128].shared_bytes() + 1024
+    tile_bytes = row["tile_shared_bytes"]
+    assert TILES[128].shared_bytes() <= tile_bytes <= row["shared_bytes"] <= tile_bytes + 1024
     assert row["tma_reduce_ops"] >= 1
 
 
@@ -186,6 +228,14 @@ GPU_CASES = [
     ((2, 257, 128), (2, 257, 128), True, False),
 ]
 FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
+# a consumer's step schedule -> BwdTile fields (lockstep: what TILES ships)
+SCHEDULES = {
+    "lockstep": {"defer_dq": False, "dq_buffers": 1},
+    "deferred": {"defer_dq": True, "dq_buffers": 1},
+    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2},
+    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2},
+    "pingpong": {"defer_dq": True, "pingpong": True},
+}
 
 
 def _rel_err(x, ref):
@@ -222,9 +272,11 @@ def _check_against_float64_and_fa2(q, k, v, do, causal, tile=None):
 @needs_sm90
 @pytest.mark.parametrize("q_shape,k_shape,causal,model_layout", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype, schedule):
     q, k, v = (_fresh(s, model_layout, dtype) for s in (q_shape, k_shape, k_shape))
-    _check_against_float64_and_fa2(q, k, v, _fresh(q_shape, model_layout, dtype), causal)
+    tile = dataclasses.replace(TILES[q_shape[-1]], **SCHEDULES[schedule])
+    _check_against_float64_and_fa2(q, k, v, _fresh(q_shape, model_layout, dtype), causal, tile)
 
 
 @pytest.mark.gpu
@@ -245,8 +297,8 @@ def test_gpu_other_dq_scheme_and_stride0_grad_out(head_dim, causal):
 @needs_sm90
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("split_dq", [True, False])
-def test_gpu_exact_pipeline(head_dim, causal, split_dq):
+@pytest.mark.parametrize("split_dq,schedule", [(True, s) for s in SCHEDULES] + [(False, "lockstep")])
+def test_gpu_exact_pipeline(head_dim, causal, split_dq, schedule):
     """EXACT: P^T = S^T mod 8 with integer inputs, O = 0 and scale 1, so every product and sum is an exact integer:
     dQ, dK, dV must equal the float64 reference rounded to bf16, bit for bit, on repeated launches (any lost,
     repeated or reordered tile, a barrier race or a register-A hazard shows as a mismatch). Ragged lengths,
@@ -255,7 +307,7 @@ def test_gpu_exact_pipeline(head_dim, causal, split_dq):
     q, k, v, do = bwd.exact_inputs((2, 3, 777, head_dim), (2, 3, 1000, head_dim), "cuda", gen)
     expected = [g.to(torch.bfloat16) for g in bwd.exact_reference(q, k, v, do, causal)]
     o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
-    tile = dataclasses.replace(TILES[head_dim], split_dq=split_dq)
+    tile = dataclasses.replace(TILES[head_dim], split_dq=split_dq, **SCHEDULES[schedule])
     for _ in range(3):
         grads = bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
         for name, g, e in zip(("dQ", "dK", "dV"), grads, expected):

@@ -22,6 +22,12 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
        registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False keeps the per-consumer
        variant, which spills there) and the reduce-add traffic;
   3. dQ = accumulator * scale, cast to q's dtype into q's layout (a torch copy).
+Two schedules of a consumer's step (BwdTile.defer_dq, default off): lockstep (`_query_step`) issues, waits for
+and reduces step i's dQ at the end of step i; deferred (`_deferred_step`) issues step i's dQ wgmmas at the start of
+step i + 1, just before S^T, and stores and reduces them while S^T runs (the tail overlaps this consumer's own
+tensor-core work), and frees the slot as soon as dK retires. Either may keep two float32 dQ buffers per consumer
+(BwdTile.dq_buffers = 2, by step parity): writing one then waits (`tma.store_wait(1)`) only for the reduce-add of
+two steps ago, not the last one.
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
   kv_bar                producer -> consumers: both consumers' K and V sub-tiles landed (expect-tx bytes)
@@ -73,6 +79,9 @@ from cs336_systems.kernels.flash_gluon import _as_2d, _as_4d, _descriptor, _next
 
 LOG2E = 1.4426950408889634
 CONSUMERS = 2  # consumer warpgroups per program, each owning block_n / CONSUMERS keys
+# the most dynamic shared memory a block may have on sm_90 (227 KiB), less 1 KiB for the barriers and the
+# compiler's own: tiles beyond it fail at launch, so BwdTile refuses them up front
+SHARED_BYTES = 227 * 1024 - 1024
 _CONSUMERS = gl.constexpr(CONSUMERS)
 
 
@@ -83,6 +92,11 @@ class BwdTile:
     d = 128 is 128 of its registers); num_slots: Q/dO ring depth; split_dq: dQ of a step computed once for the
     program's block_n keys, each consumer taking half of the head dim (half the dQ registers and half the
     reduce-add traffic, for a barrier between the consumers each step), else per consumer over its own keys;
+    defer_dq: the deferred-dQ schedule (`_deferred_step`: a step's dQ wgmmas are issued at the start of the next
+    step, ahead of its S^T, and drained while S^T runs), else the lockstep one (`_query_step`: dQ issued, waited
+    for and reduced at the end of its own step); dq_buffers: float32 dQ buffers per consumer, 1, or 2 by step
+    parity so that writing one waits only for the reduce-add of two steps ago; pingpong (with defer_dq): the
+    consumers need not meet every step (dQ two steps late, 4 dS^T buffers) and start a fraction of a step apart;
     registers as in flash_gluon.GluonTile."""
 
     head_dim: int
@@ -90,11 +104,31 @@ class BwdTile:
     block_n: int = 128
     num_slots: int = 2
     split_dq: bool = True
+    defer_dq: bool = False
+    dq_buffers: int = 1
+    pingpong: bool = False
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
 
     def __post_init__(self):
+        for name in ("split_dq", "defer_dq", "pingpong"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{self}: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.dq_buffers not in (1, 2):
+            raise ValueError(f"{self}: dq_buffers must be 1 or 2, got {self.dq_buffers!r}")
+        if self.dq_buffers == 2 and self.num_slots % 2:
+            raise ValueError(f"{self}: two dQ buffers need an even num_slots (the deferred schedule picks the "
+                             "buffer by the slot's parity)")
+        if self.shared_bytes() > SHARED_BYTES:
+            raise ValueError(f"{self}: its tiles need {self.shared_bytes()} B of shared memory, more than the "
+                             f"{SHARED_BYTES} B an sm_90 block may have")
+        if self.pingpong and not self.defer_dq:
+            raise ValueError(f"{self}: pingpong=True needs defer_dq=True (it is a variant of the deferred schedule)")
+        if self.defer_dq and not self.split_dq:
+            # with per-consumer dQ, Triton 3.6's ptxas crashed at d=64 and spilled 628 B at d=128
+            raise ValueError(f"{self}: defer_dq=True needs split_dq=True (the deferred schedule is written for the "
+                             "split dQ only)")
         if self.block_n != CONSUMERS * 64:
             raise ValueError(f"{self}: block_n must be {CONSUMERS} x 64 (one 64-key wgmma M per consumer)")
         if self.block_n % self.block_m:
@@ -121,8 +155,8 @@ class BwdTile:
         d = self.head_dim
         kv = 2 * self.block_n * d * element_size
         ring = self.num_slots * self.block_m * (2 * d * element_size + 2 * 4)
-        ds = (2 if self.split_dq else 1) * self.block_n * self.block_m * element_size
-        dq = CONSUMERS * self.block_m * self.dq_columns * 4
+        ds = ((4 if self.pingpong else 2) if self.split_dq else 1) * self.block_n * self.block_m * element_size
+        dq = CONSUMERS * self.dq_buffers * self.block_m * self.dq_columns * 4
         return kv + ring + ds + dq
 
 
@@ -263,23 +297,104 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_sm
 
 
 @gluon.jit
-def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_c, desc_dq,
+def _ds_buffer(ds_smem, step, SPLIT_DQ: gl.constexpr):
+    """The dS^T buffer of a step: by step modulo the buffers when split (both consumers read it: 2 buffers, 4 with
+    BwdTile.pingpong), else the one buffer. `step` must not be negative (pass step + buffers for step - k)."""
+    NDS: gl.constexpr = ds_smem.shape[0]
+    if SPLIT_DQ:
+        return ds_smem.index(step % NDS)
+    else:
+        return ds_smem.index(0)
+
+
+@gluon.jit
+def _grads_of_step(s_t, dp_t, q_s, do_s, l2_row, delta_row, ds_buf, dk, dv, q_row, offs_n, qk_scale, masked,
+                   CID: gl.constexpr, EXACT: gl.constexpr):
+    """From S^T and dP^T in flight (dP^T issued last): P^T, dV += P^T dO, dS^T, dK += dS^T Q, this consumer's dS^T
+    into its rows of ds_buf (fenced). Returns dK, dV with every wgmma of the step retired (so the slot may go)."""
+    BM: gl.constexpr = q_s.shape[0]
+    BNC: gl.constexpr = offs_n.shape[0]  # this consumer's keys
+    D: gl.constexpr = q_s.shape[1]
+    dtype: gl.constexpr = q_s.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
+    # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
+    # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
+    if EXACT:  # tests only: integer arithmetic, every value exact (see the module docstring)
+        p_t = s_t - gl.floor(s_t * 0.125) * 8.0
+    else:
+        p_t = gl.exp2(s_t * qk_scale - l2_row.load(s_layout))  # padded queries: L2 = +inf, P = 0
+    if masked:  # a runtime branch: only the diagonal's tiles pay for the mask
+        offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+        p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
+    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)  # dV's tensor-core work overlaps dS^T below
+    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dP^T retired (issued before dV); dV may still run
+    ds_t = (p_t * (dp_t - delta_row.load(s_layout))).to(dtype)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
+    # dS^T to shared memory for dQ (the caller knows the buffer's last reader retired)
+    ds_buf.slice(CID * BNC, BNC).store(ds_t)
+    fence_async_shared()
+    # dV and dK retire before dQ's accumulator is live: P^T, dS^T (kept alive to here) and dQ never share registers
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+    return dk, dv
+
+
+@gluon.jit
+def _dq_issue(ds_buf, k_smem, DQ: gl.constexpr, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """The async wgmma(s) of a step's dQ rows from its dS^T buffer (in flight on return). Split: dQ_i[:, this
+    half] = sum over the consumers' key blocks j of dS_ij K_j[:, this half]; else dS_i K over this consumer's keys."""
+    BM: gl.constexpr = ds_buf.shape[1]
+    BNC: gl.constexpr = k_smem.shape[3]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ, 16])
+    if SPLIT_DQ:
+        dq = warpgroup_mma(ds_buf.slice(0, BNC).permute((1, 0)), _as_2d(k_smem, 0).slice(CID * DQ, DQ, dim=1),
+                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_buf.slice(BNC, BNC).permute((1, 0)), _as_2d(k_smem, 1).slice(CID * DQ, DQ, dim=1),
+                           dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_buf.slice(CID * BNC, BNC).permute((1, 0)), _as_2d(k_smem, CID),
+                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
+    return dq
+
+
+@gluon.jit
+def _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """A retired dQ part of a step into this consumer's float32 buffer (one, or two by step parity: BwdTile.
+    dq_buffers; `step` is only read for its parity) and on by TMA reduce-add into the accumulator."""
+    NB: gl.constexpr = dq_smem.shape[0] // _CONSUMERS  # dQ buffers per consumer: 1 or 2
+    BM: gl.constexpr = dq_smem.shape[3]
+    DQ: gl.constexpr = dq_smem.shape[4]
+    if NB == 1:
+        dq_c = dq_smem.index(CID)
+    else:
+        dq_c = dq_smem.index(CID * 2 + (step & 1))
+    # the reduce-add that last read dq_c (NB steps ago) has finished; the NB - 1 later ones may still run
+    tma.store_wait(NB - 1)
+    dq_c.reshape([BM, DQ]).store(dq)
+    fence_async_shared()
+    if SPLIT_DQ:
+        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
+    else:
+        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
+
+
+@gluon.jit
+def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_smem, desc_dq,
                 dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
                 SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
-    """One query tile (rows q_row..q_row+BM) against this consumer's keys: dK, dV accumulated, dQ reduced.
-    SPLIT_DQ: dQ_i = dS_i K over both consumers' keys, each consumer taking half of the head dim (both dS^T in
-    shared memory, buffered by step parity, ds_ready says both are written); else each consumer reduces its own
-    keys' (BM, d) partial."""
+    """One query tile (rows q_row..q_row+BM) against this consumer's keys, the lockstep schedule: dK, dV
+    accumulated, then this step's dQ computed, waited for and reduced. SPLIT_DQ: dQ_i = dS_i K over both consumers'
+    keys, each consumer taking half of the head dim (both dS^T in shared memory, buffered by step parity, ds_ready
+    says both are written); else each consumer reduces its own keys' (BM, d) partial."""
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
-    D: gl.constexpr = k_smem.shape[4]
-    DQ: gl.constexpr = dq_c.shape[3]  # dQ columns this consumer reduces: D / 2 when split, else D
-    dtype: gl.constexpr = k_smem.dtype
+    DQ: gl.constexpr = dq_smem.shape[4]  # dQ columns this consumer reduces: D / 2 when split, else D
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     k_c = _as_2d(k_smem, CID)
     q_s = _as_2d(q_ring, idx)
     do_s = _as_2d(do_ring, idx)
@@ -288,63 +403,108 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
     mbarrier.wait(ready.index(idx), phase)
     s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
-    # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
-    # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
-    if EXACT:  # tests only: integer arithmetic, every value exact (see the module docstring)
-        p_t = s_t - gl.floor(s_t * 0.125) * 8.0
-    else:
-        p_t = gl.exp2(s_t * qk_scale - l2_ring.index(idx).load(s_layout))  # padded queries: L2 = +inf, P = 0
-    if masked:  # a runtime branch: only the diagonal's tiles pay for the mask
-        offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
-        p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-    p_op = gl.convert_layout(p_t.to(dtype), a_layout)
-    dv = warpgroup_mma(p_op, do_s, dv, is_async=True)  # dV's tensor-core work overlaps dS^T below
-    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dP^T retired (issued before dV); dV may still run
-    ds_t = (p_t * (dp_t - delta_ring.index(idx).load(s_layout))).to(dtype)
-    ds_op = gl.convert_layout(ds_t, a_layout)
-    dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
-    # dS^T to shared memory for dQ. Its buffer was last read by the dQ wgmmas of step - 2 (split: both consumers';
-    # the other one's retired before it arrived on ds_ready in step - 1, which this one waited for) or step - 1
-    # (not split: this consumer's own, waited on below)
-    if SPLIT_DQ:
-        ds_buf = ds_smem.index(step % 2)
-    else:
-        ds_buf = ds_smem.index(0)
-    ds_buf.slice(CID * BNC, BNC).store(ds_t)
-    fence_async_shared()
-    # dV and dK retire before dQ's accumulator is live: P^T, dS^T (kept alive to here) and dQ never share registers
-    dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+    # dS^T's buffer was last read by the dQ wgmmas of step - 2 (split: both consumers'; the other one's retired
+    # before it arrived on ds_ready in step - 1, which this one waited for) or step - 1 (not split: this
+    # consumer's own, waited on below)
+    ds_buf = _ds_buffer(ds_smem, step, SPLIT_DQ)
+    dk, dv = _grads_of_step(s_t, dp_t, q_s, do_s, l2_ring.index(idx), delta_ring.index(idx), ds_buf, dk, dv, q_row,
+                            offs_n, qk_scale, masked, CID, EXACT)
     if SPLIT_DQ:
         gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
         mbarrier.arrive(ds_ready.index(step % 2), count=1)
         mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
-        # dQ_i[:, this half] = sum over the consumers' key blocks j of dS_ij K_j[:, this half]
-        dq = warpgroup_mma(ds_buf.slice(0, BNC).permute((1, 0)), _as_2d(k_smem, 0).slice(CID * DQ, DQ, dim=1),
-                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_buf.slice(BNC, BNC).permute((1, 0)), _as_2d(k_smem, 1).slice(CID * DQ, DQ, dim=1),
-                           dq, is_async=True)
-    else:
-        dq = warpgroup_mma(ds_buf.slice(CID * BNC, BNC).permute((1, 0)), k_c, gl.zeros([BM, DQ], gl.float32, dq_layout),
-                           use_acc=False, is_async=True)
+    dq = _dq_issue(ds_buf, k_smem, DQ, CID, SPLIT_DQ)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(empty.index(idx), count=1)  # every wgmma reading Q_i and dO_i has retired
-    tma.store_wait(0)  # the previous reduce-add has finished reading dq_c
-    dq_c.reshape([BM, DQ]).store(dq)
-    fence_async_shared()
-    if SPLIT_DQ:
-        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
-    else:
-        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
+    _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID, SPLIT_DQ)
     nidx, nphase = _next_slot(idx, phase, NUM)
     return dk, dv, nidx, nphase
 
 
 @gluon.jit
+def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, go, dq_smem,
+                   desc_dq, dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
+                   SPLIT_DQ: gl.constexpr, PINGPONG: gl.constexpr, EXACT: gl.constexpr):
+    """One query tile, the deferred-dQ schedule (BwdTile.defer_dq): the previous step's dQ wgmmas are issued here,
+    ahead of this step's S^T, and drained (stored, reduced) while S^T runs, so the dQ tail no longer stands between
+    two steps' tensor-core work; dP^T is issued after the drain, so at most two accumulators besides dK and dV are
+    live (issuing it before the drain spilled 512 B at d=128). The slot is released as soon as dK retires (dQ does
+    not read it). The consumers still meet on ds_ready at the end of each step: waiting there at the start of the
+    next step instead (looser lockstep) made Triton 3.6's ptxas 12.8 crash (SIGSEGV), in every placement tried.
+    Step 0 issues a dQ of whatever buffer step - 1 would use and drops it (one wgmma pair per program, to keep
+    one loop: a peeled step spilled before); the consumer's epilogue issues the last step's dQ. Split dQ only
+    (BwdTile refuses defer_dq without split_dq).
+    PINGPONG (BwdTile.pingpong): the dQ of step - 2 (LAG = 2) instead, from 4 dS^T buffers, and at the end of a step
+    this consumer waits for the other one's step - 1 only, so either may run up to a step ahead; consumer 1 starts
+    when consumer 0 has drained in its step 0, so that one's softmax falls under the other's wgmmas (FA3's
+    ping-pong, by mbarriers and a start offset instead of named barriers)."""
+    NUM: gl.constexpr = q_ring.shape[0]
+    BM: gl.constexpr = q_ring.shape[3]
+    BNC: gl.constexpr = k_smem.shape[3]
+    DQ: gl.constexpr = dq_smem.shape[4]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    k_c = _as_2d(k_smem, CID)
+    q_s = _as_2d(q_ring, idx)
+    do_s = _as_2d(do_ring, idx)
+    s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
+    gl.static_assert(SPLIT_DQ, "the deferred-dQ schedule is written for the split dQ only")
+    gl.static_assert(NUM % 2 == 0 or dq_smem.shape[0] == _CONSUMERS, "two dQ buffers need an even ring")
+    LAG: gl.constexpr = 2 if PINGPONG else 1  # dQ issued LAG steps late
+    gl.static_assert(ds_smem.shape[0] == 2 * LAG, "2 dS^T buffers, 4 with pingpong")
+
+    mbarrier.wait(ready.index(idx), phase)
+    # step - LAG's dQ (its dS^T are written: this consumer waited on ds_ready for it at the end of step - 1)
+    if PINGPONG:  # step - 2's buffer of 4: the one two away
+        dq = _dq_issue(ds_smem.index((step & 3) ^ 2), k_smem, DQ, CID, SPLIT_DQ)
+    else:  # step - 1's buffer of 2
+        dq = _dq_issue(_ds_buffer(ds_smem, step + 1, SPLIT_DQ), k_smem, DQ, CID, SPLIT_DQ)
+    s_t = warpgroup_mma(k_c, q_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(1, deps=(dq, ))  # the dQ wgmmas retired (issued first); S^T may still run
+    if step >= LAG:
+        # step - LAG by its slot (same parity with an even ring, BwdTile checks): a dQ buffer picked from step - 1
+        # itself kept one more value live and spilled 4 B at d=128 with two dQ buffers
+        _dq_drain(dq, dq_smem, desc_dq, b, h, q_row - LAG * BM, idx + NUM - LAG, CID, SPLIT_DQ)
+    if PINGPONG:
+        if CID == 0:
+            if step == 0:  # the other consumer starts now, a fraction of a step behind (see _consumer)
+                mbarrier.arrive(go, count=1)
+    dp_t = warpgroup_mma(v_c, do_s.permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    # dS^T's buffer was last read by both consumers' dQ wgmmas of step - 2 LAG, issued at the start of step - LAG:
+    # this one retired its own there, the other one its own before it arrived on ds_ready at the end of step - LAG,
+    # which this one waited for at the end of step - 1
+    if PINGPONG:
+        ds_buf = ds_smem.index(step & 3)
+    else:
+        ds_buf = _ds_buffer(ds_smem, step, SPLIT_DQ)
+    dk, dv = _grads_of_step(s_t, dp_t, q_s, do_s, l2_ring.index(idx), delta_ring.index(idx), ds_buf, dk, dv, q_row,
+                            offs_n, qk_scale, masked, CID, EXACT)
+    mbarrier.arrive(empty.index(idx), count=1)  # S, dP, dV, dK (every wgmma reading Q_i and dO_i) retired
+    gl.thread_barrier()  # every thread's dS^T is written (and fenced) before one thread arrives
+    if PINGPONG:  # 4 buffers and barriers; wait for the other consumer's step - 1 only (phase 1 passes at step 0)
+        j4 = step & 3
+        mbarrier.arrive(ds_ready.index(j4), count=1)
+        mbarrier.wait(ds_ready.index((j4 + 3) & 3), ((step + 3) // 4 + 1) & 1)
+    else:
+        mbarrier.arrive(ds_ready.index(step % 2), count=1)
+        mbarrier.wait(ds_ready.index(step % 2), (step // 2) & 1)
+    nidx, nphase = _next_slot(idx, phase, NUM)
+    return dk, dv, nidx, nphase
+
+
+@gluon.jit
+def _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, step, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """The deferred schedule's epilogue: one of the last steps' dQ, issued, waited for and drained."""
+    BM: gl.constexpr = ds_smem.shape[2]
+    dq = _dq_issue(_ds_buffer(ds_smem, step, SPLIT_DQ), k_smem, dq_smem.shape[4], CID, SPLIT_DQ)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    _dq_drain(dq, dq_smem, desc_dq, b, h, (m_first + step) * BM, step, CID, SPLIT_DQ)
+
+
+@gluon.jit
 def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem, dq_smem,
-              kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr,
-              MASKED_STEPS: gl.constexpr):
+              kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
+              PINGPONG: gl.constexpr, EXACT: gl.constexpr, MASKED_STEPS: gl.constexpr):
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
     D: gl.constexpr = k_smem.shape[4]
@@ -353,7 +513,6 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     k_c = _as_2d(k_smem, CID)
     v_c = _as_2d(v_smem, CID)
-    dq_c = dq_smem.index(CID)
     key0 = n0 + CID * BNC
     offs_n = key0 + gl.arange(0, BNC, layout=gl.SliceLayout(1, s_layout))
     dk = gl.zeros([BNC, D], gl.float32, kv_layout)
@@ -367,10 +526,30 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
         n_masked = gl.minimum(n_steps, MASKED_STEPS)
     # One loop with a branch for the diagonal's tiles: peeling them into a loop of their own (as the forward does)
     # left more values live across the two loops, and the unmasked loop spilled at d=128
-    for i in range(0, n_steps):
-        dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
-                                         ds_ready, dq_c, desc_dq, dk, dv, idx, phase, i, b, h,
-                                         (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ, EXACT)
+    if DEFER_DQ:
+        if PINGPONG:
+            if CID == 1:
+                if n_steps > 0:  # consumer 0 arrives once, in its step 0
+                    mbarrier.wait(go, 0)
+        for i in range(0, n_steps):
+            dk, dv, idx, phase = _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
+                                                ds_smem, ds_ready, go, dq_smem, desc_dq, dk, dv, idx, phase, i, b,
+                                                h, (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
+                                                PINGPONG, EXACT)
+        # the dQ of the last steps, which no next step issues (pingpong: the last two; one loop, as two copies
+        # kept more values live through the main loop and spilled there)
+        LAG: gl.constexpr = 2 if PINGPONG else 1
+        for t in range(gl.maximum(n_steps - LAG, 0), n_steps):
+            if PINGPONG:
+                if t == n_steps - 1:  # the other consumer's last step (step - 2's was waited for in the loop)
+                    mbarrier.wait(ds_ready.index(t % 4), (t // 4) & 1)
+            _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, t, CID, SPLIT_DQ)
+    else:
+        for i in range(0, n_steps):
+            dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
+                                             ds_ready, dq_smem, desc_dq, dk, dv, idx, phase, i, b, h,
+                                             (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
+                                             EXACT)
 
     # dK and dV leave through this consumer's K and V buffers, rows past the last key clipped. Split dQ: the other
     # consumer's dQ wgmmas read this one's K rows too, so wait until both have left the loop (each retired its
@@ -391,35 +570,42 @@ def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_rin
 @gluon.jit(do_not_specialize=["H", "n_queries", "n_kv_tiles"])
 def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
                             H, n_queries, n_kv_tiles, qk_scale, sm_scale,
-                            IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr,
-                            NUM_SLOTS: gl.constexpr,
+                            IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
+                            PINGPONG: gl.constexpr,
+                            EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BNC: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     DQ: gl.constexpr = desc_dq.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
-    DS_BUFFERS: gl.constexpr = 2 if SPLIT_DQ else 1
+    DS_BUFFERS: gl.constexpr = (4 if PINGPONG else 2) if SPLIT_DQ else 1
     k_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_v.layout)
     q_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_q.layout)
     do_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_do.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, _CONSUMERS * BNC, BM],
                                         gl.NVMMASharedLayout.get_default_for([_CONSUMERS * BNC, BM], dtype))
-    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS, 1, 1, BM, DQ], desc_dq.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS * DQ_BUFFERS, 1, 1, BM, DQ], desc_dq.layout)
     l2_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_l2.layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_delta.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    DS_READY: gl.constexpr = 4 if PINGPONG else 2
+    ds_ready = gl.allocate_shared_memory(gl.int64, [DS_READY, 1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(NUM_SLOTS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=_CONSUMERS)
-    for i in gl.static_range(2):
+    for i in gl.static_range(DS_READY):
         mbarrier.init(ds_ready.index(i), count=_CONSUMERS)
+    if PINGPONG:  # consumer 0 -> consumer 1: start (once)
+        go = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(go, count=1)
+    else:
+        go = done  # a placeholder: only ping-pong reads it
     mbarrier.init(done, count=_CONSUMERS)
 
     pid = gl.program_id(0)
@@ -435,11 +621,11 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     MASKED_STEPS: gl.constexpr = _CONSUMERS * BNC // BM
     gl.warp_specialize([
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
-                     dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     0, IS_CAUSAL, SPLIT_DQ, EXACT, MASKED_STEPS)),
+                     dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale,
+                     sm_scale, 0, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG, EXACT, MASKED_STEPS)),
         (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
-                     dq_smem, kv_bar, ready, empty, ds_ready, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
-                     1, IS_CAUSAL, SPLIT_DQ, EXACT, MASKED_STEPS)),
+                     dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale,
+                     sm_scale, 1, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG, EXACT, MASKED_STEPS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
                      delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -472,7 +658,8 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
             _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
-            tile.split_dq, exact, tile.num_slots, tile.consumer_registers, tile.producer_registers)
+            tile.split_dq, tile.defer_dq, tile.pingpong, exact, tile.num_slots, tile.dq_buffers,
+            tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
 
