@@ -15,8 +15,8 @@ from cs336_systems.model import forward_flops, get_config
 from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.profile_tables import kernel_vs_wall
-from cs336_systems.report.tables import (SIZE_ORDER, baseline_timing, compile_column, compile_scope, compile_timing,
-                                         mixed_precision)
+from cs336_systems.report.tables import (OPTIMIZER_STEP, SIZE_ORDER, VERSUS_TORCH, baseline_timing, compile_column,
+                                         compile_scope, compile_timing, mixed_precision)
 
 
 def _steps(frame: pd.DataFrame, **where) -> pd.DataFrame:
@@ -150,7 +150,8 @@ def render_mixed_precision(ctx: Context) -> Section:
         return q.cell("bf16 speed-up", size=size)
 
     text = (
-        f"bf16 autocast speeds the forward+backward step up by {cell(speedup.index[0])}× for {speedup.index[0]} "
+        f"bf16 autocast speeds the forward+backward step up (fp32 mean step over bf16's, as the table's means) by "
+        f"{cell(speedup.index[0])}× for {speedup.index[0]} "
         f"and {cell(speedup.index[-1])}× for {speedup.index[-1]} (range {cell(speedup.idxmin())}–"
         f"{cell(speedup.idxmax())}×); "
         + ("the speed-up grows with size at every step of the table." if speedup.is_monotonic_increasing else
@@ -422,32 +423,61 @@ OPTIMIZER_NAMES = {"foreach": "our multi-tensor AdamW", "fused": "our fused Trit
                    "torch_fused": "torch's fused AdamW"}
 
 
-def render_optimizer(ctx: Context) -> str:
+def render_optimizer(ctx: Context) -> Section:
     frame = ctx.frame("optimizer")
-    rows = frame[(frame["phase"] == "optimizer") & (frame["status"] == "ok")]
-    wide = rows.pivot_table(index="size", columns="optimizer", values="median_ms", observed=True)
-    wide = wide.reindex([s for s in SIZE_ORDER if s in wide.index])
-    parts = [f"Each row times the optimizer phase of an eager {frame['precision'].iloc[0]} training step "
+    q = Quotes(ctx.numeric("optimizer"))
+    intro = (f"Each row times the optimizer phase of an eager {frame['precision'].iloc[0]} training step "
              f"(the parameters, gradients and AdamW state are fp32 in every case) on the "
-             f"{frame['device_name'].iloc[0]}. `foreach` is our AdamW with one multi-tensor operation per step "
-             f"of the formula, about 20 passes over memory; `fused` is our AdamW with one Triton kernel per "
-             f"tensor (`kernels/adamw_triton.py`), 7 passes; `torch_fused` is torch.optim.AdamW(fused=True)."]
-    if {"foreach", "fused"} <= set(wide.columns):
-        ratio = (wide["foreach"] / wide["fused"]).dropna()
-        if len(ratio):
-            largest = ratio.index[-1]
-            parts.append(f"The fused kernel takes the step from {wide.loc[largest, 'foreach']:.1f} to "
-                         f"{wide.loc[largest, 'fused']:.1f} ms for the {largest} model "
-                         f"({ratio[largest]:.2f}× faster; {ratio.min():.2f}–{ratio.max():.2f}× over all sizes).")
-    if {"fused", "torch_fused"} <= set(wide.columns):
-        ratio = (wide["fused"] / wide["torch_fused"]).dropna()
-        if len(ratio):
-            parts.append(f"Ours over torch's fused AdamW: {ratio.min():.2f}–{ratio.max():.2f}× "
-                         f"({', '.join(f'{size} {r:.2f}×' for size, r in ratio.items())}).")
-    ooms = sorted(set(frame.loc[frame["status"] == "oom", "size"]), key=SIZE_ORDER.index)
+             f"{frame['device_name'].iloc[0]}; times are medians over the measured steps. `foreach` is our AdamW "
+             f"with one multi-tensor operation per step of the formula, about 20 passes over memory; `fused` is our "
+             f"AdamW with one Triton kernel per tensor (`kernels/adamw_triton.py`), 7 passes; `torch_fused` is "
+             f"torch.optim.AdamW(fused=True).")
+    checked = [p for p in (_fused_over_foreach(q), _ours_over_torch(q)) if p]
+    ooms = [str(size) for i, size in enumerate(q.frame["size"]) if q.table.status.get(OPTIMIZER_STEP, {}).get(i)]
     if ooms:
-        parts.append(f"Out of memory: {', '.join(ooms)} (a training step of that size needs more than the device has).")
-    return "\n\n".join([*parts, ctx.table("optimizer")])
+        checked.append(f"Out of memory: {', '.join(dict.fromkeys(ooms))} (a training step of that size needs more "
+                       f"than the device has).")
+    # size names are words, not measurements: the "2" the number pattern reads in "2.7B"
+    return Section([intro, *checked, ctx.table("optimizer")], q.table, checked, q.derived, wording=("2",))
+
+
+def _optimizer_steps(t: pd.DataFrame, optimizer: str) -> pd.Series:
+    """One optimizer's step time (the table's median) by size, NaN where it did not run."""
+    rows = t[t["optimizer"] == optimizer]
+    return column_values(rows, OPTIMIZER_STEP).set_axis(rows["size"].astype(str))
+
+
+def _foreach_over_fused(t: pd.DataFrame) -> pd.Series:
+    return (_optimizer_steps(t, "foreach") / _optimizer_steps(t, "fused")).dropna()
+
+
+def _fused_over_foreach(q: Quotes) -> str:
+    """How much faster our fused kernel makes the step than our multi-tensor AdamW, at the largest size
+    both ran and over all sizes."""
+    ratio = _foreach_over_fused(q.frame)
+    if not len(ratio):
+        return ""
+    largest = ratio.index[-1]  # the table's rows are in size order
+    return (f"The fused kernel takes the step from {q.cell(OPTIMIZER_STEP, size=largest, optimizer='foreach')} to "
+            f"{q.cell(OPTIMIZER_STEP, size=largest, optimizer='fused')} ms for the {largest} model ("
+            f"{q.derive(lambda t: _foreach_over_fused(t)[largest], '.2f', f'{largest} foreach over fused')}× faster; "
+            f"{q.derive(lambda t: _foreach_over_fused(t).min(), '.2f', 'least foreach over fused')}–"
+            f"{q.derive(lambda t: _foreach_over_fused(t).max(), '.2f', 'largest foreach over fused')}× over all "
+            f"sizes).")
+
+
+def _ours_over_torch(q: Quotes) -> str:
+    """Our fused AdamW's step over torch's fused one, the table's '÷ torch_fused' cells of our rows."""
+    ours = q.frame[(q.frame["optimizer"] == "fused") & q.frame[VERSUS_TORCH].notna()]
+    if not len(ours):
+        return ""
+
+    def ratios(t: pd.DataFrame) -> pd.Series:
+        return column_values(t, VERSUS_TORCH, lambda f: f["optimizer"] == "fused").dropna()
+
+    return (f"Ours over torch's fused AdamW: {q.derive(lambda t: ratios(t).min(), '.2f', 'least ours over torch')}–"
+            f"{q.derive(lambda t: ratios(t).max(), '.2f', 'largest ours over torch')}× ("
+            + ", ".join(f"{size} {q.cell(VERSUS_TORCH, i)}×" for i, size in ours["size"].items()) + ").")
 
 
 BASELINE = Table("baseline_timing", "e2e_baseline", baseline_timing,
@@ -460,14 +490,17 @@ E2E = Table("e2e_timing", "e2e", tables.e2e_timing,
             "Forward and backward time per step (mean ± std over measured steps), fp32")
 WARMUP = Table("e2e_warmup", "e2e_warmup", tables.e2e_warmup,
                "Forward+backward step time by number of warm-up steps, fp32")
-MIXED = Table("mixed_precision", "e2e", mixed_precision, "Forward and backward time, fp32 versus bf16 autocast")
+MIXED = Table("mixed_precision", "e2e", mixed_precision,
+              "Forward and backward time per step (mean ± std over measured steps), fp32 versus bf16 autocast; "
+              "bf16 speed-up = fp32 mean step ÷ bf16 mean step")
 COMPILE = Table("compile_timing", "e2e_compile", compile_timing,
                 "Eager versus torch.compile'd model: ms per step, median over the measured steps; speed-up = eager "
                 "median ÷ compiled median, for each compiled scope; compiled MFU from the median of the fastest "
                 "compiled scope; bf16 autocast")
 OPTIMIZER = Table("optimizer", "optimizer", tables.optimizer_timing,
-                  "AdamW's step alone, eager training steps: ms per step, mean ± std; the bandwidth is AdamW's "
-                  "least traffic over the median time")
+                  "AdamW's step alone, eager training steps: ms per step, median over the measured steps; the "
+                  "bandwidth is AdamW's least traffic over that time; ÷ torch_fused = the optimizer step over torch's "
+                  "fused AdamW's at the same size")
 
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
