@@ -399,7 +399,8 @@ def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.S
             + ", ".join(f"{size} {mode}" for size, _, mode in sorted(versus.index)) + f").{note}"]
 
 
-def _compiled_forward_per_layer(q: Quotes, frame: pd.DataFrame, scopes: list[str], kept) -> tuple[str, tuple[str, ...]]:
+def _compiled_forward_per_layer(q: Quotes, frame: pd.DataFrame, scopes: list[str],
+                                kept) -> tuple[str, tuple[str, ...]]:
     """Block-compiled forward time per layer by size (the table's median ÷ the model's layers), set against the
     matrix FLOPs per layer: a time per layer that stays nearly flat while the work per layer grows points to a
     cost that does not scale with it. Also the FLOP growth as printed (a model constant, not a cell)."""
@@ -478,9 +479,10 @@ def _fused_over_foreach(q: Quotes) -> str:
     if not len(ratio):
         return ""
     largest = ratio.index[-1]  # the table's rows are in size order
+    way = "faster" if ratio[largest] > 1 else "foreach's speed: slower"  # (a CPU run interprets the Triton kernel)
     return (f"The fused kernel takes the step from {q.cell(OPTIMIZER_STEP, size=largest, optimizer='foreach')} to "
             f"{q.cell(OPTIMIZER_STEP, size=largest, optimizer='fused')} ms for the {largest} model ("
-            f"{q.derive(lambda t: _foreach_over_fused(t)[largest], '.2f', f'{largest} foreach over fused')}× faster; "
+            f"{q.derive(lambda t: _foreach_over_fused(t)[largest], '.2f', f'{largest} foreach over fused')}× {way}; "
             f"{q.derive(lambda t: _foreach_over_fused(t).min(), '.2f', 'least foreach over fused')}–"
             f"{q.derive(lambda t: _foreach_over_fused(t).max(), '.2f', 'largest foreach over fused')}× over all "
             f"sizes).")

@@ -304,8 +304,8 @@ def render_checkpointing(ctx: Context) -> Section:
     q = Quotes(table)
     first = frame.iloc[0]
     intro = ("Answers the 2026 handout, section 3.2 (gradient_checkpointing). Policies are applied to our "
-             f"`TransformerLM` from outside (`apply_activation_checkpointing`, non-reentrant "
-             f"`torch.utils.checkpoint`); tests check that gradients equal the unchecked model's bitwise in fp32.")
+             "`TransformerLM` from outside (`apply_activation_checkpointing`, non-reentrant "
+             "`torch.utils.checkpoint`); tests check that gradients equal the unchecked model's bitwise in fp32.")
     points = _sweep_points(frame)
     checked = [p for p in [_sweep_answer(q, points, first)] if p]
     nested = points[(points["policy_kind"] == "nested") & points["status"].eq("ok")]
