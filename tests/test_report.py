@@ -179,26 +179,6 @@ def test_profile_kernels_drop_ranges_and_merge_instances():
                                  ("optimizer", "vectorized_elementwise_kernel<MulFunctor>"): 2.0}
 
 
-def test_optimizer_table_bandwidth_and_oom():
-    from cs336_systems.model import get_config, parameter_count
-    from cs336_systems.report.tables import optimizer_timing
-
-    params = parameter_count(get_config("small"))
-    base = {"size": "small", "status": "ok", "std_ms": 0.1}
-    frame = pd.DataFrame([
-        {**base, "optimizer": "fused", "phase": "optimizer", "mean_ms": 2.0, "median_ms": 2.0},
-        {**base, "optimizer": "fused", "phase": "step", "mean_ms": 30.0, "median_ms": 30.0},
-        {**base, "size": "2.7B", "optimizer": "fused", "phase": "step", "status": "oom"},
-    ])
-    table = optimizer_timing(frame)
-    small, large = table.row(size="small"), table.row(size="2.7B")
-    assert table.value("GB/s at 28 B/param", small) == pytest.approx(params * 28 / 2e-3 / 1e9)
-    assert table.cell_text(small, "GB/s at 28 B/param") == str(round(params * 28 / 2e-3 / 1e9))
-    assert table.cell_text(small, "optimizer step (ms)") == "2.00 ± 0.10"
-    assert table.cell_text(large, "optimizer step (ms)") == "OOM"
-    assert np.isnan(table.value("GB/s at 28 B/param", large)) and table.cell_text(large, "GB/s at 28 B/param") == "—"
-
-
 # --- Each section's prose quotes the table it embeds --------------------------------------------------------
 
 NUMBER = re.compile(r"(?<![\w.])[-+−]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?(?![\w])(%?)")
@@ -265,7 +245,7 @@ QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.4 (a–e)", "1.1.5 (c) fp32", "1.1.6 (
            "1.3.2 flash_forward", "1.3.2 (e) flash_benchmarking", "1.3.2 (e), continued", "1.3.3",
            "1.3.3, continued", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end",
-           "2026 §9 leaderboard:"]
+           "2026 §9 leaderboard:", "1.3.1 (b), continued: the optimizer step", "2026 §3.1", "2026 §3.2"]
 
 
 @pytest.mark.parametrize("section", [item.section for item in DELIVERABLES])
@@ -742,12 +722,12 @@ def test_profile_non_matmul_answer_is_the_forward_pass(committed):
 def test_checkpointed_blocks_sentence_counts_every_saved_tensor(committed):
     """3.1: what the checkpointed four blocks keep is the sum of every tensor the saved-tensor list holds for
     that case (one hidden state per checkpoint call: 160 MiB for the handout's two calls, not one's 80 MiB)."""
-    text = committed["2026 §3.1 autograd residuals: saved tensors"]
+    text = committed["2026 §3.1 autograd residuals: saved tensors"].markdown()
     listed = pd.read_csv(ROOT / "results" / "saved_tensors_list.csv")
     rows = listed[(listed["case"] == "four_blocks_checkpointed") & (listed["mode"] == "eager")]
     hidden = rows[rows["tensor_bytes"] == rows["tensor_bytes"].max()]
     assert f"keep {rows['tensor_bytes'].sum() / 2**20:,.2f} MiB" in text
-    assert f"under {len(hidden)} checkpoint calls" in text and f"({len(hidden)} × " in text
+    assert f" {len(hidden)} checkpoint calls" in text and f"({len(hidden)} × " in text
 
 
 def test_checkpointing_model_state_is_weights_and_moments_of_the_swept_model(committed):
@@ -756,7 +736,7 @@ def test_checkpointing_model_state_is_weights_and_moments_of_the_swept_model(com
     the start-of-step allocation must hold with little to spare."""
     from cs336_systems.model import MODEL_SIZES_2026
 
-    text = committed["2026 §3.2 gradient_checkpointing (a–b)"]
+    text = committed["2026 §3.2 gradient_checkpointing (a–b)"].markdown()
     frame = pd.read_csv(ROOT / "results" / "checkpointing.csv")
     config = MODEL_SIZES_2026[frame["size"].iloc[0]]
     d, f = config.d_model, config.d_ff
@@ -776,8 +756,7 @@ def test_checkpointing_answer_a_picks_the_policy_with_the_least_modelled_peak(co
 
     from cs336_systems.model import CheckpointPolicy, checkpoint_cost
 
-    text = committed["2026 §3.2 gradient_checkpointing (a–b)"]
-    answer = next(p for p in text.split("\n\n") if p.startswith("(a) "))
+    answer = next(p for p in committed["2026 §3.2 gradient_checkpointing (a–b)"].parts if p.startswith("(a) "))
     assert "recursive halving is our answer" in answer and "O(N^2)" in answer
     saved = pd.read_csv(ROOT / "results" / "saved_tensors.csv").query("mode == 'eager' and case == 'block'")
     block = saved.loc[saved["kind"] == "activation", "storage_mib"].item()

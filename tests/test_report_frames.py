@@ -64,6 +64,17 @@ def markdown_cells(markdown: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
 
 
+def assert_prints_agree(table: NumericTable, tmp_path: Path) -> None:
+    """The Markdown, the LaTeX, the JSON read back and the prose quotes print the same cells."""
+    table.save(tmp_path / "t.json")
+    assert NumericTable.load(tmp_path / "t.json").to_markdown() == table.to_markdown()
+    assert markdown_cells(table.to_markdown()) == table.display().values.tolist()
+    latex = table.to_latex("caption")
+    assert all(cell.replace("%", r"\%").replace("_", r"\_") in latex for cell in table.cell_texts())
+    for header in (c.header for c in table.columns if c.numeric):
+        assert all(table.cell_text(r, header).startswith(table.quote(header, r)) for r in range(len(table)))
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_markdown_latex_and_prose_print_the_same_cells(seed):
     table = random_table(np.random.default_rng(seed))
@@ -164,9 +175,8 @@ def test_the_writeup_embeds_the_frames_it_quotes():
                            for t in item.tables), item.section
     finally:
         os.chdir(here)
-    # every measured section with a table (23 of 26 today: the optimizer step and 2026 §3.1-3.2 still write
-    # their prose from the results rows)
-    assert numeric >= 20
+    # every measured section with a table (27 of 28 today: the 8B step breakdown writes from its rows)
+    assert numeric >= 23
 
 
 def test_table_rule_writes_the_frame(tmp_path):
@@ -211,8 +221,7 @@ def test_converted_sections_never_rebuild_their_tables(monkeypatch):
         rendered = [item.render(ctx) for item in converted]
     finally:
         os.chdir(here)
-    # (the checkpointing sections still write their prose from the results rows: text, not a Section)
-    assert len(rendered) >= 20 and sum(isinstance(body, Section) for body in rendered) >= 20
+    assert len(rendered) >= 23 and sum(isinstance(body, Section) for body in rendered) >= 23
 
 
 def test_phase_tables_keep_numbers_and_print_mean_std_oom_and_dashes():
@@ -279,15 +288,7 @@ def test_profile_tables_are_numeric_and_print_the_same_cells_everywhere(seed, tm
     rows = _profile_rows(np.random.default_rng(seed))
     kernels = rows[rows["kind"] == "kernel"].assign(label=lambda f: f["name"].map(kernel_label))
     for build in (profile_grid, profile_kernels, kernel_vs_wall):
-        table = build(rows)
-        table.save(tmp_path / "t.json")
-        back = NumericTable.load(tmp_path / "t.json")
-        assert back.to_markdown() == table.to_markdown()
-        assert markdown_cells(table.to_markdown()) == table.display().values.tolist()
-        latex = table.to_latex("caption")
-        assert all(cell.replace("%", r"\%").replace("_", r"\_") in latex for cell in table.cell_texts())
-        for header in (c.header for c in table.columns if c.numeric):
-            assert all(table.cell_text(r, header).startswith(table.quote(header, r)) for r in range(len(table)))
+        assert_prints_agree(build(rows), tmp_path)
 
     grid = profile_grid(rows)
     oom = grid.row(size="mini", context=32)
@@ -311,3 +312,121 @@ def test_profile_tables_are_numeric_and_print_the_same_cells_everywhere(seed, tm
     share = point["ms_per_step"].sum() / harness["ms_per_step"].sum()
     assert wall.quote("kernel share of step", size="tiny", context=16) == f"{share:.2f}"
     assert wall.cell_text(wall.row(size="mini", context=32), "kernel share of step") == MISSING
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_optimizer_table_prints_medians_bandwidth_and_ratio_to_torch(seed, tmp_path):
+    """One statistic, the median (means drawn apart from it, so a mean in a cell is caught); the bandwidth
+    and the ratio to torch's fused AdamW from it; OOM cells, and '—' where torch's fused AdamW did not run."""
+    from cs336_systems.model import get_config, parameter_count
+    from cs336_systems.report.tables import OPTIMIZER_STEP, TRAINING_STEP, VERSUS_TORCH, optimizer_timing
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for size, ran in (("small", ("foreach", "fused", "torch_fused")), ("medium", ("foreach", "fused")),
+                      ("2.7B", ())):
+        for optimizer in ("foreach", "fused", "torch_fused"):
+            if optimizer not in ran:  # an out-of-memory point has one 'step' row with that status
+                rows.append({"size": size, "optimizer": optimizer, "phase": "step", "status": "oom"})
+                continue
+            for phase in ("optimizer", "step"):
+                median = rng.lognormal(2, 1.5)
+                rows.append({"size": size, "optimizer": optimizer, "phase": phase, "status": "ok",
+                             "median_ms": median, "mean_ms": median * rng.uniform(1.1, 2), "std_ms": rng.uniform(0, 9)})
+    frame = pd.DataFrame(rows).sample(frac=1, random_state=seed)  # the builder orders the rows itself
+    table = optimizer_timing(frame)
+    assert table.display()[["size", "optimizer"]].values.tolist() == [
+        [s, o] for s in ("small", "medium", "2.7B") for o in ("foreach", "fused", "torch_fused")]
+    ok = frame[frame["status"] == "ok"].set_index(["size", "optimizer", "phase"])["median_ms"]
+    torch_small = ok[("small", "torch_fused", "optimizer")]
+    for (size, optimizer, phase), median in ok.items():
+        keys = {"size": size, "optimizer": optimizer}
+        header = OPTIMIZER_STEP if phase == "optimizer" else TRAINING_STEP
+        assert table.cell_text(table.row(**keys), header) == f"{median:.2f}"
+        if phase == "optimizer":
+            bandwidth = parameter_count(get_config(size)) * 28 / (median / 1e3) / 1e9
+            assert table.quote("GB/s at 28 B/param", **keys) == f"{bandwidth:.0f}"
+            ratio = f"{median / torch_small:.2f}" if size == "small" else MISSING
+            assert table.quote(VERSUS_TORCH, **keys) == ratio
+    for keys in ({"size": "medium", "optimizer": "torch_fused"}, {"size": "2.7B", "optimizer": "fused"}):
+        assert table.quote(OPTIMIZER_STEP, **keys) == "OOM" and table.quote(TRAINING_STEP, **keys) == "OOM"
+        assert table.quote("GB/s at 28 B/param", **keys) == MISSING and table.quote(VERSUS_TORCH, **keys) == MISSING
+    assert_prints_agree(table, tmp_path)
+
+
+def _saved_rows(rng: np.random.Generator) -> pd.DataFrame:
+    """saved_tensors rows of one block, eager and compiled, with every kind's MiB per tensor above its MiB per
+    storage (views counted once): fresh random sizes, none equal, so reading the wrong row or column shows."""
+    rows = []
+    for mode in ("eager", "compiled"):
+        for kind in ("activation", "input", "parameter"):
+            storage = rng.uniform(1, 5000)
+            rows.append({"case": "block", "mode": mode, "kind": kind, "storage_mib": storage,
+                         "tensor_mib": storage * rng.uniform(1, 2)})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_checkpoint_cost_table_models_the_eager_blocks_measured_sizes(seed, tmp_path):
+    """3.2 (a)'s table: the cost model at the eager block's residuals and boundary, each storage once; no rows
+    where the results hold no eager block."""
+    from cs336_systems.model import CheckpointPolicy, checkpoint_cost
+    from cs336_systems.report.sections.edition2026 import cost_model_table
+
+    rows = _saved_rows(np.random.default_rng(seed))
+    eager = rows[rows["mode"] == "eager"].set_index("kind")["storage_mib"]
+    table = cost_model_table(rows)
+    policies = {"none": CheckpointPolicy(), "every block": CheckpointPolicy.every(1),
+                "recursive halving": CheckpointPolicy.binary(32)}
+    for name, policy in policies.items():
+        cost = checkpoint_cost(policy, 32, eager["activation"], eager["input"])
+        assert table.value("peak activations (GiB)", N=32, policy=name) == pytest.approx(cost.peak_bytes / 1024)
+        assert table.quote("block forwards / N", N=32, policy=name) == f"{cost.block_forwards / 32:.2f}"
+    assert table.quote("block forwards / N", N=8, policy="none") == "1.00"  # no recomputation
+    assert_prints_agree(table, tmp_path)
+    assert len(cost_model_table(rows[rows["mode"] == "compiled"])) == 0
+
+
+def test_checkpointing_table_prints_the_model_state_in_every_row(tmp_path):
+    """The sweep's table: medians and peaks where a policy ran ('—' where it ran out of memory), and beside them
+    the float32 weights and two AdamW moments of the swept model in every row (12 B per parameter, counted
+    here from the config's shapes)."""
+    from cs336_systems.model import MODEL_SIZES_2026
+    from cs336_systems.report.sections.edition2026 import checkpointing_table
+
+    rng = np.random.default_rng(5)
+    policies = [("none", "none", 0, "oom"), ("every:1", "every", 1, "ok"), ("every:4", "every", 4, "ok"),
+                ("nested:4,2", "nested", 4, "ok")]
+    frame = pd.DataFrame([{"policy": p, "policy_kind": kind, "segment_blocks": k, "status": status,
+                           "block_forwards": 2 * 12, "size": "small", "size_table": "2026",
+                           "median_ms": rng.lognormal(5, 1) if status == "ok" else float("nan"),
+                           "peak_memory_mib": rng.uniform(1e3, 9e4), "peak_fwd_bwd_mib": rng.uniform(1e3, 9e4),
+                           "baseline_mib": rng.uniform(1e3, 9e4)} for p, kind, k, status in policies])
+    table = checkpointing_table(frame)
+    config = MODEL_SIZES_2026["small"]
+    d, f = config.d_model, config.d_ff
+    params = 2 * config.vocab_size * d + config.num_layers * (4 * d * d + 3 * d * f + 2 * d) + d
+    assert table.display()["weights + moments (GiB)"].tolist() == [f"{12 * params / 2**30:.2f}"] * len(policies)
+    ran = frame.iloc[1]
+    assert table.quote("step (ms, median)", policy="every:1") == f"{ran['median_ms']:.1f}"
+    assert table.quote("allocated at step start (GiB)", policy="every:1") == f"{ran['baseline_mib'] / 1024:.2f}"
+    assert table.quote("peak memory (GiB)", policy="none") == MISSING
+    assert_prints_agree(table, tmp_path)
+
+
+def test_mixed_precision_speedup_is_a_ratio_of_the_means_its_table_prints(tmp_path):
+    """1.1.5 (c): the times are means ± std, so the speed-up is fp32's mean step over bf16's (medians drawn
+    apart from the means, so a speed-up of medians is caught); '—' for a size with one precision only."""
+    from cs336_systems.report.tables import mixed_precision
+
+    rng = np.random.default_rng(11)
+    rows = [{"size": size, "precision": precision, "phase": phase, "attention": "naive", "mode": "forward_backward",
+             "status": "ok", "mean_ms": rng.lognormal(3, 1), "std_ms": rng.uniform(0, 2)}
+            for size in ("small", "large") for precision in ("fp32", "bf16")
+            for phase in ("forward", "backward", "step") if (size, precision) != ("large", "bf16")]
+    frame = pd.DataFrame(rows).assign(median_ms=lambda f: f["mean_ms"] * rng.uniform(0.5, 0.9, len(f)))
+    table = mixed_precision(frame)
+    step = frame[frame["phase"] == "step"].set_index(["size", "precision"])["mean_ms"]
+    assert table.quote("bf16 speed-up", size="small") == f"{step[('small', 'fp32')] / step[('small', 'bf16')]:.2f}"
+    assert table.quote("bf16 speed-up", size="large") == MISSING
+    assert_prints_agree(table, tmp_path)

@@ -15,8 +15,8 @@ from cs336_systems.model import forward_flops, get_config
 from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.profile_tables import kernel_vs_wall
-from cs336_systems.report.tables import (SIZE_ORDER, baseline_timing, compile_column, compile_scope, compile_timing,
-                                         mixed_precision)
+from cs336_systems.report.tables import (OPTIMIZER_STEP, SIZE_ORDER, VERSUS_TORCH, baseline_timing, compile_column,
+                                         compile_scope, compile_timing, mixed_precision)
 
 
 def _steps(frame: pd.DataFrame, **where) -> pd.DataFrame:
@@ -150,7 +150,8 @@ def render_mixed_precision(ctx: Context) -> Section:
         return q.cell("bf16 speed-up", size=size)
 
     text = (
-        f"bf16 autocast speeds the forward+backward step up by {cell(speedup.index[0])}× for {speedup.index[0]} "
+        f"bf16 autocast speeds the forward+backward step up (fp32 mean step over bf16's, as the table's means) by "
+        f"{cell(speedup.index[0])}× for {speedup.index[0]} "
         f"and {cell(speedup.index[-1])}× for {speedup.index[-1]} (range {cell(speedup.idxmin())}–"
         f"{cell(speedup.idxmax())}×); "
         + ("the speed-up grows with size at every step of the table." if speedup.is_monotonic_increasing else
@@ -284,16 +285,18 @@ def render_compile(ctx: Context) -> Section:
         if scope in scopes:
             checked += _versus_blocks(q, scope, scopes, kept, commits)
     parts = list(checked)
-    per_layer = _compiled_forward_per_layer(rows[rows["scope"].isin(["none", "blocks"])])
+    per_layer, flop_growth = _compiled_forward_per_layer(q, frame, scopes, kept)
     if per_layer:
         parts.append(per_layer)
+        checked.append(per_layer)
     trend = _speedup_by_size(q, blocks, kept)
     if trend:
         parts.append(trend)
         checked.append(trend)
     parts.append(_compile_gaps(frame, q.frame, scopes))
+    # the FLOPs per layer are the model's (its config), not a measurement
     return Section([*parts, ctx.table("compile_timing"), ctx.figure("compile_timing", "compile")], q.table, checked,
-                   q.derived)
+                   q.derived, wording=flop_growth)
 
 
 def _speedup_by_size(q: Quotes, blocks: str, kept) -> str:
@@ -396,24 +399,44 @@ def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.S
             + ", ".join(f"{size} {mode}" for size, _, mode in sorted(versus.index)) + f").{note}"]
 
 
-def _compiled_forward_per_layer(rows: pd.DataFrame) -> str:
-    """Compiled forward time per layer by size, set against the matrix FLOPs per layer: a time per layer
-    that stays nearly flat while the work per layer grows points to a cost that does not scale with it."""
-    forward = rows[(rows["mode"] == "forward") & rows["compile"]].drop_duplicates("size")
-    if len(forward) < 2:
-        return ""
-    forward = forward.set_index("size").reindex([s for s in SIZE_ORDER if s in set(forward["size"])])
-    ms = forward["median_ms"] / forward["num_layers"]
-    flops = pd.Series({size: forward_flops(get_config(size), int(row["batch_size"]), int(row["context_length"]))
-                       / row["num_layers"] for size, row in forward.iterrows()})
-    text = ("Compiled forward time per layer (median step ÷ layers): "
-            + ", ".join(f"{size} {value:.2f} ms" for size, value in ms.items())
-            + f"; the matrix FLOPs per layer grow {flops.max() / flops.min():.1f}× over the same sizes.")
-    if ms.max() / ms.min() < flops.max() / flops.min() / 3:
-        text += (f" The time per layer varies only {ms.max() / ms.min():.1f}× between sizes, so a cost per layer "
-                 f"that does not scale with the work weighs heavily up to the larger sizes; our hypothesis, not yet "
-                 f"profiled, is host work per compiled block (guards, the generated Python, kernel launches).")
-    return text
+def _compiled_forward_per_layer(q: Quotes, frame: pd.DataFrame, scopes: list[str],
+                                kept) -> tuple[str, tuple[str, ...]]:
+    """Block-compiled forward time per layer by size (the table's median ÷ the model's layers), set against the
+    matrix FLOPs per layer: a time per layer that stays nearly flat while the work per layer grows points to a
+    cost that does not scale with it. Also the FLOP growth as printed (a model constant, not a cell)."""
+    column = compile_column("compiled", "blocks", scopes) + " (ms)"
+    if column not in q.table.headers:
+        return "", ()
+
+    def forward(t: pd.DataFrame) -> pd.DataFrame:  # one forward row per size that ran block-compiled
+        rows = t[(t["mode"] == "forward") & kept(t) & t[column].notna()]
+        return rows.drop_duplicates("size")
+
+    sizes = [str(s) for s in forward(q.frame)["size"]]
+    if len(sizes) < 2:
+        return "", ()
+    layers = {size: get_config(size).num_layers for size in sizes}
+
+    def per_layer(t: pd.DataFrame) -> pd.Series:
+        rows = forward(t)
+        return (column_values(rows, column) / rows["size"].astype(str).map(layers)).set_axis(rows["size"].astype(str))
+
+    point = frame[(frame["mode"] == "forward")].iloc[0]  # the grid's batch and context, the same for every size
+    flops = pd.Series({size: forward_flops(get_config(size), int(point["batch_size"]), int(point["context_length"]))
+                       / layers[size] for size in sizes})
+    growth = f"{flops.max() / flops.min():.1f}"
+    text = ("Compiled forward time per layer (the table's block-compiled median ÷ layers): "
+            + ", ".join(f"{size} {q.derive(lambda t, s=size: per_layer(t)[s], '.2f', f'{size} ms per layer')} ms"
+                        for size in sizes)
+            + f"; the matrix FLOPs per layer grow {growth}× over the same sizes.")
+    spread = per_layer(q.frame).max() / per_layer(q.frame).min()
+    if spread < flops.max() / flops.min() / 3:
+        text += (f" The time per layer varies only "
+                 f"{q.derive(lambda t: per_layer(t).max() / per_layer(t).min(), '.1f', 'largest over least ms per layer')}"
+                 f"× between sizes, so a cost per layer that does not scale with the work weighs heavily up to the "
+                 f"larger sizes; our hypothesis, not yet profiled, is host work per compiled block (guards, the "
+                 f"generated Python, kernel launches).")
+    return text, (growth,)
 
 
 COMPILE_SCOPE_NAMES = {"blocks": "each block compiled", "model": "whole model compiled",
@@ -422,32 +445,61 @@ OPTIMIZER_NAMES = {"foreach": "our multi-tensor AdamW", "fused": "our fused Trit
                    "torch_fused": "torch's fused AdamW"}
 
 
-def render_optimizer(ctx: Context) -> str:
+def render_optimizer(ctx: Context) -> Section:
     frame = ctx.frame("optimizer")
-    rows = frame[(frame["phase"] == "optimizer") & (frame["status"] == "ok")]
-    wide = rows.pivot_table(index="size", columns="optimizer", values="median_ms", observed=True)
-    wide = wide.reindex([s for s in SIZE_ORDER if s in wide.index])
-    parts = [f"Each row times the optimizer phase of an eager {frame['precision'].iloc[0]} training step "
+    q = Quotes(ctx.numeric("optimizer"))
+    intro = (f"Each row times the optimizer phase of an eager {frame['precision'].iloc[0]} training step "
              f"(the parameters, gradients and AdamW state are fp32 in every case) on the "
-             f"{frame['device_name'].iloc[0]}. `foreach` is our AdamW with one multi-tensor operation per step "
-             f"of the formula, about 20 passes over memory; `fused` is our AdamW with one Triton kernel per "
-             f"tensor (`kernels/adamw_triton.py`), 7 passes; `torch_fused` is torch.optim.AdamW(fused=True)."]
-    if {"foreach", "fused"} <= set(wide.columns):
-        ratio = (wide["foreach"] / wide["fused"]).dropna()
-        if len(ratio):
-            largest = ratio.index[-1]
-            parts.append(f"The fused kernel takes the step from {wide.loc[largest, 'foreach']:.1f} to "
-                         f"{wide.loc[largest, 'fused']:.1f} ms for the {largest} model "
-                         f"({ratio[largest]:.2f}× faster; {ratio.min():.2f}–{ratio.max():.2f}× over all sizes).")
-    if {"fused", "torch_fused"} <= set(wide.columns):
-        ratio = (wide["fused"] / wide["torch_fused"]).dropna()
-        if len(ratio):
-            parts.append(f"Ours over torch's fused AdamW: {ratio.min():.2f}–{ratio.max():.2f}× "
-                         f"({', '.join(f'{size} {r:.2f}×' for size, r in ratio.items())}).")
-    ooms = sorted(set(frame.loc[frame["status"] == "oom", "size"]), key=SIZE_ORDER.index)
+             f"{frame['device_name'].iloc[0]}; times are medians over the measured steps. `foreach` is our AdamW "
+             f"with one multi-tensor operation per step of the formula, about 20 passes over memory; `fused` is our "
+             f"AdamW with one Triton kernel per tensor (`kernels/adamw_triton.py`), 7 passes; `torch_fused` is "
+             f"torch.optim.AdamW(fused=True).")
+    checked = [p for p in (_fused_over_foreach(q), _ours_over_torch(q)) if p]
+    ooms = [str(size) for i, size in enumerate(q.frame["size"]) if q.table.status.get(OPTIMIZER_STEP, {}).get(i)]
     if ooms:
-        parts.append(f"Out of memory: {', '.join(ooms)} (a training step of that size needs more than the device has).")
-    return "\n\n".join([*parts, ctx.table("optimizer")])
+        checked.append(f"Out of memory: {', '.join(dict.fromkeys(ooms))} (a training step of that size needs more "
+                       f"than the device has).")
+    return Section([intro, *checked, ctx.table("optimizer")], q.table, checked, q.derived)
+
+
+def _optimizer_steps(t: pd.DataFrame, optimizer: str) -> pd.Series:
+    """One optimizer's step time (the table's median) by size, NaN where it did not run."""
+    rows = t[t["optimizer"] == optimizer]
+    return column_values(rows, OPTIMIZER_STEP).set_axis(rows["size"].astype(str))
+
+
+def _foreach_over_fused(t: pd.DataFrame) -> pd.Series:
+    return (_optimizer_steps(t, "foreach") / _optimizer_steps(t, "fused")).dropna()
+
+
+def _fused_over_foreach(q: Quotes) -> str:
+    """How much faster our fused kernel makes the step than our multi-tensor AdamW, at the largest size
+    both ran and over all sizes."""
+    ratio = _foreach_over_fused(q.frame)
+    if not len(ratio):
+        return ""
+    largest = ratio.index[-1]  # the table's rows are in size order
+    way = "faster" if ratio[largest] > 1 else "foreach's speed: slower"  # (a CPU run interprets the Triton kernel)
+    return (f"The fused kernel takes the step from {q.cell(OPTIMIZER_STEP, size=largest, optimizer='foreach')} to "
+            f"{q.cell(OPTIMIZER_STEP, size=largest, optimizer='fused')} ms for the {largest} model ("
+            f"{q.derive(lambda t: _foreach_over_fused(t)[largest], '.2f', f'{largest} foreach over fused')}× {way}; "
+            f"{q.derive(lambda t: _foreach_over_fused(t).min(), '.2f', 'least foreach over fused')}–"
+            f"{q.derive(lambda t: _foreach_over_fused(t).max(), '.2f', 'largest foreach over fused')}× over all "
+            f"sizes).")
+
+
+def _ours_over_torch(q: Quotes) -> str:
+    """Our fused AdamW's step over torch's fused one, the table's '÷ torch_fused' cells of our rows."""
+    ours = q.frame[(q.frame["optimizer"] == "fused") & q.frame[VERSUS_TORCH].notna()]
+    if not len(ours):
+        return ""
+
+    def ratios(t: pd.DataFrame) -> pd.Series:
+        return column_values(t, VERSUS_TORCH, lambda f: f["optimizer"] == "fused").dropna()
+
+    return (f"Ours over torch's fused AdamW: {q.derive(lambda t: ratios(t).min(), '.2f', 'least ours over torch')}–"
+            f"{q.derive(lambda t: ratios(t).max(), '.2f', 'largest ours over torch')}× ("
+            + ", ".join(f"{size} {q.cell(VERSUS_TORCH, i)}×" for i, size in ours["size"].items()) + ").")
 
 
 BASELINE = Table("baseline_timing", "e2e_baseline", baseline_timing,
@@ -460,14 +512,17 @@ E2E = Table("e2e_timing", "e2e", tables.e2e_timing,
             "Forward and backward time per step (mean ± std over measured steps), fp32")
 WARMUP = Table("e2e_warmup", "e2e_warmup", tables.e2e_warmup,
                "Forward+backward step time by number of warm-up steps, fp32")
-MIXED = Table("mixed_precision", "e2e", mixed_precision, "Forward and backward time, fp32 versus bf16 autocast")
+MIXED = Table("mixed_precision", "e2e", mixed_precision,
+              "Forward and backward time per step (mean ± std over measured steps), fp32 versus bf16 autocast; "
+              "bf16 speed-up = fp32 mean step ÷ bf16 mean step")
 COMPILE = Table("compile_timing", "e2e_compile", compile_timing,
                 "Eager versus torch.compile'd model: ms per step, median over the measured steps; speed-up = eager "
                 "median ÷ compiled median, for each compiled scope; compiled MFU from the median of the fastest "
                 "compiled scope; bf16 autocast")
 OPTIMIZER = Table("optimizer", "optimizer", tables.optimizer_timing,
-                  "AdamW's step alone, eager training steps: ms per step, mean ± std; the bandwidth is AdamW's "
-                  "least traffic over the median time")
+                  "AdamW's step alone, eager training steps: ms per step, median over the measured steps; the "
+                  "bandwidth is AdamW's least traffic over that time; ÷ torch_fused = the optimizer step over torch's "
+                  "fused AdamW's at the same size")
 
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",

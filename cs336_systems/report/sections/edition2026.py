@@ -14,7 +14,7 @@ from cs336_systems.model import CheckpointPolicy, checkpoint_cost, get_config, p
 from cs336_systems.report.figures import save_figure
 from cs336_systems.report.parallelism_render import render_fsdp_accounting, render_parallelism
 from cs336_systems.report.frame import Col, NumericTable
-from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table
+from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 
 GIB = 1024.0
 
@@ -31,51 +31,80 @@ def saved_tensors_table(frame: pd.DataFrame) -> NumericTable:
             out[f"{kind} (MiB, per tensor)"] = wide[("tensor_mib", kind)]
             out[f"{kind} (MiB, per storage)"] = wide[("storage_mib", kind)]
     out = out.reset_index()
-    return NumericTable(out, tuple(Col(c) if c in ("case", "mode") else Col(c, ".2f") for c in out.columns))
+    return NumericTable(out, tuple(Col(c) if c in ("case", "mode") else Col(c, ",.2f") for c in out.columns))
 
 
-def render_saved_tensors(ctx: Context) -> str:
+ACTIVATIONS = "activation (MiB, per storage)"
+PER_TENSOR = ("activation (MiB, per tensor)", "input (MiB, per tensor)", "parameter (MiB, per tensor)")
+
+
+def saved_mib(t: pd.DataFrame, case: str, mode: str, columns: tuple[str, ...] | str) -> float:
+    """The sum of `columns` of the saved-tensors table's row (case, mode) (a kind no row saved has no column: 0)."""
+    row = t[(t["case"] == case) & (t["mode"] == mode)]
+    names = (columns,) if isinstance(columns, str) else columns
+    return float(sum(row[c].iloc[0] for c in names if c in row))
+
+
+def render_saved_tensors(ctx: Context) -> Section:
     frame = ctx.frame("saved_tensors")
+    table = ctx.numeric("saved_tensors")
+    q = Quotes(table)
     blocks = frame[frame["case"] != "rmsnorm"]
     first = (blocks if len(blocks) else frame).iloc[0]
-    activations = frame[frame["kind"] == "activation"].set_index(["case", "mode"])["storage_mib"]
-    lines = [f"Answers the 2026 handout, section 3.1. Bytes autograd saves for the backward pass, recorded with "
+    intro = (f"Answers the 2026 handout, section 3.1. Bytes autograd saves for the backward pass, recorded with "
              f"`torch.autograd.graph.saved_tensors_hooks` (`cs336_systems.bench.saved_tensors`) at the handout's "
              f"setting: batch {first['batch_size']}, context {first['context_length']} "
              f"(RMSNorm alone: {first['norm_context_length']}), d_model {first['d_model']}, d_ff {first['d_ff']}, "
-             f"{first['num_heads']} heads, {first['precision']}, naive attention, on {first['device_name']}."]
-    if ("block", "eager") in activations and ("block", "compiled") in activations:
-        eager, compiled = activations[("block", "eager")], activations[("block", "compiled")]
-        lines.append(f"One eager block keeps {eager:,.0f} MiB of activations (each storage once); compiled, "
-                     f"{compiled:,.0f} MiB ({eager / compiled:.2f}x less): the compiler fuses the elementwise "
-                     "chains (RMSNorm, SwiGLU's gate, the softmax) and recomputes their cheap intermediates "
-                     "instead of saving them.")
+             f"{first['num_heads']} heads, {first['precision']}, naive attention, on {first['device_name']}.")
+    checked, others = [], []
+    if table.has(case="block", mode="eager") and table.has(case="block", mode="compiled"):
+        ratio = q.derive(lambda t: saved_mib(t, "block", "eager", ACTIVATIONS) / saved_mib(t, "block", "compiled",
+                                                                                           ACTIVATIONS),
+                         ".2f", "eager block's activations over the compiled block's")
+        checked.append(f"One eager block keeps {q.cell(ACTIVATIONS, case='block', mode='eager')} MiB of activations "
+                       f"(each storage once); compiled, {q.cell(ACTIVATIONS, case='block', mode='compiled')} MiB "
+                       f"({ratio}× less): the compiler fuses the elementwise chains (RMSNorm, SwiGLU's gate, the "
+                       "softmax) and recomputes their cheap intermediates instead of saving them.")
     listed = ctx.frame("saved_tensors_list")
-    if ("four_blocks_checkpointed", "eager") in activations and listed is not None:
-        lines.append(checkpointed_sentence(frame, listed))
-    return "\n\n".join([*lines, ctx.table("saved_tensors")])
+    if table.has(case="four_blocks_checkpointed", mode="eager") and table.has(case="four_blocks", mode="eager"):
+        checked.append(checkpointed_sentence(q))
+        if listed is not None:
+            others.append(checkpoint_calls_sentence(frame, listed))
+    # the handout's section numbers are words of the sentence, not measurements
+    return Section([intro, *checked, *others, ctx.table("saved_tensors")], table, checked, q.derived,
+                   wording=("3.2",))
 
 
-def checkpointed_sentence(totals: pd.DataFrame, listed: pd.DataFrame, mode: str = "eager") -> str:
-    """What the handout's four_blocks_checkpoint (two checkpoint calls of two blocks each) keeps, from the
-    saved-tensor list: each checkpoint call saves its inputs (the hidden state and the positions tensor),
-    so the number of saved hidden states is the number of checkpoint calls. Totals count every saved tensor,
-    as the handout's hook does (its 160.00 MiB)."""
+def checkpointed_sentence(q: Quotes, mode: str = "eager") -> str:
+    """What the handout's four_blocks_checkpoint keeps against four blocks without checkpointing, both counted
+    per saved tensor, as the handout's hook counts (its 160.00 MiB): formulas over the saved-tensors table."""
+    def kept(t: pd.DataFrame) -> float:
+        return saved_mib(t, "four_blocks_checkpointed", mode, PER_TENSOR)
+
+    def unchecked(t: pd.DataFrame) -> float:  # inputs and activations: the parameters are kept either way
+        return saved_mib(t, "four_blocks", mode, PER_TENSOR[:2])
+
+    return (f"Four blocks checkpointed as the handout's §3.2.1 does keep "
+            f"{q.derive(kept, ',.2f', 'checkpointed four blocks, every saved tensor')} MiB for the backward, against "
+            f"{q.derive(unchecked, ',.2f', 'four blocks, inputs and activations per tensor')} MiB of inputs and "
+            f"activations for four blocks without checkpointing "
+            f"({q.derive(lambda t: unchecked(t) / kept(t), ',.0f', 'unchecked over checkpointed')}× less; both "
+            f"counted per tensor, as the handout's hook counts, {mode}).")
+
+
+def checkpoint_calls_sentence(totals: pd.DataFrame, listed: pd.DataFrame, mode: str = "eager") -> str:
+    """Why the checkpointed blocks keep what they keep, from the saved-tensor list: each checkpoint call saves
+    its inputs (the hidden state and the positions tensor), so the number of saved hidden states is the
+    number of checkpoint calls."""
     rows = listed[(listed["case"] == "four_blocks_checkpointed") & (listed["mode"] == mode)]
     first = totals[totals["case"] == "four_blocks_checkpointed"].iloc[0]
-    hidden = f"{first['batch_size']}x{first['context_length']}x{first['d_model']}"
-    states = rows[rows["shape"] == hidden]
+    states = rows[rows["shape"] == f"{first['batch_size']}x{first['context_length']}x{first['d_model']}"]
     positions = rows[rows["shape"] == str(first["context_length"])]
-    kept = totals[(totals["case"] == "four_blocks_checkpointed") & (totals["mode"] == mode)]["tensor_mib"].sum()
-    unchecked = totals[(totals["case"] == "four_blocks") & (totals["mode"] == mode)]
-    unchecked = unchecked[unchecked["kind"] != "parameter"]["tensor_mib"].sum()
     calls = len(states)
-    return (f"Four blocks under {calls} checkpoint calls of {4 // calls} blocks each (the handout's §3.2.1) keep "
-            f"{kept:,.2f} MiB: each call "
-            f"saves only its inputs, the hidden state ({len(states)} × {states['tensor_bytes'].iloc[0] / 2**20:,.2f} "
-            f"MiB: the blocks' input and the first call's output) and the positions tensor ({len(positions)} × "
-            f"{positions['tensor_bytes'].iloc[0]:,} B), against {unchecked:,.2f} MiB of inputs and "
-            f"activations for four blocks without checkpointing (counted per tensor, as the handout's hook counts).")
+    return (f"The saved-tensor list shows what that is: {calls} checkpoint calls of {4 // calls} blocks each, and "
+            f"each call saves only its inputs, the hidden state ({calls} × "
+            f"{states['tensor_bytes'].iloc[0] / 2**20:,.2f} MiB: the blocks' input and the first call's output) and "
+            f"the positions tensor ({len(positions)} × {positions['tensor_bytes'].iloc[0]:,} B).")
 
 
 # ---- 3.2: activation checkpointing --------------------------------------------------------------------
@@ -89,7 +118,8 @@ def _sweep_points(frame: pd.DataFrame) -> pd.DataFrame:
 
 def checkpointing_table(frame: pd.DataFrame) -> NumericTable:
     """The sweep, one row per policy: median step, peaks and what a step starts with (a policy that did not
-    run prints its status, '—' in the measured columns)."""
+    run prints its status, '—' in the measured columns), beside the float32 weights and AdamW moments that
+    the start must hold (model_state)."""
     rows = _sweep_points(frame)
     ok = rows["status"].eq("ok")
     data = pd.DataFrame({
@@ -97,7 +127,9 @@ def checkpointing_table(frame: pd.DataFrame) -> NumericTable:
         "step (ms, median)": rows["median_ms"].where(ok),
         "peak memory (GiB)": (rows["peak_memory_mib"] / GIB).where(ok),
         "peak by end of backward (GiB)": (rows["peak_fwd_bwd_mib"] / GIB).where(ok),
-        "allocated at step start (GiB)": (rows["baseline_mib"] / GIB).where(ok)})
+        "allocated at step start (GiB)": (rows["baseline_mib"] / GIB).where(ok),
+        # not measured: what the step start must hold (every row, the sweep's one model)
+        "weights + moments (GiB)": [model_state(row)[1] / GIB for _, row in rows.iterrows()]})
     return NumericTable(data, (Col("policy"), Col("status"), Col("block forwards per step", "d"),
                                Col("step (ms, median)", ".1f"), *(Col(c, ".2f") for c in data.columns[4:])))
 
@@ -136,38 +168,58 @@ def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
                            f"{first['batch_size']}, context {first['context_length']}, {first['precision']}", frame)
 
 
-def _cost_model_lines(saved: pd.DataFrame | None) -> list[str]:
-    """(a): the cost model at the measured block and boundary sizes, for several N."""
-    if saved is None:
-        return []
-    act = saved[(saved["kind"] == "activation") & (saved["mode"] == "eager")].set_index("case")["storage_mib"]
-    inp = saved[(saved["kind"] == "input") & (saved["mode"] == "eager")].set_index("case")["storage_mib"]
-    if "block" not in act or "block" not in inp:
-        return []
-    block, boundary = float(act["block"]), float(inp["block"])
+COST_POLICIES = {"none": lambda n: CheckpointPolicy(), "every block": lambda n: CheckpointPolicy.every(1),
+                 "sqrt (two levels)": CheckpointPolicy.sqrt, "recursive halving": CheckpointPolicy.binary}
+
+
+def block_sizes(saved: NumericTable) -> tuple[float, float] | None:
+    """(one block's residuals, one boundary) in MiB: the eager block's activations and input, each storage
+    once, from the saved-tensors table (None where it has no eager block)."""
+    if not saved.has(case="block", mode="eager"):
+        return None
+    return (saved.value(ACTIVATIONS, case="block", mode="eager"),
+            saved.value("input (MiB, per storage)", case="block", mode="eager"))
+
+
+def cost_model_table(frame: pd.DataFrame) -> NumericTable:
+    """(a): the cost model of model/checkpointing.py at the measured block and boundary sizes (results of
+    3.1, the eager block), for several N: the modelled peak of activations and the block forwards per step."""
     rows = []
-    for n in (8, 32, 128, 512):
-        policies = {"none": CheckpointPolicy(), "every block": CheckpointPolicy.every(1),
-                    "sqrt (two levels)": CheckpointPolicy.sqrt(n), "recursive halving": CheckpointPolicy.binary(n)}
-        for name, policy in policies.items():
-            cost = checkpoint_cost(policy, n, block, boundary)
-            rows.append({"N": n, "policy": name, "peak activations (GiB)": round(cost.peak_bytes / GIB, 1),
-                         "block forwards / N": round(cost.block_forwards / n, 2)})
-    table = pd.DataFrame(rows).to_markdown(index=False)
+    sizes = block_sizes(saved_tensors_table(frame))
+    for n in (8, 32, 128, 512) if sizes else ():
+        for name, policy in COST_POLICIES.items():
+            cost = checkpoint_cost(policy(n), n, *sizes)
+            rows.append({"N": n, "policy": name, "peak activations (GiB)": cost.peak_bytes / GIB,
+                         "block forwards / N": cost.block_forwards / n})
+    data = pd.DataFrame(rows, columns=["N", "policy", "peak activations (GiB)", "block forwards / N"])
+    return NumericTable(data, (Col("N", "d"), Col("policy"), Col("peak activations (GiB)", ".1f"),
+                               Col("block forwards / N", ".2f")))
+
+
+def _cost_model_lines(ctx: Context) -> list[str]:
+    """(a): the answer, with the block and boundary sizes quoted from 3.1's table and the cost model's table."""
+    if ctx.frame("saved_tensors") is None:
+        return []
+    saved = ctx.numeric("saved_tensors")
+    if block_sizes(saved) is None:
+        return []
+    block = saved.quote(ACTIVATIONS, case="block", mode="eager")
+    boundary = saved.quote("input (MiB, per storage)", case="block", mode="eager")
     return [
         "(a) Ignoring compute, the least peak activation memory is one block's residuals at a time, O(1) blocks, "
         "and nested checkpoints reach it. Recursive halving: checkpoint the whole stack as two halves, each half "
         "as two quarters, and so on down to single blocks. During the backward pass only segment inputs are "
         "stored, at most two per level (the input of the segment being backpropagated and of its earlier "
-        "sibling), plus the residuals of the one block being recomputed: O(1) blocks of residuals and O(log N) boundaries, which the handout's assumption (a block's "
+        "sibling), plus the residuals of the one block being recomputed: O(1) blocks of residuals and O(log N) "
+        "boundaries, which the handout's assumption (a block's "
         "residuals dominate per-checkpoint bookkeeping) makes negligible, for O(N log N) block forwards (each "
         "level replays its segment once). Keeping even the boundaries constant is possible — store only the "
         "first block's input and replay the prefix before each block's backward — but costs O(N^2) block "
         "forwards for a saving of log N boundary tensors, so recursive halving is our answer. The bookkeeping is "
-        "indeed negligible here: one boundary is "
-        f"{boundary:,.0f} MiB against {block:,.0f} MiB of one block's residuals (eager, the handout's setting, "
-        "measured above). The cost model of `cs336_systems.model.checkpointing` at those sizes:",
-        table,
+        f"indeed negligible here: one boundary is {boundary} MiB against {block} MiB of one block's residuals "
+        "(eager, the handout's setting, 3.1's table). The cost model of `cs336_systems.model.checkpointing` at "
+        "those sizes:",
+        ctx.table("checkpoint_cost_model"),
         "A sketch of the recursive policy (`CheckpointPolicy.binary(N)` builds it; `run_blocks` applies it):\n\n"
         "```python\n"
         "from torch.utils.checkpoint import checkpoint\n\n"
@@ -189,54 +241,85 @@ def model_state(row: pd.Series) -> tuple[float, float]:
     return params, 3 * 4 * params / 2**20
 
 
-def model_state_sentence(ok: pd.DataFrame, first: pd.Series) -> str:
-    params, state = model_state(first)
-    start = ok["baseline_mib"]
-    return (f"Every step starts with {start.min() / GIB:.2f}–{start.max() / GIB:.2f} GiB allocated (the table's last "
-            f"column): the float32 weights and AdamW's two moments of the {params / 1e9:.2f}B parameters, 3 × 4 B × "
-            f"{params:,} = {state / GIB:.2f} GiB, and {start.min() - state:,.0f}–{start.max() - state:,.0f} MiB of "
-            "other buffers; the gradients are freed between steps. No activation policy touches that part of the peak.")
+STEP_MS, PEAK, START, STATE = ("step (ms, median)", "peak memory (GiB)", "allocated at step start (GiB)",
+                               "weights + moments (GiB)")
 
 
-def render_checkpointing(ctx: Context) -> str:
-    frame = ctx.frame("checkpointing")
-    first = frame.iloc[0]
-    lines = ["Answers the 2026 handout, section 3.2 (gradient_checkpointing). Policies are applied to our "
-             f"`TransformerLM` from outside (`apply_activation_checkpointing`, non-reentrant "
-             f"`torch.utils.checkpoint`); tests check that gradients equal the unchecked model's bitwise in fp32."]
-    lines += _cost_model_lines(ctx.frame("saved_tensors"))
-    rows = _sweep_points(frame)
-    every = rows[(rows["policy_kind"] == "every") & rows["status"].eq("ok")].set_index("segment_blocks")
-    none = rows[rows["policy_kind"] == "none"]
-    if len(every) and not pd.isna(every["peak_memory_mib"]).all():
-        best = int(every["peak_memory_mib"].idxmin())
-        peak = every["peak_memory_mib"] / GIB
-        neighbours = [k for k in (every.index[every.index < best].max() if (every.index < best).any() else None,
-                                  every.index[every.index > best].min() if (every.index > best).any() else None)
-                      if k is not None and not pd.isna(k)]
-        around = ", ".join(f"every {int(k)}: {peak[k]:.1f} GiB" for k in neighbours)
-        none_text = ("runs out of memory" if len(none) and none.iloc[0]["status"] == "oom"
-                     else f"peaks at {none.iloc[0]['peak_memory_mib'] / GIB:.1f} GiB" if len(none) else "was not run")
-        spread = every["median_ms"].max() / every["median_ms"].min()
-        lines.append(
-            f"(b) {first['size_table']} {first['size']} ({first['num_layers']} blocks), batch {first['batch_size']}, "
+def model_state_sentence(q: Quotes, ran: list[str], first: pd.Series) -> str:
+    """What every step starts with (the table's last columns), against the model state it must hold."""
+    params, _ = model_state(first)
+    starts = {policy: q.table.value(START, policy=policy) for policy in ran}
+    low, high = min(starts, key=starts.get), max(starts, key=starts.get)
+
+    def others(t: pd.DataFrame) -> pd.Series:  # MiB allocated at the start besides weights and moments
+        return (column_values(t, START) - column_values(t, STATE)) * GIB
+
+    return (f"Every step starts with {q.cell(START, policy=low)}–{q.cell(START, policy=high)} GiB allocated (the "
+            f"table's '{START}'): the float32 weights and AdamW's two moments of the {params / 1e9:.2f}B parameters, "
+            f"3 × 4 B × {params:,} = {q.cell(STATE, policy=low)} GiB, and "
+            f"{q.derive(lambda t: others(t).min(), ',.0f', 'least MiB at step start besides the model state')}–"
+            f"{q.derive(lambda t: others(t).max(), ',.0f', 'most MiB at step start besides the model state')} MiB "
+            "of other buffers; the gradients are freed between steps. No activation policy touches that part of "
+            "the peak.")
+
+
+def _sweep_answer(q: Quotes, points: pd.DataFrame, first: pd.Series) -> str:
+    """(b): which 'every k' checkpoints least, from the table's cells (`points`: the sweep's rows in the
+    table's order, for each policy's kind and k)."""
+    ran = points["status"].eq("ok")
+    every = points[(points["policy_kind"] == "every") & ran]
+    if not len(every) or all(pd.isna(q.table.value(PEAK, policy=p)) for p in every["policy"]):
+        return ""
+    names = list(every["policy"])
+    best = min(names, key=lambda p: q.table.value(PEAK, policy=p))
+    k = dict(zip(every["policy"], every["segment_blocks"]))
+    below, above = [p for p in names if k[p] < k[best]], [p for p in names if k[p] > k[best]]
+    neighbours = ([max(below, key=k.get)] if below else []) + ([min(above, key=k.get)] if above else [])
+    around = ", ".join(f"{p}: {q.cell(PEAK, policy=p)} GiB" for p in neighbours)
+    none = points[points["policy_kind"] == "none"]
+    none_text = ("was not run" if not len(none) else "runs out of memory" if none["status"].iloc[0] == "oom"
+                 else f"peaks at {q.cell(PEAK, policy=none['policy'].iloc[0])} GiB")
+
+    def spread(t: pd.DataFrame) -> float:  # how far apart the 'every k' step times are, %
+        steps = column_values(t, STEP_MS, lambda f: f["policy"].isin(names))
+        return 100 * (steps.max() / steps.min() - 1)
+
+    return (f"(b) {first['size_table']} {first['size']} ({first['num_layers']} blocks), batch {first['batch_size']}, "
             f"context {first['context_length']}, {first['precision']}, measured on {first['device_name']}. With one "
             "level of recomputation every policy replays each block's forward once, so the block size changes "
-            f"memory, not compute (the step times of every k differ by at most {100 * (spread - 1):.1f}%). "
+            f"memory, not compute (the step times of every k differ by at most "
+            f"{q.derive(spread, '.1f', 'spread of the every-k step times, %')}%). "
             "What a block stores for the backward (its attention scores and probabilities, the SwiGLU "
             "intermediates) dwarfs a checkpoint (one (batch, context, d_model) tensor), so the peak is set by the "
             "residuals of the one segment being recomputed, and the smallest segment wins: checkpoint every "
-            f"block. Measured: every {best} peaks at {peak[best]:.1f} GiB ({around}); the peak grows with k "
-            f"because the recomputed segment's residuals grow with it. Without checkpointing the step {none_text} "
-            f"on this GPU. {model_state_sentence(rows[rows['status'].eq('ok')], first)}")
-    nested = rows[(rows["policy_kind"] == "nested") & rows["status"].eq("ok")]
-    if len(nested) and len(every):
-        table = ctx.numeric("checkpointing")  # quoted as the table prints it ('—' where not measured)
-        per = ", ".join(f"{p}: {table.quote('step (ms, median)', policy=p)} ms, "
-                        f"{table.quote('peak memory (GiB)', policy=p)} GiB" for p in nested["policy"])
-        lines.append(f"Nesting buys no memory at this model size and costs compute ({per}), as (a) predicts when "
-                     "a boundary is small against a block.")
-    return "\n\n".join([*lines, ctx.table("checkpointing"), ctx.figure("checkpointing", "checkpoint block size")])
+            f"block. Measured: {best} peaks at {q.cell(PEAK, policy=best)} GiB"
+            + (f" ({around})" if around else "") + "; the peak grows with k because the recomputed segment's "
+            f"residuals grow with it. Without checkpointing the step {none_text} on this GPU. "
+            + model_state_sentence(q, list(points.loc[ran, "policy"]), first))
+
+
+def render_checkpointing(ctx: Context) -> Section:
+    frame = ctx.frame("checkpointing")
+    table = ctx.numeric("checkpointing")
+    q = Quotes(table)
+    first = frame.iloc[0]
+    intro = ("Answers the 2026 handout, section 3.2 (gradient_checkpointing). Policies are applied to our "
+             "`TransformerLM` from outside (`apply_activation_checkpointing`, non-reentrant "
+             "`torch.utils.checkpoint`); tests check that gradients equal the unchecked model's bitwise in fp32.")
+    points = _sweep_points(frame)
+    checked = [p for p in [_sweep_answer(q, points, first)] if p]
+    nested = points[(points["policy_kind"] == "nested") & points["status"].eq("ok")]
+    if len(nested) and checked:
+        per = ", ".join(f"{p}: {q.cell(STEP_MS, policy=p)} ms, {q.cell(PEAK, policy=p)} GiB" for p in nested["policy"])
+        checked.append(f"Nesting buys no memory at this model size and costs compute ({per}), as (a) predicts when "
+                       "a boundary is small against a block.")
+    params, _ = model_state(first)
+    # the run's settings and the model's size are words of the sentence here, not cells: the sweep's setting
+    # and parameter count (3 × 4 B: weights and two moments, float32)
+    settings = tuple(str(first[c]) for c in ("size_table", "num_layers", "batch_size", "context_length"))
+    return Section([intro, *_cost_model_lines(ctx), *checked, ctx.table("checkpointing"),
+                    ctx.figure("checkpointing", "checkpoint block size")], table, checked, q.derived,
+                   wording=(*settings, "3", "4", f"{params:,}"))
 
 
 # ---- 7: FSDP ------------------------------------------------------------------------------------------
@@ -381,7 +464,11 @@ DELIVERABLES = [
     Deliverable("2026 §3.2 gradient_checkpointing (a–b)", "checkpoint_sweep", render_checkpointing,
                 ("checkpointing",),
                 tables=(Table("checkpointing", "checkpointing", checkpointing_table,
-                              "Step time and peak memory per checkpoint policy (2026 handout, 3.2 (b))"),),
+                              "Step time and peak memory per checkpoint policy (2026 handout, 3.2 (b)); weights + "
+                              "moments = 3 × 4 B per parameter, not measured"),
+                        Table("checkpoint_cost_model", "saved_tensors", cost_model_table,
+                              "The checkpointing cost model (cs336_systems.model.checkpointing) at the eager block's "
+                              "measured residuals and boundary (2026 handout, 3.2 (a))")),
                 figures=(Figure("checkpointing", "checkpointing", checkpointing_figure),)),
     Deliverable("2026 §7 fsdp: ours against torch FSDP2, DDP and ZeRO-1", "fsdp_benchmark", render_fsdp,
                 ("fsdp",),
