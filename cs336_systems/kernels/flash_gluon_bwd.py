@@ -160,8 +160,10 @@ class BwdTile:
         return kv + ring + ds + dq
 
 
-# Shared memory (tiles): d=128, 2 slots: 193 KiB of the H100's 227 KiB; d=64, 4 slots: 146 KiB.
-TILES = {64: BwdTile(64, num_slots=4), 128: BwdTile(128, num_slots=2)}
+# Shared memory (tiles): d=128, 2 slots, ping-pong: 225 KiB of the H100's 227 KiB; d=64, 4 slots: 146 KiB.
+# d=128 runs ping-pong (one H200, results/diagnosis/flash_gluon_bwd_v2/: 0.952x lockstep's time at the 8B
+# shape, 0.983x at 4 x 32 x 4096); d=64 stays lockstep (ping-pong took 1.02-1.04x there).
+TILES = {64: BwdTile(64, num_slots=4), 128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
 
 
 def tile_for(head_dim: int) -> BwdTile:
