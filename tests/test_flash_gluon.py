@@ -345,6 +345,25 @@ def test_forced_gluon_reaches_the_eager_path_and_the_custom_op(monkeypatch):
         torch.ops.cs336_systems.flash_triton_forward(q, q, q, True)
 
 
+def test_auto_on_a_pretend_hopper_runs_the_gluon_forward_once_checked(monkeypatch):
+    """On CPU, with the device checks answering as an H100 would: a long bf16 call reaches the Gluon forward's entry
+    with the dispatcher's checked=True (its input checks ran once, in the choice), and the entry without it still
+    looks for problems itself."""
+    from cs336_systems.kernels import flash_triton
+
+    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    monkeypatch.setattr(flash_dispatch, "device_capability", lambda q: HOPPER)
+    monkeypatch.setattr(flash_gluon, "device_problem", lambda q: None)
+    calls = []
+    monkeypatch.setattr(flash_gluon, "_forward", lambda q, k, v, is_causal, **options: calls.append(options) or "ran")
+    q = torch.randn(1, 2, GLUON_MIN_KEYS, 64, dtype=torch.bfloat16)
+    assert flash_triton.flash_forward(q, q, q, True) == "ran"
+    assert flash_triton.flash_forward(q[..., :16, :], q, q, True) != "ran"  # causal rows of <= 16 keys: FA2's
+    assert calls == [{"checked": True}]
+    flash_gluon.flash_attention_gluon_forward(q, q, q, True)
+    assert calls[-1] == {"checked": False}
+
+
 def _counting(compiles: list, backend: str):
     """A torch.compile backend that counts the graphs Dynamo hands it (one per compile or recompile) and
     compiles them with `backend` (composed as PyTorch's custom-backend documentation shows)."""
@@ -403,9 +422,9 @@ def _spy_on_gluon(monkeypatch) -> list:
     """The q shapes the Gluon forward is called with, from now on."""
     calls, real = [], flash_gluon.flash_attention_gluon_forward
 
-    def spy(q, k, v, is_causal):
+    def spy(q, k, v, is_causal, **options):  # options: the dispatcher's checked=True
         calls.append(tuple(q.shape))
-        return real(q, k, v, is_causal)
+        return real(q, k, v, is_causal, **options)
 
     monkeypatch.setattr(flash_gluon, "flash_attention_gluon_forward", spy)
     return calls

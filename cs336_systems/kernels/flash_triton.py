@@ -36,7 +36,7 @@ import triton.language as tl
 
 from cs336_systems.kernels import flash_dispatch
 from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
-from cs336_systems.kernels.launch import FastLauncher
+from cs336_systems.kernels.launch import FastLauncher, cdiv, next_power_of_2
 from cs336_systems.kernels.settings import FlashSettings, flash_settings
 from cs336_systems.kernels.flash_tuning import (
     TILINGS,
@@ -400,9 +400,9 @@ def _launch_params(q: torch.Tensor, k: torch.Tensor, settings: FlashSettings) ->
     return dict(
         H=q.shape[1] if q.dim() == 4 else 1,
         N_Q=q.shape[-2], N_K=k.shape[-2], HEAD_DIM=head_dim,
-        SEQ_KEY_Q=triton.next_power_of_2(q.shape[-2]), SEQ_KEY_K=triton.next_power_of_2(k.shape[-2]),
+        SEQ_KEY_Q=next_power_of_2(q.shape[-2]), SEQ_KEY_K=next_power_of_2(k.shape[-2]),
         PRECISION=settings.float32_dot if q.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit inputs
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
     )
 
 
@@ -454,7 +454,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
     batch_heads = q.shape[0] * p["H"]
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     delta_block = 16 if INTERPRET else 64
-    LAUNCH["delta"]((triton.cdiv(p["N_Q"], delta_block), batch_heads),
+    LAUNCH["delta"]((cdiv(p["N_Q"], delta_block), batch_heads),
         out, grad_out, delta, *_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"],
         BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"], fast_launch=fast)
     # Gradients in their inputs' layouts: autograd then takes them as .grad without a strided copy
@@ -477,7 +477,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     The settings are read once here, for the whole call (each read looks up every environment variable)."""
     settings = flash_settings()
     if flash_dispatch.choose_forward(q, k, v, is_causal, forward=settings.forward) == "gluon":
-        return flash_dispatch.gluon_forward(q, k, v, is_causal)
+        return flash_dispatch.gluon_forward(q, k, v, is_causal, chosen=True)
     return flash_forward_triton(q, k, v, is_causal, settings)
 
 

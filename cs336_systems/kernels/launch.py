@@ -46,6 +46,17 @@ def _key(args: tuple, kwargs: dict) -> tuple:
                     if isinstance(a, tensor) else a) for name, a in kwargs.items()]))
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints, as triton.cdiv: that one is a Triton "constexpr function", whose call from
+    Python costs ~1-2 us through its wrapper, and the launchers call it on every launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= n (n >= 1), as triton.next_power_of_2, without its wrapper's cost (see cdiv)."""
+    return 1 << (n - 1).bit_length()
+
+
 def fast_path_problem(kernel, version: str | None = None) -> str | None:
     """Why `kernel` (a JIT function, optionally wrapped by `triton.heuristics` and `triton.autotune`)
     cannot be launched by the fast path with this Triton (or with Triton `version`), or None when it can."""
