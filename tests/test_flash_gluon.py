@@ -238,6 +238,19 @@ def _fresh(shape, model_layout, dtype=torch.bfloat16):
 
 @pytest.mark.gpu
 @needs_sm90
+def test_gpu_fast_launch_matches_the_public_path():
+    """From the second call of a layout the forward launches the cached binary (FastLauncher): with fresh inputs
+    each time, the same O and L bit for bit as Triton's public launch path (the fast_launch setting off)."""
+    for call in range(3):
+        q, k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        fast = flash_gluon.flash_attention_gluon_forward(q, k, v, True, fast_launch=True)
+        public = flash_gluon.flash_attention_gluon_forward(q, k, v, True, fast_launch=False)
+        for got, expected in zip(fast, public):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("q_shape,k_shape,causal,model_layout", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -359,9 +372,41 @@ def test_auto_on_a_pretend_hopper_runs_the_gluon_forward_once_checked(monkeypatc
     q = torch.randn(1, 2, GLUON_MIN_KEYS, 64, dtype=torch.bfloat16)
     assert flash_triton.flash_forward(q, q, q, True) == "ran"
     assert flash_triton.flash_forward(q[..., :16, :], q, q, True) != "ran"  # causal rows of <= 16 keys: FA2's
-    assert calls == [{"checked": True}]
+    assert calls == [{"checked": True, "fast_launch": True}]
     flash_gluon.flash_attention_gluon_forward(q, q, q, True)
-    assert calls[-1] == {"checked": False}
+    assert calls[-1] == {"checked": False, "fast_launch": None}
+
+
+def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
+    """The forward's FastLauncher (no GPU: its public path is a stub): fresh tensors of one layout share a key and
+    reach the runner with exactly `kernel_launch`'s arguments, which are the kernel's whole signature; a new layout
+    (q in another dtype; k with other strides) is a new key, so it goes through Triton's public path again."""
+    from cs336_systems.kernels import launch
+
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    launcher = launch.FastLauncher(flash_gluon._flash_fwd_gluon_kernel, key=flash_gluon._launch_key)
+    assert launcher.problem is None
+    public, runs = [], []
+    compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append((grid, args))})()
+    launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
+                                          or compiled})()
+
+    def launch_once(dtype=torch.bfloat16, k_layout=False):
+        q, k, v = (torch.randn(2, 3, 200, 64, dtype=dtype) for _ in range(3))
+        if k_layout:
+            k = torch.randn(2, 200, 3, 64, dtype=dtype).transpose(1, 2)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:-1])
+        args, grid, options = flash_gluon.kernel_launch(q, k, v, out, lse, True)
+        launcher(grid, *args, fast_launch=True, **options)
+        return args, grid
+
+    launch_once()
+    args, grid = launch_once()
+    assert len(public) == 1 and len(args) == len(launcher.names)
+    assert runs == [((*grid, 1, 1), args)]
+    launch_once(torch.float16)
+    launch_once(k_layout=True)
+    assert len(public) == 3 and len(runs) == 1
 
 
 def _counting(compiles: list, backend: str):

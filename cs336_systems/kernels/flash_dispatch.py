@@ -207,11 +207,12 @@ def _loaded(load: Callable[[], tuple[ModuleType | None, str | None]]) -> ModuleT
     return module
 
 
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *, chosen: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *, chosen: bool = False,
+                  fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_gluon's forward (O, L). `chosen`: `choose_forward` has just returned "gluon" for these inputs, which it
-    does only where flash_gluon found no problem in them, so the kernel's entry does not look again."""
-    return _loaded(_gluon).flash_attention_gluon_forward(q, k, v, is_causal, checked=chosen)
+    does only where flash_gluon found no problem in them, so the kernel's entry does not look again. `fast_launch`:
+    the caller's FlashSettings.fast_launch (None: read the settings)."""
+    return _loaded(_gluon).flash_attention_gluon_forward(q, k, v, is_causal, checked=chosen, fast_launch=fast_launch)
 
 
 def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

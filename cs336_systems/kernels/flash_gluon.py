@@ -64,7 +64,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.kernels.common import check_inputs
-from cs336_systems.kernels.launch import cdiv
+from cs336_systems.kernels import launch
+from cs336_systems.kernels.launch import FastLauncher, cdiv
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -603,8 +604,22 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
+def _launch_key(args: tuple, kwargs: dict) -> tuple:
+    """FastLauncher's layout key of a `kernel_launch` call: of each of its four leading descriptors what the kernel
+    is specialised on or reads from it (the base tensor's layout, the box and its shared layout), then the
+    default key of the rest (L, the schedule, the scalars and the launch options)."""
+    descriptors = tuple([(d.base.shape, d.base.stride(), d.base.dtype, d.base.data_ptr() % 16, d.base.get_device(),
+                          tuple(d.block_shape), d.layout, d.padding) for d in args[:4]])
+    return descriptors, launch._key(args[4:], kwargs)
+
+
+# The forward's launches: after the first call per layout, the compiled binary directly (launch.py): Triton's
+# JIT path (argument binder, specialisation key, checks of the kernel's globals) costs a short call its host time.
+_LAUNCHER = FastLauncher(_flash_fwd_gluon_kernel, key=_launch_key)
+
+
 def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None, tile: GluonTile | None = None,
-             checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+             checked: bool = False, fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     problem = None if checked else layout_problem(q, k, v) or device_problem(q)
     if problem:
         raise ValueError(problem)
@@ -616,15 +631,17 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = 
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact, group,
                                         tile)
-    _flash_fwd_gluon_kernel[grid](*args, **options)
+    _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
     return out, lse
 
 
 def flash_attention_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *,
-                                  checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                  checked: bool = False, fast_launch: bool | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (q's dtype and layout) and L (natural-log logsumexp, float32, contiguous q.shape[:-1]) of softmax
     attention with scale 1/sqrt(d): q (..., n_q, d), k and v (..., n_k, d), one or two leading dims, as
     flash_triton's forward. Raises ValueError naming what is unsupported (see gluon_supported). `checked`: the
     caller has just found no `layout_problem` or `device_problem` in these inputs (flash_dispatch's choice has),
-    so they are not looked for again (~10 us of a short call)."""
-    return _forward(q, k, v, is_causal, checked=checked)
+    so they are not looked for again (~10 us of a short call). `fast_launch`: the caller's
+    `FlashSettings.fast_launch`, where it has read the settings (None: read them)."""
+    return _forward(q, k, v, is_causal, checked=checked, fast_launch=fast_launch)

@@ -477,7 +477,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     The settings are read once here, for the whole call (each read looks up every environment variable)."""
     settings = flash_settings()
     if flash_dispatch.choose_forward(q, k, v, is_causal, forward=settings.forward) == "gluon":
-        return flash_dispatch.gluon_forward(q, k, v, is_causal, chosen=True)
+        return flash_dispatch.gluon_forward(q, k, v, is_causal, chosen=True, fast_launch=settings.fast_launch)
     return flash_forward_triton(q, k, v, is_causal, settings)
 
 

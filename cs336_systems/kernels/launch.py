@@ -91,10 +91,15 @@ def _warn_once(problem: str) -> None:
 
 class FastLauncher:
     """`launcher(grid, *args, **kwargs)` launches `kernel` (a JIT function, optionally wrapped by
-    `triton.heuristics` and `triton.autotune`) as `kernel[grid](*args, **kwargs)` would."""
+    `triton.heuristics` and `triton.autotune`) as `kernel[grid](*args, **kwargs)` would.
 
-    def __init__(self, kernel):
+    `key(args, kwargs)` gives the layout key of a call (default `_key`; a kernel taking arguments that are neither
+    tensors nor hashable values, such as TMA descriptors, brings its own). A grid given as a tuple is part of the
+    key; a grid given as a function must depend on nothing but the key's contents."""
+
+    def __init__(self, kernel, key: Callable[[tuple, dict], tuple] = _key):
         self.kernel = kernel
+        self.key = key
         self.problem = None if INTERPRET else fast_path_problem(kernel)  # the interpreter never uses it
         self.autotuner = self.heuristics = self.jit = self.names = None
         if self.problem is None and not INTERPRET:
@@ -122,7 +127,7 @@ class FastLauncher:
             _warn_once(self.problem)
             self.kernel[grid](*args, **kwargs)
             return
-        key = _key(args, kwargs)
+        key = (self.key(args, kwargs), grid if type(grid) is tuple else None)
         entry = self.entries.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)  # tunes, compiles and launches as usual
