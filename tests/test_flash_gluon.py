@@ -384,7 +384,7 @@ def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
     from cs336_systems.kernels import launch
 
     monkeypatch.setattr(launch, "INTERPRET", False)
-    launcher = launch.FastLauncher(flash_gluon._flash_fwd_gluon_kernel, key=flash_gluon._launch_key)
+    launcher = launch.FastLauncher(flash_gluon._flash_fwd_gluon_kernel, key=flash_gluon.descriptor_launch_key)
     assert launcher.problem is None
     public, runs = [], []
     compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append((grid, args))})()

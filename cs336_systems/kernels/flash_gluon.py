@@ -604,18 +604,19 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
-def _launch_key(args: tuple, kwargs: dict) -> tuple:
-    """FastLauncher's layout key of a `kernel_launch` call: of each of its four leading descriptors what the kernel
-    is specialised on or reads from it (the base tensor's layout, the box and its shared layout), then the
-    default key of the rest (L, the schedule, the scalars and the launch options)."""
-    descriptors = tuple([(d.base.shape, d.base.stride(), d.base.dtype, d.base.data_ptr() % 16, d.base.get_device(),
-                          tuple(d.block_shape), d.layout, d.padding) for d in args[:4]])
-    return descriptors, launch._key(args[4:], kwargs)
+def descriptor_launch_key(args: tuple, kwargs: dict) -> tuple:
+    """FastLauncher's layout key of a call whose arguments include TMA descriptors (this forward's, and usable by
+    any Gluon kernel's launcher): of each descriptor what the kernel is specialised on or reads from it (its base
+    tensor's layout, the box and its shared layout), of the other arguments what `launch._key` takes."""
+    descriptors = tuple([(i, d.base.shape, d.base.stride(), d.base.dtype, d.base.data_ptr() % 16,
+                          d.base.get_device(), tuple(d.block_shape), d.layout, d.padding)
+                         for i, d in enumerate(args) if isinstance(d, TensorDescriptor)])
+    return descriptors, launch._key(tuple([a for a in args if not isinstance(a, TensorDescriptor)]), kwargs)
 
 
 # The forward's launches: after the first call per layout, the compiled binary directly (launch.py): Triton's
 # JIT path (argument binder, specialisation key, checks of the kernel's globals) costs a short call its host time.
-_LAUNCHER = FastLauncher(_flash_fwd_gluon_kernel, key=_launch_key)
+_LAUNCHER = FastLauncher(_flash_fwd_gluon_kernel, key=descriptor_launch_key)
 
 
 def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None, tile: GluonTile | None = None,

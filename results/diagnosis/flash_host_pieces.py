@@ -10,6 +10,9 @@ one thing not run; its own launcher, `CompiledKernel.run`, is not ours to shorte
 - launch:      one FastLauncher call on its fast path (key of the argument layout, arguments in signature order);
 - descriptor:  one Gluon TMA descriptor (`flash_gluon._descriptor`), and the Gluon forward's `kernel_launch`
                (four descriptors and the argument tuple);
+- op_custom_op, op_library: one call of an operator like our forward (q, k, v, is_causal -> two fresh tensors),
+               registered with `torch.library.custom_op` or with the low-level `torch.library.Library`, called as a
+               compiled graph calls it (gradients off): what each registration adds per call;
 - fa2_eager:   the FA2 path's forward, and forward+backward, through `FlashAttentionTriton.apply` (every check,
                the dispatch, the settings, the launchers), kernels no-ops;
 - fa2_compiled: the same through `torch.compile` (Inductor, static shapes): adds the custom operators' wrappers.
@@ -65,8 +68,31 @@ def inputs(dtype=torch.bfloat16, grad=False):
     return [torch.randn(batch, seq, heads, dim, dtype=dtype).transpose(1, 2).requires_grad_(grad) for _ in range(3)]
 
 
+def operator_calls() -> dict[str, float]:
+    """us per call of two operators that differ only in how they are registered (a namespace of their own)."""
+    def kernel(q, k, v, is_causal):
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+    schema = "(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)"
+    custom = torch.library.custom_op("host_pieces::custom_op_forward", kernel, mutates_args=(), schema=schema)
+    library = torch.library.Library("host_pieces", "FRAGMENT")
+    library.define("library_forward" + schema)
+    library.impl("library_forward", kernel, "CPU")
+    q, k, v = inputs(grad=True)
+    rows = {}
+    for name, op in (("op_custom_op", torch.ops.host_pieces.custom_op_forward.default),
+                     ("op_library", torch.ops.host_pieces.library_forward.default)):
+        def call(op=op):
+            with torch.no_grad():
+                op(q, k, v, True)
+
+        rows[name] = per_call_us(call, 5000)
+    del custom
+    return rows
+
+
 def pieces() -> dict[str, float]:
-    rows = {"settings": per_call_us(flash_settings, 20000)}
+    rows = {"settings": per_call_us(flash_settings, 20000), **operator_calls()}
     stub_launches()
     q, k, v = inputs()
     out, lse = flash_triton.flash_forward(q, k, v, True)  # remembers the forward's layout
