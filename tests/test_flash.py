@@ -201,6 +201,25 @@ def test_compiled_function_matches_reference(impl, device):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_operators_return_fresh_tensors_and_pass_torch_opcheck(kernel_device):
+    """The compiled path's operators are registered without custom_op's per-call check that outputs alias no input
+    (flash_triton, "PyTorch operators"): their outputs must be fresh by construction, and torch's own operator
+    checks (schema, fake kernel against the real one, aliasing) must hold, on an awkward model-layout shape."""
+    q, k, v, do = _inputs((2, 3, 37, 16), (2, 3, 45, 16), torch.float32, kernel_device, 12)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # the model's (batch, seq, heads, dim) storage
+    forward = torch.ops.cs336_systems.flash_triton_forward.default
+    backward = torch.ops.cs336_systems.flash_triton_backward.default
+    out, lse = forward(q, k, v, True)
+    grads = backward(q, k, v, out, lse, do, True)
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    for results, inputs in (((out, lse), (q, k, v)), (grads, (q, k, v, out, lse, do))):
+        fresh = {storage(t) for t in results}
+        assert len(fresh) == len(results) and not fresh & {storage(t) for t in inputs}
+    assert out.stride() == q.stride()  # O in q's layout, as the fake kernel says
+    for op, args in ((forward, (q, k, v, True)), (backward, (q, k, v, out, lse, do, True))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 @pytest.mark.parametrize("impl,device", CASES_BY_DEVICE)
 def test_non_contiguous_inputs(impl, device):
     """(batch, n, heads, d) transposed to (batch, heads, n, d), as the model produces them."""

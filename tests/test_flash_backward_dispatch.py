@@ -108,7 +108,7 @@ def test_auto_on_a_pretend_hopper_hands_the_inputs_to_the_gluon_backward(no_flas
     """The "auto" branch that takes Gluon, on CPU: with the device checks answering as an H100 would, long inputs
     reach flash_backward_gluon through flash_triton.flash_backward, each tensor in the argument it belongs to
     (the Gluon entry takes o, do, lse in another order than FA2's), and what the kernel does not take stays FA2."""
-    no_flash_choice.setattr(flash_dispatch, "_capability", lambda q: HOPPER)
+    no_flash_choice.setattr(flash_dispatch, "device_capability", lambda q: HOPPER)
     no_flash_choice.setattr(flash_gluon_bwd, "device_problem", lambda q: None)
     calls = []
     no_flash_choice.setattr(flash_gluon_bwd, "flash_backward_gluon", lambda *args: calls.append(args) or "gluon ran")

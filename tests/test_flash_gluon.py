@@ -238,6 +238,19 @@ def _fresh(shape, model_layout, dtype=torch.bfloat16):
 
 @pytest.mark.gpu
 @needs_sm90
+def test_gpu_fast_launch_matches_the_public_path():
+    """From the second call of a layout the forward launches the cached binary (FastLauncher): with fresh inputs
+    each time, the same O and L bit for bit as Triton's public launch path (the fast_launch setting off)."""
+    for call in range(3):
+        q, k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        fast = flash_gluon.flash_attention_gluon_forward(q, k, v, True, fast_launch=True)
+        public = flash_gluon.flash_attention_gluon_forward(q, k, v, True, fast_launch=False)
+        for got, expected in zip(fast, public):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("q_shape,k_shape,causal,model_layout", GPU_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -345,6 +358,57 @@ def test_forced_gluon_reaches_the_eager_path_and_the_custom_op(monkeypatch):
         torch.ops.cs336_systems.flash_triton_forward(q, q, q, True)
 
 
+def test_auto_on_a_pretend_hopper_runs_the_gluon_forward_once_checked(monkeypatch):
+    """On CPU, with the device checks answering as an H100 would: a long bf16 call reaches the Gluon forward's entry
+    with the dispatcher's checked=True (its input checks ran once, in the choice), and the entry without it still
+    looks for problems itself."""
+    from cs336_systems.kernels import flash_triton
+
+    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    monkeypatch.setattr(flash_dispatch, "device_capability", lambda q: HOPPER)
+    monkeypatch.setattr(flash_gluon, "device_problem", lambda q: None)
+    calls = []
+    monkeypatch.setattr(flash_gluon, "_forward", lambda q, k, v, is_causal, **options: calls.append(options) or "ran")
+    q = torch.randn(1, 2, GLUON_MIN_KEYS, 64, dtype=torch.bfloat16)
+    assert flash_triton.flash_forward(q, q, q, True) == "ran"
+    assert flash_triton.flash_forward(q[..., :16, :], q, q, True) != "ran"  # causal rows of <= 16 keys: FA2's
+    assert calls == [{"checked": True, "fast_launch": True}]
+    flash_gluon.flash_attention_gluon_forward(q, q, q, True)
+    assert calls[-1] == {"checked": False, "fast_launch": None}
+
+
+def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
+    """The forward's FastLauncher (no GPU: its public path is a stub): fresh tensors of one layout share a key and
+    reach the runner with exactly `kernel_launch`'s arguments, which are the kernel's whole signature; a new layout
+    (q in another dtype; k with other strides) is a new key, so it goes through Triton's public path again."""
+    from cs336_systems.kernels import launch
+
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    launcher = launch.FastLauncher(flash_gluon._flash_fwd_gluon_kernel, key=flash_gluon.descriptor_launch_key)
+    assert launcher.problem is None
+    public, runs = [], []
+    compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append((grid, args))})()
+    launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
+                                          or compiled})()
+
+    def launch_once(dtype=torch.bfloat16, k_layout=False):
+        q, k, v = (torch.randn(2, 3, 200, 64, dtype=dtype) for _ in range(3))
+        if k_layout:
+            k = torch.randn(2, 200, 3, 64, dtype=dtype).transpose(1, 2)
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:-1])
+        args, grid, options = flash_gluon.kernel_launch(q, k, v, out, lse, True)
+        launcher(grid, *args, fast_launch=True, **options)
+        return args, grid
+
+    launch_once()
+    args, grid = launch_once()
+    assert len(public) == 1 and len(args) == len(launcher.names)
+    assert runs == [((*grid, 1, 1), args)]
+    launch_once(torch.float16)
+    launch_once(k_layout=True)
+    assert len(public) == 3 and len(runs) == 1
+
+
 def _counting(compiles: list, backend: str):
     """A torch.compile backend that counts the graphs Dynamo hands it (one per compile or recompile) and
     compiles them with `backend` (composed as PyTorch's custom-backend documentation shows)."""
@@ -403,9 +467,9 @@ def _spy_on_gluon(monkeypatch) -> list:
     """The q shapes the Gluon forward is called with, from now on."""
     calls, real = [], flash_gluon.flash_attention_gluon_forward
 
-    def spy(q, k, v, is_causal):
+    def spy(q, k, v, is_causal, **options):  # options: the dispatcher's checked=True
         calls.append(tuple(q.shape))
-        return real(q, k, v, is_causal)
+        return real(q, k, v, is_causal, **options)
 
     monkeypatch.setattr(flash_gluon, "flash_attention_gluon_forward", spy)
     return calls

@@ -140,6 +140,50 @@ def test_fast_launch_falls_back_to_the_public_path_with_one_warning(no_flash_env
     assert kernel.launches == [((4, 1), ("x", 3), {"BLOCK": 16}), ((4, 1), ("y", 5), {"BLOCK": 16})]
 
 
+def test_plain_int_grid_helpers_match_triton():
+    """launch.cdiv and launch.next_power_of_2 replace Triton's on the hot path: the same values over a range that
+    covers every power-of-two boundary a sequence length or head dim of ours crosses, random pairs included."""
+    gen = torch.Generator().manual_seed(7)
+    for n in [*range(1, 1100), *torch.randint(1, 1 << 20, (500,), generator=gen).tolist()]:
+        assert launch.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a, b in [*((a, b) for a in range(1, 200) for b in (1, 3, 16, 64, 128, 255)),
+                 *torch.randint(1, 1 << 20, (500, 2), generator=gen).tolist()]:
+        assert launch.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+class CompiledStub:
+    """Stands for Triton's compiled kernel: `[grid]` gives a runner that records the arguments it is called with."""
+
+    def __init__(self):
+        self.runs = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.runs.append((grid, args))
+
+
+def test_fast_path_passes_the_arguments_in_signature_order(no_flash_env):
+    """After the first call of a layout, the runner gets every argument in the kernel's signature order: the
+    positional ones, then the keywords (passed here in another order than the signature's); a new layout (here a
+    new dtype) goes through the public path again, and so does every call with fast launch off."""
+    no_flash_env.setattr(launch, "INTERPRET", False)
+    kernel = flash_triton._bwd_delta_kernel  # a plain JIT function: its signature is the arguments' order
+    launcher = launch.FastLauncher(kernel)
+    compiled, public = CompiledStub(), []
+    launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
+                                          or compiled})()
+    names = kernel.arg_names
+    o, do, delta = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), torch.zeros(2, 3)
+    args = (o, do, delta, 24, 0, 8, 1, 24, 0, 8, 1, 1, 3, 8)
+    assert len(args) + 2 == len(names)
+    launcher((1, 2), *args, BLOCK_D=16, BLOCK_M=4, fast_launch=True)
+    launcher((1, 2), *args, BLOCK_D=16, BLOCK_M=4, fast_launch=True)  # the same layout: the runner, BLOCK_M first
+    assert len(public) == 1 and compiled.runs == [((1, 2, 1), (*args, 4, 16))]
+    launcher((1, 2), o.double(), *args[1:], BLOCK_D=16, BLOCK_M=4, fast_launch=True)
+    assert len(public) == 2 and len(compiled.runs) == 1
+    launcher((1, 2), *args, BLOCK_D=16, BLOCK_M=4, fast_launch=False)  # fast launch off: the public path
+    assert len(public) == 3
+
+
 def test_fast_path_is_only_taken_on_a_checked_triton_release(no_flash_env):
     kernel = flash_triton.TUNED_KERNELS["forward"]
     assert launch.fast_path_problem(kernel) is None  # the pinned Triton and its internals as checked

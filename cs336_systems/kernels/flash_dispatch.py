@@ -100,7 +100,8 @@ def gluon_backward_pays(capability: tuple[int, int] | None, n_queries: int, n_ke
     return _longest_row_reaches(GLUON_BACKWARD_MIN_KEYS, capability, n_queries, n_keys, is_causal)
 
 
-def _capability(q: torch.Tensor) -> tuple[int, int] | None:
+def device_capability(q: torch.Tensor) -> tuple[int, int] | None:
+    """q's device's compute capability, cached per device; None on the CPU or under Triton's interpreter."""
     if INTERPRET or not q.is_cuda:
         return None
     return _device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
@@ -179,7 +180,7 @@ def choose_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     ones the kernel takes (bf16/fp16, head dim 64/128, TMA-aligned strides: flash_gluon.layout_problem), FA2
     otherwise; "triton" always FA2; "gluon" always Gluon, or a ValueError naming why it cannot."""
     return _choose("forward", forward_setting(forward), problem=lambda: gluon_problem(q, k, v),
-                   pays=gluon_pays(_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon,
+                   pays=gluon_pays(device_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon,
                    supported=lambda module: module.gluon_supported(q, k, v, is_causal))
 
 
@@ -192,7 +193,7 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     "gluon" always Gluon, or a ValueError naming why it cannot."""
     return _choose("backward", backward_setting(backward),
                    problem=lambda: gluon_backward_problem(q, k, v, out, lse, grad_out),
-                   pays=gluon_backward_pays(_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon_bwd,
+                   pays=gluon_backward_pays(device_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon_bwd,
                    supported=lambda module: module.gluon_backward_supported(q, k, v, out, grad_out, lse))
 
 
@@ -206,10 +207,12 @@ def _loaded(load: Callable[[], tuple[ModuleType | None, str | None]]) -> ModuleT
     return module
 
 
-def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_gluon's forward (O, L)."""
-    return _loaded(_gluon).flash_attention_gluon_forward(q, k, v, is_causal)
+def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *, chosen: bool = False,
+                  fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_gluon's forward (O, L). `chosen`: `choose_forward` has just returned "gluon" for these inputs, which it
+    does only where flash_gluon found no problem in them, so the kernel's entry does not look again. `fast_launch`:
+    the caller's FlashSettings.fast_launch (None: read the settings)."""
+    return _loaded(_gluon).flash_attention_gluon_forward(q, k, v, is_causal, checked=chosen, fast_launch=fast_launch)
 
 
 def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

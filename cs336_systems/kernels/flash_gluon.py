@@ -64,6 +64,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.kernels.common import check_inputs
+from cs336_systems.kernels import launch
+from cs336_systems.kernels.launch import FastLauncher, cdiv
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -546,10 +548,15 @@ def device_problem(q: torch.Tensor) -> str | None:
     """Whether q's device can run the kernel: a CUDA device of compute capability 9.0 (H100, H200)."""
     if not q.is_cuda:
         return f"flash_gluon: needs CUDA tensors, got device {q.device}"
-    capability = torch.cuda.get_device_capability(q.device)
+    capability = _capability(q.get_device())
     if capability != (9, 0):
         return f"flash_gluon: needs compute capability 9.0 (sm_90: wgmma, setmaxnreg), got {capability[0]}.{capability[1]}"
     return None
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)  # cached: each call asks the device's properties
 
 
 def gluon_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
@@ -558,11 +565,18 @@ def gluon_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     return layout_problem(q, k, v) is None and device_problem(q) is None
 
 
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a (block, dtype) box: a pure function of both (a frozen dataclass, shared by
+    every descriptor of that box), whose computation cost ~5 us per descriptor, ten descriptors a forward and
+    backward (kernels/NOTES.md, "Host floor")."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A (batch, head, row, col) TMA descriptor with t's strides, loading (1, 1, rows, d) boxes."""
     block = [1, 1, rows, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
 
 
 def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group: int | None = None,
@@ -575,7 +589,7 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     tile = tile or tile_for(head_dim)
     if tile.head_dim != head_dim:
         raise ValueError(f"flash_gluon: {tile} is for head dim {tile.head_dim}, the inputs have {head_dim}")
-    n_q_tiles = triton.cdiv(n_queries, tile.rows)
+    n_q_tiles = cdiv(n_queries, tile.rows)
     group = min(group or HEADS_PER_GROUP, batch * heads)
     n_tiles = n_q_tiles * batch * heads
     if tile.persistent:
@@ -590,9 +604,24 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
-def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None, tile: GluonTile | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    problem = layout_problem(q, k, v) or device_problem(q)
+def descriptor_launch_key(args: tuple, kwargs: dict) -> tuple:
+    """FastLauncher's layout key of a call whose arguments include TMA descriptors (this forward's, and usable by
+    any Gluon kernel's launcher): of each descriptor what the kernel is specialised on or reads from it (its base
+    tensor's layout, the box and its shared layout), of the other arguments what `launch._key` takes."""
+    descriptors = tuple([(i, d.base.shape, d.base.stride(), d.base.dtype, d.base.data_ptr() % 16,
+                          d.base.get_device(), tuple(d.block_shape), d.layout, d.padding)
+                         for i, d in enumerate(args) if isinstance(d, TensorDescriptor)])
+    return descriptors, launch._key(tuple([a for a in args if not isinstance(a, TensorDescriptor)]), kwargs)
+
+
+# The forward's launches: after the first call per layout, the compiled binary directly (launch.py): Triton's
+# JIT path (argument binder, specialisation key, checks of the kernel's globals) costs a short call its host time.
+_LAUNCHER = FastLauncher(_flash_fwd_gluon_kernel, key=descriptor_launch_key)
+
+
+def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None, tile: GluonTile | None = None,
+             checked: bool = False, fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    problem = None if checked else layout_problem(q, k, v) or device_problem(q)
     if problem:
         raise ValueError(problem)
     out = torch.empty_like(q)  # q's layout: a (batch, seq, heads, dim) view stays one
@@ -603,13 +632,17 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = 
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact, group,
                                         tile)
-    _flash_fwd_gluon_kernel[grid](*args, **options)
+    _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
     return out, lse
 
 
-def flash_attention_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+def flash_attention_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *,
+                                  checked: bool = False, fast_launch: bool | None = None
                                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (q's dtype and layout) and L (natural-log logsumexp, float32, contiguous q.shape[:-1]) of softmax
     attention with scale 1/sqrt(d): q (..., n_q, d), k and v (..., n_k, d), one or two leading dims, as
-    flash_triton's forward. Raises ValueError naming what is unsupported (see gluon_supported)."""
-    return _forward(q, k, v, is_causal)
+    flash_triton's forward. Raises ValueError naming what is unsupported (see gluon_supported). `checked`: the
+    caller has just found no `layout_problem` or `device_problem` in these inputs (flash_dispatch's choice has),
+    so they are not looked for again (~10 us of a short call). `fast_launch`: the caller's
+    `FlashSettings.fast_launch`, where it has read the settings (None: read them)."""
+    return _forward(q, k, v, is_causal, checked=checked, fast_launch=fast_launch)

@@ -34,10 +34,27 @@ CHECKED_TRITON_VERSIONS = ("3.6",)
 _warned: set[str] = set()
 
 
-def _layout(value) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.shape, value.stride(), value.dtype, value.data_ptr() % 16, value.device.index
-    return value
+def _key(args: tuple, kwargs: dict) -> tuple:
+    """The layout key of one call: of each argument what fixes Triton's specialisation and the autotuner's key (a
+    tensor's shape, strides, dtype, 16-byte alignment and device index; any other value itself). Written inline:
+    a call has ~30 arguments, and a Python call per argument was a measurable share of a short attention call
+    (kernels/NOTES.md, "Host floor")."""
+    tensor = torch.Tensor
+    return (tuple([(a.shape, a.stride(), a.dtype, a.data_ptr() % 16, a.get_device()) if isinstance(a, tensor)
+                   else a for a in args]),
+            tuple([(name, (a.shape, a.stride(), a.dtype, a.data_ptr() % 16, a.get_device())
+                    if isinstance(a, tensor) else a) for name, a in kwargs.items()]))
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ints, as triton.cdiv: that one is a Triton "constexpr function", whose call from
+    Python costs ~1-2 us through its wrapper, and the launchers call it on every launch."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= n (n >= 1), as triton.next_power_of_2, without its wrapper's cost (see cdiv)."""
+    return 1 << (n - 1).bit_length()
 
 
 def fast_path_problem(kernel, version: str | None = None) -> str | None:
@@ -74,10 +91,15 @@ def _warn_once(problem: str) -> None:
 
 class FastLauncher:
     """`launcher(grid, *args, **kwargs)` launches `kernel` (a JIT function, optionally wrapped by
-    `triton.heuristics` and `triton.autotune`) as `kernel[grid](*args, **kwargs)` would."""
+    `triton.heuristics` and `triton.autotune`) as `kernel[grid](*args, **kwargs)` would.
 
-    def __init__(self, kernel):
+    `key(args, kwargs)` gives the layout key of a call (default `_key`; a kernel taking arguments that are neither
+    tensors nor hashable values, such as TMA descriptors, brings its own). A grid given as a tuple is part of the
+    key; a grid given as a function must depend on nothing but the key's contents."""
+
+    def __init__(self, kernel, key: Callable[[tuple, dict], tuple] = _key):
         self.kernel = kernel
+        self.key = key
         self.problem = None if INTERPRET else fast_path_problem(kernel)  # the interpreter never uses it
         self.autotuner = self.heuristics = self.jit = self.names = None
         if self.problem is None and not INTERPRET:
@@ -92,23 +114,29 @@ class FastLauncher:
     def clear(self) -> None:
         self.entries.clear()
 
-    def __call__(self, grid: Callable[[dict], tuple] | tuple, *args, **kwargs) -> None:
-        if INTERPRET or not flash_settings().fast_launch:
+    def __call__(self, grid: Callable[[dict], tuple] | tuple, *args, fast_launch: bool | None = None,
+                 **kwargs) -> None:
+        """`fast_launch` is the caller's `FlashSettings.fast_launch` where it has read the settings for this call
+        already; None reads them here."""
+        if fast_launch is None:
+            fast_launch = flash_settings().fast_launch
+        if INTERPRET or not fast_launch:
             self.kernel[grid](*args, **kwargs)
             return
         if self.problem is not None:
             _warn_once(self.problem)
             self.kernel[grid](*args, **kwargs)
             return
-        key = (tuple(map(_layout, args)), tuple((name, _layout(v)) for name, v in kwargs.items()))
+        key = (self.key(args, kwargs), grid if type(grid) is tuple else None)
         entry = self.entries.get(key)
         if entry is None:
             compiled = self.kernel[grid](*args, **kwargs)  # tunes, compiles and launches as usual
             self._remember(key, compiled, grid, args, kwargs)
             return
-        run, fixed = entry
-        values = {**dict(zip(self.names, args)), **kwargs, **fixed}
-        run(*[values[name] for name in self.names])
+        run, tail = entry
+        # The signature's names after the positional ones, each from the keywords or, for those Triton filled in
+        # (tuned tiles, heuristic flags), the value it chose: a call of this key passes the same keywords.
+        run(*args, *[kwargs[name] if from_kwargs else value for name, from_kwargs, value in tail])
 
     def _remember(self, key: tuple, compiled, grid, args: tuple, kwargs: dict) -> None:
         """Keep the binary and the arguments Triton filled in (tuned tiles, heuristic flags) for `key`;
@@ -127,4 +155,5 @@ class FastLauncher:
             self.problem = f"reading Triton's state after a launch failed ({type(error).__name__}: {error})"
             _warn_once(self.problem)
             return
-        self.entries[key] = (run, fixed)
+        tail = tuple((name, name in kwargs, fixed.get(name)) for name in self.names[len(args):])
+        self.entries[key] = (run, tail)
