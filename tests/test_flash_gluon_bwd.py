@@ -50,10 +50,10 @@ def test_tiles_fit_shared_memory_and_keep_the_masking_assumption():
 
 
 def test_the_deferred_schedule_is_opt_in_and_flags_must_be_bools():
-    """TILES ships the lockstep schedule until a GPU run says otherwise; a flag given as a string or int (which
-    Triton would take as a truthy constexpr) is refused, naming the field and the value."""
-    assert not any(tile.defer_dq for tile in TILES.values())
-    assert BwdTile(128, defer_dq=True).shared_bytes() == TILES[128].shared_bytes()  # no new buffers
+    """TILES ships ping-pong (a deferred schedule) at d=128 only, as measured (kernels/NOTES.md); a flag given as a
+    string or int (which Triton would take as a truthy constexpr) is refused, naming the field and the value."""
+    assert not TILES[64].defer_dq and TILES[128].defer_dq and TILES[128].pingpong
+    assert BwdTile(128, defer_dq=True).shared_bytes() == BwdTile(128).shared_bytes()  # no new buffers
     for field, value in (("defer_dq", "yes"), ("defer_dq", 1), ("split_dq", None)):
         with pytest.raises(ValueError, match=f"{field} must be a bool, got {value!r}"):
             BwdTile(128, **{field: value})
@@ -62,7 +62,7 @@ def test_the_deferred_schedule_is_opt_in_and_flags_must_be_bools():
 
 
 def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
-    assert BwdTile(128, dq_buffers=2).shared_bytes() - TILES[128].shared_bytes() == 2 * 64 * 64 * 4  # 32 KiB more
+    assert BwdTile(128, dq_buffers=2).shared_bytes() - BwdTile(128).shared_bytes() == 2 * 64 * 64 * 4  # 32 KiB more
     assert BwdTile(128, dq_buffers=2).shared_bytes() <= bwd.SHARED_BYTES
     with pytest.raises(ValueError, match="dq_buffers must be 1 or 2, got 3"):
         BwdTile(64, dq_buffers=3)
@@ -76,7 +76,7 @@ def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
 
 def test_pingpong_is_a_deferred_variant_with_four_ds_buffers():
     pingpong = BwdTile(128, defer_dq=True, pingpong=True)
-    assert pingpong.shared_bytes() - TILES[128].shared_bytes() == 2 * 128 * 64 * 2  # two more (128, 64) dS^T
+    assert pingpong.shared_bytes() - BwdTile(128).shared_bytes() == 2 * 128 * 64 * 2  # two more (128, 64) dS^T
     with pytest.raises(ValueError, match="pingpong=True needs defer_dq=True"):
         BwdTile(64, pingpong=True)
     with pytest.raises(ValueError, match="pingpong must be a bool, got 'no'"):
@@ -192,11 +192,16 @@ def test_exact_reference_is_exact_in_the_kernels_precisions(causal):
         bwd.exact_reference(q, k, v * 37, do * 37, causal)
 
 
-@pytest.mark.parametrize("variant", ["shipped", "deferred_dq", "dq2", "deferred_dq2"])
+# bytes spilled per thread at d=128, causal, bf16 (ptxas 12.8 of Triton 3.6): ping-pong's 4 B stayed after every
+# restructuring tried (kernels/NOTES.md) and it is still the fastest schedule measured, so it ships with them
+SPILL_BYTES = {"lockstep": 0, "deferred_dq": 0, "dq2": 0, "deferred_dq2": 0, "pingpong": 4, "shipped": 4}
+
+
+@pytest.mark.parametrize("variant", list(SPILL_BYTES))
 def test_compiles_for_sm90_without_spills(tmp_path, variant):
     """The d=128 causal bf16 configuration of each schedule compiled for the H100 on this machine through the
-    launcher's own host code: 0 spills, the tiles' shared memory, the dQ reduce-add lowered to TMA. In a process of
-    its own (Triton's JIT, a stand-in driver)."""
+    launcher's own host code: no spills but ping-pong's known 4 B, the tiles' shared memory, the dQ reduce-add
+    lowered to TMA. In a process of its own (Triton's JIT, a stand-in driver)."""
     out = tmp_path / "gluon_bwd.csv"
     subprocess.run([sys.executable, "-m", "cs336_systems.bench.flash_gluon_bwd_resources", "--head-dims", "128",
                     "--variants", variant, "--only-first", "--out", str(out)], check=True, capture_output=True,
@@ -204,11 +209,12 @@ def test_compiles_for_sm90_without_spills(tmp_path, variant):
     rows = pd.read_csv(out)
     assert len(rows) == 1 and (rows["status"] == "ok").all(), rows.to_dict("records")
     row = rows.iloc[0]
-    assert row["variant"] == variant and bool(row["defer_dq"]) == variant.startswith("deferred")
+    deferred = variant.startswith("deferred") or variant in ("pingpong", "shipped")
+    assert row["variant"] == variant and bool(row["defer_dq"]) == deferred
     assert row["dq_buffers"] == (2 if variant.endswith("dq2") else 1)
-    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0
+    assert row["spill_store_bytes"] <= SPILL_BYTES[variant] and row["spill_load_bytes"] <= SPILL_BYTES[variant]
     tile_bytes = row["tile_shared_bytes"]
-    assert TILES[128].shared_bytes() <= tile_bytes <= row["shared_bytes"] <= tile_bytes + 1024
+    assert BwdTile(128).shared_bytes() <= tile_bytes <= row["shared_bytes"] <= tile_bytes + 1024
     assert row["tma_reduce_ops"] >= 1
 
 
@@ -230,11 +236,11 @@ GPU_CASES = [
 FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
 # a consumer's step schedule -> BwdTile fields (lockstep: what TILES ships)
 SCHEDULES = {
-    "lockstep": {"defer_dq": False, "dq_buffers": 1},
-    "deferred": {"defer_dq": True, "dq_buffers": 1},
-    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2},
-    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2},
-    "pingpong": {"defer_dq": True, "pingpong": True},
+    "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
+    "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False},
+    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2, "pingpong": False},
+    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False},
+    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True},
 }
 
 
@@ -289,7 +295,8 @@ def test_gpu_other_dq_scheme_and_stride0_grad_out(head_dim, causal):
     q, k, v = (_fresh(shape, False) for _ in range(3))
     do = torch.ones((), device="cuda", dtype=q.dtype).expand(shape)
     tile = TILES[head_dim]
-    _check_against_float64_and_fa2(q, k, v, do, causal, dataclasses.replace(tile, split_dq=not tile.split_dq))
+    other = dataclasses.replace(tile, split_dq=not tile.split_dq, **SCHEDULES["lockstep"])  # per-consumer: lockstep
+    _check_against_float64_and_fa2(q, k, v, do, causal, other)
     _check_against_float64_and_fa2(q, k, v, do, causal)
 
 

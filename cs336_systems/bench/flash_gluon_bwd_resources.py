@@ -23,21 +23,26 @@ from cs336_systems.bench.flash_gluon_resources import compiled_row, use_compile_
 # "shipped" is TILES' tile; "split_dq" / "per_consumer_dq" force that dQ scheme (flash_gluon_bwd.BwdTile.split_dq);
 # "exact" is the shipped tile with EXACT (P^T = S^T mod 8), which the GPU tests run; the schedules of the v2 work
 # (BwdTile.defer_dq, dq_buffers) each with its EXACT twin: VARIANTS
+# Every variant but the shipped one names its whole schedule (from the lockstep one), so that it means the same
+# whichever schedule TILES ships.
+LOCKSTEP = {"defer_dq": False, "pingpong": False, "dq_buffers": 1}
 VARIANTS = {  # name -> (BwdTile fields changed from TILES', EXACT)
     "shipped": ({}, False),
     "exact": ({}, True),
-    "split_dq": ({"split_dq": True}, False),
-    "per_consumer_dq": ({"split_dq": False}, False),
-    "deferred_dq": ({"defer_dq": True}, False),
-    "deferred_exact": ({"defer_dq": True}, True),
-    "dq2": ({"dq_buffers": 2}, False),
-    "dq2_exact": ({"dq_buffers": 2}, True),
-    "deferred_dq2": ({"defer_dq": True, "dq_buffers": 2}, False),
-    "deferred_dq2_exact": ({"defer_dq": True, "dq_buffers": 2}, True),
-    "pingpong": ({"defer_dq": True, "pingpong": True}, False),
-    "pingpong_exact": ({"defer_dq": True, "pingpong": True}, True),
+    "lockstep": (LOCKSTEP, False),
+    "split_dq": ({**LOCKSTEP, "split_dq": True}, False),
+    "per_consumer_dq": ({**LOCKSTEP, "split_dq": False}, False),
+    "deferred_dq": ({**LOCKSTEP, "defer_dq": True}, False),
+    "deferred_exact": ({**LOCKSTEP, "defer_dq": True}, True),
+    "dq2": ({**LOCKSTEP, "dq_buffers": 2}, False),
+    "dq2_exact": ({**LOCKSTEP, "dq_buffers": 2}, True),
+    "deferred_dq2": ({**LOCKSTEP, "defer_dq": True, "dq_buffers": 2}, False),
+    "deferred_dq2_exact": ({**LOCKSTEP, "defer_dq": True, "dq_buffers": 2}, True),
+    "pingpong": ({**LOCKSTEP, "defer_dq": True, "pingpong": True}, False),
+    "pingpong_exact": ({**LOCKSTEP, "defer_dq": True, "pingpong": True}, True),
 }
 CONFIGS = [(d, causal, dtype, "shipped") for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
+CONFIGS += [(d, causal, "bf16", "lockstep") for d in (64, 128) for causal in (True, False)]  # what d=128 shipped before
 CONFIGS += [(d, causal, "bf16", "per_consumer_dq") for d in (64, 128) for causal in (True, False)]
 CONFIGS += [(d, causal, "bf16", "exact") for d in (64, 128) for causal in (True, False)]  # the GPU tests' EXACT
 for _variant, _exact_twin in (("deferred_dq", "deferred_exact"), ("dq2", "dq2_exact"),

@@ -76,7 +76,8 @@ def fresh(shape, model_layout=False, dtype=torch.bfloat16):
 def variants(head_dim):
     """(name, tile): the shipped tile and the other dQ scheme."""
     tile = flash_gluon_bwd.tile_for(head_dim)
-    other = dataclasses.replace(tile, split_dq=not tile.split_dq)
+    # the other dQ scheme on the lockstep schedule (per-consumer dQ has no deferred form)
+    other = dataclasses.replace(tile, split_dq=not tile.split_dq, defer_dq=False, pingpong=False)
     return [("shipped", tile), ("split_dq" if other.split_dq else "per_consumer_dq", other)]
 
 
