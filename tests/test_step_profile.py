@@ -129,7 +129,8 @@ def test_cuda_kernels_no_op_launched_are_counted_in_the_phase_they_ran_in():
               _event(cpu, "aten::mm", 10, 20, [Kernel("nvjet_sm90_tst_gemm", 0, 40)]),
               _event(cuda, "nvjet_sm90_tst_gemm", 15, 55),  # linked to aten::mm
               _event(cuda, "nvjet_sm90_tst_gemm", 120, 160),  # the same kernel name and time, unlinked
-              _event(cuda, "_adamw_kernel", 230, 255), _event(cuda, "_adamw_kernel", 255, 280)]
+              _event(cuda, "_adamw_kernel", 230, 255), _event(cuda, "_adamw_kernel", 255, 280),
+              _event(cuda, rng + "backward", 100, 200)]  # a range the profiler puts on the GPU timeline too
     assert step_profile.unlinked_kernels(events) == [("nvjet_sm90_tst_gemm", 120, 0.04), ("_adamw_kernel", 230, 0.025),
                                                     ("_adamw_kernel", 255, 0.025)]
     times = step_profile.device_times(events, torch.device("cuda"))
