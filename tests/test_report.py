@@ -828,7 +828,8 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
     ours_b2 = timed[(timed["provider"] == "ours") & (timed["batch"] == 2)]["step_ms"].iloc[-1]
     sac_b2 = timed[(timed["provider"] == "torch_plain_sac") & (timed["batch"] == 2)]["step_ms"].iloc[-1]
     gap = body.checked[0]
-    assert f"{ours_b2 / sac_b2:.3f}×" in gap and ("not met yet" in gap) == (ours_b2 / sac_b2 > 0.9)
+    batch2_missed = "not met yet" in gap or "not yet at batch 2" in gap
+    assert f"{ours_b2 / sac_b2:.3f}×" in gap and batch2_missed == (ours_b2 / sac_b2 > 0.9)
     ablations = ablation_table(frame)
     sdpa = int(ablations.data.index[ablations.data["ablation"] == "ours-sdpa_attention"][-1])
     batch, run = int(ablations.data.at[sdpa, "batch"]), ablations.data.at[sdpa, "run"]
