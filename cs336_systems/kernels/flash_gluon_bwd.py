@@ -59,6 +59,7 @@ atom, which Triton accepted but only a GPU run shows correct (the stage-2 script
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -636,14 +637,19 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
 # ----------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _float32_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
+    """The shared layout of a float32 box: pure, so computed once per box (as flash_gluon._shared_layout)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
+
+
 def _float32_descriptor(t: torch.Tensor, block: list[int]):
     """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, row, col) in
     (1, 1, block_m, d) boxes, the preprocessed rows (batch·head, padded query) in (1, block_m) boxes (unswizzled:
     one row)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _float32_layout(tuple(block)))
 
 
 def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float,
