@@ -19,6 +19,7 @@ import torch
 
 from cs336_systems.kernels import flash_gluon_bwd as bwd
 from cs336_systems.kernels.flash_gluon_bwd import (
+    SCHEDULES,
     TILES,
     BwdTile,
     backward_problem,
@@ -234,14 +235,6 @@ GPU_CASES = [
     ((2, 257, 128), (2, 257, 128), True, False),
 ]
 FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
-# a consumer's step schedule -> BwdTile fields (lockstep: what TILES ships)
-SCHEDULES = {
-    "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
-    "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False},
-    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2, "pingpong": False},
-    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False},
-    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True},
-}
 
 
 def _rel_err(x, ref):

@@ -161,6 +161,16 @@ class BwdTile:
         return kv + ring + ds + dq
 
 
+# The consumers' step schedules by name, each a whole set of BwdTile fields (so that a name means the same
+# whichever one TILES ships): lockstep first, the one the others were measured against (kernels/NOTES.md).
+SCHEDULES = {
+    "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
+    "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False},
+    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2, "pingpong": False},
+    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False},
+    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True},
+}
+
 # Shared memory (tiles): d=128, 2 slots, ping-pong: 225 KiB of the H100's 227 KiB; d=64, 4 slots: 146 KiB.
 # d=128 runs ping-pong (one H200, results/diagnosis/flash_gluon_bwd_v2/: 0.952x lockstep's time at the 8B
 # shape, 0.983x at 4 x 32 x 4096); d=64 stays lockstep (ping-pong took 1.02-1.04x there).

@@ -59,14 +59,8 @@ EXACT_SHAPES = [((2, 3, 777), (2, 3, 1000))]
 EXACT_LONG = ((1, 2, 4096, 128), (1, 2, 4096, 128), True)
 
 
-# name -> BwdTile fields: the lockstep schedule shipped now first (the others are compared with it)
-SCHEDULES = {
-    "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
-    "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False},
-    "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2, "pingpong": False},
-    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False},
-    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True},
-}
+# the schedules by name: flash_gluon_bwd.SCHEDULES (lockstep first; the others are compared with it)
+SCHEDULES = flash_gluon_bwd.SCHEDULES
 # stage 1 checks and times these; stage 2 the ping-pong schedule (new barrier protocol: a deadlock there, which the
 # watchdog ends, must not cost stage 1's rows), beside the lockstep one again
 STAGES = [["lockstep", "deferred", "lockstep_dq2", "deferred_dq2"], ["lockstep", "pingpong"]]
