@@ -1,7 +1,8 @@
 """2026 §9, the leaderboard step itself (rule leaderboard_8b, bench/leaderboard.py): one whole training step of
 the 8B model, ours beside the plain-PyTorch anchors of the same run, and the ablations of ours. Every number of
 the prose is a cell of the step table or a formula over its cells (section.Quotes); the published leaderboard's
-figures and the handout's constants are given facts, declared as wording."""
+figures and the handout's constants are given facts, declared as wording, and so is the intro's provenance (device,
+versions, commits). The continuation (the profiled step) quotes its time table the same way."""
 
 from __future__ import annotations
 
@@ -62,24 +63,23 @@ MEASURED = {"median (ms)": ("step_median_ms", ",.1f"), "MFU": ("mfu", ".3f"), "T
 
 
 def step_table(frame: pd.DataFrame) -> NumericTable:
-    """One row per provider per run: step mean ± std, median, MFU, TFLOP/s, peak memory, first step,
-    checkpointing, dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
+    """One row per provider per run: step mean ± std, median, MFU, TFLOP/s, peak memory, first step, checkpointing,
+    dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
     does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
     rows = _timed(frame).reset_index(drop=True)
     data = pd.DataFrame({
         "run": rows["run_id"].astype(str).str[:6], "provider": rows["provider"], "batch": rows["batch"],
         STEP: rows["step_ms"], "step std (ms)": rows["step_std_ms"],
         **{label: rows[column] for label, (column, _) in MEASURED.items()},
-        "checkpoint": rows["checkpoint"], "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"],
-        "status": rows["status"]})
+        "checkpoint": rows["checkpoint"],
+        "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"], "status": rows["status"]})
     anchor = data[data["provider"] == ANCHOR].set_index(["run", "batch"])[STEP]
     data[RATIO] = [m / anchor.get((run, batch), float("nan")) for m, run, batch in
                    zip(data[STEP], data["run"], data["batch"])]
     oom = {i: "oom" for i, status in enumerate(rows["status"]) if status == "oom"}
     return NumericTable(data, (Col("run"), Col("provider"), Col("batch", "d"), Col(STEP, ",.1f", second="step std (ms)"),
                                *(Col(label, fmt) for label, (_, fmt) in MEASURED.items()), Col("checkpoint"),
-                               Col("params / moments"),
-                               Col("status"), Col(RATIO, ".3f")),
+                               Col("params / moments"), Col("status"), Col(RATIO, ".3f")),
                         {header: dict(oom) for header in (STEP, *MEASURED)} if oom else {})
 
 
@@ -195,16 +195,20 @@ def render_profile(ctx: Context) -> Section:
     return Section(parts, q.table, checked, q.derived)
 
 
+def _per_category(times: pd.DataFrame) -> pd.DataFrame:
+    """The time table's numbers (its formula_frame) as ms per category (rows) and provider (columns)."""
+    return times.set_index("category").drop(columns="batch").astype(float)
+
+
 def _short_of_total(times: pd.DataFrame) -> pd.Series:
-    """Per provider, how much less than `profiled ops (total)` the categories add up to (ms), from the time
-    table's numbers (its formula_frame)."""
-    per_category = times.set_index("category").drop(columns="batch").astype(float)
-    return per_category.loc["profiled ops (total)"] - per_category.loc[list(PROFILE_CATEGORIES)].sum()
+    """Per provider, how much less than `profiled ops (total)` the categories add up to (ms)."""
+    ms = _per_category(times)
+    return ms.loc["profiled ops (total)"] - ms.loc[list(PROFILE_CATEGORIES)].sum()
 
 
 def _most_optimizer_time(times: pd.DataFrame) -> float:
     """The largest `optimizer` time of any provider (ms): 0 where the profile dropped our AdamW's kernels."""
-    return float(times.set_index("category").drop(columns="batch").astype(float).loc["optimizer"].max())
+    return float(_per_category(times).loc["optimizer"].max())
 
 
 def _unlinked_note(q: Quotes, frame: pd.DataFrame) -> str:
@@ -216,8 +220,7 @@ def _unlinked_note(q: Quotes, frame: pd.DataFrame) -> str:
             "the CSV: a SystemError inside the plain model's compiled chunked loss under the profiler), so the "
             "tables have no column for them; their timed rows stand. " if failed else "")
     short = _short_of_total(q.frame)
-    total = q.frame.set_index("category").drop(columns="batch").astype(float).loc["profiled ops (total)"]
-    if not (short > 1e-3 * total).any():
+    if not (short > 1e-3 * _per_category(q.frame).loc["profiled ops (total)"]).any():
         return note.rstrip()
     least = q.derive(lambda t: _short_of_total(t).min(), ",.1f", "least the categories miss of the total (ms)")
     most = format(short.max(), ",.1f")
@@ -417,7 +420,8 @@ def render_leaderboard(ctx: Context) -> Section:
     parts.append(pointer)
     checked += [intro, pointer]  # after the gap paragraph, which tests find first
     wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), "3,837", "27", "10,000", "24", "2026",
-               "128")  # the head dim the ping-pong backward ships at (kernels/NOTES.md)
+               "128",  # the head dim the ping-pong backward ships at (kernels/NOTES.md)
+               "4857650")  # a commit the intro's kernel history names (given, whether or not these runs hold it)
     kept = tuple(sized[1] for sized in map(_sized, set(q.frame["provider"])) if sized)
     runs = tuple(dict.fromkeys(q.frame["run"]))
     provenance = _provenance_words(first, [str(c)[:7] for c in timed["git_commit"]])
