@@ -245,7 +245,8 @@ QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.4 (a–e)", "1.1.5 (c) fp32", "1.1.6 (
            "1.3.2 flash_forward", "1.3.2 (e) flash_benchmarking", "1.3.2 (e), continued", "1.3.3",
            "1.3.3, continued", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end",
-           "2026 §9 leaderboard:", "1.3.1 (b), continued: the optimizer step", "2026 §3.1", "2026 §3.2"]
+           "2026 §9 leaderboard:", "2026 §9 leaderboard, continued", "1.3.1 (b), continued: the optimizer step",
+           "2026 §3.1", "2026 §3.2"]
 
 
 @pytest.mark.parametrize("section", [item.section for item in DELIVERABLES])
@@ -857,6 +858,60 @@ def test_leaderboard_8b_section_renders_at_smoke_scale(tmp_path):
     assert unquoted(body) == [] and "nan" not in body.markdown()
     assert "this device measures no MFU" in body.markdown() and "`ours-full_ac` takes" in body.markdown()
     assert "SDPA attention in place" not in body.markdown()  # no such ablation in this run
+
+
+def test_leaderboard_8b_intro_quotes_ours_checkpointing_cells(committed):
+    """The intro is checked too: ours' automatic checkpointing choice is its step-table cell (a changed choice is
+    caught), and the only other numbers it states are provenance (versions, commits, context) and wording."""
+    body = committed["2026 §9 leaderboard: the 8B training step on one H200"]
+    intro = next(p for p in body.checked if p.startswith("Answers the 2026 handout"))
+    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
+    chosen = frame[(frame["provider"] == "ours") & (frame["status"] == "ok")].dropna(subset=["matmul_blocks"])
+    assert len(chosen)  # the committed runs chose their blocks themselves
+    for _, row in chosen.iterrows():
+        cell = body.table.quote("checkpoint", provider="ours", run=row["run_id"][:6], batch=row["batch"])
+        said = f"{cell} at batch {row['batch']} (run {row['run_id'][:6]})"
+        assert cell == row["checkpoint"] and said in intro
+        blocks = int(row["matmul_blocks"])
+        wrong = intro.replace(said, said.replace(f"0,{blocks}", f"0,{blocks + 3}"))
+        assert unquoted(replace(body, checked=[*body.checked[:-2], wrong, body.checked[-1]]))
+
+
+def _profile_results(tmp_path: Path, dropped: bool) -> Path:
+    from tests.test_report_frames import _step_profile_rows
+
+    _step_profile_rows(np.random.default_rng(3 + dropped), dropped).to_csv(tmp_path / "leaderboard_8b_profile.csv",
+                                                                            index=False)
+    make_tables(tmp_path, ["leaderboard_8b_profile", "leaderboard_8b_memory"])  # as the `table` rule does
+    return tmp_path
+
+
+@pytest.mark.parametrize("dropped", [True, False])
+def test_leaderboard_profile_section_quotes_its_time_table(tmp_path, dropped):
+    """2026 §9, continued: the failed providers are named; where the profile dropped our AdamW's kernels the
+    prose states how much the categories miss of the total (min–max over providers, recomputed here from the
+    rows) and that `optimizer` reads 0, as formulas over the time table's cells (a table that no longer gives
+    them is caught); a complete profile says neither. Both tables are embedded as built."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.leaderboard import PROFILE_CATEGORIES, render_profile
+
+    results = _profile_results(tmp_path, dropped)
+    body = render_profile(Context(results, results, results, {}))
+    assert isinstance(body, Section) and unquoted(body) == []
+    assert body.table.to_markdown() in body.markdown()
+    assert (results / "tables" / "leaderboard_8b_memory.md").read_text() in body.markdown()
+    assert "The profiled steps of `torch_plain_sac` failed" in body.markdown()
+    rows = pd.read_csv(results / "leaderboard_8b_profile.csv")
+    times = rows[rows["kind"] == "time"].pivot(index="category", columns="provider", values="value")
+    short = times.loc["profiled ops (total)"] - times.loc[list(PROFILE_CATEGORIES)].sum()
+    said = f"add up to {short.min():,.1f}–{short.max():,.1f} ms less than"
+    assert (said in body.markdown()) == dropped and ("`optimizer` reads 0)" in body.markdown()) == dropped
+    if dropped:
+        data = body.table.data.copy()
+        total = data.index[data["category"] == "profiled ops (total)"][0]
+        data.loc[total, ["ours", "ours-mm:6"]] += 1.0  # a rebuilt table whose totals moved
+        moved = replace(body, table=NumericTable(data, body.table.columns, body.table.status))
+        assert any("miss of the total" in problem for problem in unquoted(moved))
 
 
 @pytest.mark.parametrize("bf16_change", [+500.0, -500.0])

@@ -175,8 +175,8 @@ def test_the_writeup_embeds_the_frames_it_quotes():
                            for t in item.tables), item.section
     finally:
         os.chdir(here)
-    # every measured section with a table (27 of 28 today: the 8B step breakdown writes from its rows)
-    assert numeric >= 23
+    # every measured section with a table (28 of 28 today, the 8B step breakdown included)
+    assert numeric >= 28
 
 
 def test_table_rule_writes_the_frame(tmp_path):
@@ -430,3 +430,89 @@ def test_mixed_precision_speedup_is_a_ratio_of_the_means_its_table_prints(tmp_pa
     assert table.quote("bf16 speed-up", size="small") == f"{step[('small', 'fp32')] / step[('small', 'bf16')]:.2f}"
     assert table.quote("bf16 speed-up", size="large") == MISSING
     assert_prints_agree(table, tmp_path)
+
+
+def _leaderboard_rows(rng: np.random.Generator) -> pd.DataFrame:
+    """Two runs of the 8B step at fresh random times: a correctness-check row (no timing), the anchors, ours, a
+    sized ablation and an out-of-memory ablation; the second run measured on a CPU (no MFU, no peak)."""
+    rows = []
+    for run, batch, cpu in (("a1b2c3d4e5f6", 2, False), ("9f8e7d6c5b4a", 1, True)):
+        rows.append({"run_id": run, "provider": "ours", "batch": batch, "status": "check_ok", "checkpoint": "selective"})
+        for provider, checkpoint, status in (("ours", f"selective:0,{rng.integers(1, 34)}", "ok"),
+                                             ("torch_plain_sac", "sac", "ok"), ("torch_plain_ac", "ac", "ok"),
+                                             ("ours-mm:6", "selective:0,6", "ok"),
+                                             ("ours-no_fused_ce", "selective", "oom")):
+            mean = rng.lognormal(8, 0.3)
+            rows.append({"run_id": run, "provider": provider, "batch": batch, "status": status,
+                         "checkpoint": checkpoint, "param_dtype": "bf16", "optimizer_state_dtype": "bf16",
+                         **({} if status == "oom" else {
+                             "step_ms": mean, "step_std_ms": mean * rng.uniform(0, 0.01),
+                             "step_median_ms": mean * rng.uniform(0.99, 1.01), "first_step_s": rng.uniform(5, 40),
+                             "tflops": rng.uniform(300, 600), "mfu": np.nan if cpu else rng.uniform(0.3, 0.6),
+                             "peak_mem_gib": np.nan if cpu else rng.uniform(60, 140)})})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_leaderboard_tables_print_the_same_cells_and_each_rows_checkpointing(seed, tmp_path):
+    """The 8B step and ablation tables against the rows: each timed row's checkpointing is its cell (the intro
+    quotes ours' choice from it), the ratio is the mean over the SAC anchor's mean of the same run, OOM rows
+    print OOM and a CPU's MFU '—'; the Markdown, the LaTeX, the JSON read back and the prose quotes agree."""
+    from cs336_systems.report.sections.leaderboard import ablation_table, step_table
+
+    rows = _leaderboard_rows(np.random.default_rng(seed))
+    steps = step_table(rows)
+    timed = rows[rows["status"] != "check_ok"].reset_index(drop=True)
+    assert steps.display()["checkpoint"].tolist() == timed["checkpoint"].tolist()
+    for i, row in timed.iterrows():
+        anchor = timed[(timed["run_id"] == row["run_id"]) & (timed["provider"] == "torch_plain_sac")]["step_ms"].iloc[0]
+        if row["status"] == "oom":
+            assert steps.cell_text(i, "step (ms, mean ± std)") == "OOM" and steps.cell_text(i, "MFU") == "OOM"
+            assert steps.cell_text(i, "÷ SAC anchor") == MISSING
+            continue
+        assert steps.quote("÷ SAC anchor", i) == f"{row['step_ms'] / anchor:.3f}"
+        assert steps.quote("MFU", i) == (MISSING if np.isnan(row["mfu"]) else f"{row['mfu']:.3f}")
+    assert_prints_agree(steps, tmp_path)
+    ablations = ablation_table(rows)
+    assert ablations.data["ablation"].tolist() == ["ours-mm:6", "ours-no_fused_ce"] * 2
+    assert_prints_agree(ablations, tmp_path)
+
+
+def _step_profile_rows(rng: np.random.Generator, dropped: bool) -> pd.DataFrame:
+    """A profiled step of two providers at fresh random times (ms): the categories, their total summed another way
+    (short of them by the AdamW kernels the profiler linked to no op where `dropped`, whose `optimizer` then
+    reads 0), the wall time; the memory split with a CPU's NaN peak for one provider; a failed provider's error."""
+    from cs336_systems.report.sections.leaderboard import MEMORY_PARTS, PROFILE_CATEGORIES
+
+    rows = []
+    for provider in ("ours", "ours-mm:6"):
+        times = {c: rng.lognormal(5, 1.5) for c in PROFILE_CATEGORIES}
+        missing = rng.uniform(5, 50) if dropped else 0.0
+        if dropped:
+            times["optimizer"] = 0.0
+        total = sum(times.values()) + missing
+        times |= {"profiled ops (total)": total, "step (wall)": total + rng.uniform(0, 20)}
+        rows += [{"provider": provider, "kind": "time", "category": c, "value": v} for c, v in times.items()]
+        parts = {part: rng.uniform(1, 40) for part in MEMORY_PARTS}
+        if provider != "ours":
+            parts["peak"] = parts["activations + workspace"] = np.nan
+        rows += [{"provider": provider, "kind": "memory", "category": c, "value": v} for c, v in parts.items()]
+    rows.append({"provider": "torch_plain_sac", "kind": "error", "category": "error", "value": np.nan})
+    return pd.DataFrame(rows).assign(run_id="a1b2c3d4e5f6", batch=2)
+
+
+@pytest.mark.parametrize("dropped", [True, False])
+def test_step_profile_tables_are_the_rows_and_print_the_same_cells(dropped, tmp_path):
+    """The profiled step's time table (category × provider) and memory table (provider × part) hold the rows'
+    numbers, a missing peak prints '—', and every printing of them agrees."""
+    from cs336_systems.report.sections.leaderboard import memory_table, profile_table
+
+    rows = _step_profile_rows(np.random.default_rng(int(dropped)), dropped)
+    times, memory = profile_table(rows), memory_table(rows)
+    for (provider, category), value in rows[rows["kind"] == "time"].set_index(["provider", "category"])["value"].items():
+        assert times.quote(provider, category=category) == f"{value:,.1f}"
+    for (provider, part), value in rows[rows["kind"] == "memory"].set_index(["provider", "category"])["value"].items():
+        assert memory.quote(part, provider=provider) == (MISSING if np.isnan(value) else f"{value:,.2f}")
+    assert "torch_plain_sac" not in times.headers  # its profiled step failed: no column
+    assert_prints_agree(times, tmp_path)
+    assert_prints_agree(memory, tmp_path)

@@ -1,9 +1,12 @@
 """2026 §9, the leaderboard step itself (rule leaderboard_8b, bench/leaderboard.py): one whole training step of
 the 8B model, ours beside the plain-PyTorch anchors of the same run, and the ablations of ours. Every number of
 the prose is a cell of the step table or a formula over its cells (section.Quotes); the published leaderboard's
-figures and the handout's constants are given facts, declared as wording."""
+figures and the handout's constants are given facts, declared as wording, and so is the intro's provenance (device,
+versions, commits). The continuation (the profiled step) quotes its time table the same way."""
 
 from __future__ import annotations
+
+import re
 
 import pandas as pd
 
@@ -60,22 +63,23 @@ MEASURED = {"median (ms)": ("step_median_ms", ",.1f"), "MFU": ("mfu", ".3f"), "T
 
 
 def step_table(frame: pd.DataFrame) -> NumericTable:
-    """One row per provider per run: step mean ± std, median, MFU, TFLOP/s, peak memory, first step, dtypes,
-    status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
+    """One row per provider per run: step mean ± std, median, MFU, TFLOP/s, peak memory, first step, checkpointing,
+    dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
     does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
     rows = _timed(frame).reset_index(drop=True)
     data = pd.DataFrame({
         "run": rows["run_id"].astype(str).str[:6], "provider": rows["provider"], "batch": rows["batch"],
         STEP: rows["step_ms"], "step std (ms)": rows["step_std_ms"],
         **{label: rows[column] for label, (column, _) in MEASURED.items()},
+        "checkpoint": rows["checkpoint"],
         "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"], "status": rows["status"]})
     anchor = data[data["provider"] == ANCHOR].set_index(["run", "batch"])[STEP]
     data[RATIO] = [m / anchor.get((run, batch), float("nan")) for m, run, batch in
                    zip(data[STEP], data["run"], data["batch"])]
     oom = {i: "oom" for i, status in enumerate(rows["status"]) if status == "oom"}
     return NumericTable(data, (Col("run"), Col("provider"), Col("batch", "d"), Col(STEP, ",.1f", second="step std (ms)"),
-                               *(Col(label, fmt) for label, (_, fmt) in MEASURED.items()), Col("params / moments"),
-                               Col("status"), Col(RATIO, ".3f")),
+                               *(Col(label, fmt) for label, (_, fmt) in MEASURED.items()), Col("checkpoint"),
+                               Col("params / moments"), Col("status"), Col(RATIO, ".3f")),
                         {header: dict(oom) for header in (STEP, *MEASURED)} if oom else {})
 
 
@@ -169,8 +173,10 @@ def _profile_pointer(ctx: Context) -> str:
                 "`python -m cs336_systems.bench.leaderboard`).")
 
 
-def render_profile(ctx: Context) -> str:
-    """The profiled step of each provider: the method, the time by category and the peak-memory split."""
+def render_profile(ctx: Context) -> Section:
+    """The profiled step of each provider: the method, the time by category and the peak-memory split. The prose
+    quotes the time table: what the categories miss of the total is a formula over its cells."""
+    q = Quotes(ctx.numeric("leaderboard_8b_profile"))
     text = ("Where the step's time and memory go: after its timed steps each point ran one more step under "
             "`torch.profiler` (`bench/step_profile.py`). Each kernel's device time (on a CPU, each op's self CPU "
             "time) is given to a category by its name, to the phase range whose host interval holds its "
@@ -183,25 +189,48 @@ def render_profile(ctx: Context) -> str:
             "parameters, gradients and optimizer state counted from the tensors at the step's end; the rest is "
             "activations and workspace at the peak (a lower bound where some gradients did not exist yet at the "
             "peak). On CUDA the step's allocator snapshot is pickled beside the results (not committed).")
-    return "\n\n".join([text, ctx.table("leaderboard_8b_profile"), _unlinked_note(ctx),
-                        ctx.table("leaderboard_8b_memory")]).replace("\n\n\n\n", "\n\n")
+    note = _unlinked_note(q, ctx.frame("leaderboard_8b_profile"))
+    checked = [text, *([note] if note else [])]
+    parts = [text, ctx.table("leaderboard_8b_profile"), *([note] if note else []), ctx.table("leaderboard_8b_memory")]
+    return Section(parts, q.table, checked, q.derived)
 
 
-def _unlinked_note(ctx: Context) -> str:
-    """What the categories miss of the total where the profile predates counting the kernels the profiler links
-    to no op (bench/step_profile.unlinked_kernels): our AdamW's, so `optimizer` read 0."""
-    frame = ctx.frame("leaderboard_8b_profile")
-    times = ctx.numeric("leaderboard_8b_profile").data.set_index("category").drop(columns="batch")
-    short = times.loc["profiled ops (total)"] - times.loc[list(PROFILE_CATEGORIES)].sum()
+def _per_category(times: pd.DataFrame) -> pd.DataFrame:
+    """The time table's numbers (its formula_frame) as ms per category (rows) and provider (columns)."""
+    return times.set_index("category").drop(columns="batch").astype(float)
+
+
+def _short_of_total(times: pd.DataFrame) -> pd.Series:
+    """Per provider, how much less than `profiled ops (total)` the categories add up to (ms)."""
+    ms = _per_category(times)
+    return ms.loc["profiled ops (total)"] - ms.loc[list(PROFILE_CATEGORIES)].sum()
+
+
+def _most_optimizer_time(times: pd.DataFrame) -> float:
+    """The largest `optimizer` time of any provider (ms): 0 where the profile dropped our AdamW's kernels."""
+    return float(_per_category(times).loc["optimizer"].max())
+
+
+def _unlinked_note(q: Quotes, frame: pd.DataFrame) -> str:
+    """Which providers' profiled steps failed (their error rows), and what the categories miss of the total where
+    the profile predates counting the kernels the profiler links to no op (bench/step_profile.unlinked_kernels):
+    our AdamW's, so `optimizer` read 0."""
     failed = _profiled(frame, "error")["provider"].tolist()
     note = (f"The profiled steps of {', '.join(f'`{p}`' for p in failed)} failed (the error is in their rows of "
             "the CSV: a SystemError inside the plain model's compiled chunked loss under the profiler), so the "
             "tables have no column for them; their timed rows stand. " if failed else "")
-    if not (short > 1e-3 * times.loc["profiled ops (total)"]).any():
-        return note
-    spread = f"{short.min():,.1f}" + (f"–{short.max():,.1f}" if f"{short.min():,.1f}" != f"{short.max():,.1f}" else "")
+    short = _short_of_total(q.frame)
+    if not (short > 1e-3 * _per_category(q.frame).loc["profiled ops (total)"]).any():
+        return note.rstrip()
+    least = q.derive(lambda t: _short_of_total(t).min(), ",.1f", "least the categories miss of the total (ms)")
+    most = format(short.max(), ",.1f")
+    if most != least:
+        most = q.derive(lambda t: _short_of_total(t).max(), ",.1f", "most the categories miss of the total (ms)")
+    spread = least + (f"–{most}" if most != least else "")
+    optimizer = (f" (and `optimizer` reads {q.derive(_most_optimizer_time, 'g', 'most optimizer time (ms)')})"
+                 if _most_optimizer_time(q.frame) == 0 else "")
     return note + (f"In this profile the categories add up to {spread} ms less than "
-            "`profiled ops (total)` (and `optimizer` reads 0): the profiler linked our AdamW's Triton kernels, "
+            f"`profiled ops (total)`{optimizer}: the profiler linked our AdamW's Triton kernels, "
             "launched from Python outside any op, to no op, and the categorizing code of this run dropped such "
             "kernels. The code counts them now (by name, in the phase that started last before they ran); the "
             "profile has not been rerun since.")
@@ -320,8 +349,9 @@ def _memory_sentence(q: Quotes, rows: pd.DataFrame) -> str:
             + "; ".join(said) + ".")
 
 
-def _auto_sentence(frame: pd.DataFrame) -> str:
-    """Whether the runs' `ours` chose its matmul-saving blocks itself (bench/leaderboard.py, `AUTO`)."""
+def _auto_sentence(q: Quotes, frame: pd.DataFrame) -> str:
+    """Whether the runs' `ours` chose its matmul-saving blocks itself (bench/leaderboard.py, `AUTO`): which rows
+    chose is read from the results (`matmul_blocks`), what they chose is their step-table cells."""
     ours = _timed(frame)
     ours = ours[(ours["provider"] == "ours") & (ours["status"] == "ok")]
     chosen = ours.dropna(subset=["matmul_blocks"]) if "matmul_blocks" in ours.columns else ours.iloc[:0]
@@ -329,8 +359,19 @@ def _auto_sentence(frame: pd.DataFrame) -> str:
         return (" In these runs `ours` used plain selective checkpointing; it now chooses how many blocks save "
                 "their matmul outputs itself, from a plain selective probe's peak (`probe_matmul_blocks`), which "
                 "no run has measured yet.")
+    rows = [_row(q.frame, "ours", str(run)[:6], int(batch)) for run, batch in zip(chosen["run_id"], chosen["batch"])]
     return " `ours` chose its checkpointing itself from a plain selective probe's peak: " + "; ".join(
-        f"{row['checkpoint']} at batch {row['batch']} (run {str(row['run_id'])[:6]})" for _, row in chosen.iterrows()) + "."
+        f"{q.cell('checkpoint', row)} at batch {q.cell('batch', row)} (run {q.cell('run', row)})" for row in rows) + "."
+
+
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\w])")  # a number as a reader of the prose sees one
+
+
+def _provenance_words(first: pd.Series, commits: list[str]) -> tuple[str, ...]:
+    """The numbers the intro prints that are provenance, not measurements (the device's name, the torch and Triton
+    versions, the commits, the context length of the size): words of the sentence, declared as such."""
+    names = [str(first[c]) for c in ("device_name", "torch_version", "triton_version", "context_length")] + commits
+    return tuple(number for name in names for number in NUMBER.findall(name))
 
 
 def render_leaderboard(ctx: Context) -> Section:
@@ -356,7 +397,7 @@ def render_leaderboard(ctx: Context) -> Section:
              "selective and with full per-block checkpointing. "
              + (f"Before the timings the correctness check at a scaled-down config with the same code paths gave "
                 f"{', '.join(f'`{p}` {s}' for p, s in zip(checks['provider'], checks['status']))} (loss and every "
-                "gradient against a float32 reference)." if len(checks) else "") + _auto_sentence(frame))
+                "gradient against a float32 reference)." if len(checks) else "") + _auto_sentence(q, frame))
     batches = sorted(set(q.frame.loc[q.frame["provider"] == "ours", "batch"]), reverse=True)
     gap = _gap_paragraph(q, batches)
     flops = ("FLOPs per step are counted as the leaderboard counts them (`model.functional.leaderboard_flops`): "
@@ -375,11 +416,17 @@ def render_leaderboard(ctx: Context) -> Section:
     parts = [intro, checked[0], ctx.table("leaderboard_8b"), flops]
     if ablation:
         parts += [ablation, ctx.table("leaderboard_8b_ablations")]
-    parts.append(_profile_pointer(ctx))
-    wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), "3,837", "27", "10,000", "24", "2026")
+    pointer = _profile_pointer(ctx)
+    parts.append(pointer)
+    checked += [intro, pointer]  # after the gap paragraph, which tests find first
+    wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), "3,837", "27", "10,000", "24", "2026",
+               "128",  # the head dim the ping-pong backward ships at (kernels/NOTES.md)
+               "4857650")  # a commit the intro's kernel history names (given, whether or not these runs hold it)
     kept = tuple(sized[1] for sized in map(_sized, set(q.frame["provider"])) if sized)
     runs = tuple(dict.fromkeys(q.frame["run"]))
-    return Section(parts, table, checked, q.derived, wording=wording + tuple(str(b) for b in batches) + kept + runs)
+    provenance = _provenance_words(first, [str(c)[:7] for c in timed["git_commit"]])
+    return Section(parts, table, checked, q.derived,
+                   wording=wording + tuple(str(b) for b in batches) + kept + runs + provenance)
 
 
 DELIVERABLES = [
