@@ -57,13 +57,14 @@ def _timed(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[~frame["status"].astype(str).str.startswith("check")]
 
 
-# The step table's numeric columns: results column and format (OOM rows print OOM in each).
-MEASURED = {"median (ms)": ("step_median_ms", ",.1f"), "MFU": ("mfu", ".3f"), "TFLOP/s": ("tflops", ",.1f"),
+# The step table's numeric columns: results column and format (OOM rows print OOM in each). One statistic per
+# table: the mean (with its std) is what the ratios, MFU and prose use, so the table shows no median beside it.
+MEASURED = {"MFU": ("mfu", ".3f"), "TFLOP/s": ("tflops", ",.1f"),
             "peak (GiB)": ("peak_mem_gib", ",.2f"), "first step (s)": ("first_step_s", ",.1f")}
 
 
 def step_table(frame: pd.DataFrame) -> NumericTable:
-    """One row per provider per run: step mean ± std, median, MFU, TFLOP/s, peak memory, first step, checkpointing,
+    """One row per provider per run: step mean ± std, MFU, TFLOP/s, peak memory, first step, checkpointing,
     dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
     does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
     rows = _timed(frame).reset_index(drop=True)
