@@ -423,8 +423,8 @@ def render_linear_ce(ctx: Context) -> Section:
     frame = ctx.frame("linear_ce")
     first = frame.iloc[0]
     lines = [f"Part of the 2026 handout's section 9 leaderboard (a full training step of an 8B model at 2 x 32768 "
-             f"tokens on two GPUs). The step itself needs two GPUs and is not measured yet; this is its loss: the LM "
-             f"head and cross-entropy at d_model {first['d_model']}, vocab {first['vocab']}, {first['dtype']}, on "
+             f"tokens; the whole step, measured on one H200, is the section \"2026 §9 leaderboard: the 8B training "
+             f"step on one H200\"). This is its loss alone: the LM head and cross-entropy at d_model {first['d_model']}, vocab {first['vocab']}, {first['dtype']}, on "
              f"{first['device_name']}. `linear_cross_entropy` (kernels/fused_linear_ce.py) runs the head in chunks "
              f"of {first['chunk_tokens']} tokens; a Triton kernel turns each chunk's logits into the loss and, in "
              "place, the logits' gradient, whose two matmuls give the hidden states' and the weight's gradients in "
