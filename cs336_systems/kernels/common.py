@@ -1,5 +1,6 @@
 """What the kernels share: the FlashAttention-2 input checks, whether Triton kernels run under
-Triton's CPU interpreter in this process, and the device check every Triton launcher makes.
+Triton's CPU interpreter in this process, the device check every Triton launcher makes, and a device's compute
+capability (cached).
 
 The plain-PyTorch reference they are checked against is the model's `naive_attention` (with
 `attention_scores` for the logsumexp), in `cs336_systems.model.attention`.
@@ -7,6 +8,7 @@ The plain-PyTorch reference they are checked against is the model's `naive_atten
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -18,6 +20,13 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
+
+
+@functools.cache
+def cuda_capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device `index`, asked once (each ask reads the device's properties, which
+    the short-call path of the attention kernels felt: kernels/NOTES.md, "Host floor")."""
+    return torch.cuda.get_device_capability(index)
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str) -> None:

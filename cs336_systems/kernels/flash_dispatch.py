@@ -36,7 +36,7 @@ from types import ModuleType
 import torch
 import triton
 
-from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.common import INTERPRET, cuda_capability
 from cs336_systems.kernels.settings import CHOICES, ENV_VARS, flash_settings
 from cs336_systems.kernels.settings import BACKWARDS, FORWARDS  # noqa: F401 (the choices, for callers)
 
@@ -104,12 +104,7 @@ def device_capability(q: torch.Tensor) -> tuple[int, int] | None:
     """q's device's compute capability, cached per device; None on the CPU or under Triton's interpreter."""
     if INTERPRET or not q.is_cuda:
         return None
-    return _device_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _device_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)  # cached: the short-call path feels every microsecond
+    return cuda_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------------------------

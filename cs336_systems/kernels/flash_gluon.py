@@ -63,7 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_systems.kernels.common import check_inputs
+from cs336_systems.kernels.common import check_inputs, cuda_capability
 from cs336_systems.kernels import launch
 from cs336_systems.kernels.launch import FastLauncher, cdiv
 
@@ -548,15 +548,10 @@ def device_problem(q: torch.Tensor) -> str | None:
     """Whether q's device can run the kernel: a CUDA device of compute capability 9.0 (H100, H200)."""
     if not q.is_cuda:
         return f"flash_gluon: needs CUDA tensors, got device {q.device}"
-    capability = _capability(q.get_device())
+    capability = cuda_capability(q.get_device())
     if capability != (9, 0):
         return f"flash_gluon: needs compute capability 9.0 (sm_90: wgmma, setmaxnreg), got {capability[0]}.{capability[1]}"
     return None
-
-
-@functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)  # cached: each call asks the device's properties
 
 
 def gluon_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
