@@ -22,7 +22,8 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
        registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False keeps the per-consumer
        variant, which spills there) and the reduce-add traffic;
   3. dQ = accumulator * scale, cast to q's dtype into q's layout (a torch copy).
-Two schedules of a consumer's step (BwdTile.defer_dq, default off): lockstep (`_query_step`) issues, waits for
+Two schedules of a consumer's step (BwdTile.defer_dq; TILES ships it, as ping-pong, at d=128 only, where it was
+measured faster: kernels/NOTES.md): lockstep (`_query_step`) issues, waits for
 and reduces step i's dQ at the end of step i; deferred (`_deferred_step`) issues step i's dQ wgmmas at the start of
 step i + 1, just before S^T, and stores and reduces them while S^T runs (the tail overlaps this consumer's own
 tensor-core work), and frees the slot as soon as dK retires. Either may keep two float32 dQ buffers per consumer
