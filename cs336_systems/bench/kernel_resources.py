@@ -22,7 +22,6 @@ import re
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
@@ -102,9 +101,12 @@ def _source(kernel, dtype: str, head_dim: int, blocks: dict[str, int], float32_d
 
 def ptxas_usage(ptx: str) -> dict[str, int]:
     """Registers, stack frame and spill bytes that `ptxas -v` reports for the PTX's one kernel."""
-    import triton
+    from triton import knobs
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"  # shipped in Triton's wheel
+    # The ptxas Triton itself compiles with, whose version set the PTX's `.version`: on the GPU machines that is
+    # not the one in Triton's wheel (CUDA 12.8's ptxas there refused the PTX 9.0 Triton wrote: "Unsupported
+    # .version 9.0", exit 255, H100 and H200 at a886410 and 50bc715).
+    ptxas = knobs.nvidia.ptxas.path
     arch = re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
         source.write(ptx)
@@ -112,7 +114,7 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
         done = subprocess.run([str(ptxas), "-v", "--gpu-name", arch, source.name, "-o", os.devnull],
                               capture_output=True, text=True)
     report = done.stdout + done.stderr
-    if done.returncode != 0:  # ptxas says why on stderr (exit 255 on the H100 and H200 machines, not here)
+    if done.returncode != 0:  # ptxas says why on stderr
         raise RuntimeError(f"ptxas -v exited {done.returncode}: {report.strip()[-400:]}")
     numbers = {"registers": r"Used (\d+) registers", "stack_bytes": r"(\d+) bytes stack frame",
                "spill_store_bytes": r"(\d+) bytes spill stores", "spill_load_bytes": r"(\d+) bytes spill loads"}
