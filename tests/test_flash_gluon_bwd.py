@@ -270,7 +270,7 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
         assert descriptor.base.data_ptr() == t.data_ptr() and descriptor.base.stride() == _as_4d(t).stride()
 
 
-def test_public_entry_checks_its_inputs_and_the_dispatchs_does_not(monkeypatch):
+def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch):
     """flash_backward_gluon without `checked` looks for problems itself (a ValueError naming the problem, before
     any launch), once per call; with checked=True (what the dispatch passes) it does not look."""
     _pretend_hopper(monkeypatch)
