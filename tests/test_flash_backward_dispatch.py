@@ -107,15 +107,20 @@ def test_cpu_and_interpreter_take_fa2(no_flash_choice):
 def test_auto_on_a_pretend_hopper_hands_the_inputs_to_the_gluon_backward(no_flash_choice):
     """The "auto" branch that takes Gluon, on CPU: with the device checks answering as an H100 would, long inputs
     reach flash_backward_gluon through flash_triton.flash_backward, each tensor in the argument it belongs to
-    (the Gluon entry takes o, do, lse in another order than FA2's), and what the kernel does not take stays FA2."""
+    (the Gluon entry takes o, do, lse in another order than FA2's) with checked=True and the pass's fast_launch
+    setting, and what the kernel does not take stays FA2."""
     no_flash_choice.setattr(flash_dispatch, "device_capability", lambda q: HOPPER)
     no_flash_choice.setattr(flash_gluon_bwd, "device_problem", lambda q: None)
     calls = []
-    no_flash_choice.setattr(flash_gluon_bwd, "flash_backward_gluon", lambda *args: calls.append(args) or "gluon ran")
+    no_flash_choice.setattr(flash_gluon_bwd, "flash_backward_gluon",
+                            lambda *args, **options: calls.append((args, options)) or "gluon ran")
     n = GLUON_BACKWARD_MIN_KEYS
     q, k, v, out, lse, grad_out = _backward_inputs((1, 2, n, 64), (1, 2, n, 64))
     assert flash_triton.flash_backward(q, k, v, out, lse, grad_out, True) == "gluon ran"
-    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], (q, k, v, out, grad_out, lse, True), strict=True))
+    assert len(calls) == 1
+    args, options = calls[0]
+    assert all(a is b for a, b in zip(args, (q, k, v, out, grad_out, lse, True), strict=True))
+    assert options == {"checked": True, "fast_launch": True}
     for other in (_backward_inputs((1, 2, n - 1, 64), (1, 2, n - 1, 64)),  # shorter than the rule
                   _backward_inputs((1, 2, n, 64), (1, 2, n, 64), dtype=torch.float32),  # a dtype it does not take
                   _backward_inputs((1, 2, n, 32), (1, 2, n, 32))):  # a head dim it does not take

@@ -2,11 +2,12 @@
 
 On CPU: its plain-Python parts (tiles, the program order, which query tiles a key tile visits and masks, the padded
 row length, the support checks and their errors, the TMA reduce-add's version check), the preprocessing kernel
-(plain Triton: under the interpreter on CPU, compiled on a GPU) against torch, and, in a process of its own, a
-compile for sm_90 with 0 spills. On an sm_90 GPU (marked `gpu`): dQ, dK, dV against a float64 autograd reference and
+(plain Triton: under the interpreter on CPU, compiled on a GPU) against torch, the host side of a call with the
+launches recorded (both through FastLaunchers, the inputs checked once when dispatched and by the public entry
+otherwise, dQ's scaling), and, in a process of its own, a compile for sm_90 with 0 spills. On an sm_90 GPU (marked `gpu`): dQ, dK, dV against a float64 autograd reference and
 against our Triton FA2 backward on awkward shapes (lengths not tile multiples, causal or not, rectangular both ways,
 3-d inputs, the model's strides, a stride-0 dO), with both dQ schemes and each step schedule (SCHEDULES: lockstep,
-deferred dQ, two dQ buffers, ping-pong).
+deferred dQ, two dQ buffers, ping-pong); and the fast launch path against Triton's public one.
 """
 
 import dataclasses
@@ -17,7 +18,10 @@ import pandas as pd
 import pytest
 import torch
 
+from cs336_systems.kernels import flash_dispatch, flash_triton, launch
 from cs336_systems.kernels import flash_gluon_bwd as bwd
+from cs336_systems.kernels.flash_dispatch import GLUON_BACKWARD_MIN_KEYS, HOPPER
+from cs336_systems.kernels.flash_gluon import _as_4d, descriptor_launch_key
 from cs336_systems.kernels.flash_gluon_bwd import (
     SCHEDULES,
     TILES,
@@ -28,6 +32,8 @@ from cs336_systems.kernels.flash_gluon_bwd import (
     program_order,
     query_steps,
 )
+from cs336_systems.kernels.launch import cdiv
+from cs336_systems.kernels.settings import use_flash_settings
 from cs336_systems.model.attention import naive_attention
 from tests.test_flash_gluon import needs_sm90
 LOG2E = 1.4426950408889634
@@ -172,6 +178,147 @@ def test_preprocess_kernel_matches_torch(kernel_device):
         assert (delta[:, n:] == 0).all() and torch.isposinf(l2[:, n:]).all()
 
 
+# ----------------------------------------------------------------------------------------------
+# the host side of a call, on CPU: launches through FastLaunchers, inputs checked once
+# ----------------------------------------------------------------------------------------------
+class _Indexable:
+    """Stands for a Triton object launched as `obj[grid](*args)`: `obj[grid]` is `at(grid)`."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def __getitem__(self, grid):
+        return self.at(grid)
+
+
+def _recording_launchers(monkeypatch, on_launch=lambda name, args: None) -> list:
+    """Swap the backward's two FastLaunchers for fresh ones around the same kernels (and key), built as on a GPU
+    (the fast path on), whose Triton side records: the public path `kernel[grid](...)` appends ("public", name) and
+    returns a compiled kernel whose runner, the fast path, appends ("run", name, grid, args); both call
+    `on_launch(name, args)`. The kernels themselves fail the test if launched, so a launch around the launchers
+    shows. Returns the list of records."""
+    assert bwd._PREPROCESS.kernel is bwd._bwd_preprocess_kernel and bwd._LAUNCHER.kernel is bwd._flash_bwd_gluon_kernel
+    assert bwd._LAUNCHER.key is descriptor_launch_key  # the main kernel's arguments include TMA descriptors
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    records = []
+    for attribute, name in (("_PREPROCESS", "_bwd_preprocess_kernel"), ("_LAUNCHER", "_flash_bwd_gluon_kernel")):
+        launcher = launch.FastLauncher(getattr(bwd, name), key=getattr(bwd, attribute).key)
+        assert launcher.problem is None, launcher.problem
+
+        def run(grid, name=name):
+            return lambda *args: records.append(("run", name, grid, args)) or on_launch(name, args)
+
+        def public(grid, name=name, compiled=_Indexable(run)):
+            return lambda *args, **kwargs: records.append(("public", name)) or on_launch(name, args) or compiled
+
+        launcher.kernel = _Indexable(public)
+        monkeypatch.setattr(bwd, attribute, launcher)
+        monkeypatch.setattr(bwd, name, _Indexable(lambda grid, name=name: pytest.fail(f"{name} launched directly")))
+    return records
+
+
+def _counted_checks(monkeypatch) -> list:
+    """Count the backward's input checks (the dispatch's and the entry's alike call backward_problem)."""
+    checks, real = [], bwd.backward_problem
+    monkeypatch.setattr(bwd, "backward_problem", lambda *args: checks.append(args) or real(*args))
+    return checks
+
+
+def _pretend_hopper(monkeypatch):
+    """The device checks answer as an H100 would, so that CPU tensors reach the Gluon backward's host code."""
+    monkeypatch.setattr(flash_dispatch, "INTERPRET", False)
+    monkeypatch.setattr(flash_dispatch, "device_capability", lambda q: HOPPER)
+    monkeypatch.setattr(bwd, "device_problem", lambda q: None)
+
+
+def _model_layout_inputs(batch, heads, n, d, dtype=torch.bfloat16):
+    """q, k, v, o, dO in the model's (batch, seq, heads, dim) memory viewed as (batch, heads, seq, dim), and L."""
+    q, k, v, o, do = (torch.randn(batch, n, heads, d).to(dtype).transpose(1, 2) for _ in range(5))
+    return q, k, v, o, do, torch.randn(batch, heads, n)
+
+
+@pytest.mark.parametrize("setting,n", [("gluon", 100), ("auto", GLUON_BACKWARD_MIN_KEYS)])
+@pytest.mark.parametrize("fast_launch", [True, False])
+def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(monkeypatch, setting, n, fast_launch):
+    """flash_triton.flash_backward, choosing Gluon (forced, or "auto" at a long shape): its inputs are checked once
+    per call (in the choice, not again in the entry); both kernels launch through their FastLaunchers with the
+    setting the pass read (no launcher reads the settings again): the first call of a layout through Triton's
+    public path, the next one (fresh tensors) through the cached runner with that call's own arguments, the
+    descriptors' bases included; with fast_launch off, every call takes the public path."""
+    _pretend_hopper(monkeypatch)
+    checks, records = _counted_checks(monkeypatch), _recording_launchers(monkeypatch)
+    unread = lambda: pytest.fail("the settings were read again below flash_backward")  # noqa: E731
+    monkeypatch.setattr(launch, "flash_settings", unread)
+    monkeypatch.setattr(bwd, "flash_settings", unread)
+    for call in range(2):
+        q, k, v, o, do, lse = _model_layout_inputs(1, 2, n, 64)
+        with use_flash_settings(backward=setting, fast_launch=fast_launch):
+            dq, dk, dv = flash_triton.flash_backward(q, k, v, o, lse, do, True)
+        assert len(checks) == call + 1
+        assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
+    first, second = records[:2], records[2:]
+    assert first == [("public", "_bwd_preprocess_kernel"), ("public", "_flash_bwd_gluon_kernel")]
+    if not fast_launch:
+        assert second == first
+        return
+    assert [r[:2] for r in second] == [("run", "_bwd_preprocess_kernel"), ("run", "_flash_bwd_gluon_kernel")]
+    (_, _, pre_grid, pre_args), (_, _, grid, args) = second
+    assert pre_grid == (cdiv(n, 64), 2, 1) and grid == (cdiv(n, 128) * 2, 1, 1)  # (x, y, z), as Triton's runner
+    assert pre_args[0].data_ptr() == o.data_ptr() and pre_args[1].data_ptr() == do.data_ptr()  # this call's O, dO
+    assert len(args) == len(bwd._LAUNCHER.names)  # the whole signature
+    for descriptor, t in zip(args, (q, k, v, do, dk, dv)):  # this call's tensors, not the first call's
+        assert descriptor.base.data_ptr() == t.data_ptr() and descriptor.base.stride() == _as_4d(t).stride()
+
+
+def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch):
+    """flash_backward_gluon without `checked` looks for problems itself (a ValueError naming the problem, before
+    any launch), once per call; with checked=True (what the dispatch passes) it does not look."""
+    _pretend_hopper(monkeypatch)
+    checks, records = _counted_checks(monkeypatch), _recording_launchers(monkeypatch)
+    q, k, v, o, do, lse = _model_layout_inputs(1, 2, 100, 64)
+    d32 = torch.randn(1, 2, 100, 32, dtype=torch.bfloat16)  # a head dim the kernel does not take
+    bad = {"lse must be contiguous float32": (q, k, v, o, do, lse.double()),
+           "o .* and do .* must match q": (q, k, v, o.half(), do, lse),
+           "head dim 32 is not supported": (d32, d32, d32, d32, d32, lse)}
+    for words, inputs in bad.items():
+        with pytest.raises(ValueError, match=f"flash_gluon_bwd: .*{words}"):
+            bwd.flash_backward_gluon(*inputs, True)
+    assert len(checks) == 3 and records == []
+    bwd.flash_backward_gluon(q, k, v, o, do, lse, True)
+    assert len(checks) == 4 and len(records) == 2
+    bwd.flash_backward_gluon(q, k, v, o, do, lse, True, checked=True)
+    flash_dispatch.gluon_backward(q, k, v, o, lse, do, True, chosen=True)
+    assert len(checks) == 4 and len(records) == 6
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 77, 64), (3, 50, 128)])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_dq_is_the_accumulator_scaled_into_qs_dtype_and_layout(monkeypatch, shape, scale):
+    """After the main kernel, dQ = its float32 accumulator x scale (default 1/sqrt(d)), rounded once to q's dtype,
+    in q's layout (the model's strides; 3-d inputs): the kernel's stand-in writes random values into the
+    accumulator (the dQ descriptor's base), and dQ must equal the float32 product rounded, bit for bit."""
+    _pretend_hopper(monkeypatch)
+    written = []
+
+    def fill_accumulator(name, args):
+        if name == "_flash_bwd_gluon_kernel":
+            accumulator = args[6].base  # desc_dq: (batch, head, row, col) float32
+            assert accumulator.dtype == torch.float32 and accumulator.is_contiguous()
+            written.append(accumulator.copy_(torch.randn(accumulator.shape) * 100).clone())
+
+    _recording_launchers(monkeypatch, fill_accumulator)
+    if len(shape) == 4:  # the model's layout
+        batch, heads, n, d = shape
+        q = torch.randn(batch, n, heads, d).to(torch.bfloat16).transpose(1, 2)
+    else:
+        q = torch.randn(shape).to(torch.bfloat16)
+    lse = torch.randn(q.shape[:-1])
+    dq, _, _ = bwd.flash_backward_gluon(q, q, q, q, q, lse, True, scale)
+    expected = (written[0] * (shape[-1] ** -0.5 if scale is None else scale)).to(q.dtype)
+    assert dq.dtype == q.dtype and dq.stride() == q.stride()
+    assert torch.equal(dq if dq.dim() == 4 else dq.unsqueeze(1), expected)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_exact_reference_is_exact_in_the_kernels_precisions(causal):
     """The EXACT check's premise: with exact_inputs, the kernel's arithmetic (16-bit P^T and dS^T, float32 products
@@ -312,3 +459,31 @@ def test_gpu_exact_pipeline(head_dim, causal, split_dq, schedule):
         grads = bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
         for name, g, e in zip(("dQ", "dK", "dV"), grads, expected):
             assert torch.equal(g, e), f"{name}: {int((g != e).sum())} mismatches"
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_fast_launch_matches_the_public_path(head_dim):
+    """From the second call of a layout both launches run the cached binaries (FastLauncher): with fresh inputs each
+    call, the same gradients as Triton's public launch path (fast_launch off). EXACT (integer arithmetic): dQ, dK, dV
+    bit for bit. The real softmax: dK and dV bit for bit (one program writes each key tile), dQ within one bf16
+    rounding step (2^-8) in norm: its float32 reduce-adds from different key tiles land in any order, so the fast
+    and the public run may round differently."""
+    from cs336_systems.kernels.flash_gluon import flash_attention_gluon_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
+    q_shape, k_shape = (2, 3, 777, head_dim), (2, 3, 1000, head_dim)
+    for _ in range(3):
+        q, k, v, do = bwd.exact_inputs(q_shape, k_shape, "cuda", gen)
+        o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
+        fast, public = (bwd._backward(q, k, v, o, do, lse, False, scale=1.0, exact=True, fast_launch=fast_launch)
+                        for fast_launch in (True, False))
+        for name, f, p in zip(("dQ", "dK", "dV"), fast, public):
+            assert torch.equal(f, p), f"EXACT {name}: {int((f != p).sum())} mismatches"
+        q, k, v, do = (_fresh(s, True) for s in (q_shape, k_shape, k_shape, q_shape))
+        o, lse = flash_attention_gluon_forward(q, k, v, True)
+        fast, public = (bwd.flash_backward_gluon(q, k, v, o, do, lse, True, fast_launch=fast_launch)
+                        for fast_launch in (True, False))
+        assert _rel_err(fast[0], public[0]) < 2**-8
+        assert torch.equal(fast[1], public[1]) and torch.equal(fast[2], public[2])

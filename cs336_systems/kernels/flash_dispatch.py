@@ -211,6 +211,10 @@ def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 
 def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flash_gluon_bwd's backward (dQ, dK, dV), taking its arguments in flash_backward_triton's order."""
-    return _loaded(_gluon_bwd).flash_backward_gluon(q, k, v, out, grad_out, lse, is_causal)
+                   grad_out: torch.Tensor, is_causal: bool, *, chosen: bool = False,
+                   fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash_gluon_bwd's backward (dQ, dK, dV), taking its arguments in flash_backward_triton's order. `chosen`:
+    `choose_backward` has just returned "gluon" for these inputs, which it does only where flash_gluon_bwd found no
+    problem in them, so the kernel's entry does not look again. `fast_launch`: as gluon_forward's."""
+    return _loaded(_gluon_bwd).flash_backward_gluon(q, k, v, out, grad_out, lse, is_causal, checked=chosen,
+                                                    fast_launch=fast_launch)

@@ -21,7 +21,7 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
        by a TMA reduce-add (`_tma_reduce_add`). Splitting the head dim, not the keys, halves both the dQ
        registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False keeps the per-consumer
        variant, which spills there) and the reduce-add traffic;
-  3. dQ = accumulator * scale, cast to q's dtype into q's layout (a torch copy).
+  3. dQ = accumulator * scale, cast to q's dtype into q's layout (one torch multiply).
 Two schedules of a consumer's step (BwdTile.defer_dq; TILES ships it, as ping-pong, at d=128 only, where it was
 measured faster: kernels/NOTES.md): lockstep (`_query_step`) issues, waits for
 and reduces step i's dQ at the end of step i; deferred (`_deferred_step`) issues step i's dQ wgmmas at the start of
@@ -76,8 +76,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_systems.kernels.flash_gluon import _as_2d, _as_4d, _descriptor, _next_slot, device_problem, layout_problem
+from cs336_systems.kernels.flash_gluon import (_as_2d, _as_4d, _descriptor, _next_slot, descriptor_launch_key,
+                                               device_problem, layout_problem)
+from cs336_systems.kernels.launch import FastLauncher, cdiv
+from cs336_systems.kernels.settings import flash_settings
 
 LOG2E = 1.4426950408889634
 CONSUMERS = 2  # consumer warpgroups per program, each owning block_n / CONSUMERS keys
@@ -196,14 +200,14 @@ def program_order(n_kv_tiles: int, batch_heads: int) -> list[tuple[int, int]]:
 
 def query_steps(kv_tile: int, n_queries: int, tile: BwdTile, is_causal: bool) -> tuple[int, int]:
     """(first query tile, number of query tiles) a program visits (the kernel computes the same)."""
-    n_q_tiles = triton.cdiv(n_queries, tile.block_m)
+    n_q_tiles = cdiv(n_queries, tile.block_m)
     first = kv_tile * tile.block_n // tile.block_m if is_causal else 0
     return first, max(n_q_tiles - first, 0)
 
 
 def padded_queries(n_queries: int, tile: BwdTile) -> int:
     """The row length of the preprocessed L2 and D: whole query tiles, so the main loop reads them unmasked."""
-    return triton.cdiv(n_queries, tile.block_m) * tile.block_m
+    return cdiv(n_queries, tile.block_m) * tile.block_m
 
 
 def exact_inputs(shape_q, shape_k, device, generator=None, dtype=torch.bfloat16):
@@ -658,8 +662,6 @@ def _float32_descriptor(t: torch.Tensor, block: list[int]):
     """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, row, col) in
     (1, 1, block_m, d) boxes, the preprocessed rows (batch·head, padded query) in (1, block_m) boxes (unswizzled:
     one row)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _float32_layout(tuple(block)))
 
 
@@ -670,7 +672,7 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     an alternative)."""
     tile = tile or tile_for(q.shape[-1])
     batch, heads, n_queries, _ = q.shape
-    n_kv_tiles = triton.cdiv(k.shape[-2], tile.block_n)
+    n_kv_tiles = cdiv(k.shape[-2], tile.block_n)
     bnc = tile.keys_per_consumer
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
             _descriptor(dk, bnc), _descriptor(dv, bnc),
@@ -681,6 +683,14 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
             tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
+
+
+# The backward's two launches, as the forward's (flash_gluon._LAUNCHER): after the first call per layout, the
+# compiled binary directly (launch.py), skipping Triton's JIT path (argument binder, specialisation key, the check of
+# the kernel's constexpr globals) that a short call feels. The main kernel's arguments include TMA descriptors, which
+# the forward's key function keys by their base tensor's layout and their box.
+_PREPROCESS = FastLauncher(_bwd_preprocess_kernel)
+_LAUNCHER = FastLauncher(_flash_bwd_gluon_kernel, key=descriptor_launch_key)
 
 
 def _tma_problem(name: str, t: torch.Tensor) -> str | None:
@@ -716,24 +726,29 @@ def gluon_backward_supported(q, k, v, o, do, lse) -> bool:
 
 
 def flash_backward_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
-                         lse: torch.Tensor, causal: bool, scale: float | None = None,
-                         tile: BwdTile | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         lse: torch.Tensor, causal: bool, scale: float | None = None, tile: BwdTile | None = None, *,
+                         checked: bool = False, fast_launch: bool | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (each in its input's dtype and layout) of softmax attention O = softmax(scale Q K^T) V, from
     the forward's O and natural-log logsumexp L (as flash_triton.flash_backward_triton takes them): q, o, do
     (..., n_q, d), k, v (..., n_k, d), one or two leading dims. scale defaults to 1/sqrt(d), the forwards' scale
     (L must have been computed with the same one). `tile` overrides TILES (diagnosis only). Raises ValueError
-    naming what is unsupported."""
-    return _backward(q, k, v, o, do, lse, causal, scale, tile)
+    naming what is unsupported. `checked`: the caller has just found no `backward_problem` in these inputs
+    (flash_dispatch's choice has), so they are not looked for again. `fast_launch`: the caller's
+    `FlashSettings.fast_launch`, where it has read the settings (None: read them, once for both launches)."""
+    return _backward(q, k, v, o, do, lse, causal, scale, tile, checked=checked, fast_launch=fast_launch)
 
 
 def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, tile: BwdTile | None = None,
-              exact: bool = False):
+              exact: bool = False, checked: bool = False, fast_launch: bool | None = None):
     """flash_backward_gluon, plus EXACT (tests only: P^T = S^T mod 8 in place of the softmax, L unused; with
     integer inputs, O = 0 (so D = 0) and scale 1 every value is an exact integer, so the whole pipeline is checkable
     bit for bit)."""
-    problem = backward_problem(q, k, v, o, do, lse)
+    problem = None if checked else backward_problem(q, k, v, o, do, lse)
     if problem:
         raise ValueError(problem)
+    if fast_launch is None:
+        fast_launch = flash_settings().fast_launch
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     tile = tile or tile_for(q.shape[-1])
     if tile.head_dim != q.shape[-1]:
@@ -745,16 +760,20 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
     n_pad = padded_queries(n_queries, tile)
     lse2 = torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    _bwd_preprocess_kernel[(n_pad // tile.block_m, batch * heads)](
-        o4, do4, lse, lse2, delta, *o4.stride(), *do4.stride(), heads, n_queries, n_pad,
-        HEAD_DIM=head_dim, BLOCK=tile.block_m)
+    _PREPROCESS((n_pad // tile.block_m, batch * heads), o4, do4, lse, lse2, delta, *o4.stride(), *do4.stride(), heads,
+                n_queries, n_pad, HEAD_DIM=head_dim, BLOCK=tile.block_m, fast_launch=fast_launch)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for name, t in (("dk", dk), ("dv", dv)):
-        if _tma_problem(name, _as_4d(t)):  # empty_like of an odd layout: check what TMA will write
-            raise ValueError(_tma_problem(name, _as_4d(t)))
+    dk4, dv4 = _as_4d(dk), _as_4d(dv)
+    for name, grad, t in (("dk", dk4, k4), ("dv", dv4, v4)):
+        # empty_like keeps a dense input's strides, which the checks found TMA-ready, in a fresh (aligned)
+        # allocation; any other input (overlapping, with gaps) gets strides of its own: check what TMA will write
+        problem = _tma_problem(name, grad) if grad.stride() != t.stride() else None
+        if problem:
+            raise ValueError(problem)
     dq_acc = torch.zeros(batch, heads, n_queries, head_dim, dtype=torch.float32, device=q.device)
-    args, grid, options = kernel_launch(q4, k4, v4, do4, _as_4d(dk), _as_4d(dv), dq_acc, lse2, delta, causal, scale,
-                                        tile, exact)
-    _flash_bwd_gluon_kernel[grid](*args, **options)
-    _as_4d(dq).copy_(dq_acc.mul_(scale))
+    args, grid, options = kernel_launch(q4, k4, v4, do4, dk4, dv4, dq_acc, lse2, delta, causal, scale, tile, exact)
+    _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
+    # dQ = accumulator * scale, rounded to q's dtype into q's layout: one elementwise pass (a separate in-place
+    # scale and cast copy read and wrote the float32 accumulator once more, and cost a launch more)
+    torch.mul(dq_acc, scale, out=_as_4d(dq))
     return dq, dk, dv

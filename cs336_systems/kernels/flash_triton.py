@@ -488,7 +488,8 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     O and L (both write them alike). The settings are read once here, for the whole call."""
     settings = flash_settings()
     if flash_dispatch.choose_backward(q, k, v, out, lse, grad_out, is_causal, backward=settings.backward) == "gluon":
-        return flash_dispatch.gluon_backward(q, k, v, out, lse, grad_out, is_causal)
+        return flash_dispatch.gluon_backward(q, k, v, out, lse, grad_out, is_causal, chosen=True,
+                                             fast_launch=settings.fast_launch)
     return flash_backward_triton(q, k, v, out, lse, grad_out, is_causal, settings)
 
 

@@ -8,7 +8,9 @@ the compiled call slower than the eager one. For a few such shapes this times, p
 with static shapes; compiled after it saw three shapes, as the bench's provider is, i.e. dynamic):
 - the median device time of forward+backward (bench_ms, as the bench);
 - host time per call: 200 calls issued with no synchronisation, then one; if host-bound, wall/200;
-- a cProfile of 100 calls (top functions by own time) into DIR/profile_*.txt.
+- a cProfile of 100 calls (top functions by own time) into DIR/profile_*.txt;
+- on sm_90, at the shapes the Gluon backward runs at, the backward alone with its launches through FastLauncher
+  and through Triton's public path (`gluon_backward_rows`).
 Rows go to DIR/host_floor.csv with provenance.
 """
 
@@ -59,6 +61,28 @@ def host_us(call, n=200):
     return (issued - start) / n * 1e6, (end - start) / n * 1e6
 
 
+def gluon_backward_rows(shape, prov) -> list[dict]:
+    """The Gluon backward alone (sm_90, a shape it runs at), entered as the dispatch enters it (inputs checked
+    already), with its two launches through FastLauncher (fast_launch on) and through Triton's public path (off):
+    the A/B of the backward's launch path in one run (kernels/NOTES.md, "Host floor")."""
+    from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
+
+    q, k, v, do = (t.detach() for t in tensors(*shape))
+    o, lse = flash_gluon.flash_attention_gluon_forward(q, k, v, True)
+    rows = []
+    for fast_launch in (True, False):
+        def call(fast_launch=fast_launch):
+            flash_gluon_bwd.flash_backward_gluon(q, k, v, o, do, lse, True, checked=True, fast_launch=fast_launch)
+
+        device_ms = bench_ms(call, q.device, 200, 1000, min_calls=10)
+        issue_us, wall_us = host_us(call)
+        rows.append({"batch": shape[0], "heads": shape[1], "seq_len": shape[2], "head_dim": shape[3],
+                     "variant": f"gluon_backward_{'fast' if fast_launch else 'public'}_launch", "pass": "backward",
+                     "median_ms": device_ms, "issue_us_per_call": issue_us, "wall_us_per_call": wall_us, **prov})
+        print({key: rows[-1][key] for key in ("seq_len", "variant", "median_ms", "issue_us_per_call")}, flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "."))
@@ -101,6 +125,11 @@ def main():
                 text.write("\n\n--- by cumulative time ---\n")
                 pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
                 (out / f"profile_{name}_{shape[2]}x{shape[3]}.txt").write_text(text.getvalue())
+    if torch.cuda.get_device_capability() == (9, 0):  # where the Gluon backward runs
+        for shape in SHAPES:
+            if shape[2] >= 4096:  # flash_dispatch.GLUON_BACKWARD_MIN_KEYS: the shapes "auto" gives it
+                rows += gluon_backward_rows(shape, prov)
+                write_rows(rows, out / "host_floor.csv")
 
 
 if __name__ == "__main__":
