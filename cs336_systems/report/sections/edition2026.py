@@ -476,9 +476,11 @@ def _linear_ce_results(q: Quotes) -> str:
 
             ratio = q.derive(lambda t, n=tokens: _ce_cell(t, n, "fused", CE_MS) / _ce_cell(t, n, "plain_compiled", CE_MS),
                              ".2f", f"{tokens} tokens, fused over plain compiled")
+            peaks = all(pd.notna(_ce_cell(t, tokens, p, CE_PEAK)) for p in ("fused", "plain_compiled"))
+            memory = (f"peak {cell(CE_PEAK, 'fused')} MiB against {cell(CE_PEAK, 'plain_compiled')} MiB" if peaks
+                      else "no peak memory (this device keeps no allocator statistics)")
             lines.append(f"- {cell('tokens', 'fused')} tokens: {cell(CE_MS, 'fused')} ms against "
-                         f"{cell(CE_MS, 'plain_compiled')} ms compiled ({ratio}×), peak {cell(CE_PEAK, 'fused')} MiB "
-                         f"against {cell(CE_PEAK, 'plain_compiled')} MiB.")
+                         f"{cell(CE_MS, 'plain_compiled')} ms compiled ({ratio}×), {memory}.")
         oom = t.index[(t["tokens"] == tokens) & (t["status"] == "oom")]
         if len(oom):
             lines.append(f"- {table.quote('tokens', int(oom[0]))} tokens: out of memory for "
