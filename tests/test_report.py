@@ -883,7 +883,8 @@ LM_HEAD = "2026 §9 leaderboard parts: the fused LM head + cross-entropy"
 def test_linear_ce_intro_states_the_benchs_settings(committed):
     """2026 §9 LM head: the intro is checked prose. The head's shape and the fused op's chunk it states are the
     bench's columns of the committed rows (one run: every row shares them), the handout's sample (batch 2 at
-    context 32,768, its §9 config) is named by the table's rows of that many tokens, and a changed setting is caught."""
+    context 32,768, its §9 config) is named by the table's rows of that many tokens, and a changed setting is
+    caught."""
     body = committed[LM_HEAD]
     intro = body.checked[0]
     assert intro.startswith("Part of the 2026 handout's section 9") and unquoted(body) == []
@@ -910,10 +911,12 @@ def _linear_ce_rows(rng: np.random.Generator, tokens: list[int], chunk: int, d_m
     for i, n in enumerate(tokens):
         for provider in ("fused", "plain_compiled", "plain_eager"):
             oom = provider == "plain_eager" and n == max(tokens)
-            rows.append({**provenance.to_dict(), "provider": provider, "tokens": n, "d_model": d_models[i % len(d_models)],
+            rows.append({**provenance.to_dict(), "provider": provider, "tokens": n,
+                         "d_model": d_models[i % len(d_models)],
                          "vocab": 37, "dtype": "fp32", "chunk_tokens": min(chunk, n) if provider == "fused" else n,
                          "status": "oom" if oom else "ok", "device_name": "cpu (x86_64, 2 cores)",
-                         **{c: np.nan if oom else rng.uniform(0.1, 100) for c in ("median_ms", "peak_mib", "loss", "tflops")}})
+                         **{c: np.nan if oom else rng.uniform(0.1, 100)
+                            for c in ("median_ms", "peak_mib", "loss", "tflops")}})
     return pd.DataFrame(rows)
 
 
