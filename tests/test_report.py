@@ -246,7 +246,7 @@ QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.4 (a–e)", "1.1.5 (c) fp32", "1.1.6 (
            "1.3.3, continued", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end",
            "2026 §9 leaderboard:", "2026 §9 leaderboard, continued", "1.3.1 (b), continued: the optimizer step",
-           "2026 §3.1", "2026 §3.2"]
+           "2026 §3.1", "2026 §3.2", "2026 §9 leaderboard parts"]
 
 
 @pytest.mark.parametrize("section", [item.section for item in DELIVERABLES])
@@ -875,6 +875,74 @@ def test_leaderboard_8b_intro_quotes_ours_checkpointing_cells(committed):
         blocks = int(row["matmul_blocks"])
         wrong = intro.replace(said, said.replace(f"0,{blocks}", f"0,{blocks + 3}"))
         assert unquoted(replace(body, checked=[*body.checked[:-2], wrong, body.checked[-1]]))
+
+
+LM_HEAD = "2026 §9 leaderboard parts: the fused LM head + cross-entropy"
+
+
+def test_linear_ce_intro_states_the_benchs_settings(committed):
+    """2026 §9 LM head: the intro is checked prose. The head's shape and the fused op's chunk it states are the
+    bench's columns of the committed rows (one run: every row shares them), the handout's sample (batch 2 at
+    context 32,768, its §9 config) is named by the table's rows of that many tokens, and a changed setting is
+    caught."""
+    body = committed[LM_HEAD]
+    intro = body.checked[0]
+    assert intro.startswith("Part of the 2026 handout's section 9") and unquoted(body) == []
+    frame = pd.read_csv(ROOT / "results" / "linear_ce.csv")
+    assert all(frame[c].nunique() == 1 for c in ("d_model", "vocab", "dtype"))
+    fused = frame[frame["provider"] == "fused"]
+    settings = [f"d_model {frame['d_model'].iloc[0]}", f"vocab {frame['vocab'].iloc[0]}",
+                f"chunks of {fused.loc[fused['tokens'].idxmax(), 'chunk_tokens']} tokens"]
+    assert f"{settings[1]}, {frame['dtype'].iloc[0]}, on {frame['device_name'].iloc[0]}" in intro
+    assert (f"the table's {2 * 32768}-token rows" in intro) == bool((frame["tokens"] == 2 * 32768).any())
+    for said in settings:
+        assert said in intro
+        number = re.search(r"\d+", said)[0]
+        wrong = intro.replace(said, said.replace(number, str(int(number) + 1)))
+        assert unquoted(replace(body, checked=[wrong, *body.checked[1:]]))
+
+
+def _linear_ce_rows(rng: np.random.Generator, tokens: list[int], chunk: int, d_models: list[int]) -> pd.DataFrame:
+    """Rows as bench/linear_ce writes them, at a CPU's settings: random timings, peaks and losses, the fused op's
+    chunk min(chunk, tokens), the plain loss's the whole call; d_models[i % len] per token count; the plain eager
+    loss out of memory at the largest count."""
+    provenance = pd.read_csv(ROOT / "results" / "linear_ce.csv").iloc[0]
+    rows = []
+    for i, n in enumerate(tokens):
+        for provider in ("fused", "plain_compiled", "plain_eager"):
+            oom = provider == "plain_eager" and n == max(tokens)
+            rows.append({**provenance.to_dict(), "provider": provider, "tokens": n,
+                         "d_model": d_models[i % len(d_models)],
+                         "vocab": 37, "dtype": "fp32", "chunk_tokens": min(chunk, n) if provider == "fused" else n,
+                         "status": "oom" if oom else "ok", "device_name": "cpu (x86_64, 2 cores)",
+                         **{c: np.nan if oom else rng.uniform(0.1, 100)
+                            for c in ("median_ms", "peak_mib", "loss", "tflops")}})
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_linear_ce_section_renders_other_settings(tmp_path, mixed):
+    """At a CPU's settings (no 8B shape, the handout's sample not measured, a call smaller than the chunk, an OOM
+    point, a device name with a number in it) the prose is still the table's cells; where the rows differ in
+    d_model the intro states none and points at the columns, and where no peak was measured it says so."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.edition2026 import render_linear_ce
+
+    rng = np.random.default_rng(5 + mixed)
+    d_models = [16, 24] if mixed else [int(rng.integers(8, 64))]
+    rows = _linear_ce_rows(rng, [6, 24], 16, d_models)
+    if mixed:  # and no peaks, as on a CPU
+        rows["peak_mib"] = np.nan
+    rows.to_csv(tmp_path / "linear_ce.csv", index=False)
+    make_tables(tmp_path, ["linear_ce"])  # as the `table` rule does
+    body = render_linear_ce(Context(tmp_path, tmp_path, tmp_path, {}))
+    intro = body.checked[0]
+    assert unquoted(body) == [] and "nan" not in body.markdown()
+    assert "chunks of 16 tokens" in intro and "-token rows" not in intro and "8B size's" not in intro
+    assert "- 24 tokens: out of memory for plain_eager." in body.checked[1]
+    assert ("no peak memory" in body.checked[1]) == mixed and ("MiB against" in body.checked[1]) != mixed
+    shape = f"d_model {d_models[0]} and vocab 37, fp32"
+    assert (shape in intro) != mixed and ("each row's d_model, vocab and dtype" in intro) == mixed
 
 
 def _profile_results(tmp_path: Path, dropped: bool) -> Path:
