@@ -47,6 +47,16 @@ class PartialRows:
         return frame
 
 
+# Provenance columns read as text: a commit hash of digits, "e" and digits (8406e2351569102691...) is otherwise
+# parsed as a float with a huge exponent, which crashed pandas 2.3.3's reader outright (a segmentation fault).
+TEXT_COLUMNS = {"git_commit": str, "hostname": str, "run_id": str}
+
+
+def read_table(path: str | os.PathLike) -> pd.DataFrame:
+    """One results file, its provenance columns as text (TEXT_COLUMNS)."""
+    return pd.read_csv(path, dtype=TEXT_COLUMNS)
+
+
 def read_rows(*paths: str | os.PathLike) -> pd.DataFrame:
     """Concatenate results files (e.g. one per sweep job) into one frame."""
-    return pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
+    return pd.concat([read_table(p) for p in paths], ignore_index=True)

@@ -14,7 +14,7 @@ import torch
 
 from cs336_systems.bench import (allreduce, attention_sweep, e2e, flash_bench, flash_check, memory,
                                   mixed_precision, profile)
-from cs336_systems.results import write_rows
+from cs336_systems.results import read_rows, read_table, write_rows
 from cs336_systems.timing import oom_row
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
 
@@ -590,3 +590,15 @@ def test_memory_rows_carry_the_phase_levels_and_what_the_forward_saves(tmp_path,
     assert rows[("forward", 16)].items() >= levels.items() and "saved_activations_mib" not in rows[("forward", 16)]
     assert rows[("train_step", 16)]["saved_activations_mib"] == 1.0
     assert "forward_peak_mib" not in rows[("train_step", 32)] and rows[("train_step", 32)]["snapshot"] == ""
+
+
+def test_read_table_keeps_a_number_like_commit_as_text(tmp_path):
+    """A commit hash of digits, 'e' and digits reads as the hash, not as a float (pandas' own parsing of it
+    crashed the process), and the other columns keep their types."""
+    commit = "8406e2351569102691"
+    path = tmp_path / "rows.csv"
+    path.write_text(f"step_ms,git_commit,hostname\n1.5,{commit},123\n")
+    frame = read_table(path)
+    assert frame["git_commit"].tolist() == [commit] and frame["hostname"].tolist() == ["123"]
+    assert frame["step_ms"].dtype.kind == "f"
+    assert read_rows(path, path)["git_commit"].tolist() == [commit, commit]

@@ -26,7 +26,6 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -35,7 +34,7 @@ from cs336_systems.bench.e2e import RunSpec, build_model
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.provenance import provenance
-from cs336_systems.results import write_rows
+from cs336_systems.results import read_table, write_rows
 from cs336_systems.timing import (
     annotate,
     autocast,
@@ -271,7 +270,7 @@ def profile_point_nsys(size: str, context_length: int, config: ProfileConfig, re
             "--precision", config.precision, "--warmup", str(config.warmup), "--steps", str(config.steps),
             "--device", config.device, "--nsys-child", "--out", str(child_csv)]
     report = nsys.profile_under_nsys(stem, argv)
-    rows = pd.read_csv(child_csv).to_dict("records")
+    rows = read_table(child_csv).to_dict("records")
     if rows[0]["status"] != "ok":
         return rows
     kernels, ranges = nsys.read_report(nsys.export_sqlite(report))

@@ -14,6 +14,7 @@ from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost, opt
 from cs336_systems.distributed.ddp_bucketed import plan_buckets
 from cs336_systems.model import TransformerLM, get_config
 from cs336_systems.report.section import Context
+from cs336_systems.results import read_table
 
 # The command that reruns every two-GPU DDP table (the lead's rerun; one node with 2 GPUs).
 # Targets come before --forcerun and --resources, which would take every word after them; the committed
@@ -48,7 +49,7 @@ def rounds_paragraph(ctx: Context, frame: pd.DataFrame) -> str:
     path = ctx.results / DIAGNOSIS_ROUNDS
     if not path.exists():
         return f"(The number of rounds is justified from `results/{DIAGNOSIS_ROUNDS.as_posix()}`, absent here.)"
-    need = rounds_needed(pd.read_csv(path))
+    need = rounds_needed(read_table(path))
     (a, b), (sa, sb) = need["configs"], need["sigma_ms"]
     here = int(frame["rounds"].max()) if "rounds" in frame and frame["rounds"].notna().any() else 1
     short = "" if here >= need["rounds"] else ", so it separates only larger differences"

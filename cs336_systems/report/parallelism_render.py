@@ -25,6 +25,7 @@ from cs336_systems.analysis import parallelism as par
 from cs336_systems.analysis.collectives import fit_ring_model, measured_bandwidth, ring_time
 from cs336_systems.analysis.fsdp_accounting import accounting_table, predicted_peaks
 from cs336_systems.model import get_config
+from cs336_systems.results import read_table
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sharding", help="measured DDP/ZeRO-1 peaks (results/sharding.csv)")
     parser.add_argument("--out", required=True, help="Markdown file with fsdp_accounting (a) and section 8")
     args = parser.parse_args(argv)
-    read = lambda path: pd.read_csv(path) if path else None  # noqa: E731
+    read = lambda path: read_table(path) if path else None  # noqa: E731
     text = render_fsdp_accounting(read(args.sharding)) + "\n" + render_parallelism(read(args.allreduce))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 
 from cs336_systems.report.frame import NumericTable
+from cs336_systems.results import read_table
 
 
 @dataclass(eq=False)  # hashed by identity, so frame() can be cached per context
@@ -34,7 +35,7 @@ class Context:
     @functools.cache
     def frame(self, name: str) -> pd.DataFrame | None:
         path = self.results / f"{name}.csv"
-        return pd.read_csv(path) if path.exists() else None
+        return read_table(path) if path.exists() else None
 
     def log(self, name: str) -> str:
         path = self.results / "logs" / f"{name}.log"
