@@ -8,6 +8,10 @@ The handout's step (2026 §9) around it:
     model.finish_gradient_synchronization()      # for a data-parallel wrapper (distributed.parallelize)
     optimizer.step()
 
+`microbatches` splits a batch for gradient accumulation: forward and backward on a few sequences at a time,
+each slice's mean loss scaled by its share of the batch, so that the gradients add up to those of the whole
+batch's mean loss while only one slice's activations exist at a time.
+
 It lives here, above the model and the kernels, because the model package imports no kernel
 (tests/test_imports.py); the kernel is imported on the first fused call, so importing this module
 does not import Triton (bench/kernel_resources.py configures Triton before it is imported).
@@ -35,3 +39,20 @@ def lm_loss(model: nn.Module, token_ids: torch.Tensor, targets: torch.Tensor, *,
 
     # the module-level function: the same object every step, so a compiled model's guards on it hold
     return model(token_ids, targets=targets, head_loss=linear_cross_entropy)
+
+
+def microbatches(token_ids: torch.Tensor, targets: torch.Tensor, sequences: int | None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+    """(token_ids, targets, share) slices of at most `sequences` sequences each (None: the whole batch, share 1):
+    `share` is the slice's fraction of the batch's sequences (of equal length, so of its tokens), the factor
+    that turns the slice's mean loss into its part of the batch's mean loss. In bf16 the gradients of the slices
+    then add up in the gradients' dtype: one more rounding per slice than one pass over the whole batch."""
+    if sequences is None:
+        return [(token_ids, targets, 1.0)]
+    if sequences < 1:
+        raise ValueError(f"a micro-batch holds at least one sequence, got {sequences}")
+    if token_ids.shape != targets.shape:
+        raise ValueError(f"token ids {tuple(token_ids.shape)} and targets {tuple(targets.shape)} differ in shape")
+    batch = token_ids.shape[0]
+    return [(token_ids[i:i + sequences], targets[i:i + sequences], min(sequences, batch - i) / batch)
+            for i in range(0, batch, sequences)]

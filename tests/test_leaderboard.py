@@ -147,10 +147,11 @@ def test_every_flag_has_help_text(monkeypatch):
 
 
 def test_rows_name_what_each_provider_runs():
-    columns = {name: leaderboard.recipe_columns(name, _tiny(param_dtype="bf16")) for name in leaderboard.RECIPES}
+    columns = {name: leaderboard.recipe_columns(name, _tiny(param_dtype="bf16"), 2) for name in leaderboard.RECIPES}
     assert columns["ours"] == {"provider": "ours", "model": "ours", "attention": "flash_triton", "loss_path": "fused",
                                "optimizer": "ours_fused", "checkpoint": "selective:auto", "compile": "none",
-                               "param_dtype": "bf16", "optimizer_state_dtype": "bf16"}
+                               "param_dtype": "bf16", "optimizer_state_dtype": "bf16", "microbatch": 1}
+    assert columns["ours-whole_batch"]["microbatch"] == columns["torch_plain_sac"]["microbatch"] == 2
     assert columns["torch_plain_sac"]["optimizer"] == columns["ours-torch_adamw"]["optimizer"] == "torch_fused"
     assert columns["ours-fp32_moments"]["optimizer_state_dtype"] == "fp32"
     # each ablation differs from ours in exactly one choice
@@ -161,10 +162,11 @@ def test_rows_name_what_each_provider_runs():
 
 def test_ours_saves_the_matmuls_of_as_many_blocks_as_the_free_memory_holds(tmp_path, monkeypatch):
     """`AUTO`, resolved per point: a plain selective probe's peak, subtracted from the capacity less the margin,
-    divided by a block's matmul outputs (tokens x (4 d + 2 d_ff) x 4 B in TINY's float32). With room for one block and a half the
-    row runs and records selective:0,1; with none, plain selective. (A CPU has no allocator peak: stood in for.)"""
+    divided by a block's matmul outputs (tokens of one pass x (4 d + 2 d_ff) x 4 B in TINY's float32: ours passes
+    one sequence at a time). With room for one block and a half the row runs and records selective:0,1; with
+    none, plain selective. (A CPU has no allocator peak: stood in for.)"""
     config = get_config("tiny", edition="2026", context_length=24)
-    block = 2 * 24 * (4 * config.d_model + 2 * config.d_ff) * 4
+    block = 1 * 24 * (4 * config.d_model + 2 * config.d_ff) * 4
     gib = 2**30
     monkeypatch.setattr(leaderboard, "_peak_bytes", lambda device: 10 * gib)
     rows = {}
@@ -176,6 +178,43 @@ def test_ours_saves_the_matmuls_of_as_many_blocks_as_the_free_memory_holds(tmp_p
     assert (rows["one"]["checkpoint"], rows["one"]["matmul_blocks"]) == ("selective:0,1", 1)
     assert (rows["none"]["checkpoint"], rows["none"]["matmul_blocks"]) == ("selective", 0)
     assert rows["one"]["probe_peak_gib"] == 10 and rows["one"]["status"] == "ok" and rows["one"]["step_ms"] > 0
+
+
+@pytest.mark.parametrize("batch, sequences", [(2, 1), (3, 2), (2, None), (1, 4)])
+def test_microbatches_accumulate_the_whole_batchs_loss_and_gradients(batch, sequences):
+    """Gradient accumulation (ours' `microbatch`) against one pass over the whole batch, float32 on the CPU: the
+    same mean loss and gradients (to float32 rounding), the slices' shares adding up to one, with an uneven last
+    slice (3 sequences, 2 a pass) and a slice larger than the batch."""
+    from cs336_systems.train_step import microbatches
+
+    config = get_config("tiny", context_length=16)
+    torch.manual_seed(batch)
+    model = TransformerLM(config)
+    tokens = torch.randint(config.vocab_size, (batch, 16))
+    targets = torch.randint(config.vocab_size, (batch, 16))
+    whole = leaderboard.Trainee(loss=lambda x, y: cross_entropy(model(x), y), optimizer=None,
+                                parameters=dict(model.named_parameters()), as_plain_names=dict)
+    loss = leaderboard.forward_backward(whole, tokens, targets)
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    sliced = dataclasses.replace(whole, microbatch=sequences)
+    assert leaderboard.forward_backward(sliced, tokens, targets).item() == pytest.approx(loss.item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    slices = microbatches(tokens, targets, sequences)
+    assert sum(share for *_, share in slices) == pytest.approx(1.0)
+    assert torch.equal(torch.cat([x for x, *_ in slices]), tokens)
+    assert len(slices) == (1 if sequences is None else -(-batch // sequences))
+
+
+def test_microbatches_name_bad_values():
+    from cs336_systems.train_step import microbatches
+
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="at least one sequence, got 0"):
+        microbatches(tokens, tokens, 0)
+    with pytest.raises(ValueError, match=r"targets \(2, 3\) differ"):
+        microbatches(tokens, tokens[:, :3], 1)
 
 
 def test_points_run_ablations_only_at_their_batches():

@@ -206,7 +206,7 @@ def test_sized_ablations_parse_and_name_bad_values():
     assert leaderboard.recipe("ours-keep:2").checkpoint == "selective:2"
     assert leaderboard.recipe("ours-mm:2").checkpoint == "selective:0,2"
     assert leaderboard.recipe("ours-mm:02").checkpoint == "selective:0,2"
-    assert leaderboard.recipe_columns("ours-keep:1", _tiny())["checkpoint"] == "selective:1"
+    assert leaderboard.recipe_columns("ours-keep:1", _tiny(), 2)["checkpoint"] == "selective:1"
     assert _tiny(ablations=("ours-keep:1", "ours-keep:2")).points()[-2:] == [(2, "ours-keep:1"), (2, "ours-keep:2")]
     for name, message in [("ours-keep:0", "got '0'"), ("ours-keep:x", "got 'x'"), ("ours-keep:-1", "got '-1'"),
                           ("ours-keep:", "got ''"), ("ours-keep:3", "names 3 blocks; size 'tiny' has 2"),

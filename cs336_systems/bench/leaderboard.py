@@ -9,14 +9,18 @@ model freed, with its compiled code, before the next is built):
   fused LM head + cross-entropy (`lm_loss(..., fused=True)`), our fused Triton AdamW (moments in the parameters'
   dtype), selective activation checkpointing with as many blocks saving their matmul outputs as the free memory
   holds (`AUTO`: per point, a plain selective probe's peak decides, `probe_matmul_blocks`; the rows' `checkpoint`
-  column is the policy chosen), and per-block compilation, applied by `parallelize(model, ParallelPlan)`;
+  column is the policy chosen), per-block compilation, applied by `parallelize(model, ParallelPlan)`, and
+  gradient accumulation over one sequence at a time (`microbatch` 1, `train_step.microbatches`): the loss and
+  gradients of the whole batch, with one sequence's activations at a time, so that at batch 2 as many blocks
+  save their matmul outputs as at batch 1 (less the gradients' memory, which the second pass holds);
 - `torch_plain_sac`, `torch_plain_ac`: the plain-PyTorch anchor (`bench/plain_model.py`: fused QKV, SDPA,
   per-block compile, chunked checkpointed LM head + CE, `torch.optim.AdamW(fused=True)`) with torchtitan's
   selective checkpointing, or full per-block checkpointing;
 - ablations of ours, each changing one thing: `ours-no_fused_ce` (the plain CE of the full logits),
   `ours-torch_adamw` (torch's fused AdamW), `ours-sdpa_attention` (SDPA instead of our kernel),
   `ours-full_ac` (every block fully recomputed), `ours-selective` (plain selective checkpointing: no block
-  saves its matmul outputs) and `ours-fp32_moments` (the numerics variant: float32 AdamW moments beside the
+  saves its matmul outputs), `ours-whole_batch` (forward and backward over the whole batch at once, no
+  gradient accumulation) and `ours-fp32_moments` (the numerics variant: float32 AdamW moments beside the
   bf16 parameters);
 - `ours-keep:N` and `ours-mm:N` (any N from 1 to the model's layers, parsed from the name): what the memory
   that selective checkpointing leaves free buys. keep: the first N blocks not checkpointed
@@ -56,6 +60,7 @@ As a library: `run(LeaderboardConfig(...), "out.csv")`.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -78,7 +83,7 @@ from cs336_systems.model.checkpointing import matmul_block_bytes, matmul_blocks_
 from cs336_systems.optim import AdamW
 from cs336_systems.provenance import device_name, provenance
 from cs336_systems.results import PartialRows
-from cs336_systems.train_step import lm_loss
+from cs336_systems.train_step import lm_loss, microbatches
 from cs336_systems.timing import (
     DTYPES,
     is_oom,
@@ -102,7 +107,8 @@ class Recipe:
         (the plain model's chunked, checkpointed head + CE);
     optimizer: "ours_fused" (cs336_systems.optim.AdamW, fused Triton) or "torch_fused";
     checkpoint: ours: a CheckpointPolicy text ("selective", "every:1"); plain: "sac" or "ac";
-    moments: "param" (AdamW moments in the parameters' dtype) or "fp32"."""
+    moments: "param" (AdamW moments in the parameters' dtype) or "fp32";
+    microbatch: sequences per forward and backward pass, their gradients accumulated (None: the whole batch)."""
 
     model: str
     attention: str
@@ -110,6 +116,7 @@ class Recipe:
     optimizer: str
     checkpoint: str
     moments: str = "param"
+    microbatch: int | None = None
 
 
 # Ours' checkpointing: selective, with as many of the blocks saving their matmul outputs as the memory left free
@@ -117,7 +124,7 @@ class Recipe:
 AUTO = "selective:auto"
 # The correctness check's model has 2 blocks: one saving its matmul outputs, one plain selective (both paths).
 CHECK_CHECKPOINT = "selective:0,1"
-OURS = Recipe("ours", "flash_triton", "fused", "ours_fused", AUTO)
+OURS = Recipe("ours", "flash_triton", "fused", "ours_fused", AUTO, microbatch=1)
 PLAIN_SAC = Recipe("plain", "sdpa", "chunked", "torch_fused", "sac")
 PROVIDERS: dict[str, Recipe] = {
     "ours": OURS,
@@ -132,6 +139,7 @@ ABLATIONS: dict[str, Recipe] = {
     "ours-full_ac": replace(OURS, checkpoint="every:1"),
     "ours-fp32_moments": replace(OURS, moments="fp32"),
     "ours-selective": replace(OURS, checkpoint="selective"),
+    "ours-whole_batch": replace(OURS, microbatch=None),
 }
 RECIPES = {**PROVIDERS, **ABLATIONS}
 # Ablations that use the memory selective checkpointing leaves free, sized by N in their name: the policy
@@ -268,6 +276,7 @@ class Trainee:
     parameters: dict[str, nn.Parameter]
     as_plain_names: Callable[[dict], dict]
     model: nn.Module | None = None  # the unwrapped model (the profiler hooks its final norm)
+    microbatch: int | None = None  # sequences per forward and backward pass (None: the whole batch)
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return self.as_plain_names({name: p.grad for name, p in self.parameters.items()})
@@ -299,7 +308,7 @@ def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCon
     fused = recipe.loss == "fused"
     return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused),
                    optimizer=make_optimizer(recipe, model.parameters(), config.lr),
-                   parameters=parameters, as_plain_names=plain_state_dict, model=model)
+                   parameters=parameters, as_plain_names=plain_state_dict, model=model, microbatch=recipe.microbatch)
 
 
 def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
@@ -326,21 +335,49 @@ def build(provider: str, model_config: ModelConfig, config: LeaderboardConfig, d
     return builder(chosen, model_config, config, device, weights)
 
 
+def _scaled_loss(loss: Callable, inputs: torch.Tensor, targets: torch.Tensor, share: float) -> torch.Tensor:
+    value = loss(inputs, targets)
+    return value if share == 1 else value * share
+
+
+def forwards(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+    """The step's forward passes, one per micro-batch (`train_step.microbatches`), each returning its slice's loss
+    scaled by its share of the batch: their backward passes add up to the batch's mean loss's gradients."""
+    return [functools.partial(_scaled_loss, trainee.loss, x, y, share)
+            for x, y, share in microbatches(inputs, targets, trainee.microbatch)]
+
+
+def forward_backward(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Forward + cross-entropy and backward of every micro-batch in turn; the batch's mean loss, detached."""
+    total = None
+    for forward in forwards(trainee, inputs, targets):
+        loss = forward()
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
 def train_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The handout's step: zero_grad(set_to_none=True), forward + cross-entropy, backward, AdamW step."""
+    """The handout's step: zero_grad(set_to_none=True), forward + cross-entropy, backward (per micro-batch,
+    gradients accumulated), AdamW step."""
     trainee.optimizer.zero_grad(set_to_none=True)
-    loss = trainee.loss(inputs, targets)
-    loss.backward()
+    loss = forward_backward(trainee, inputs, targets)
     trainee.optimizer.step()
-    return loss.detach()
+    return loss
 
 
-def recipe_columns(provider: str, config: LeaderboardConfig) -> dict:
+def sequences_per_pass(provider: str, batch: int) -> int:
+    """How many sequences one forward and backward pass of the provider holds at this batch."""
+    return min(recipe(provider).microbatch or batch, batch)
+
+
+def recipe_columns(provider: str, config: LeaderboardConfig, batch: int) -> dict:
     chosen = recipe(provider)
     return {"provider": provider, "model": chosen.model, "attention": chosen.attention, "loss_path": chosen.loss,
             "optimizer": chosen.optimizer, "checkpoint": chosen.checkpoint, "compile": config.compile,
             "param_dtype": config.param_dtype,
-            "optimizer_state_dtype": config.param_dtype if chosen.moments == "param" else chosen.moments}
+            "optimizer_state_dtype": config.param_dtype if chosen.moments == "param" else chosen.moments,
+            "microbatch": sequences_per_pass(provider, batch)}
 
 
 def _fresh(device: torch.device) -> None:
@@ -361,7 +398,7 @@ def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tens
     failure of the profiled step (out of memory under the profiler's bookkeeping, say) becomes one `error` row
     naming it: the point's timed steps stand without it."""
     parts = {"zero_grad": lambda: trainee.optimizer.zero_grad(set_to_none=True),
-             "forward": lambda: trainee.loss(inputs, targets), "optimizer": trainee.optimizer.step}
+             "forwards": forwards(trainee, inputs, targets), "optimizer": trainee.optimizer.step}
     try:
         rows = step_profile.profile_step(parts, trainee.model, trainee.parameters.values(), trainee.optimizer,
                                          device, Path(config.profile_dir) / f"{name}.pickle")
@@ -406,7 +443,8 @@ def probe_matmul_blocks(provider: str, batch: int, config: LeaderboardConfig, de
     element = torch.empty((), dtype=DTYPES[config.param_dtype]).element_size()
     blocks = matmul_blocks_that_fit(_capacity_bytes(config, device) - config.memory_margin_gib * 2**30 - peak,
                                     matmul_block_bytes(model_config.d_model, model_config.d_ff,
-                                                       batch * config.context_length, element),
+                                                       sequences_per_pass(provider, batch) * config.context_length,
+                                                       element),
                                     model_config.num_layers)
     policy = f"selective:0,{blocks}" if blocks else "selective"
     print(f"  [{provider} batch={batch}] plain selective peaks at {peak / 2**30:.1f} GiB: {blocks} blocks save their "
@@ -451,7 +489,7 @@ def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torc
     """One (batch, provider) row; out of memory becomes a status=oom row."""
     model_config = config.model_config()
     flops = leaderboard_flops(model_config, batch, config.context_length)
-    base = {**recipe_columns(provider, config), "size": config.size, "world_size": 1, "batch": batch,
+    base = {**recipe_columns(provider, config, batch), "size": config.size, "world_size": 1, "batch": batch,
             "context_length": config.context_length, "warmup": config.warmup, "flops": flops}
     _fresh(device)
     try:
@@ -482,8 +520,7 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def _loss_and_gradients(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict]:
-    loss = trainee.loss(inputs, targets)
-    loss.backward()
+    loss = forward_backward(trainee, inputs, targets)
     return loss.item(), trainee.gradients()
 
 
@@ -519,7 +556,7 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
     tolerance = {"loss": max(2 * anchor["loss_err"], floors["loss"]), "grad": max(2 * anchor["grad_err"], floors["grad"])}
     for provider in config.providers:
         _fresh(device)
-        base = {**recipe_columns(provider, config), "size": f"check:{config.check_size}", "world_size": 1,
+        base = {**recipe_columns(provider, config, config.check_batch), "size": f"check:{config.check_size}", "world_size": 1,
                 "batch": config.check_batch, "context_length": config.check_context}
         trainee = build(provider, model_config, config, device, weights,
                         checkpoint=CHECK_CHECKPOINT if recipe(provider).checkpoint == AUTO else None)

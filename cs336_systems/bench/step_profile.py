@@ -1,10 +1,11 @@
 """One profiled training step of a leaderboard provider: device time by category, and peak memory by what
 holds it (issue 24's breakdown; `python -m cs336_systems.bench.leaderboard --profile DIR`).
 
-The step is the leaderboard's (`zero_grad`, forward + loss, backward, AdamW step) under `torch.profiler`
-(CPU and, on CUDA, CUDA activities), with a `record_function` range per phase: `forward` around the whole
-forward + loss call, `loss` nested in it from the final norm's output on (a forward hook on the model's
-`ln_final` opens it: the LM head and cross-entropy), `backward` and `optimizer`. On CUDA the allocator's
+The step is the leaderboard's (`zero_grad`, forward + loss and backward of each micro-batch, AdamW step) under
+`torch.profiler` (CPU and, on CUDA, CUDA activities), with a `record_function` range per phase (per micro-batch
+for the first two): `forward` around the whole forward + loss call, `loss` nested in it from the final norm's
+output on (a forward hook on the model's `ln_final` opens it: the LM head and cross-entropy), `backward` and
+`optimizer`. On CUDA the allocator's
 history is recorded around the step and its snapshot pickled to DIR (`bench.e2e.dump_snapshot`, with the
 phases' host times, so `report.memory` can draw it).
 
@@ -243,8 +244,10 @@ class _LossRange:
 
 def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Module | None, parameters,
                  optimizer: torch.optim.Optimizer, device: torch.device, snapshot: Path | None = None) -> list[dict]:
-    """Profile one step made of `step_parts` (zero_grad, forward (returns the loss), backward(loss),
-    optimizer): rows of (kind, category, value, unit[, calls]); the snapshot pickled to `snapshot` on CUDA."""
+    """Profile one step made of `step_parts`: zero_grad, forwards (a list of callables, one per micro-batch, each
+    returning the loss its backward starts from; each runs in a `forward` range and its backward in a `backward`
+    range before the next), optimizer. Rows of (kind, category, value, unit[, calls]); the snapshot pickled to
+    `snapshot` on CUDA."""
     from cs336_systems.bench.e2e import dump_snapshot  # the snapshot format report.memory reads
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -270,8 +273,9 @@ def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Mo
         with profile(activities=activities) as prof:
             start = time.perf_counter()
             step_parts["zero_grad"]()
-            loss = phase("forward", step_parts["forward"])
-            phase("backward", lambda: loss.backward())
+            for forward in step_parts["forwards"]:
+                loss = phase("forward", forward)
+                phase("backward", loss.backward)
             phase("optimizer", step_parts["optimizer"])
             synchronize(device)
             wall_ms = (time.perf_counter() - start) * 1e3

@@ -22,6 +22,7 @@ ABLATION_CHANGES = {  # what each ablation switches off (bench/leaderboard.py's 
     "ours-full_ac": "every block fully recomputed instead of selective checkpointing",
     "ours-fp32_moments": "float32 AdamW moments (numerics variant)",
     "ours-selective": "plain selective checkpointing (no block saves its matmul outputs)",
+    "ours-whole_batch": "forward and backward over the whole batch at once instead of one sequence at a time",
 }
 SIZED_CHANGES = {  # ours-keep:N and ours-mm:N, parsed by bench/leaderboard.py
     "ours-keep:": "the first {} blocks kept whole (not checkpointed), the rest selective",
@@ -48,6 +49,7 @@ def _is_ablation(providers: pd.Series) -> pd.Series:
 
 
 STEP = "step (ms, mean ± std)"
+SEQUENCES = "sequences / pass"  # per forward and backward pass; fewer than the batch: gradients accumulated
 RATIO = "÷ SAC anchor"
 PEAK_TFLOPS = 989  # the H200's dense bf16 datasheet peak, the MFU denominator (timing.peak_flops)
 
@@ -68,11 +70,13 @@ def step_table(frame: pd.DataFrame) -> NumericTable:
     dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
     does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
     rows = _timed(frame).reset_index(drop=True)
+    # rows from before gradient accumulation (no `microbatch` column) passed the whole batch at once
+    per_pass = rows["microbatch"].fillna(rows["batch"]) if "microbatch" in rows else rows["batch"]
     data = pd.DataFrame({
         "run": rows["run_id"].astype(str).str[:6], "provider": rows["provider"], "batch": rows["batch"],
         STEP: rows["step_ms"], "step std (ms)": rows["step_std_ms"],
         **{label: rows[column] for label, (column, _) in MEASURED.items()},
-        "checkpoint": rows["checkpoint"],
+        "checkpoint": rows["checkpoint"], SEQUENCES: per_pass,
         "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"], "status": rows["status"]})
     anchor = data[data["provider"] == ANCHOR].set_index(["run", "batch"])[STEP]
     data[RATIO] = [m / anchor.get((run, batch), float("nan")) for m, run, batch in
@@ -80,7 +84,7 @@ def step_table(frame: pd.DataFrame) -> NumericTable:
     oom = {i: "oom" for i, status in enumerate(rows["status"]) if status == "oom"}
     return NumericTable(data, (Col("run"), Col("provider"), Col("batch", "d"), Col(STEP, ",.1f", second="step std (ms)"),
                                *(Col(label, fmt) for label, (_, fmt) in MEASURED.items()), Col("checkpoint"),
-                               Col("params / moments"), Col("status"), Col(RATIO, ".3f")),
+                               Col(SEQUENCES, "d"), Col("params / moments"), Col("status"), Col(RATIO, ".3f")),
                         {header: dict(oom) for header in (STEP, *MEASURED)} if oom else {})
 
 
@@ -365,6 +369,16 @@ def _auto_sentence(q: Quotes, frame: pd.DataFrame) -> str:
         f"{q.cell('checkpoint', row)} at batch {q.cell('batch', row)} (run {q.cell('run', row)})" for row in rows) + "."
 
 
+def _accumulation_words(timed: pd.DataFrame) -> str:
+    """Whether any run's `ours` accumulated gradients over passes of fewer sequences than its batch."""
+    ours = timed[timed["provider"] == "ours"]
+    if "microbatch" not in ours or not (ours["microbatch"] < ours["batch"]).any():
+        return ""
+    runs = ", ".join(dict.fromkeys(ours.loc[ours["microbatch"] < ours["batch"], "run_id"].astype(str).str[:6]))
+    return (f", and in run {runs} forward and backward over fewer sequences at a time than the batch (column "
+            "'sequences / pass'), the gradients accumulated, so that a pass holds only its sequences' activations")
+
+
 NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\w])")  # a number as a reader of the prose sees one
 
 
@@ -393,7 +407,8 @@ def render_leaderboard(ctx: Context) -> Section:
              "kernels: the forward in every run; the backward in the runs of 7b9d7c8 (its lockstep schedule) and "
              "a886410 (the ping-pong schedule at head dim 128, kernels/NOTES.md), FA2's Triton backward in those "
              "of 4857650), fused LM head + "
-             "cross-entropy and fused AdamW, selective checkpointing and per-block compile; `torch_plain_sac` and "
+             "cross-entropy and fused AdamW, selective checkpointing and per-block compile" + _accumulation_words(timed)
+             + "; `torch_plain_sac` and "
              "`torch_plain_ac` are plain PyTorch (SDPA, chunked checkpointed LM head + CE, torch's fused AdamW) with "
              "selective and with full per-block checkpointing. "
              + (f"Before the timings the correctness check at a scaled-down config with the same code paths gave "
