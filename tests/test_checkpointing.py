@@ -2,11 +2,13 @@
 saved-tensor accounting against hand-derived cases, the cost model against hand-worked numbers, the
 sweep CLI, and the 2026 size table."""
 
+import contextlib
 import copy
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_systems.bench import checkpointing as sweep
 from cs336_systems.bench.saved_tensors import Setting, measure_case, record_saved_tensors, saved_bytes
@@ -332,3 +334,58 @@ def test_matmul_blocks_that_fit_fill_the_free_memory_and_no_more():
     assert matmul_blocks_that_fit(-5.0, block, 34) == matmul_blocks_that_fit(float("nan"), block, 34) == 0
     with pytest.raises(ValueError, match="positive number of bytes, got 0"):
         matmul_blocks_that_fit(1.0, 0, 34)
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.name() in ("aten::mm", "aten::addmm")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_switching_selective_policies_between_passes(reference, compiled):
+    """`switch_selective` changes which blocks save their matmul outputs in place, between passes, and the step
+    follows: eagerly, fewer matmul-saving blocks rerun more GEMMs in the backward; compiled, the forward saves less
+    (the compiled graph's saved tensors, which the hooks see). The gradients stay the unchecked model's (bitwise
+    eagerly on the CPU; to float32 rounding compiled), and a compiled block, having met both classes, compiles
+    nothing when switched back. A segment policy cannot be switched."""
+    from torch._dynamo.utils import counters
+
+    from cs336_systems.model.checkpointing import switch_selective
+
+    model, tokens, ref_loss, ref_grads = reference
+    torch._dynamo.reset()
+    checked = apply_activation_checkpointing(copy.deepcopy(model), CheckpointPolicy.selective(0, 4))
+    if compiled:
+        for block in checked.layers:
+            block.compile(backend="aot_eager")
+
+    def cost(policy):
+        """Saved bytes (compiled) or matmul calls of the step (eager) under `policy`; gradients checked."""
+        switch_selective(checked, policy)
+        checked.zero_grad(set_to_none=True)
+        matmuls = _CountMatmuls()
+        with matmuls if not compiled else contextlib.nullcontext():
+            out, records = _forward_saves(checked, tokens)
+            loss = cross_entropy(out, tokens[:, 1:])
+            loss.backward()
+        close = torch.equal if not compiled else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+        assert close(loss, ref_loss)
+        for name, param in checked.named_parameters():
+            assert close(param.grad, ref_grads[name]), name
+        return -matmuls.calls if not compiled else sum(kind["storage_bytes"] for kind in saved_bytes(records).values())
+
+    many = cost(CheckpointPolicy.selective(0, 4))
+    fewer = cost(CheckpointPolicy.selective(0, 1))
+    graphs = counters["stats"]["unique_graphs"]
+    again = cost(CheckpointPolicy.selective(0, 4))
+    assert fewer < many == again
+    if compiled:
+        assert counters["stats"]["unique_graphs"] == graphs  # both versions kept: nothing new compiled
+    with pytest.raises(ValueError, match="segment policy"):
+        switch_selective(apply_activation_checkpointing(copy.deepcopy(model), CheckpointPolicy.every(2)),
+                         CheckpointPolicy.selective())

@@ -217,6 +217,29 @@ def test_microbatches_name_bad_values():
         microbatches(tokens, tokens[:, :3], 1)
 
 
+def test_the_first_pass_saves_more_blocks_than_the_passes_holding_gradients(tmp_path, monkeypatch):
+    """Ours at batch 2 passes one sequence at a time: the probe's peak of the first pass (no gradients yet) leaves
+    room for both blocks, the second pass's (one block more) for one, so the row's policy is "selective:0,2 then
+    selective:0,1", and the timed steps run with it, switching between the passes."""
+    config = get_config("tiny", edition="2026", context_length=24)
+    block = 1 * 24 * (4 * config.d_model + 2 * config.d_ff) * 4
+    gib = 2**30
+    monkeypatch.setattr(leaderboard, "_pass_peaks", lambda *args: [10 * gib, 10 * gib + block])
+    switched = []
+    real_switch = leaderboard.switch_selective
+    monkeypatch.setattr(leaderboard, "switch_selective",
+                        lambda model, policy: (switched.append(str(policy)), real_switch(model, policy)))
+    out = tmp_path / "lb.csv"
+    leaderboard.main([*TINY, "--check-size", "none", "--providers", "ours", "--ablations", "--memory-margin-gib", "1",
+                      "--memory-capacity-gib", repr(10 + 1 + 2.5 * block / gib), "--out", str(out)])
+    row = pd.read_csv(out).iloc[0]
+    assert row["checkpoint"] == "selective:0,2 then selective:0,1" and row["status"] == "ok"
+    assert (row["matmul_blocks"], row["matmul_blocks_later"]) == (2, 1)
+    assert switched[:2] == ["selective:0,2", "selective:0,1"] and len(switched) == 2 * 2  # two passes, two steps
+    with pytest.raises(ValueError, match="two selective ones"):
+        leaderboard.pass_policies("every:1 then selective")
+
+
 def test_points_run_ablations_only_at_their_batches():
     main = list(leaderboard.PROVIDERS)
     config = _tiny(batches=(2, 1), ablation_batches=None, ablations=("ours-full_ac",))  # default: the last batch

@@ -79,7 +79,7 @@ from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, 
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
 from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, parallelize
 from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops
-from cs336_systems.model.checkpointing import matmul_block_bytes, matmul_blocks_that_fit
+from cs336_systems.model.checkpointing import matmul_block_bytes, matmul_blocks_that_fit, switch_selective
 from cs336_systems.optim import AdamW
 from cs336_systems.provenance import device_name, provenance
 from cs336_systems.results import PartialRows
@@ -122,8 +122,11 @@ class Recipe:
 # Ours' checkpointing: selective, with as many of the blocks saving their matmul outputs as the memory left free
 # by a plain selective step holds, chosen per point by `probe_matmul_blocks` (model/checkpointing.py has the policy).
 AUTO = "selective:auto"
-# The correctness check's model has 2 blocks: one saving its matmul outputs, one plain selective (both paths).
-CHECK_CHECKPOINT = "selective:0,1"
+# A policy per pass, for the first pass and the later ones (`pass_policies`): "selective:0,27 then selective:0,21".
+PASS_SEPARATOR = " then "
+# The correctness check's model has 2 blocks: in the first pass both save their matmul outputs, in the later
+# ones one of them, the other plain selective (both paths, and the switch between passes).
+CHECK_CHECKPOINT = f"selective:0,2{PASS_SEPARATOR}selective:0,1"
 OURS = Recipe("ours", "flash_triton", "fused", "ours_fused", AUTO, microbatch=1)
 PLAIN_SAC = Recipe("plain", "sdpa", "chunked", "torch_fused", "sac")
 PROVIDERS: dict[str, Recipe] = {
@@ -277,6 +280,7 @@ class Trainee:
     as_plain_names: Callable[[dict], dict]
     model: nn.Module | None = None  # the unwrapped model (the profiler hooks its final norm)
     microbatch: int | None = None  # sequences per forward and backward pass (None: the whole batch)
+    pass_policies: tuple[CheckpointPolicy, ...] = ()  # (first pass's, later passes') selective policies, or none
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return self.as_plain_names({name: p.grad for name, p in self.parameters.items()})
@@ -292,6 +296,15 @@ def make_optimizer(recipe: Recipe, params, lr: float) -> torch.optim.Optimizer:
     return AdamW(params, lr=lr, fused=True, state_dtype=state_dtype)
 
 
+def pass_policies(text: str) -> tuple[CheckpointPolicy, ...]:
+    """The policy of each pass from a checkpoint text: one policy, or "FIRST then LATER" (selective both: the
+    first pass's, then every later pass's)."""
+    policies = tuple(CheckpointPolicy.parse(part) for part in text.split(PASS_SEPARATOR))
+    if len(policies) > 2 or (len(policies) == 2 and any(p.kind != "selective" for p in policies)):
+        raise ValueError(f"checkpoint {text!r}: one policy, or two selective ones as 'FIRST{PASS_SEPARATOR}LATER'")
+    return policies
+
+
 def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
                weights: dict | None = None) -> Trainee:
     model = TransformerLM(model_config.replace(attention=recipe.attention), dtype=DTYPES[config.param_dtype],
@@ -302,13 +315,14 @@ def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCon
     if recipe.checkpoint == AUTO:
         raise ValueError(f"{AUTO!r} is resolved per point (probe_matmul_blocks) before ours is built; build() "
                          "takes the resolved policy as `checkpoint`")
-    plan = ParallelPlan(compile=config.compile, checkpoint=CheckpointPolicy.parse(recipe.checkpoint),
-                        data_parallel=DataParallelSpec())
+    policies = pass_policies(recipe.checkpoint)
+    plan = ParallelPlan(compile=config.compile, checkpoint=policies[0], data_parallel=DataParallelSpec())
     wrapped = parallelize(model, plan, device)
     fused = recipe.loss == "fused"
     return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused),
                    optimizer=make_optimizer(recipe, model.parameters(), config.lr),
-                   parameters=parameters, as_plain_names=plain_state_dict, model=model, microbatch=recipe.microbatch)
+                   parameters=parameters, as_plain_names=plain_state_dict, model=model, microbatch=recipe.microbatch,
+                   pass_policies=policies if len(policies) > 1 else ())
 
 
 def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
@@ -335,16 +349,22 @@ def build(provider: str, model_config: ModelConfig, config: LeaderboardConfig, d
     return builder(chosen, model_config, config, device, weights)
 
 
-def _scaled_loss(loss: Callable, inputs: torch.Tensor, targets: torch.Tensor, share: float) -> torch.Tensor:
-    value = loss(inputs, targets)
+def _scaled_loss(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, share: float,
+                 policy: CheckpointPolicy | None) -> torch.Tensor:
+    if policy is not None:
+        switch_selective(trainee.model, policy)
+    value = trainee.loss(inputs, targets)
     return value if share == 1 else value * share
 
 
 def forwards(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
     """The step's forward passes, one per micro-batch (`train_step.microbatches`), each returning its slice's loss
-    scaled by its share of the batch: their backward passes add up to the batch's mean loss's gradients."""
-    return [functools.partial(_scaled_loss, trainee.loss, x, y, share)
-            for x, y, share in microbatches(inputs, targets, trainee.microbatch)]
+    scaled by its share of the batch: their backward passes add up to the batch's mean loss's gradients. With
+    `pass_policies`, each pass first puts the blocks under its policy (the first pass's, or the later ones')."""
+    slices = microbatches(inputs, targets, trainee.microbatch)
+    policies = trainee.pass_policies or (None,)
+    return [functools.partial(_scaled_loss, trainee, x, y, share, policies[min(i, len(policies) - 1)])
+            for i, (x, y, share) in enumerate(slices)]
 
 
 def forward_backward(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -425,31 +445,54 @@ def _capacity_bytes(config: LeaderboardConfig, device: torch.device) -> float:
     return torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else math.nan
 
 
+def _pass_peaks(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device) -> list[float]:
+    """One training step, the allocator's peak of each pass (forward and backward of one micro-batch; the last
+    pass's includes the optimizer step), in bytes (NaN where the device keeps no peak)."""
+    trainee.optimizer.zero_grad(set_to_none=True)
+    peaks = []
+    for forward in forwards(trainee, inputs, targets):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        forward().backward()
+        peaks.append(_peak_bytes(device))
+    trainee.optimizer.step()
+    synchronize(device)
+    peaks[-1] = max(peaks[-1], _peak_bytes(device))
+    return peaks
+
+
+def _selective_text(blocks: int) -> str:
+    return f"selective:0,{blocks}" if blocks else "selective"
+
+
 def probe_matmul_blocks(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:
     """Resolve `AUTO` for one point: the provider with plain selective checkpointing runs its warm-up steps
-    (the first compiles), its allocator peak is read, and the blocks that fit in the device's memory less that
-    peak and `memory_margin_gib` save their matmul outputs. Columns: the policy chosen, its block count and the
-    probe's peak. Where no peak can be read (a CPU), no block saves its matmuls."""
+    (the first compiles), the allocator's peak of each pass is read (the largest over the steps), and the
+    blocks that fit in the device's memory less that peak and `memory_margin_gib` save their matmul outputs,
+    per pass: the first pass, before any gradient exists, has more room than the later ones, which hold the
+    gradients accumulated so far. Columns: the policy chosen ("A then B" when the later passes' differs, see
+    `pass_policies`), the blocks of the first and of the later passes, and the probe's peaks. Where no peak
+    can be read (a CPU), no block saves its matmuls."""
     model_config = config.model_config()
     torch.manual_seed(0)
     trainee = build(provider, model_config, config, device, checkpoint="selective")
     inputs, targets = _tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
-    for _ in range(config.warmup):
-        train_step(trainee, inputs, targets)
-    synchronize(device)
-    peak = _peak_bytes(device)
+    peaks = [max(step) for step in zip(*(_pass_peaks(trainee, inputs, targets, device)
+                                         for _ in range(config.warmup)))]
     del trainee, inputs, targets
     _fresh(device)
     element = torch.empty((), dtype=DTYPES[config.param_dtype]).element_size()
-    blocks = matmul_blocks_that_fit(_capacity_bytes(config, device) - config.memory_margin_gib * 2**30 - peak,
-                                    matmul_block_bytes(model_config.d_model, model_config.d_ff,
-                                                       sequences_per_pass(provider, batch) * config.context_length,
-                                                       element),
-                                    model_config.num_layers)
-    policy = f"selective:0,{blocks}" if blocks else "selective"
-    print(f"  [{provider} batch={batch}] plain selective peaks at {peak / 2**30:.1f} GiB: {blocks} blocks save their "
-          f"matmul outputs ({policy})", file=sys.stderr, flush=True)
-    return {"checkpoint": policy, "matmul_blocks": blocks, "probe_peak_gib": peak / 2**30}
+    block = matmul_block_bytes(model_config.d_model, model_config.d_ff,
+                               sequences_per_pass(provider, batch) * config.context_length, element)
+    room = _capacity_bytes(config, device) - config.memory_margin_gib * 2**30
+    first = matmul_blocks_that_fit(room - peaks[0], block, model_config.num_layers)
+    later = matmul_blocks_that_fit(room - max(peaks[1:]), block, model_config.num_layers) if len(peaks) > 1 else first
+    policy = _selective_text(first) + (f"{PASS_SEPARATOR}{_selective_text(later)}" if later != first else "")
+    print(f"  [{provider} batch={batch}] plain selective peaks at {', '.join(f'{p / 2**30:.1f}' for p in peaks)} GiB "
+          f"per pass: {first} blocks save their matmul outputs in the first pass, {later} in the later ones "
+          f"({policy})", file=sys.stderr, flush=True)
+    return {"checkpoint": policy, "matmul_blocks": first, "matmul_blocks_later": later,
+            "probe_peak_gib": max(peaks) / 2**30, "probe_first_peak_gib": peaks[0] / 2**30}
 
 
 def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:

@@ -304,15 +304,31 @@ def apply_activation_checkpointing(model: nn.Module, policy: CheckpointPolicy) -
     policy.check(len(model.layers))
     blocks = [_plain_block(block) for block in model.layers]
     if policy.kind == "selective":
-        matmul_end = policy.keep_blocks + policy.matmul_blocks
-        for i, block in enumerate(blocks[policy.keep_blocks:], policy.keep_blocks):
-            block.__class__ = _selective_class(type(block), save_matmuls=i < matmul_end)
         model.layers = TransformerBlocks(blocks)
+        switch_selective(model, policy)
     elif policy.segments:
         model.layers = CheckpointedBlocks(blocks, policy)
     else:
         model.layers = TransformerBlocks(blocks)
     return model
+
+
+def switch_selective(model: nn.Module, policy: CheckpointPolicy) -> None:
+    """Put a model's blocks under a selective policy in place: only the blocks' classes change (kept whole,
+    saving their matmul outputs, or plain selective), not the container, so a training step can switch
+    policies between its passes. A compiled block recompiles once per class it meets and keeps each version,
+    so switching back and forth costs no further compilation."""
+    if policy.kind != "selective":
+        raise ValueError(f"switch_selective takes a selective policy, got {policy}")
+    if isinstance(model.layers, CheckpointedBlocks):
+        raise ValueError(f"switch_selective: the model's blocks are under a segment policy ({model.layers.policy}); "
+                         "apply_activation_checkpointing changes that")
+    policy.check(len(model.layers))
+    matmul_end = policy.keep_blocks + policy.matmul_blocks
+    for i, block in enumerate(model.layers):
+        _plain_block(block)
+        if i >= policy.keep_blocks:
+            block.__class__ = _selective_class(type(block), save_matmuls=i < matmul_end)
 
 
 # ---- cost model ---------------------------------------------------------------------------------------
