@@ -8,8 +8,8 @@ model freed, with its compiled code, before the next is built):
 - `ours`: our `TransformerLM` in bf16 with our FlashAttention (`flash_triton`: on sm_90 the Gluon kernels), our
   fused LM head + cross-entropy (`lm_loss(..., fused=True)`), our fused Triton AdamW (moments in the parameters'
   dtype), selective activation checkpointing with as many blocks saving their matmul outputs as the free memory
-  holds (`AUTO`: per point, a plain selective probe's peak decides, `probe_matmul_blocks`; the rows' `checkpoint`
-  column is the policy chosen), per-block compilation, applied by `parallelize(model, ParallelPlan)`, and
+  holds (`AUTO`: per point and per pass, a plain selective probe's peaks decide, `probe_matmul_blocks`; the rows'
+  `checkpoint` column is the policy chosen, "A then B" where the first pass's differs from the later ones'), per-block compilation, applied by `parallelize(model, ParallelPlan)`, and
   gradient accumulation over one sequence at a time (`microbatch` 1, `train_step.microbatches`): the loss and
   gradients of the whole batch, with one sequence's activations at a time, so that at batch 2 as many blocks
   save their matmul outputs as at batch 1 (less the gradients' memory, which the second pass holds);
