@@ -133,9 +133,13 @@ def test_cuda_kernels_no_op_launched_are_counted_in_the_phase_they_ran_in():
               _event(cuda, rng + "backward", 100, 200)]  # a range the profiler puts on the GPU timeline too
     assert step_profile.unlinked_kernels(events) == [("nvjet_sm90_tst_gemm", 120, 0.04), ("_adamw_kernel", 230, 0.025),
                                                     ("_adamw_kernel", 255, 0.025)]
-    times = step_profile.device_times(events, torch.device("cuda"))
+    listing = []
+    times = step_profile.device_times(events, torch.device("cuda"), listing)
     assert times["optimizer"] == (2, pytest.approx(0.05)) and times["GEMM"] == (2, pytest.approx(0.08))
     assert sum(ms for _, ms in times.values()) == pytest.approx((40 + 40 + 25 + 25) / 1e3)
+    assert [(k["name"], k["found"], k["phase"]) for k in listing] == [
+        ("nvjet_sm90_tst_gemm", "linked", "forward"), ("nvjet_sm90_tst_gemm", "unlinked", "backward"),
+        ("_adamw_kernel", "unlinked", "optimizer"), ("_adamw_kernel", "unlinked", "optimizer")]
 
 
 # ---- the profiled run --------------------------------------------------------------------------------------
@@ -166,6 +170,22 @@ def test_profile_rows_add_up_to_the_step(profiled):
     ours = rows[(rows["provider"] == "ours-keep:1") & (rows["kind"] == "time")].set_index("category")["value"]
     assert ours["attention forward"] > 0 and ours["attention backward"] > 0
     assert not list(tmp.glob("snapshots/*.pickle"))  # allocator history is CUDA's
+
+
+def test_profile_lists_every_kernel_it_counted(profiled):
+    """Beside each snapshot path, the per-kernel (on a CPU, per-op) listing the categories were summed from: its
+    ms and counts per category are the rows' (what a total that does not add up is checked against)."""
+    rows, tmp = profiled
+    for provider, mine in rows[rows["kind"] == "time"].groupby("provider"):
+        listing = pd.read_csv(tmp / "snapshots" / f"{provider}_b2.kernels.csv")
+        assert set(listing.columns) == {"name", "ms", "category", "phase", "found", "where"}
+        times = mine.set_index("category")
+        per_category = listing.groupby("category")["ms"].agg(["sum", "count"])
+        for category in step_profile.CATEGORIES:
+            found = per_category.loc[category] if category in per_category.index else pd.Series({"sum": 0, "count": 0})
+            assert found["sum"] == pytest.approx(times.at[category, "value"], abs=1e-6), (provider, category)
+            assert found["count"] == times.at[category, "calls"], (provider, category)
+        assert set(listing["phase"].dropna()) <= {"forward", "loss", "backward", "optimizer"}
 
 
 def test_profile_memory_parts_are_the_models_tensors(profiled):

@@ -23,6 +23,8 @@ inside the range's time). Its category is `classify(name)` (first matching patte
   forwards are told apart);
 - in `loss`, everything but attention is `loss` (the LM head's GEMM and the CE kernels);
 - in `optimizer`, everything is `optimizer`.
+Every kernel counted is listed beside the snapshot (DIR/NAME.kernels.csv: name, ms, category, phase, linked or
+unlinked, the launching op or the device start), so a sum that does not add up can be traced to its kernels.
 Two more rows: `profiled ops (total)`, the same device time summed another way (`total_device_ms`), which
 the categories must add up to, and `step (wall)`, the profiled step's synchronized host time, above both.
 
@@ -45,6 +47,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from cs336_systems.bench.profile import MATMUL, is_annotation, summarize
+from cs336_systems.results import write_rows
 from cs336_systems.timing import synchronize
 
 PHASES = ("forward", "loss", "backward", "optimizer")
@@ -159,11 +162,22 @@ def _parents(event) -> tuple[str, ...]:
     return tuple(names)
 
 
-def device_times(events, device: torch.device) -> dict[str, tuple[int, float]]:
+def device_times(events, device: torch.device, listing: list[dict] | None = None) -> dict[str, tuple[int, float]]:
     """{category: (calls, ms)} of one profiled step (see the module docstring for what a "call" and its time
-    are on CUDA and on a CPU)."""
+    are on CUDA and on a CPU). With `listing`, every kernel (op) counted is appended to it: its name, ms,
+    category, phase, how it was found (`linked` to a CPU op, or `unlinked`), and the launching op or the
+    device start (µs): what a total that does not add up is checked with."""
     intervals = _phase_intervals(events)
     found = {category: [0, 0.0] for category in CATEGORIES}
+
+    def count(name: str, ms: float, phase: str | None, parents: tuple[str, ...], how: str, where: str) -> None:
+        category = categorize(name, phase, parents)
+        found[category][0] += 1
+        found[category][1] += ms
+        if listing is not None:
+            listing.append({"name": name, "ms": ms, "category": category, "phase": phase, "found": how,
+                            "where": where})
+
     for event in events:
         if event.device_type != DeviceType.CPU:
             continue
@@ -178,14 +192,10 @@ def device_times(events, device: torch.device) -> dict[str, tuple[int, float]]:
             continue
         phase, parents = _phase_at(intervals, event.time_range.start), _parents(event)
         for name, ms in launched:
-            entry = found[categorize(name, phase, parents)]
-            entry[0] += 1
-            entry[1] += ms
+            count(name, ms, phase, parents, "linked", f"{event.name} @{event.time_range.start:.1f}")
     if device.type == "cuda":
         for name, start, ms in unlinked_kernels(events):
-            entry = found[categorize(name, _phase_started_before(intervals, start))]
-            entry[0] += 1
-            entry[1] += ms
+            count(name, ms, _phase_started_before(intervals, start), (), "unlinked", f"@{start:.1f}")
     return {category: (calls, ms) for category, (calls, ms) in found.items()}
 
 
@@ -287,8 +297,12 @@ def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Mo
         if cuda and snapshot is not None:
             torch.cuda.memory._record_memory_history(enabled=None)
     tool = "torch.profiler: CUDA kernel time" if cuda else "torch.profiler: CPU op self time"
+    listing = []
     rows = [{"kind": "time", "category": category, "calls": calls, "value": ms, "unit": "ms", "tool": tool}
-            for category, (calls, ms) in device_times(prof.events(), device).items()]
+            for category, (calls, ms) in device_times(prof.events(), device, listing).items()]
+    if snapshot is not None:  # every kernel counted, beside the snapshot (a check of the categories' sum)
+        Path(snapshot).parent.mkdir(parents=True, exist_ok=True)
+        write_rows(listing, Path(snapshot).with_suffix(".kernels.csv"))
     rows.append({"kind": "time", "category": WALL_OF_OPS, "value": total_device_ms(prof, device), "unit": "ms",
                  "tool": tool + " (summed another way: the check of the categories)"})
     rows.append({"kind": "time", "category": WALL, "calls": 1, "value": wall_ms, "unit": "ms",
