@@ -150,7 +150,8 @@ def test_rows_name_what_each_provider_runs():
     columns = {name: leaderboard.recipe_columns(name, _tiny(param_dtype="bf16"), 2) for name in leaderboard.RECIPES}
     assert columns["ours"] == {"provider": "ours", "model": "ours", "attention": "flash_triton", "loss_path": "fused",
                                "optimizer": "ours_fused", "checkpoint": "selective:auto", "compile": "none",
-                               "param_dtype": "bf16", "optimizer_state_dtype": "bf16", "microbatch": 1}
+                               "param_dtype": "bf16", "optimizer_state_dtype": "bf16", "microbatch": 1,
+                               "data_parallel": "none"}
     assert columns["ours-whole_batch"]["microbatch"] == columns["torch_plain_sac"]["microbatch"] == 2
     assert columns["torch_plain_sac"]["optimizer"] == columns["ours-torch_adamw"]["optimizer"] == "torch_fused"
     assert columns["ours-fp32_moments"]["optimizer_state_dtype"] == "fp32"
@@ -309,3 +310,47 @@ def test_8b_is_the_default_size_and_its_flops_are_the_documented_formula():
     assert (model_config.d_model, model_config.num_layers, model_config.vocab_size) == (4096, 34, 151936)
     assert leaderboard.leaderboard_flops(model_config, 2, 32768) == _documented_flops(model_config, 2, 32768)
     assert leaderboard.LeaderboardConfig.__dataclass_fields__["size"].default == "8B"
+
+
+# ---- two ranks (gloo, CPU) -----------------------------------------------------------------------------------
+
+
+def _two_rank_run(rank: int, world: int, out: str) -> None:
+    leaderboard.main([*TINY, "--providers", "ours", "torch_plain_sac", "--ablations", "--data-parallel", "bucketed:1",
+                      "--out", out])
+
+
+def test_two_ranks_check_and_time_the_step_with_data_parallelism(tmp_path):
+    """The two-GPU step a data-parallel spec away, at smoke scale on 2 gloo ranks: each rank takes one of the two
+    sequences, ours replicates with our bucketed DDP and the anchor with torch DDP; the check compares each rank's
+    averaged gradients (and the ranks' mean loss) with the one-process float32 reference of the whole batch, and
+    rank 0 alone writes the rows, with the world size."""
+    from tests.distributed_helpers import run_distributed
+    from tests.kernel_devices import interpreter_in_child_processes
+
+    out = tmp_path / "lb.csv"
+    with interpreter_in_child_processes():
+        run_distributed(_two_rank_run, 2, str(out))
+    rows = pd.read_csv(out)
+    checks, timed = rows[rows["size"] == "check:tiny"], rows[rows["size"] == "tiny"]
+    assert list(checks["status"]) == ["check_ok", "check_ok"], checks.get("error")
+    assert list(timed["provider"]) == ["ours", "torch_plain_sac"] and (timed["status"] == "ok").all()
+    assert (rows["world_size"] == 2).all() and list(timed["data_parallel"]) == ["bucketed:1", "torch_ddp"]
+    assert (timed["microbatch"] == 1).all() and rows["run_id"].nunique() == 1
+
+
+def test_data_parallelism_names_what_does_not_fit():
+    for overrides, message in [({"data_parallel": "fsdp"}, "a DDP kind without optimizer sharding"),
+                               ({"data_parallel": "bucketed:1+sharded"}, "a DDP kind without optimizer sharding"),
+                               ({"data_parallel": "bucket"}, "bucket"),
+                               ({"data_parallel": "naive", "profile_dir": "x"}, "profile one rank's step")]:
+        with pytest.raises(ValueError, match=message):
+            _tiny(**overrides)
+    with pytest.raises(ValueError, match="would each train alone"):
+        leaderboard.check_world(_tiny(), 2)
+    with pytest.raises(ValueError, match="batch 3 does not split into 2 equal shares"):
+        leaderboard.check_world(_tiny(batches=(3,), ablation_batches=(3,), data_parallel="naive"), 2)
+    # the whole share in one pass is fine; ours' one sequence at a time is not
+    with pytest.raises(ValueError, match="ours-full_ac at batch 4 on 2 ranks passes 1 of its 2 sequences"):
+        leaderboard.check_world(_tiny(batches=(4,), ablation_batches=(4,), providers=(), check_size="none",
+                                      ablations=("ours-whole_batch", "ours-full_ac"), data_parallel="naive"), 2)

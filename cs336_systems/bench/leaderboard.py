@@ -54,6 +54,17 @@ check_fail.
 
 On the CPU our kernels run under Triton's interpreter, which cannot multiply bfloat16: use fp32 there.
 
+Two GPUs (the handout's setting) are a data-parallel spec away: under torchrun each rank takes its GPU and an equal
+share of every batch, ours replicates with the given DDP kind and the anchors with torch DDP; the check compares
+each rank's averaged gradients with the one-process reference of the whole batch; rank 0 writes the rows (FLOPs
+and TFLOP/s of the whole batch, MFU against the ranks' summed peak, `world_size`, `data_parallel`):
+
+    torchrun --standalone --nproc_per_node 2 -m cs336_systems.bench.leaderboard --batch 2 \
+        --data-parallel bucketed:100 --out leaderboard_8b_2gpu.csv
+
+A rank's share runs in one pass there (`check_world`), and an out-of-memory on one rank leaves the others
+waiting in a collective, so a point that does not fit ends the run instead of becoming a row.
+
 As a library: `run(LeaderboardConfig(...), "out.csv")`.
 """
 
@@ -71,13 +82,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from cs336_systems.bench import step_profile
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, positive_int
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
-from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, parallelize
+from cs336_systems.distributed.launch import init_from_env, shutdown
+from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, apply_data_parallel, parallelize
 from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops
 from cs336_systems.model.checkpointing import matmul_block_bytes, matmul_blocks_that_fit, switch_selective
 from cs336_systems.optim import AdamW
@@ -180,6 +193,7 @@ def recipe(provider: str) -> Recipe:
     return RECIPES[provider]
 
 COMPILE_MODES = ("blocks", "none")
+ANCHOR_DATA_PARALLEL = DataParallelSpec.parse("torch_ddp")
 
 # The correctness check's model: the 8B model's head dim (128), vocabulary and d_ff / d_model ratio at
 # 2 layers of d_model 256; or the tiny size on the CPU.
@@ -215,6 +229,7 @@ class LeaderboardConfig:
     memory_capacity_gib: float | None = None
     profile_dir: str | None = None
     profile_out: str | None = None
+    data_parallel: str = "none"
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
 
     def __post_init__(self):
@@ -234,6 +249,12 @@ class LeaderboardConfig:
         if self.profile_out is not None and self.profile_dir is None:
             raise ValueError(f"profile output {self.profile_out!r} given without a profile folder (--profile DIR)")
         check_known("compile mode", [self.compile], COMPILE_MODES)
+        spec = DataParallelSpec.parse(self.data_parallel)  # a ValueError naming a bad spec
+        if spec.kind in ("fsdp", "torch_fsdp2") or spec.optimizer_sharding != "none":
+            raise ValueError(f"data parallelism {self.data_parallel!r}: the leaderboard replicates the model (a DDP "
+                             "kind without optimizer sharding, e.g. bucketed:100 or torch_ddp)")
+        if spec.kind != "none" and self.profile_dir is not None:
+            raise ValueError(f"--profile with data parallelism {self.data_parallel!r}: profile one rank's step without it")
         check_known("parameter dtype", [self.param_dtype], ("bf16", "fp32"))
         check_known("check size", [self.check_size], CHECK_SIZES)
         check_positive("warm-up steps (the first step compiles, so at least 1)", self.warmup)
@@ -281,6 +302,7 @@ class Trainee:
     model: nn.Module | None = None  # the unwrapped model (the profiler hooks its final norm)
     microbatch: int | None = None  # sequences per forward and backward pass (None: the whole batch)
     pass_policies: tuple[CheckpointPolicy, ...] = ()  # (first pass's, later passes') selective policies, or none
+    wrapper: nn.Module | None = None  # the data-parallel wrapper, whose two loop hooks the step calls
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return self.as_plain_names({name: p.grad for name, p in self.parameters.items()})
@@ -316,13 +338,14 @@ def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCon
         raise ValueError(f"{AUTO!r} is resolved per point (probe_matmul_blocks) before ours is built; build() "
                          "takes the resolved policy as `checkpoint`")
     policies = pass_policies(recipe.checkpoint)
-    plan = ParallelPlan(compile=config.compile, checkpoint=policies[0], data_parallel=DataParallelSpec())
+    plan = ParallelPlan(compile=config.compile, checkpoint=policies[0],
+                        data_parallel=DataParallelSpec.parse(config.data_parallel))
     wrapped = parallelize(model, plan, device)
     fused = recipe.loss == "fused"
     return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused),
                    optimizer=make_optimizer(recipe, model.parameters(), config.lr),
                    parameters=parameters, as_plain_names=plain_state_dict, model=model, microbatch=recipe.microbatch,
-                   pass_policies=policies if len(policies) > 1 else ())
+                   pass_policies=policies if len(policies) > 1 else (), wrapper=wrapped)
 
 
 def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
@@ -333,8 +356,14 @@ def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCo
         model.load_state_dict(plain_state_dict(weights))
     if config.compile == "blocks":
         model.compile_blocks()
-    return Trainee(loss=model.loss, optimizer=make_optimizer(recipe, model.parameters(), config.lr),
-                   parameters=dict(model.named_parameters()), as_plain_names=dict, model=model)
+    parameters = dict(model.named_parameters())
+    if DataParallelSpec.parse(config.data_parallel).kind == "none":
+        return Trainee(loss=model.loss, optimizer=make_optimizer(recipe, model.parameters(), config.lr),
+                       parameters=parameters, as_plain_names=dict, model=model)
+    # with data parallelism, the anchors replicate as torch does (torch DDP), whatever ours runs
+    wrapped = apply_data_parallel(model, ANCHOR_DATA_PARALLEL, device)
+    return Trainee(loss=lambda x, y: wrapped(x, targets=y), optimizer=make_optimizer(recipe, model.parameters(), config.lr),
+                   parameters=parameters, as_plain_names=dict, model=model, wrapper=wrapped)
 
 
 def build(provider: str, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
@@ -368,12 +397,17 @@ def forwards(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> l
 
 
 def forward_backward(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Forward + cross-entropy and backward of every micro-batch in turn; the batch's mean loss, detached."""
+    """Forward + cross-entropy and backward of every micro-batch in turn, inside the data-parallel wrapper's two
+    hooks; the batch's mean loss, detached (this rank's, under data parallelism)."""
+    if trainee.wrapper is not None:
+        trainee.wrapper.on_train_batch_start()
     total = None
     for forward in forwards(trainee, inputs, targets):
         loss = forward()
         loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
+    if trainee.wrapper is not None:
+        trainee.wrapper.finish_gradient_synchronization()
     return total
 
 
@@ -397,7 +431,14 @@ def recipe_columns(provider: str, config: LeaderboardConfig, batch: int) -> dict
             "optimizer": chosen.optimizer, "checkpoint": chosen.checkpoint, "compile": config.compile,
             "param_dtype": config.param_dtype,
             "optimizer_state_dtype": config.param_dtype if chosen.moments == "param" else chosen.moments,
-            "microbatch": sequences_per_pass(provider, batch)}
+            "microbatch": sequences_per_pass(provider, batch // _world()[1]), "data_parallel": _data_parallel(provider, config)}
+
+
+def _data_parallel(provider: str, config: LeaderboardConfig) -> str:
+    """The data parallelism a provider runs: ours the configured spec, the plain anchors torch DDP where it is set."""
+    if recipe(provider).model == "plain" and config.data_parallel != "none":
+        return str(ANCHOR_DATA_PARALLEL)
+    return config.data_parallel
 
 
 def _fresh(device: torch.device) -> None:
@@ -407,9 +448,21 @@ def _fresh(device: torch.device) -> None:
     reset_memory(device)
 
 
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the process group, or (0, 1) without one."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
 def _tokens(vocab: int, batch: int, context: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator(device=device).manual_seed(seed)
     return tuple(torch.randint(vocab, (batch, context), device=device, generator=generator) for _ in range(2))
+
+
+def _local_tokens(vocab: int, batch: int, context: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
+    """This rank's share of the batch's token ids and targets: every rank draws the whole batch from the same seed
+    and keeps its slice of batch / world sequences (the whole batch without a process group)."""
+    rank, world = _world()
+    return tuple(t.chunk(world)[rank] for t in _tokens(vocab, batch, context, device, seed))
 
 
 def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, config: LeaderboardConfig,
@@ -449,12 +502,16 @@ def _pass_peaks(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, d
     """One training step, the allocator's peak of each pass (forward and backward of one micro-batch; the last
     pass's includes the optimizer step), in bytes (NaN where the device keeps no peak)."""
     trainee.optimizer.zero_grad(set_to_none=True)
+    if trainee.wrapper is not None:
+        trainee.wrapper.on_train_batch_start()
     peaks = []
     for forward in forwards(trainee, inputs, targets):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         forward().backward()
         peaks.append(_peak_bytes(device))
+    if trainee.wrapper is not None:
+        trainee.wrapper.finish_gradient_synchronization()
     trainee.optimizer.step()
     synchronize(device)
     peaks[-1] = max(peaks[-1], _peak_bytes(device))
@@ -476,17 +533,21 @@ def probe_matmul_blocks(provider: str, batch: int, config: LeaderboardConfig, de
     model_config = config.model_config()
     torch.manual_seed(0)
     trainee = build(provider, model_config, config, device, checkpoint="selective")
-    inputs, targets = _tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
+    inputs, targets = _local_tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
     peaks = [max(step) for step in zip(*(_pass_peaks(trainee, inputs, targets, device)
                                          for _ in range(config.warmup)))]
     del trainee, inputs, targets
     _fresh(device)
     element = torch.empty((), dtype=DTYPES[config.param_dtype]).element_size()
     block = matmul_block_bytes(model_config.d_model, model_config.d_ff,
-                               sequences_per_pass(provider, batch) * config.context_length, element)
+                               sequences_per_pass(provider, batch // _world()[1]) * config.context_length, element)
     room = _capacity_bytes(config, device) - config.memory_margin_gib * 2**30
     first = matmul_blocks_that_fit(room - peaks[0], block, model_config.num_layers)
     later = matmul_blocks_that_fit(room - max(peaks[1:]), block, model_config.num_layers) if len(peaks) > 1 else first
+    if dist.is_initialized():  # every rank runs the same policy: the fewest blocks any rank has room for
+        agreed = torch.tensor([first, later], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        first, later = agreed.tolist()
     policy = _selective_text(first) + (f"{PASS_SEPARATOR}{_selective_text(later)}" if later != first else "")
     print(f"  [{provider} batch={batch}] plain selective peaks at {', '.join(f'{p / 2**30:.1f}' for p in peaks)} GiB "
           f"per pass: {first} blocks save their matmul outputs in the first pass, {later} in the later ones "
@@ -502,7 +563,7 @@ def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.
     probe = probe_matmul_blocks(provider, batch, config, device) if recipe(provider).checkpoint == AUTO else {}
     torch.manual_seed(0)
     trainee = build(provider, model_config, config, device, checkpoint=probe.get("checkpoint"))
-    inputs, targets = _tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
+    inputs, targets = _local_tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
     times = []
     total = config.warmup + config.steps
     for step in range(total):
@@ -524,7 +585,7 @@ def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.
         if config.profile_dir else []
     return {**probe, "profile_rows": profiled,
             "step_ms": summary["mean_ms"], "step_std_ms": summary["std_ms"], "step_median_ms": summary["median_ms"],
-            "n_steps": summary["n"], "first_step_s": times[0] / 1e3, "loss": loss.item(),
+            "n_steps": summary["n"], "first_step_s": times[0] / 1e3, "loss": _batch_mean(loss).item(),
             "peak_mem_gib": peak}
 
 
@@ -532,7 +593,8 @@ def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torc
     """One (batch, provider) row; out of memory becomes a status=oom row."""
     model_config = config.model_config()
     flops = leaderboard_flops(model_config, batch, config.context_length)
-    base = {**recipe_columns(provider, config, batch), "size": config.size, "world_size": 1, "batch": batch,
+    world = _world()[1]
+    base = {**recipe_columns(provider, config, batch), "size": config.size, "world_size": world, "batch": batch,
             "context_length": config.context_length, "warmup": config.warmup, "flops": flops}
     _fresh(device)
     try:
@@ -546,8 +608,8 @@ def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torc
         profiled = result.pop("profile_rows")
         seconds = result["step_ms"] / 1e3
         tflops = flops / seconds / 1e12
-        row = {**base, **result, "tflops": tflops, "mfu": tflops * 1e12 / peak_flops(device_name(device), "bf16"),
-               "status": "ok"}
+        row = {**base, **result, "tflops": tflops,
+               "mfu": tflops * 1e12 / (world * peak_flops(device_name(device), "bf16")), "status": "ok"}
     _fresh(device)  # the frames of a failed step are gone once the except block is left
     row["profile_rows"] = [{"provider": provider, "batch": batch, "context_length": config.context_length,
                             "size": config.size, **r} for r in profiled]
@@ -562,9 +624,18 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return ((value.double() - reference).norm() / reference.norm().clamp_min(1e-30)).item()
 
 
+def _batch_mean(loss: torch.Tensor) -> torch.Tensor:
+    """The whole batch's mean loss from this rank's (the mean over ranks of equal shares; itself without a group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return loss
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
 def _loss_and_gradients(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict]:
     loss = forward_backward(trainee, inputs, targets)
-    return loss.item(), trainee.gradients()
+    return _batch_mean(loss).item(), trainee.gradients()
 
 
 def _errors(result: tuple[float, dict], reference: tuple[float, dict]) -> dict:
@@ -588,8 +659,8 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
     weights = {name: t.to(dtype) for name, t in source.state_dict().items()}  # what every run starts from
     inputs, targets = _tokens(model_config.vocab_size, config.check_batch, config.check_context, device, seed=2)
 
-    def plain_eager(param_dtype: str) -> tuple[float, dict]:
-        eager = replace(config, compile="none", param_dtype=param_dtype)
+    def plain_eager(param_dtype: str) -> tuple[float, dict]:  # this process alone, on the whole batch
+        eager = replace(config, compile="none", param_dtype=param_dtype, data_parallel="none")
         trainee = build_plain(replace(PLAIN_SAC, checkpoint="none"), model_config, eager, device, weights)
         return _loss_and_gradients(trainee, inputs, targets)
 
@@ -597,13 +668,14 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
     anchor = _errors(plain_eager(config.param_dtype), reference)  # torch's own error in this dtype
     floors = CHECK_FLOORS[config.param_dtype]
     tolerance = {"loss": max(2 * anchor["loss_err"], floors["loss"]), "grad": max(2 * anchor["grad_err"], floors["grad"])}
+    rank, world = _world()  # under data parallelism each rank checks its averaged gradients against the reference
     for provider in config.providers:
         _fresh(device)
-        base = {**recipe_columns(provider, config, config.check_batch), "size": f"check:{config.check_size}", "world_size": 1,
-                "batch": config.check_batch, "context_length": config.check_context}
+        base = {**recipe_columns(provider, config, config.check_batch), "size": f"check:{config.check_size}",
+                "world_size": world, "batch": config.check_batch, "context_length": config.check_context}
         trainee = build(provider, model_config, config, device, weights,
                         checkpoint=CHECK_CHECKPOINT if recipe(provider).checkpoint == AUTO else None)
-        result = _loss_and_gradients(trainee, inputs, targets)
+        result = _loss_and_gradients(trainee, *(t.chunk(world)[rank] for t in (inputs, targets)))
         errors = _errors(result, reference)
         del trainee
         ok = errors["loss_err"] <= tolerance["loss"] and errors["grad_err"] <= tolerance["grad"]
@@ -625,17 +697,53 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
 # ---- the run ------------------------------------------------------------------------------------------
 
 
+def check_world(config: LeaderboardConfig, world: int) -> None:
+    """Raise (naming the values) where the run's data parallelism does not fit its world: ranks without a spec
+    would each train alone; every batch is split into equal shares; and a rank's share runs in one pass, since
+    the data-parallel wrappers synchronize gradients during or after one backward, not across accumulated ones."""
+    spec = DataParallelSpec.parse(config.data_parallel)
+    if world > 1 and spec.kind == "none":
+        raise ValueError(f"{world} ranks with data parallelism 'none' would each train alone: give --data-parallel")
+    for batch in (*config.batches, *((config.check_batch,) if config.check_size != "none" else ())):
+        if batch % world:
+            raise ValueError(f"batch {batch} does not split into {world} equal shares")
+    if spec.kind != "none":
+        for batch, provider in config.points():
+            if -(-(batch // world) // sequences_per_pass(provider, batch // world)) > 1:
+                raise ValueError(f"{provider} at batch {batch} on {world} ranks passes "
+                                 f"{sequences_per_pass(provider, batch // world)} of its {batch // world} sequences at "
+                                 f"a time; with data parallelism a rank's share runs in one pass (more ranks, or a "
+                                 "smaller batch)")
+
+
 def run(config: LeaderboardConfig, out) -> None:
-    """The check, then every (batch, provider) point; rows written to `out` (OUT.partial as they come)."""
-    device = resolve_device(config.device)
+    """The check, then every (batch, provider) point; rows written to `out` (OUT.partial as they come) by rank 0.
+    Under torchrun, or with data parallelism, the process group is joined first (NCCL on CUDA, gloo on a CPU),
+    each rank on its local GPU; a group the caller started (tests' spawned ranks) is used as it is."""
+    joined = not dist.is_initialized() and (config.data_parallel != "none" or "WORLD_SIZE" in os.environ)
+    if joined:
+        _, _, device = init_from_env("nccl" if resolve_device(config.device).type == "cuda" else "gloo")
+    else:
+        device = resolve_device(config.device)
+    try:
+        check_world(config, _world()[1])
+        _run(config, out, device, writer=_world()[0] == 0)
+    finally:
+        if joined:
+            shutdown()
+
+
+def _run(config: LeaderboardConfig, out, device: torch.device, writer: bool) -> None:
     prov = {**provenance(device), "run_id": uuid.uuid4().hex[:12],
             "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
-    rows = PartialRows(out)
+    rows = PartialRows(out) if writer else None
     start = time.monotonic()
     if config.check_size != "none":
-        rows.add({**row, **prov} for row in run_check(config, device))
+        checked = [{**row, **prov} for row in run_check(config, device)]
+        if writer:
+            rows.add(checked)
     points = config.points()
-    profiled = PartialRows(config.profile_csv()) if config.profile_dir is not None else None
+    profiled = PartialRows(config.profile_csv()) if config.profile_dir is not None and writer else None
     for i, (batch, provider) in enumerate(points, 1):
         print(f"[{i}/{len(points)}] {provider} batch={batch} context={config.context_length}", file=sys.stderr,
               flush=True)
@@ -645,10 +753,12 @@ def run(config: LeaderboardConfig, out) -> None:
         print(f"[{i}/{len(points)}] {provider} batch={batch}: {shown} ({time.monotonic() - start:.0f} s into the run)",
               file=sys.stderr, flush=True)
         profile_rows = [{**r, **prov} for r in row.pop("profile_rows")]
-        rows.add([{**row, **prov}])
+        if writer:
+            rows.add([{**row, **prov}])
         if profiled is not None:
             profiled.add(profile_rows)
-    rows.finish()
+    if writer:
+        rows.finish()
     if profiled is not None:
         profiled.finish()
 
@@ -688,6 +798,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "allocator history: DIR/<provider>_b<batch>.pickle); its time by category and peak "
                              "memory split go to --profile-out")
     parser.add_argument("--profile-out", help="CSV of the profile rows (default: DIR/../leaderboard_8b_profile.csv)")
+    parser.add_argument("--data-parallel", default="none",
+                        help="ours' data parallelism, a DDP kind without optimizer sharding (e.g. bucketed:100, "
+                             "torch_ddp; the anchors then run torch DDP), one rank per GPU under torchrun, each "
+                             "rank a batch / world share; none: one process")
     add_device_argument(parser)
     parser.add_argument("--out", required=True, help="CSV file for the rows")
     return parser
@@ -709,7 +823,7 @@ def main(argv: list[str] | None = None) -> None:
         warmup=args.warmup, steps=args.steps, compile=args.compile, param_dtype=args.param_dtype,
         chunk_tokens=args.chunk_tokens, check_size=args.check_size, check_context=args.check_context,
         memory_margin_gib=args.memory_margin_gib, memory_capacity_gib=args.memory_capacity_gib,
-        profile_dir=args.profile, profile_out=args.profile_out, device=args.device)
+        profile_dir=args.profile, profile_out=args.profile_out, data_parallel=args.data_parallel, device=args.device)
     run(config, args.out)
 
 

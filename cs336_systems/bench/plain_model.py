@@ -159,7 +159,11 @@ class PlainTransformerLM(nn.Module):
             x = block(x, cos, sin)
         return self.ln_final(x)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits; with `targets`, `loss(token_ids, targets)` instead (a data-parallel wrapper, which sees only
+        forward calls, then wraps the loss too)."""
+        if targets is not None:
+            return self.loss(token_ids, targets)
         return self.head(self.hidden(token_ids))
 
     def loss(self, token_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
