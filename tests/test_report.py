@@ -744,7 +744,7 @@ def test_checkpointing_model_state_is_weights_and_moments_of_the_swept_model(com
     params = 2 * config.vocab_size * d + config.num_layers * (4 * d * d + 3 * d * f + 2 * d) + d
     state_gib = 12 * params / 2**30
     start = frame.loc[frame["status"] == "ok", "baseline_mib"] / 1024
-    assert f"{params / 1e9:.2f}B parameters" in text and f"= {state_gib:.2f} GiB" in text
+    assert f"{params:,} parameters" in text and f"= {state_gib:.2f} GiB" in text
     assert start.min() - 0.5 < state_gib <= start.min()  # state fills the start, with under 0.5 GiB besides
     assert "gradients and AdamW" not in text
 
@@ -769,6 +769,68 @@ def test_checkpointing_answer_a_picks_the_policy_with_the_least_modelled_peak(co
         assert min(peaks, key=peaks.get) == "binary", n
         assert peaks["binary"] <= block + 2 * math.ceil(math.log2(n)) * boundary, n
         assert "at most two per level" in answer
+
+
+SAVED = "2026 §3.1 autograd residuals: saved tensors"
+CHECKPOINTING = "2026 §3.2 gradient_checkpointing (a–b)"
+
+
+def perturbed_number(body: Section, paragraph: str, said: str) -> list[str]:
+    """What the prose check reports once the first number of `said`, in `paragraph`, is one more."""
+    number = re.search(r"\d[\d,]*", said)[0]
+    wrong = paragraph.replace(said, said.replace(number, f"{int(number.replace(',', '')) + 1:,}", 1))
+    assert wrong != paragraph, said
+    return unquoted(replace(body, checked=[wrong if p == paragraph else p for p in body.checked]))
+
+
+def test_saved_tensors_intro_states_the_benchs_settings(committed):
+    """3.1: the intro is checked prose. The batch, contexts (the blocks' and RMSNorm's own), d_model, d_ff and heads
+    it states are the bench's columns of the committed rows, and a changed one is caught."""
+    body = committed[SAVED]
+    intro = body.checked[0]
+    assert intro.startswith("Answers the 2026 handout, section 3.1") and unquoted(body) == []
+    frame = pd.read_csv(ROOT / "results" / "saved_tensors.csv")
+    block, norm = (frame[frame["case"] == case].iloc[0] for case in ("block", "rmsnorm"))
+    settings = [f"batch {block['batch_size']}", f"context {block['context_length']}",
+                f"RMSNorm alone: {norm['context_length']}", f"d_model {block['d_model']}", f"d_ff {block['d_ff']}",
+                f"{block['num_heads']} heads"]
+    for said in settings:
+        assert said in intro
+        assert perturbed_number(body, intro, said), said
+
+
+def test_saved_tensors_checkpoint_calls_agree_with_the_list(committed):
+    """3.1: the checkpoint calls, the hidden state's MiB and the positions' bytes are formulas over the table's
+    cells (batch × context × d_model float32 values; context int64 values), and equal what the saved-tensor list
+    holds: one hidden state and one positions tensor per call. A changed count or size is caught."""
+    body = committed[SAVED]
+    sentence = next(p for p in body.checked if p.startswith("The saved-tensor list shows"))
+    listed = pd.read_csv(ROOT / "results" / "saved_tensors_list.csv")
+    rows = listed[(listed["case"] == "four_blocks_checkpointed") & (listed["mode"] == "eager")]
+    hidden = rows[rows["tensor_bytes"] == rows["tensor_bytes"].max()]
+    positions = rows[rows["dtype"] == "int64"]
+    said = [f"{len(hidden)} checkpoint calls", f"{len(hidden)} × {hidden['tensor_bytes'].iloc[0] / 2**20:,.2f} MiB",
+            f"{len(positions)} × {positions['tensor_bytes'].iloc[0]:,} B"]
+    for part in said:
+        assert part in sentence, part
+        assert perturbed_number(body, sentence, part), part
+    assert len(rows) == len(hidden) + len(positions) + (rows["tensor_bytes"] == 0).sum()  # nothing else weighs
+
+
+def test_checkpointing_states_the_sweeps_setting_and_parameters(committed):
+    """3.2: the intro and (b) are checked prose; (b)'s blocks, batch and context are the sweep's columns, and the
+    parameter count is the 'weights + moments' cell over 3 × 4 B; a changed one is caught."""
+    body = committed[CHECKPOINTING]
+    assert body.checked[0].startswith("Answers the 2026 handout, section 3.2") and unquoted(body) == []
+    answer = next(p for p in body.checked if p.startswith("(b) "))
+    first = pd.read_csv(ROOT / "results" / "checkpointing.csv").iloc[0]
+    from cs336_systems.model import get_config, parameter_count
+
+    params = parameter_count(get_config(first["size"], str(first["size_table"])))
+    for said in (f"({first['num_layers']} blocks)", f"batch {first['batch_size']}",
+                 f"context {first['context_length']}", f"model's {params:,} parameters"):
+        assert said in answer, said
+        assert perturbed_number(body, answer, said), said
 
 
 def test_flash_shapes_compiled_ratio_ranges_cover_every_row_of_their_pass(committed):

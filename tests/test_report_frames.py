@@ -399,6 +399,7 @@ def test_checkpointing_table_prints_the_model_state_in_every_row(tmp_path):
                 ("nested:4,2", "nested", 4, "ok")]
     frame = pd.DataFrame([{"policy": p, "policy_kind": kind, "segment_blocks": k, "status": status,
                            "block_forwards": 2 * 12, "size": "small", "size_table": "2026",
+                           "num_layers": 12, "batch_size": 4, "context_length": 256,
                            "median_ms": rng.lognormal(5, 1) if status == "ok" else float("nan"),
                            "peak_memory_mib": rng.uniform(1e3, 9e4), "peak_fwd_bwd_mib": rng.uniform(1e3, 9e4),
                            "baseline_mib": rng.uniform(1e3, 9e4)} for p, kind, k, status in policies])
