@@ -1072,3 +1072,46 @@ def test_memory_section_quotes_the_recorded_phase_columns(tmp_path, bf16_change)
     assert f"{point['saved_weight_copies_mib']:,.0f} MiB of bf16 weight copies" in precision
     assert "pending" not in precision
     assert ("does not lower this peak" in precision) == (bf16_change >= 0)
+
+
+def _fsdp_overlap_rows(rng: np.random.Generator) -> pd.DataFrame:
+    """Rows in the columns report/traces.py writes (taken from its trace_row on a tiny trace), random values: two
+    FSDP wrappers, and a baseline with no communication (zeros and NaN, as trace_row writes for it)."""
+    from cs336_systems.report import traces
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "backward", "ts": 100, "dur": 100},
+              {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 110, "dur": 50},
+              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_f32", "ts": 150, "dur": 100}]
+    columns = list(traces.trace_row("x", events, traces.lanes(events)))
+    rows = [{c: rng.uniform(0.1, 100) for c in columns} | {"trace": trace} for trace in ("torch_fsdp2", "fsdp")]
+    rows.append({c: 0.0 for c in columns} | {"trace": "none_baseline", "host_ms_per_collective": np.nan})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def test_fsdp_overlap_section_quotes_its_table(tmp_path):
+    """2026 §7 fsdp_accounting (b): pending, it states no number; measured (a synthetic CSV in the columns the
+    traces' report writes), each wrapper's line is its cells as the table prints them, the baseline without
+    communication says so, and a changed number is caught."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.edition2026 import render_fsdp_overlap
+    from cs336_systems.report.writeup import render
+
+    item = next(item for item in DELIVERABLES if item.section.startswith("2026 §7 fsdp_accounting (b)"))
+    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    assert render(item, ctx) == f"pending: rule `fsdp_overlap` has not produced {tmp_path / 'fsdp_overlap.csv'} yet\n"
+
+    rows = _fsdp_overlap_rows(np.random.default_rng(7))
+    rows.to_csv(tmp_path / "fsdp_overlap.csv", index=False)
+    make_tables(tmp_path, ["fsdp_overlap"])  # as the `table` rule does
+    body = render_fsdp_overlap(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(body) == [] and "nan" not in body.markdown()
+    lines = body.checked[1]
+    assert "- none_baseline: no communication kernels." in lines
+    for _, row in rows[rows["communication_ms"] > 0].iterrows():
+        said = (f"- {row['trace']}: {row['communication_ms']:.1f} ms of communication, "
+                f"{row['exposed_in_forward_ms']:.1f} ms exposed in the forward, {row['exposed_in_backward_ms']:.1f} ms "
+                f"in the backward ({row['exposed_communication_ms']:.1f} ms in the whole step).")
+        assert said in lines
+        for number in re.findall(r"\d+\.\d", said):
+            wrong = lines.replace(said, said.replace(number, f"{float(number) + 1:.1f}"))
+            assert unquoted(replace(body, checked=[body.checked[0], wrong])), number

@@ -449,25 +449,46 @@ def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
 
 
 def render_fsdp_accounting_section(ctx: Context) -> str:
-    parts = [render_fsdp_accounting(ctx.frame("sharding"))]
-    overlap = ctx.frame("fsdp_overlap")
-    if overlap is None:
-        parts.append("### fsdp_accounting (b)\n\npending: rule `fsdp_overlap` has not produced "
-                     f"{ctx.results / 'fsdp_overlap.csv'} yet (a profiled step on two GPUs).")
-    else:
-        lines = ["### fsdp_accounting (b) — do the all-gathers finish before the forward needs them\n",
-                 "From a PyTorch-profiler trace of one step per wrapper (`bench.ddp --trace-dir`, rank 0; Nsight "
-                 "Systems cannot make reports on our machines): communication kernels while no compute kernel "
-                 "runs are exposed, the time a layer waited for its weights (forward) or the step waited for "
-                 "gathers and reduce-scatters (backward)."]
-        for _, row in overlap.iterrows():
-            lines.append(f"- {row['trace']}: {row['communication_ms']:.1f} ms of communication, "
-                         f"{row['exposed_in_forward_ms']:.1f} ms exposed in the forward, "
-                         f"{row['exposed_in_backward_ms']:.1f} ms in the backward "
-                         f"({row['exposed_communication_ms']:.1f} ms in the whole step).")
-            lines.append(ctx.figure(f"fsdp_traces/{row['trace']}", f"trace {row['trace']}"))
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts)
+    return render_fsdp_accounting(ctx.frame("sharding"))
+
+
+# the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
+FSDP_OVERLAP = {"communication (ms)": "communication_ms", "exposed in forward (ms)": "exposed_in_forward_ms",
+                "exposed in backward (ms)": "exposed_in_backward_ms", "exposed in step (ms)": "exposed_communication_ms"}
+
+
+def fsdp_overlap_table(frame: pd.DataFrame) -> NumericTable:
+    """One row per traced wrapper: its communication kernels' time and the part of it during which no compute
+    kernel ran (exposed), in the forward, in the backward and over the whole step."""
+    rows = frame.sort_values("trace")
+    data = pd.DataFrame({"trace": rows["trace"], **{label: rows[column] for label, column in FSDP_OVERLAP.items()}})
+    return NumericTable(data, (Col("trace"), *(Col(c, ".1f") for c in FSDP_OVERLAP)))
+
+
+def _fsdp_overlap_line(q: Quotes, trace: str) -> str:
+    """One trace's line: its cells, or that it communicated nothing (the no-data-parallelism baseline)."""
+    communication = q.table.value("communication (ms)", trace=trace)
+    if pd.isna(communication) or communication == 0:
+        return f"- {trace}: no communication kernels."
+    forward, backward, step = (q.cell(h, trace=trace) for h in list(FSDP_OVERLAP)[1:])
+    return (f"- {trace}: {q.cell('communication (ms)', trace=trace)} ms of communication, {forward} ms exposed in "
+            f"the forward, {backward} ms in the backward ({step} ms in the whole step).")
+
+
+def render_fsdp_overlap(ctx: Context) -> Section:
+    table = ctx.numeric("fsdp_overlap")
+    q = Quotes(table)
+    intro = ("Answers the 2026 handout, section 7 (fsdp_accounting (b)): do the all-gathers finish before the "
+             "forward needs them? From a PyTorch-profiler trace of one step per wrapper (`bench.ddp --trace-dir`, "
+             "the first rank; Nsight Systems cannot make reports on our machines): communication kernels while no "
+             "compute kernel runs are exposed, the time a layer waited for its weights (forward) or the step waited "
+             "for gathers and reduce-scatters (backward).")
+    traces = list(table.data["trace"])
+    lines = "\n".join(_fsdp_overlap_line(q, trace) for trace in traces)
+    figures = [ctx.figure(f"fsdp_traces/{trace}", f"trace {trace}") for trace in traces]
+    # the handout's numbering is a word of the sentence
+    return Section([intro, lines, ctx.table("fsdp_overlap"), *figures], table, [intro, lines], q.derived,
+                   wording=("2026", "7"))
 
 
 # ---- 8: parallelism analysis ------------------------------------------------------------------------
@@ -594,7 +615,12 @@ DELIVERABLES = [
                 ("fsdp",),
                 tables=(Table("fsdp", "fsdp", fsdp_table,
                               "FSDP step time and per-phase peak memory beside torch FSDP2, DDP and ZeRO-1"),)),
-    Deliverable("2026 §7 fsdp_accounting (a–b)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",)),
+    Deliverable("2026 §7 fsdp_accounting (a)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",)),
+    Deliverable("2026 §7 fsdp_accounting (b): exposed communication per wrapper", "fsdp_overlap", render_fsdp_overlap,
+                ("fsdp_overlap",),
+                tables=(Table("fsdp_overlap", "fsdp_overlap", fsdp_overlap_table,
+                              "FSDP step traces, first rank: communication kernel time and the part of it no compute "
+                              "kernel overlapped (exposed), per phase"),)),
     Deliverable("2026 §8 analysing parallelism strategies (DP, FSDP, TP, 2D)", "allreduce",
                 render_parallelism_section, ("allreduce",)),
     Deliverable("2026 §9 leaderboard parts: the fused LM head + cross-entropy", "linear_ce", render_linear_ce,
