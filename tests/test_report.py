@@ -1115,3 +1115,38 @@ def test_fsdp_overlap_section_quotes_its_table(tmp_path):
         for number in re.findall(r"\d+\.\d", said):
             wrong = lines.replace(said, said.replace(number, f"{float(number) + 1:.1f}"))
             assert unquoted(replace(body, checked=[body.checked[0], wrong])), number
+
+
+def test_fsdp_section_quotes_its_table(tmp_path):
+    """2026 §7 fsdp, from a synthetic CSV: the committed DDP bench's columns (results/sharding.csv, the same
+    bench) with random times and peaks for our FSDP, torch FSDP2 and bucketed DDP at two sizes and precisions.
+    The intro's ranks, batch and context are the table's cells, each size's line its cells and ratio, and a
+    changed number is caught."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.edition2026 import render_fsdp
+
+    rng = np.random.default_rng(11)
+    template = pd.read_csv(ROOT / "results" / "sharding.csv").iloc[0]
+    setting = {"world_size": int(rng.integers(2, 9)), "batch_per_rank": int(rng.integers(1, 9)),
+               "context_length": int(rng.choice([128, 256, 512]))}
+    measured = [c for c in template.index if c.endswith("_ms") or c.endswith("_mib")]
+    rows = pd.DataFrame([{**template.to_dict(), **setting, "size": size, "precision": precision, "config": config,
+                          **{c: rng.uniform(1, 5000) for c in measured}}
+                         for size in ("small", "2.7B") for precision in ("fp32", "bf16")
+                         for config in ("fsdp", "torch_fsdp2", "bucketed:100")])
+    rows.to_csv(tmp_path / "fsdp.csv", index=False)
+    make_tables(tmp_path, ["fsdp"])  # as the `table` rule does
+    body = render_fsdp(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(body) == [] and "nan" not in body.markdown()
+    intro = body.checked[0]
+    for said in (f"{setting['world_size']} ranks", f"batch {setting['batch_per_rank']} per rank",
+                 f"context {setting['context_length']}"):
+        assert said in intro
+        assert perturbed_number(body, intro, said), said
+    assert len(body.checked) == 1 + 4  # one line per size and precision
+    for line in body.checked[1:]:
+        size, precision = line.split(":")[0].split(", ")
+        ours = rows[(rows["size"] == size) & (rows["precision"] == precision) & (rows["config"] == "fsdp")].iloc[0]
+        said = f"ours {ours['step_ms']:.1f} ms per step"
+        assert said in line
+        assert perturbed_number(body, line, said), said

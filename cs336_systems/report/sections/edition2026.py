@@ -398,6 +398,9 @@ FSDP_MIB = {"after init (MiB)": "peak_after_init_mib", "peak fwd+bwd (MiB)": "pe
             "peak optimizer step (MiB)": "peak_after_step_mib"}
 
 
+FSDP_SETTINGS = {"world_size": "ranks", "batch_per_rank": "batch per rank", "context_length": "context"}
+
+
 def fsdp_table(frame: pd.DataFrame) -> NumericTable:
     """Per size, precision and wrapper: the step and its parts (means, as the DDP tables: the parts add up
     to the step) and each phase's peak memory."""
@@ -405,9 +408,12 @@ def fsdp_table(frame: pd.DataFrame) -> NumericTable:
     ok = rows["status"].eq("ok")
     data = pd.DataFrame({"size": rows["size"], "precision": rows["precision"], "config": rows["config"],
                          "status": rows["status"],
-                         **{label: rows[column].where(ok) for label, column in {**FSDP_MS, **FSDP_MIB}.items()}})
+                         **{label: rows[column].where(ok) for label, column in {**FSDP_MS, **FSDP_MIB}.items()},
+                         # the run's setting, which the prose states from these cells
+                         **{label: rows[column] for column, label in FSDP_SETTINGS.items()}})
     return NumericTable(data, (Col("size"), Col("precision"), Col("config"), Col("status"),
-                               *(Col(c, ".1f") for c in FSDP_MS), *(Col(c, ",.0f") for c in FSDP_MIB)))
+                               *(Col(c, ".1f") for c in FSDP_MS), *(Col(c, ",.0f") for c in FSDP_MIB),
+                               *(Col(c, "d") for c in FSDP_SETTINGS.values())))
 
 
 def render_fsdp(ctx: Context) -> Section:
@@ -415,10 +421,12 @@ def render_fsdp(ctx: Context) -> Section:
     table = ctx.numeric("fsdp")
     q = Quotes(table)
     first = frame.iloc[0]
+    said = {h: _shared_cell(table, h) for h in FSDP_SETTINGS.values()}
+    setting = (f"{said['ranks']} ranks, batch {said['batch per rank']} per rank, context {said['context']}"
+               if None not in said.values() else "each row's ranks, batch per rank and context (the table's columns)")
     intro = (f"Answers the 2026 handout, section 7 (fsdp). `cs336_systems.distributed.FSDP` against torch's FSDP2 "
              f"(`fully_shard` per block, same mixed-precision policy), our bucketed DDP and our ZeRO-1 in one run per "
-             f"size: {first['world_size']} ranks, batch {first['batch_per_rank']} per rank, context "
-             f"{first['context_length']}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
+             f"size: {setting}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
              "Times are means over the measured steps (the parts add up to the step); peaks are each phase's own "
              "(the peak counter is reset before forward+backward and before the step).")
     step, peaks = "step (ms, mean)", ("peak fwd+bwd (MiB)", "peak optimizer step (MiB)")
@@ -440,7 +448,10 @@ def render_fsdp(ctx: Context) -> Section:
                   "memory is measured on CUDA only")
         checked.append(f"{size}, {precision}: ours {table.quote(step, **keys, config='fsdp')} ms per step against "
                        f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); {memory}.")
-    return Section([intro, *checked, ctx.table("fsdp")], table, checked, q.derived)
+    # the handout's numbering, ZeRO-1's stage and the device's name (a CPU's names its cores) are words of the
+    # sentence
+    return Section([intro, *checked, ctx.table("fsdp")], table, [intro, *checked], q.derived,
+                   wording=("2026", "7", "1", *NUMBER.findall(str(first["device_name"]))))
 
 
 def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
