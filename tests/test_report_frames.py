@@ -362,7 +362,8 @@ def _saved_rows(rng: np.random.Generator) -> pd.DataFrame:
         for kind in ("activation", "input", "parameter"):
             storage = rng.uniform(1, 5000)
             rows.append({"case": "block", "mode": mode, "kind": kind, "storage_mib": storage,
-                         "tensor_mib": storage * rng.uniform(1, 2)})
+                         "tensor_mib": storage * rng.uniform(1, 2), "batch_size": 4, "context_length": 64,
+                         "d_model": 32, "d_ff": 128, "num_heads": 4, "precision": "fp32"})  # the bench's settings
     return pd.DataFrame(rows)
 
 
