@@ -465,7 +465,8 @@ def render_fsdp_accounting_section(ctx: Context) -> str:
 
 # the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
 FSDP_OVERLAP = {"communication (ms)": "communication_ms", "exposed in forward (ms)": "exposed_in_forward_ms",
-                "exposed in backward (ms)": "exposed_in_backward_ms", "exposed in step (ms)": "exposed_communication_ms"}
+                "exposed in backward (ms)": "exposed_in_backward_ms",
+                "exposed in step (ms)": "exposed_communication_ms"}
 
 
 def fsdp_overlap_table(frame: pd.DataFrame) -> NumericTable:
