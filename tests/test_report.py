@@ -744,7 +744,7 @@ def test_checkpointing_model_state_is_weights_and_moments_of_the_swept_model(com
     params = 2 * config.vocab_size * d + config.num_layers * (4 * d * d + 3 * d * f + 2 * d) + d
     state_gib = 12 * params / 2**30
     start = frame.loc[frame["status"] == "ok", "baseline_mib"] / 1024
-    assert f"{params / 1e9:.2f}B parameters" in text and f"= {state_gib:.2f} GiB" in text
+    assert f"{params:,} parameters" in text and f"= {state_gib:.2f} GiB" in text
     assert start.min() - 0.5 < state_gib <= start.min()  # state fills the start, with under 0.5 GiB besides
     assert "gradients and AdamW" not in text
 
@@ -769,6 +769,68 @@ def test_checkpointing_answer_a_picks_the_policy_with_the_least_modelled_peak(co
         assert min(peaks, key=peaks.get) == "binary", n
         assert peaks["binary"] <= block + 2 * math.ceil(math.log2(n)) * boundary, n
         assert "at most two per level" in answer
+
+
+SAVED = "2026 §3.1 autograd residuals: saved tensors"
+CHECKPOINTING = "2026 §3.2 gradient_checkpointing (a–b)"
+
+
+def perturbed_number(body: Section, paragraph: str, said: str) -> list[str]:
+    """What the prose check reports once the first number of `said`, in `paragraph`, is one more."""
+    number = re.search(r"\d[\d,]*", said)[0]
+    wrong = paragraph.replace(said, said.replace(number, f"{int(number.replace(',', '')) + 1:,}", 1))
+    assert wrong != paragraph, said
+    return unquoted(replace(body, checked=[wrong if p == paragraph else p for p in body.checked]))
+
+
+def test_saved_tensors_intro_states_the_benchs_settings(committed):
+    """3.1: the intro is checked prose. The batch, contexts (the blocks' and RMSNorm's own), d_model, d_ff and heads
+    it states are the bench's columns of the committed rows, and a changed one is caught."""
+    body = committed[SAVED]
+    intro = body.checked[0]
+    assert intro.startswith("Answers the 2026 handout, section 3.1") and unquoted(body) == []
+    frame = pd.read_csv(ROOT / "results" / "saved_tensors.csv")
+    block, norm = (frame[frame["case"] == case].iloc[0] for case in ("block", "rmsnorm"))
+    settings = [f"batch {block['batch_size']}", f"context {block['context_length']}",
+                f"RMSNorm alone: {norm['context_length']}", f"d_model {block['d_model']}", f"d_ff {block['d_ff']}",
+                f"{block['num_heads']} heads"]
+    for said in settings:
+        assert said in intro
+        assert perturbed_number(body, intro, said), said
+
+
+def test_saved_tensors_checkpoint_calls_agree_with_the_list(committed):
+    """3.1: the checkpoint calls, the hidden state's MiB and the positions' bytes are formulas over the table's
+    cells (batch × context × d_model float32 values; context int64 values), and equal what the saved-tensor list
+    holds: one hidden state and one positions tensor per call. A changed count or size is caught."""
+    body = committed[SAVED]
+    sentence = next(p for p in body.checked if p.startswith("The saved-tensor list shows"))
+    listed = pd.read_csv(ROOT / "results" / "saved_tensors_list.csv")
+    rows = listed[(listed["case"] == "four_blocks_checkpointed") & (listed["mode"] == "eager")]
+    hidden = rows[rows["tensor_bytes"] == rows["tensor_bytes"].max()]
+    positions = rows[rows["dtype"] == "int64"]
+    said = [f"{len(hidden)} checkpoint calls", f"{len(hidden)} × {hidden['tensor_bytes'].iloc[0] / 2**20:,.2f} MiB",
+            f"{len(positions)} × {positions['tensor_bytes'].iloc[0]:,} B"]
+    for part in said:
+        assert part in sentence, part
+        assert perturbed_number(body, sentence, part), part
+    assert len(rows) == len(hidden) + len(positions) + (rows["tensor_bytes"] == 0).sum()  # nothing else weighs
+
+
+def test_checkpointing_states_the_sweeps_setting_and_parameters(committed):
+    """3.2: the intro and (b) are checked prose; (b)'s blocks, batch and context are the sweep's columns, and the
+    parameter count is the 'weights + moments' cell over 3 × 4 B; a changed one is caught."""
+    body = committed[CHECKPOINTING]
+    assert body.checked[0].startswith("Answers the 2026 handout, section 3.2") and unquoted(body) == []
+    answer = next(p for p in body.checked if p.startswith("(b) "))
+    first = pd.read_csv(ROOT / "results" / "checkpointing.csv").iloc[0]
+    from cs336_systems.model import get_config, parameter_count
+
+    params = parameter_count(get_config(first["size"], str(first["size_table"])))
+    for said in (f"({first['num_layers']} blocks)", f"batch {first['batch_size']}",
+                 f"context {first['context_length']}", f"model's {params:,} parameters"):
+        assert said in answer, said
+        assert perturbed_number(body, answer, said), said
 
 
 def test_flash_shapes_compiled_ratio_ranges_cover_every_row_of_their_pass(committed):
@@ -1010,3 +1072,81 @@ def test_memory_section_quotes_the_recorded_phase_columns(tmp_path, bf16_change)
     assert f"{point['saved_weight_copies_mib']:,.0f} MiB of bf16 weight copies" in precision
     assert "pending" not in precision
     assert ("does not lower this peak" in precision) == (bf16_change >= 0)
+
+
+def _fsdp_overlap_rows(rng: np.random.Generator) -> pd.DataFrame:
+    """Rows in the columns report/traces.py writes (taken from its trace_row on a tiny trace), random values: two
+    FSDP wrappers, and a baseline with no communication (zeros and NaN, as trace_row writes for it)."""
+    from cs336_systems.report import traces
+
+    events = [{"ph": "X", "cat": "user_annotation", "name": "backward", "ts": 100, "dur": 100},
+              {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 110, "dur": 50},
+              {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_f32", "ts": 150, "dur": 100}]
+    columns = list(traces.trace_row("x", events, traces.lanes(events)))
+    rows = [{c: rng.uniform(0.1, 100) for c in columns} | {"trace": trace} for trace in ("torch_fsdp2", "fsdp")]
+    rows.append({c: 0.0 for c in columns} | {"trace": "none_baseline", "host_ms_per_collective": np.nan})
+    return pd.DataFrame(rows, columns=columns)
+
+
+def test_fsdp_overlap_section_quotes_its_table(tmp_path):
+    """2026 §7 fsdp_accounting (b): pending, it states no number; measured (a synthetic CSV in the columns the
+    traces' report writes), each wrapper's line is its cells as the table prints them, the baseline without
+    communication says so, and a changed number is caught."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.edition2026 import render_fsdp_overlap
+    from cs336_systems.report.writeup import render
+
+    item = next(item for item in DELIVERABLES if item.section.startswith("2026 §7 fsdp_accounting (b)"))
+    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    assert render(item, ctx) == f"pending: rule `fsdp_overlap` has not produced {tmp_path / 'fsdp_overlap.csv'} yet\n"
+
+    rows = _fsdp_overlap_rows(np.random.default_rng(7))
+    rows.to_csv(tmp_path / "fsdp_overlap.csv", index=False)
+    make_tables(tmp_path, ["fsdp_overlap"])  # as the `table` rule does
+    body = render_fsdp_overlap(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(body) == [] and "nan" not in body.markdown()
+    lines = body.checked[1]
+    assert "- none_baseline: no communication kernels." in lines
+    for _, row in rows[rows["communication_ms"] > 0].iterrows():
+        said = (f"- {row['trace']}: {row['communication_ms']:.1f} ms of communication, "
+                f"{row['exposed_in_forward_ms']:.1f} ms exposed in the forward, {row['exposed_in_backward_ms']:.1f} ms "
+                f"in the backward ({row['exposed_communication_ms']:.1f} ms in the whole step).")
+        assert said in lines
+        for number in re.findall(r"\d+\.\d", said):
+            wrong = lines.replace(said, said.replace(number, f"{float(number) + 1:.1f}"))
+            assert unquoted(replace(body, checked=[body.checked[0], wrong])), number
+
+
+def test_fsdp_section_quotes_its_table(tmp_path):
+    """2026 §7 fsdp, from a synthetic CSV: the committed DDP bench's columns (results/sharding.csv, the same
+    bench) with random times and peaks for our FSDP, torch FSDP2 and bucketed DDP at two sizes and precisions.
+    The intro's ranks, batch and context are the table's cells, each size's line its cells and ratio, and a
+    changed number is caught."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.edition2026 import render_fsdp
+
+    rng = np.random.default_rng(11)
+    template = pd.read_csv(ROOT / "results" / "sharding.csv").iloc[0]
+    setting = {"world_size": int(rng.integers(2, 9)), "batch_per_rank": int(rng.integers(1, 9)),
+               "context_length": int(rng.choice([128, 256, 512]))}
+    measured = [c for c in template.index if c.endswith("_ms") or c.endswith("_mib")]
+    rows = pd.DataFrame([{**template.to_dict(), **setting, "size": size, "precision": precision, "config": config,
+                          **{c: rng.uniform(1, 5000) for c in measured}}
+                         for size in ("small", "2.7B") for precision in ("fp32", "bf16")
+                         for config in ("fsdp", "torch_fsdp2", "bucketed:100")])
+    rows.to_csv(tmp_path / "fsdp.csv", index=False)
+    make_tables(tmp_path, ["fsdp"])  # as the `table` rule does
+    body = render_fsdp(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(body) == [] and "nan" not in body.markdown()
+    intro = body.checked[0]
+    for said in (f"{setting['world_size']} ranks", f"batch {setting['batch_per_rank']} per rank",
+                 f"context {setting['context_length']}"):
+        assert said in intro
+        assert perturbed_number(body, intro, said), said
+    assert len(body.checked) == 1 + 4  # one line per size and precision
+    for line in body.checked[1:]:
+        size, precision = line.split(":")[0].split(", ")
+        ours = rows[(rows["size"] == size) & (rows["precision"] == precision) & (rows["config"] == "fsdp")].iloc[0]
+        said = f"ours {ours['step_ms']:.1f} ms per step"
+        assert said in line
+        assert perturbed_number(body, line, said), said

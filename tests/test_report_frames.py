@@ -362,7 +362,8 @@ def _saved_rows(rng: np.random.Generator) -> pd.DataFrame:
         for kind in ("activation", "input", "parameter"):
             storage = rng.uniform(1, 5000)
             rows.append({"case": "block", "mode": mode, "kind": kind, "storage_mib": storage,
-                         "tensor_mib": storage * rng.uniform(1, 2)})
+                         "tensor_mib": storage * rng.uniform(1, 2), "batch_size": 4, "context_length": 64,
+                         "d_model": 32, "d_ff": 128, "num_heads": 4, "precision": "fp32"})  # the bench's settings
     return pd.DataFrame(rows)
 
 
@@ -399,6 +400,7 @@ def test_checkpointing_table_prints_the_model_state_in_every_row(tmp_path):
                 ("nested:4,2", "nested", 4, "ok")]
     frame = pd.DataFrame([{"policy": p, "policy_kind": kind, "segment_blocks": k, "status": status,
                            "block_forwards": 2 * 12, "size": "small", "size_table": "2026",
+                           "num_layers": 12, "batch_size": 4, "context_length": 256,
                            "median_ms": rng.lognormal(5, 1) if status == "ok" else float("nan"),
                            "peak_memory_mib": rng.uniform(1e3, 9e4), "peak_fwd_bwd_mib": rng.uniform(1e3, 9e4),
                            "baseline_mib": rng.uniform(1e3, 9e4)} for p, kind, k, status in policies])

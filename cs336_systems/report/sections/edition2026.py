@@ -21,18 +21,27 @@ GIB = 1024.0
 
 
 # ---- 3.1: what autograd saves ---------------------------------------------------------------------
+# the bench's settings, one column each in the saved-tensors table (every row states what it ran at)
+SAVED_SETTINGS = {"batch_size": "batch", "context_length": "context", "d_model": "d_model", "d_ff": "d_ff",
+                  "num_heads": "heads", "precision": "precision"}
+
+
 def saved_tensors_table(frame: pd.DataFrame) -> NumericTable:
     """Per case and mode, the MiB saved for backward by kind: counted per saved tensor (as the handout's
-    hook does) and with every storage once (views of one tensor once)."""
-    wide = frame.pivot_table(index=["case", "mode"], columns="kind", values=["tensor_mib", "storage_mib"],
+    hook does) and with every storage once (views of one tensor once); then the settings the case ran at."""
+    index = ["case", "mode", *SAVED_SETTINGS]
+    wide = frame.pivot_table(index=index, columns="kind", values=["tensor_mib", "storage_mib"],
                              aggfunc="sum", sort=False)
     out = pd.DataFrame(index=wide.index)
     for kind in ("activation", "input", "parameter"):
         if ("tensor_mib", kind) in wide:
             out[f"{kind} (MiB, per tensor)"] = wide[("tensor_mib", kind)]
             out[f"{kind} (MiB, per storage)"] = wide[("storage_mib", kind)]
-    out = out.reset_index()
-    return NumericTable(out, tuple(Col(c) if c in ("case", "mode") else Col(c, ",.2f") for c in out.columns))
+    mib = list(out.columns)
+    out = out.reset_index()[["case", "mode", *mib, *SAVED_SETTINGS]].rename(columns=SAVED_SETTINGS)
+    text = ("case", "mode", "precision")
+    return NumericTable(out, tuple(Col(c) if c in text else Col(c, "d") if c in SAVED_SETTINGS.values() else
+                                   Col(c, ",.2f") for c in out.columns))
 
 
 ACTIVATIONS = "activation (MiB, per storage)"
@@ -46,18 +55,30 @@ def saved_mib(t: pd.DataFrame, case: str, mode: str, columns: tuple[str, ...] | 
     return float(sum(row[c].iloc[0] for c in names if c in row))
 
 
+def _saved_tensors_intro(table: NumericTable, device: str) -> str:
+    """The bench's settings, each a cell of the table, stated once where every row prints the same one (the
+    context: the blocks' rows and RMSNorm's, which runs alone at its own)."""
+    t = table.data
+    stated = {}
+    for header in ("batch", "d_model", "d_ff", "heads", "precision"):
+        stated[header] = _shared_cell(table, header) or f"each row's {header} (the table's column)"
+    contexts = {case: table.quote("context", int(t.index[t["case"] == case][0]))
+                for case in ("block", "rmsnorm") if (t["case"] == case).any()}
+    context = (f"context {contexts['block']} (RMSNorm alone: {contexts['rmsnorm']})" if len(contexts) == 2 else
+               "each row's context (the table's column)")
+    return (f"Answers the 2026 handout, section 3.1. Bytes autograd saves for the backward pass, recorded with "
+            f"`torch.autograd.graph.saved_tensors_hooks` (`cs336_systems.bench.saved_tensors`) at the handout's "
+            f"setting: batch {stated['batch']}, {context}, d_model {stated['d_model']}, d_ff {stated['d_ff']}, "
+            f"{stated['heads']} heads, {stated['precision']}, naive attention, on {device}.")
+
+
 def render_saved_tensors(ctx: Context) -> Section:
     frame = ctx.frame("saved_tensors")
     table = ctx.numeric("saved_tensors")
     q = Quotes(table)
-    blocks = frame[frame["case"] != "rmsnorm"]
-    first = (blocks if len(blocks) else frame).iloc[0]
-    intro = (f"Answers the 2026 handout, section 3.1. Bytes autograd saves for the backward pass, recorded with "
-             f"`torch.autograd.graph.saved_tensors_hooks` (`cs336_systems.bench.saved_tensors`) at the handout's "
-             f"setting: batch {first['batch_size']}, context {first['context_length']} "
-             f"(RMSNorm alone: {first['norm_context_length']}), d_model {first['d_model']}, d_ff {first['d_ff']}, "
-             f"{first['num_heads']} heads, {first['precision']}, naive attention, on {first['device_name']}.")
-    checked, others = [], []
+    device = str(frame["device_name"].iloc[0])
+    intro = _saved_tensors_intro(table, device)
+    checked = [intro]
     if table.has(case="block", mode="eager") and table.has(case="block", mode="compiled"):
         ratio = q.derive(lambda t: saved_mib(t, "block", "eager", ACTIVATIONS) / saved_mib(t, "block", "compiled",
                                                                                            ACTIVATIONS),
@@ -70,10 +91,10 @@ def render_saved_tensors(ctx: Context) -> Section:
     if table.has(case="four_blocks_checkpointed", mode="eager") and table.has(case="four_blocks", mode="eager"):
         checked.append(checkpointed_sentence(q))
         if listed is not None:
-            others.append(checkpoint_calls_sentence(frame, listed))
-    # the handout's section numbers are words of the sentence, not measurements
-    return Section([intro, *checked, *others, ctx.table("saved_tensors")], table, checked, q.derived,
-                   wording=("3.2",))
+            checked.append(checkpoint_calls_sentence(q, listed))
+    # the handout's numbering and the device's name (a CPU's names its cores) are words of the sentence
+    return Section([*checked, ctx.table("saved_tensors")], table, checked, q.derived,
+                   wording=("2026", "3.1", "3.2", *NUMBER.findall(device)))
 
 
 def checkpointed_sentence(q: Quotes, mode: str = "eager") -> str:
@@ -93,19 +114,43 @@ def checkpointed_sentence(q: Quotes, mode: str = "eager") -> str:
             f"counted per tensor, as the handout's hook counts, {mode}).")
 
 
-def checkpoint_calls_sentence(totals: pd.DataFrame, listed: pd.DataFrame, mode: str = "eager") -> str:
-    """Why the checkpointed blocks keep what they keep, from the saved-tensor list: each checkpoint call saves
-    its inputs (the hidden state and the positions tensor), so the number of saved hidden states is the
-    number of checkpoint calls."""
+FOUR = 4  # the handout's four blocks (case four_blocks_checkpointed: two checkpoint calls of two blocks each)
+FLOAT32, INT64 = 4, 8  # bytes of the hidden state's and the positions' elements (the fp32 run)
+
+
+def _per_call(t: pd.DataFrame, mode: str) -> tuple[float, float]:
+    """(hidden state MiB, positions tensor B) a checkpoint call saves: its inputs, a (batch, context, d_model)
+    float32 tensor and the context's int64 positions, from the block row's settings cells."""
+    row = t[(t["case"] == "four_blocks_checkpointed") & (t["mode"] == mode)].iloc[0]
+    return (float(row["batch"] * row["context"] * row["d_model"] * FLOAT32 / 2**20),
+            float(row["context"] * INT64))
+
+
+def _calls(t: pd.DataFrame, mode: str) -> float:
+    """How many checkpoint calls the checkpointed blocks' saved bytes hold: all they keep over one call's inputs."""
+    hidden, positions = _per_call(t, mode)
+    return saved_mib(t, "four_blocks_checkpointed", mode, PER_TENSOR) / (hidden + positions / 2**20)
+
+
+def checkpoint_calls_sentence(q: Quotes, listed: pd.DataFrame, mode: str = "eager") -> str:
+    """Why the checkpointed blocks keep what they keep: each checkpoint call saves its inputs (the hidden state
+    and the positions tensor), so what they keep is a whole number of calls' inputs. The numbers are formulas
+    over the table's cells; the saved-tensor list (one hidden state per call) must agree, or no number is said."""
+    calls = _calls(q.frame, mode)
     rows = listed[(listed["case"] == "four_blocks_checkpointed") & (listed["mode"] == mode)]
-    first = totals[totals["case"] == "four_blocks_checkpointed"].iloc[0]
-    states = rows[rows["shape"] == f"{first['batch_size']}x{first['context_length']}x{first['d_model']}"]
-    positions = rows[rows["shape"] == str(first["context_length"])]
-    calls = len(states)
-    return (f"The saved-tensor list shows what that is: {calls} checkpoint calls of {4 // calls} blocks each, and "
-            f"each call saves only its inputs, the hidden state ({calls} × "
-            f"{states['tensor_bytes'].iloc[0] / 2**20:,.2f} MiB: the blocks' input and the first call's output) and "
-            f"the positions tensor ({len(positions)} × {positions['tensor_bytes'].iloc[0]:,} B).")
+    hidden, _ = _per_call(q.frame, mode)
+    states = rows[rows["tensor_bytes"] == round(hidden * 2**20)]
+    if not (abs(calls - round(calls)) < 1e-9 and len(states) == round(calls) and FOUR % round(calls) == 0):
+        return ("The saved-tensor list does not account for that as whole checkpoint calls of the blocks' settings "
+                f"(results/saved_tensors_list.csv, {mode}).")
+    n = q.derive(lambda t: _calls(t, mode), ".0f", "checkpoint calls: kept over one call's inputs")
+    return (f"The saved-tensor list shows what that is: {n} checkpoint calls of "
+            f"{q.derive(lambda t: FOUR / _calls(t, mode), '.0f', 'blocks per checkpoint call')} blocks each, and "
+            f"each call saves only its inputs, the hidden state ({n} × "
+            f"{q.derive(lambda t: _per_call(t, mode)[0], ',.2f', 'hidden state MiB: batch × context × d_model')} "
+            "MiB: batch × context × d_model float32 values, the blocks' input and the first call's output) and the "
+            f"positions tensor ({n} × {q.derive(lambda t: _per_call(t, mode)[1], ',.0f', 'positions B')} B: the "
+            "context's int64 positions).")
 
 
 # ---- 3.2: activation checkpointing --------------------------------------------------------------------
@@ -115,6 +160,9 @@ def _sweep_points(frame: pd.DataFrame) -> pd.DataFrame:
     order = {"none": 0, "every": 1, "nested": 2}
     return frame.assign(_o=frame["policy_kind"].map(order)).sort_values(["_o", "segment_blocks", "policy"]) \
         .drop(columns="_o")
+
+
+SWEEP_SETTINGS = {"num_layers": "blocks", "batch_size": "batch", "context_length": "context"}
 
 
 def checkpointing_table(frame: pd.DataFrame) -> NumericTable:
@@ -130,9 +178,13 @@ def checkpointing_table(frame: pd.DataFrame) -> NumericTable:
         "peak by end of backward (GiB)": (rows["peak_fwd_bwd_mib"] / GIB).where(ok),
         "allocated at step start (GiB)": (rows["baseline_mib"] / GIB).where(ok),
         # not measured: what the step start must hold (every row, the sweep's one model)
-        "weights + moments (GiB)": [model_state(row)[1] / GIB for _, row in rows.iterrows()]})
+        "weights + moments (GiB)": [model_state(row)[1] / GIB for _, row in rows.iterrows()],
+        # the run's setting, which the prose states from these cells
+        **{label: rows[column] for column, label in SWEEP_SETTINGS.items()}})
+    gib = [c for c in data.columns if c.endswith("(GiB)")]
     return NumericTable(data, (Col("policy"), Col("status"), Col("block forwards per step", "d"),
-                               Col("step (ms, median)", ".1f"), *(Col(c, ".2f") for c in data.columns[4:])))
+                               Col("step (ms, median)", ".1f"), *(Col(c, ".2f") for c in gib),
+                               *(Col(c, "d") for c in SWEEP_SETTINGS.values())))
 
 
 def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
@@ -246,22 +298,38 @@ STEP_MS, PEAK, START, STATE = ("step (ms, median)", "peak memory (GiB)", "alloca
                                "weights + moments (GiB)")
 
 
-def model_state_sentence(q: Quotes, ran: list[str], first: pd.Series) -> str:
+MOMENTS_AND_WEIGHTS = 3  # float32 copies a step starts with per parameter: the weights and AdamW's two moments
+
+
+def swept_parameters(t: pd.DataFrame) -> float:
+    """The swept model's parameter count, from its 'weights + moments' cell (3 float32 copies per parameter)."""
+    return float(column_values(t, STATE).iloc[0]) * GIB * 2**20 / (MOMENTS_AND_WEIGHTS * FLOAT32)
+
+
+def model_state_sentence(q: Quotes, ran: list[str]) -> str:
     """What every step starts with (the table's last columns), against the model state it must hold."""
-    params, _ = model_state(first)
     starts = {policy: q.table.value(START, policy=policy) for policy in ran}
     low, high = min(starts, key=starts.get), max(starts, key=starts.get)
 
     def others(t: pd.DataFrame) -> pd.Series:  # MiB allocated at the start besides weights and moments
         return (column_values(t, START) - column_values(t, STATE)) * GIB
 
+    params = q.derive(swept_parameters, ",.0f", "parameters: weights + moments over 3 × 4 B")
     return (f"Every step starts with {q.cell(START, policy=low)}–{q.cell(START, policy=high)} GiB allocated (the "
-            f"table's '{START}'): the float32 weights and AdamW's two moments of the {params / 1e9:.2f}B parameters, "
-            f"3 × 4 B × {params:,} = {q.cell(STATE, policy=low)} GiB, and "
+            f"table's '{START}'): the float32 weights and AdamW's two moments of the model's {params} parameters, "
+            f"{MOMENTS_AND_WEIGHTS} × {FLOAT32} B each = {q.cell(STATE, policy=low)} GiB, and "
             f"{q.derive(lambda t: others(t).min(), ',.0f', 'least MiB at step start besides the model state')}–"
             f"{q.derive(lambda t: others(t).max(), ',.0f', 'most MiB at step start besides the model state')} MiB "
             "of other buffers; the gradients are freed between steps. No activation policy touches that part of "
             "the peak.")
+
+
+def _sweep_setting(table: NumericTable) -> str:
+    """The sweep's blocks, batch and context, each a cell of the table where every row prints the same one."""
+    said = {h: _shared_cell(table, h) for h in SWEEP_SETTINGS.values()}
+    if None in said.values():
+        return "at each row's blocks, batch and context (the table's columns)"
+    return f"({said['blocks']} blocks), batch {said['batch']}, context {said['context']}"
 
 
 def _sweep_answer(q: Quotes, points: pd.DataFrame, first: pd.Series) -> str:
@@ -285,8 +353,8 @@ def _sweep_answer(q: Quotes, points: pd.DataFrame, first: pd.Series) -> str:
         steps = column_values(t, STEP_MS, lambda f: f["policy"].isin(names))
         return 100 * (steps.max() / steps.min() - 1)
 
-    return (f"(b) {first['size_table']} {first['size']} ({first['num_layers']} blocks), batch {first['batch_size']}, "
-            f"context {first['context_length']}, {first['precision']}, measured on {first['device_name']}. With one "
+    return (f"(b) {first['size_table']} {first['size']} {_sweep_setting(q.table)}, {first['precision']}, measured "
+            f"on {first['device_name']}. With one "
             "level of recomputation every policy replays each block's forward once, so the block size changes "
             f"memory, not compute (the step times of every k differ by at most "
             f"{q.derive(spread, '.1f', 'spread of the every-k step times, %')}%). "
@@ -296,7 +364,7 @@ def _sweep_answer(q: Quotes, points: pd.DataFrame, first: pd.Series) -> str:
             f"block. Measured: {best} peaks at {q.cell(PEAK, policy=best)} GiB"
             + (f" ({around})" if around else "") + "; the peak grows with k because the recomputed segment's "
             f"residuals grow with it. Without checkpointing the step {none_text} on this GPU. "
-            + model_state_sentence(q, list(points.loc[ran, "policy"]), first))
+            + model_state_sentence(q, list(points.loc[ran, "policy"])))
 
 
 def render_checkpointing(ctx: Context) -> Section:
@@ -314,13 +382,13 @@ def render_checkpointing(ctx: Context) -> Section:
         per = ", ".join(f"{p}: {q.cell(STEP_MS, policy=p)} ms, {q.cell(PEAK, policy=p)} GiB" for p in nested["policy"])
         checked.append(f"Nesting buys no memory at this model size and costs compute ({per}), as (a) predicts when "
                        "a boundary is small against a block.")
-    params, _ = model_state(first)
-    # the run's settings and the model's size are words of the sentence here, not cells: the sweep's setting
-    # and parameter count (3 × 4 B: weights and two moments, float32)
-    settings = tuple(str(first[c]) for c in ("size_table", "num_layers", "batch_size", "context_length"))
+    # the handout's numbering, the size table's name, the device's name (a CPU's names its cores) and the
+    # model state's 3 × 4 B per parameter are words of the sentence
+    given = ("2026", "3.2", str(first["size_table"]), *NUMBER.findall(str(first["device_name"])),
+             str(MOMENTS_AND_WEIGHTS), str(FLOAT32))
     return Section([intro, *_cost_model_lines(ctx), *checked, ctx.table("checkpointing"),
-                    ctx.figure("checkpointing", "checkpoint block size")], table, checked, q.derived,
-                   wording=(*settings, "3", "4", f"{params:,}"))
+                    ctx.figure("checkpointing", "checkpoint block size")], table, [intro, *checked], q.derived,
+                   wording=given)
 
 
 # ---- 7: FSDP ------------------------------------------------------------------------------------------
@@ -330,6 +398,9 @@ FSDP_MIB = {"after init (MiB)": "peak_after_init_mib", "peak fwd+bwd (MiB)": "pe
             "peak optimizer step (MiB)": "peak_after_step_mib"}
 
 
+FSDP_SETTINGS = {"world_size": "ranks", "batch_per_rank": "batch per rank", "context_length": "context"}
+
+
 def fsdp_table(frame: pd.DataFrame) -> NumericTable:
     """Per size, precision and wrapper: the step and its parts (means, as the DDP tables: the parts add up
     to the step) and each phase's peak memory."""
@@ -337,9 +408,12 @@ def fsdp_table(frame: pd.DataFrame) -> NumericTable:
     ok = rows["status"].eq("ok")
     data = pd.DataFrame({"size": rows["size"], "precision": rows["precision"], "config": rows["config"],
                          "status": rows["status"],
-                         **{label: rows[column].where(ok) for label, column in {**FSDP_MS, **FSDP_MIB}.items()}})
+                         **{label: rows[column].where(ok) for label, column in {**FSDP_MS, **FSDP_MIB}.items()},
+                         # the run's setting, which the prose states from these cells
+                         **{label: rows[column] for column, label in FSDP_SETTINGS.items()}})
     return NumericTable(data, (Col("size"), Col("precision"), Col("config"), Col("status"),
-                               *(Col(c, ".1f") for c in FSDP_MS), *(Col(c, ",.0f") for c in FSDP_MIB)))
+                               *(Col(c, ".1f") for c in FSDP_MS), *(Col(c, ",.0f") for c in FSDP_MIB),
+                               *(Col(c, "d") for c in FSDP_SETTINGS.values())))
 
 
 def render_fsdp(ctx: Context) -> Section:
@@ -347,10 +421,12 @@ def render_fsdp(ctx: Context) -> Section:
     table = ctx.numeric("fsdp")
     q = Quotes(table)
     first = frame.iloc[0]
+    said = {h: _shared_cell(table, h) for h in FSDP_SETTINGS.values()}
+    setting = (f"{said['ranks']} ranks, batch {said['batch per rank']} per rank, context {said['context']}"
+               if None not in said.values() else "each row's ranks, batch per rank and context (the table's columns)")
     intro = (f"Answers the 2026 handout, section 7 (fsdp). `cs336_systems.distributed.FSDP` against torch's FSDP2 "
              f"(`fully_shard` per block, same mixed-precision policy), our bucketed DDP and our ZeRO-1 in one run per "
-             f"size: {first['world_size']} ranks, batch {first['batch_per_rank']} per rank, context "
-             f"{first['context_length']}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
+             f"size: {setting}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
              "Times are means over the measured steps (the parts add up to the step); peaks are each phase's own "
              "(the peak counter is reset before forward+backward and before the step).")
     step, peaks = "step (ms, mean)", ("peak fwd+bwd (MiB)", "peak optimizer step (MiB)")
@@ -372,7 +448,10 @@ def render_fsdp(ctx: Context) -> Section:
                   "memory is measured on CUDA only")
         checked.append(f"{size}, {precision}: ours {table.quote(step, **keys, config='fsdp')} ms per step against "
                        f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); {memory}.")
-    return Section([intro, *checked, ctx.table("fsdp")], table, checked, q.derived)
+    # the handout's numbering, ZeRO-1's stage and the device's name (a CPU's names its cores) are words of the
+    # sentence
+    return Section([intro, *checked, ctx.table("fsdp")], table, [intro, *checked], q.derived,
+                   wording=("2026", "7", "1", *NUMBER.findall(str(first["device_name"]))))
 
 
 def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
@@ -381,25 +460,47 @@ def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
 
 
 def render_fsdp_accounting_section(ctx: Context) -> str:
-    parts = [render_fsdp_accounting(ctx.frame("sharding"))]
-    overlap = ctx.frame("fsdp_overlap")
-    if overlap is None:
-        parts.append("### fsdp_accounting (b)\n\npending: rule `fsdp_overlap` has not produced "
-                     f"{ctx.results / 'fsdp_overlap.csv'} yet (a profiled step on two GPUs).")
-    else:
-        lines = ["### fsdp_accounting (b) — do the all-gathers finish before the forward needs them\n",
-                 "From a PyTorch-profiler trace of one step per wrapper (`bench.ddp --trace-dir`, rank 0; Nsight "
-                 "Systems cannot make reports on our machines): communication kernels while no compute kernel "
-                 "runs are exposed, the time a layer waited for its weights (forward) or the step waited for "
-                 "gathers and reduce-scatters (backward)."]
-        for _, row in overlap.iterrows():
-            lines.append(f"- {row['trace']}: {row['communication_ms']:.1f} ms of communication, "
-                         f"{row['exposed_in_forward_ms']:.1f} ms exposed in the forward, "
-                         f"{row['exposed_in_backward_ms']:.1f} ms in the backward "
-                         f"({row['exposed_communication_ms']:.1f} ms in the whole step).")
-            lines.append(ctx.figure(f"fsdp_traces/{row['trace']}", f"trace {row['trace']}"))
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts)
+    return render_fsdp_accounting(ctx.frame("sharding"))
+
+
+# the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
+FSDP_OVERLAP = {"communication (ms)": "communication_ms", "exposed in forward (ms)": "exposed_in_forward_ms",
+                "exposed in backward (ms)": "exposed_in_backward_ms",
+                "exposed in step (ms)": "exposed_communication_ms"}
+
+
+def fsdp_overlap_table(frame: pd.DataFrame) -> NumericTable:
+    """One row per traced wrapper: its communication kernels' time and the part of it during which no compute
+    kernel ran (exposed), in the forward, in the backward and over the whole step."""
+    rows = frame.sort_values("trace")
+    data = pd.DataFrame({"trace": rows["trace"], **{label: rows[column] for label, column in FSDP_OVERLAP.items()}})
+    return NumericTable(data, (Col("trace"), *(Col(c, ".1f") for c in FSDP_OVERLAP)))
+
+
+def _fsdp_overlap_line(q: Quotes, trace: str) -> str:
+    """One trace's line: its cells, or that it communicated nothing (the no-data-parallelism baseline)."""
+    communication = q.table.value("communication (ms)", trace=trace)
+    if pd.isna(communication) or communication == 0:
+        return f"- {trace}: no communication kernels."
+    forward, backward, step = (q.cell(h, trace=trace) for h in list(FSDP_OVERLAP)[1:])
+    return (f"- {trace}: {q.cell('communication (ms)', trace=trace)} ms of communication, {forward} ms exposed in "
+            f"the forward, {backward} ms in the backward ({step} ms in the whole step).")
+
+
+def render_fsdp_overlap(ctx: Context) -> Section:
+    table = ctx.numeric("fsdp_overlap")
+    q = Quotes(table)
+    intro = ("Answers the 2026 handout, section 7 (fsdp_accounting (b)): do the all-gathers finish before the "
+             "forward needs them? From a PyTorch-profiler trace of one step per wrapper (`bench.ddp --trace-dir`, "
+             "the first rank; Nsight Systems cannot make reports on our machines): communication kernels while no "
+             "compute kernel runs are exposed, the time a layer waited for its weights (forward) or the step waited "
+             "for gathers and reduce-scatters (backward).")
+    traces = list(table.data["trace"])
+    lines = "\n".join(_fsdp_overlap_line(q, trace) for trace in traces)
+    figures = [ctx.figure(f"fsdp_traces/{trace}", f"trace {trace}") for trace in traces]
+    # the handout's numbering is a word of the sentence
+    return Section([intro, lines, ctx.table("fsdp_overlap"), *figures], table, [intro, lines], q.derived,
+                   wording=("2026", "7"))
 
 
 # ---- 8: parallelism analysis ------------------------------------------------------------------------
@@ -526,7 +627,12 @@ DELIVERABLES = [
                 ("fsdp",),
                 tables=(Table("fsdp", "fsdp", fsdp_table,
                               "FSDP step time and per-phase peak memory beside torch FSDP2, DDP and ZeRO-1"),)),
-    Deliverable("2026 §7 fsdp_accounting (a–b)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",)),
+    Deliverable("2026 §7 fsdp_accounting (a)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",)),
+    Deliverable("2026 §7 fsdp_accounting (b): exposed communication per wrapper", "fsdp_overlap", render_fsdp_overlap,
+                ("fsdp_overlap",),
+                tables=(Table("fsdp_overlap", "fsdp_overlap", fsdp_overlap_table,
+                              "FSDP step traces, first rank: communication kernel time and the part of it no compute "
+                              "kernel overlapped (exposed), per phase"),)),
     Deliverable("2026 §8 analysing parallelism strategies (DP, FSDP, TP, 2D)", "allreduce",
                 render_parallelism_section, ("allreduce",)),
     Deliverable("2026 §9 leaderboard parts: the fused LM head + cross-entropy", "linear_ce", render_linear_ce,
