@@ -47,6 +47,9 @@ class PartialRows:
         return frame
 
 
+# The columns every results row carries (provenance.provenance writes them).
+PROVENANCE_COLUMNS = ("device_name", "torch_version", "triton_version", "cuda_version", "git_commit", "timestamp",
+                      "hostname")
 # Provenance columns read as text: a commit hash of digits, "e" and digits (8406e2351569102691...) is otherwise
 # parsed as a float with a huge exponent, which crashed pandas 2.3.3's reader outright (a segmentation fault).
 TEXT_COLUMNS = {"git_commit": str, "hostname": str, "run_id": str}

@@ -602,3 +602,10 @@ def test_read_table_keeps_a_number_like_commit_as_text(tmp_path):
     assert frame["git_commit"].tolist() == [commit] and frame["hostname"].tolist() == ["123"]
     assert frame["step_ms"].dtype.kind == "f"
     assert read_rows(path, path)["git_commit"].tolist() == [commit, commit]
+
+
+def test_provenance_writes_the_documented_columns():
+    from cs336_systems.provenance import provenance
+    from cs336_systems.results import PROVENANCE_COLUMNS
+
+    assert tuple(provenance("cpu")) == PROVENANCE_COLUMNS

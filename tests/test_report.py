@@ -583,6 +583,8 @@ def test_trace_figures_share_their_time_axis_and_mark_phases(tmp_path, drawn):
         assert ax.get_xlim() == (0.0, 4.0)  # the longer trace's 4 ms, for both
         assert [t.get_text() for t in ax.texts] == ["forward", "backward", "optimizer"]
         assert stamp == "NVIDIA H200 · commit ddddddd"
+    out = pd.read_csv(tmp_path / "o.csv")  # each trace's row carries the run's provenance, for the table's caption
+    assert list(out["device_name"]) == ["NVIDIA H200"] * 2 and list(out["git_commit"]) == ["d" * 40] * 2
 
 
 def test_recorded_snapshot_carries_the_phase_marks(tmp_path, monkeypatch):

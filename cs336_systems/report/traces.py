@@ -41,7 +41,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.results import read_rows, write_rows
+from cs336_systems.results import PROVENANCE_COLUMNS, read_rows, write_rows
 from cs336_systems.report.figures import save_figure  # also selects the Agg backend
 
 COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce|all_?gather|reduce_?scatter", re.IGNORECASE)
@@ -186,11 +186,13 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"{path}: no communication events found")
         traced.append((path, events, found))
     xmax = max(span_ms(found) for _, _, found in traced)  # one time axis for every figure of the run
+    # the traces' run is the rows': each trace's row carries its device, versions and commit
+    carried = {} if provenance is None else {c: provenance[c].iloc[0] for c in PROVENANCE_COLUMNS if c in provenance}
     rows = []
     for path, events, found in traced:
         draw(found, Path(args.figures_dir) / f"{path.stem}.png",
              f"{path.stem}: compute and communication by phase", xmax, provenance)
-        rows.append(trace_row(path.stem, events, found))
+        rows.append({**trace_row(path.stem, events, found), **carried})
     write_rows(rows, args.out)
 
 
