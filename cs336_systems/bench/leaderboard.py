@@ -71,6 +71,7 @@ As a library: `run(LeaderboardConfig(...), "out.csv")`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -396,26 +397,30 @@ def forwards(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> l
             for i, (x, y, share) in enumerate(slices)]
 
 
-def forward_backward(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Forward + cross-entropy and backward of every micro-batch in turn, inside the data-parallel wrapper's two
-    hooks; the batch's mean loss, detached (this rank's, under data parallelism)."""
+def forward_backward(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor,
+                     each_pass: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+    """Forward + cross-entropy and backward of every micro-batch in turn (each inside `each_pass()`, e.g. to read
+    its memory peak), inside the data-parallel wrapper's two hooks; the batch's mean loss, detached (this rank's,
+    under data parallelism)."""
     if trainee.wrapper is not None:
         trainee.wrapper.on_train_batch_start()
     total = None
     for forward in forwards(trainee, inputs, targets):
-        loss = forward()
-        loss.backward()
+        with each_pass():
+            loss = forward()
+            loss.backward()
         total = loss.detach() if total is None else total + loss.detach()
     if trainee.wrapper is not None:
         trainee.wrapper.finish_gradient_synchronization()
     return total
 
 
-def train_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def train_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor,
+               each_pass: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
     """The handout's step: zero_grad(set_to_none=True), forward + cross-entropy, backward (per micro-batch,
-    gradients accumulated), AdamW step."""
+    gradients accumulated; `each_pass` as forward_backward's), AdamW step."""
     trainee.optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(trainee, inputs, targets)
+    loss = forward_backward(trainee, inputs, targets, each_pass)
     trainee.optimizer.step()
     return loss
 
@@ -458,11 +463,16 @@ def _tokens(vocab: int, batch: int, context: int, device: torch.device, seed: in
     return tuple(torch.randint(vocab, (batch, context), device=device, generator=generator) for _ in range(2))
 
 
+def _share(*batches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This rank's slice of batch / world sequences of each (the whole batch without a process group)."""
+    rank, world = _world()
+    return tuple(t.chunk(world)[rank] for t in batches)
+
+
 def _local_tokens(vocab: int, batch: int, context: int, device: torch.device, seed: int) -> tuple[torch.Tensor, ...]:
     """This rank's share of the batch's token ids and targets: every rank draws the whole batch from the same seed
-    and keeps its slice of batch / world sequences (the whole batch without a process group)."""
-    rank, world = _world()
-    return tuple(t.chunk(world)[rank] for t in _tokens(vocab, batch, context, device, seed))
+    and keeps its slice."""
+    return _share(*_tokens(vocab, batch, context, device, seed))
 
 
 def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, config: LeaderboardConfig,
@@ -501,18 +511,16 @@ def _capacity_bytes(config: LeaderboardConfig, device: torch.device) -> float:
 def _pass_peaks(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, device: torch.device) -> list[float]:
     """One training step, the allocator's peak of each pass (forward and backward of one micro-batch; the last
     pass's includes the optimizer step), in bytes (NaN where the device keeps no peak)."""
-    trainee.optimizer.zero_grad(set_to_none=True)
-    if trainee.wrapper is not None:
-        trainee.wrapper.on_train_batch_start()
     peaks = []
-    for forward in forwards(trainee, inputs, targets):
+
+    @contextlib.contextmanager
+    def peak_of_pass():
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        forward().backward()
+        yield
         peaks.append(_peak_bytes(device))
-    if trainee.wrapper is not None:
-        trainee.wrapper.finish_gradient_synchronization()
-    trainee.optimizer.step()
+
+    train_step(trainee, inputs, targets, peak_of_pass)
     synchronize(device)
     peaks[-1] = max(peaks[-1], _peak_bytes(device))
     return peaks
@@ -668,14 +676,14 @@ def run_check(config: LeaderboardConfig, device: torch.device) -> Iterator[dict]
     anchor = _errors(plain_eager(config.param_dtype), reference)  # torch's own error in this dtype
     floors = CHECK_FLOORS[config.param_dtype]
     tolerance = {"loss": max(2 * anchor["loss_err"], floors["loss"]), "grad": max(2 * anchor["grad_err"], floors["grad"])}
-    rank, world = _world()  # under data parallelism each rank checks its averaged gradients against the reference
+    world = _world()[1]  # under data parallelism each rank checks its averaged gradients against the reference
     for provider in config.providers:
         _fresh(device)
         base = {**recipe_columns(provider, config, config.check_batch), "size": f"check:{config.check_size}",
                 "world_size": world, "batch": config.check_batch, "context_length": config.check_context}
         trainee = build(provider, model_config, config, device, weights,
                         checkpoint=CHECK_CHECKPOINT if recipe(provider).checkpoint == AUTO else None)
-        result = _loss_and_gradients(trainee, *(t.chunk(world)[rank] for t in (inputs, targets)))
+        result = _loss_and_gradients(trainee, *_share(inputs, targets))
         errors = _errors(result, reference)
         del trainee
         ok = errors["loss_err"] <= tolerance["loss"] and errors["grad_err"] <= tolerance["grad"]
@@ -709,7 +717,7 @@ def check_world(config: LeaderboardConfig, world: int) -> None:
             raise ValueError(f"batch {batch} does not split into {world} equal shares")
     if spec.kind != "none":
         for batch, provider in config.points():
-            if -(-(batch // world) // sequences_per_pass(provider, batch // world)) > 1:
+            if sequences_per_pass(provider, batch // world) < batch // world:
                 raise ValueError(f"{provider} at batch {batch} on {world} ranks passes "
                                  f"{sequences_per_pass(provider, batch // world)} of its {batch // world} sequences at "
                                  f"a time; with data parallelism a rank's share runs in one pass (more ranks, or a "

@@ -301,7 +301,6 @@ def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Mo
     rows = [{"kind": "time", "category": category, "calls": calls, "value": ms, "unit": "ms", "tool": tool}
             for category, (calls, ms) in device_times(prof.events(), device, listing).items()]
     if snapshot is not None:  # every kernel counted, beside the snapshot (a check of the categories' sum)
-        Path(snapshot).parent.mkdir(parents=True, exist_ok=True)
         write_rows(listing, Path(snapshot).with_suffix(".kernels.csv"))
     rows.append({"kind": "time", "category": WALL_OF_OPS, "value": total_device_ms(prof, device), "unit": "ms",
                  "tool": tool + " (summed another way: the check of the categories)"})

@@ -388,9 +388,10 @@ def _auto_sentence(q: Quotes, frame: pd.DataFrame) -> str:
 def _accumulation_words(timed: pd.DataFrame) -> str:
     """Whether any run's `ours` accumulated gradients over passes of fewer sequences than its batch."""
     ours = timed[timed["provider"] == "ours"]
-    if "microbatch" not in ours or not (ours["microbatch"] < ours["batch"]).any():
+    accumulated = ours[ours["microbatch"] < ours["batch"]] if "microbatch" in ours else ours.iloc[:0]
+    if not len(accumulated):
         return ""
-    runs = ", ".join(dict.fromkeys(ours.loc[ours["microbatch"] < ours["batch"], "run_id"].astype(str).str[:6]))
+    runs = ", ".join(dict.fromkeys(accumulated["run_id"].astype(str).str[:6]))
     return (f", and in run {runs} forward and backward over fewer sequences at a time than the batch (column "
             "'sequences / pass'), the gradients accumulated, so that a pass holds only its sequences' activations")
 
