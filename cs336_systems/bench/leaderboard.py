@@ -77,6 +77,7 @@ import math
 import os
 import sys
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -488,6 +489,7 @@ def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tens
     except Exception as error:  # noqa: BLE001: whatever the profiler breaks (a SystemError from a compiled
         # autograd Function under it, seen on an H200), the point's timed row is kept
         print(f"  [{name}] profiled step failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        traceback.print_exc(file=sys.stderr)  # where it broke, for the log (the row keeps the message only)
         return [{"kind": "error", "category": "profiled step", "value": math.nan, "unit": "",
                  "tool": f"{type(error).__name__}: {str(error)[:300]}"}]
     print(f"  [{name}] profiled step: {rows[-len(step_profile.MEMORY) - 1]['value']:.1f} ms", file=sys.stderr,
