@@ -34,3 +34,12 @@ def interpreter_in_child_processes() -> Iterator[None]:
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def gluon_call(rule, head_dim: int, is_causal: bool, batch: int = 1) -> tuple[int, int, int, int]:
+    """The smallest square (batch, heads, n, head_dim) call that `rule` (a flash_dispatch.GluonRule) gives the Gluon
+    kernel: n its `min_keys`, heads the fewest powers of two that reach its `min_scores`."""
+    n, heads = rule.min_keys, 1
+    while not rule.holds((batch, heads, n, head_dim), (batch, heads, n, head_dim), is_causal):
+        heads *= 2
+    return batch, heads, n, head_dim

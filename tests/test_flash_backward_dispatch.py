@@ -21,8 +21,8 @@ from cs336_systems.kernels.common import INTERPRET
 from cs336_systems.kernels.flash_dispatch import (
     BACKWARD_ENV,
     FORWARD_ENV,
-    GLUON_BACKWARD_MIN_KEYS,
-    GLUON_MIN_KEYS,
+    GLUON_BACKWARD_RULES,
+    GLUON_FORWARD_RULES,
     HOPPER,
     choose_backward,
     gluon_backward_pays,
@@ -30,6 +30,7 @@ from cs336_systems.kernels.flash_dispatch import (
 )
 from cs336_systems.kernels.settings import FlashSettings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
+from tests.kernel_devices import gluon_call
 from tests.test_flash_gluon import FA2_TILE, _counting, _fresh, _rel_err, _with_grads, needs_sm90
 # The stage-2 run's CSV (results/diagnosis/flash_gluon_stage2.py --out ..., H100, commit 5eab24b; NOTES.md,
 # "Wiring the backward").
@@ -55,45 +56,89 @@ def no_flash_choice(monkeypatch):
 # the rule, on CPU
 # ----------------------------------------------------------------------------------------------
 def test_shape_rule_picks_the_faster_backward_at_every_measured_shape():
-    """The rule was written from these H100 timings: at each shape it must pick whichever of the shipped Gluon
-    backward and our FA2 backward was faster."""
+    """The rule agrees with these H100 timings of the stage-2 run: at each shape it picks whichever of the shipped
+    Gluon backward and our FA2 backward was faster."""
     if not TIMINGS.exists():
         pytest.skip(f"{TIMINGS} is not in this tree (the stage-2 run's CSV)")
     rows = pd.read_csv(TIMINGS)
     rows = rows[rows["section"] == "timing"]
-    times = rows.pivot_table(index=["case", "seq", "head_dim", "causal"], columns="provider", values="ms")
+    times = rows.pivot_table(index=["case", "batch", "heads", "seq", "head_dim", "causal"], columns="provider",
+                             values="ms")
     assert len(times) >= 4 and times[["gluon_shipped", "flash_triton"]].notna().all().all()
-    for (case, seq, head_dim, causal), t in times.iterrows():
+    for (case, batch, heads, seq, head_dim, causal), t in times.iterrows():
         faster = t["gluon_shipped"] < t["flash_triton"]
-        assert gluon_backward_pays(HOPPER, seq, seq, bool(causal)) == faster, \
+        shape = (int(batch), int(heads), int(seq), int(head_dim))
+        assert gluon_backward_pays(HOPPER, shape, shape, bool(causal)) == faster, \
             f"{case}: Gluon {t['gluon_shipped']:.3f} ms, FA2 {t['flash_triton']:.3f} ms"
 
 
-# Both passes' shape rules (the forward's and the backward's), each with its own threshold.
-SHAPE_RULES = [pytest.param(gluon_pays, GLUON_MIN_KEYS, id="forward"),
-               pytest.param(gluon_backward_pays, GLUON_BACKWARD_MIN_KEYS, id="backward")]
+# The H100 run the rules were written from (results/diagnosis/flash_gluon_threshold.py, NOTES.md "Where Gluon starts").
+THRESHOLD = Path(__file__).parents[1] / "results/diagnosis/flash_gluon_threshold/threshold.csv"
+# Both passes' shape rules (the forward's and the backward's), each with its own rules per head dim.
+SHAPE_RULES = [pytest.param(gluon_pays, GLUON_FORWARD_RULES, "forward", id="forward"),
+               pytest.param(gluon_backward_pays, GLUON_BACKWARD_RULES, "backward", id="backward")]
 
 
-@pytest.mark.parametrize("pays,min_keys", SHAPE_RULES)
+@pytest.mark.parametrize("pays,rules,pass_", SHAPE_RULES)
+def test_shape_rules_pick_the_faster_kernel_over_the_measured_grid(pays, rules, pass_):
+    """Against the grid the rules were written from: wherever the calls are device-bound (FA2 >= 1 ms) and one
+    kernel was clearly faster (by 20%: the run's noise at one point reached 15%), the rule picks it; and over the
+    whole grid the rule's choices add up to less time than always FA2, always Gluon, or the earlier rule (Gluon from
+    4096 keys on)."""
+    rows = pd.read_csv(THRESHOLD)
+    times = rows[(rows["status"] == "ok") & (rows["pass"] == pass_)].pivot_table(
+        index=["batch", "heads", "seq_len", "head_dim", "causal"], columns="variant", values="median_ms")
+    assert len(times) >= 60 and times[["fa2", "gluon"]].notna().all().all()
+    totals = {"rule": 0.0, "fa2": 0.0, "gluon": 0.0, "earlier": 0.0}
+    for (batch, heads, seq, head_dim, causal), t in times.iterrows():
+        shape = (batch, heads, seq, head_dim)
+        gluon = pays(HOPPER, shape, shape, bool(causal))
+        if t["fa2"] >= 1.0 and max(t["fa2"], t["gluon"]) > 1.2 * min(t["fa2"], t["gluon"]):
+            assert gluon == (t["gluon"] < t["fa2"]), f"{shape} causal={causal}: FA2 {t['fa2']:.3f}, Gluon {t['gluon']:.3f}"
+        totals["rule"] += t["gluon" if gluon else "fa2"]
+        totals["fa2"] += t["fa2"]
+        totals["gluon"] += t["gluon"]
+        totals["earlier"] += t["gluon" if seq >= 4096 else "fa2"]
+    assert totals["rule"] < min(totals["fa2"], totals["gluon"], totals["earlier"]), totals
+
+
+@pytest.mark.parametrize("pays,rules,pass_", SHAPE_RULES)
 @pytest.mark.parametrize("capability", [None, (8, 0), (8, 9), (10, 0), (12, 0)])
-def test_shape_rule_keeps_fa2_off_hopper(pays, min_keys, capability):
-    n = 8 * min_keys
-    assert pays(HOPPER, n, n, True) and not pays(capability, n, n, True)
+def test_shape_rule_keeps_fa2_off_hopper(pays, rules, pass_, capability):
+    for head_dim, rule in rules.items():
+        shape = gluon_call(rule, head_dim, True)
+        assert pays(HOPPER, shape, shape, True) and not pays(capability, shape, shape, True)
 
 
-@pytest.mark.parametrize("pays,min_keys", SHAPE_RULES)
-def test_shape_rule_counts_the_keys_the_longest_row_sees(pays, min_keys):
-    n = min_keys
-    assert pays(HOPPER, n, n, True) and not pays(HOPPER, n - 1, n - 1, False)
-    # causal rows see keys 0..i (aligned at the start): 300 queries see at most 300 keys, however many there are
-    assert not pays(HOPPER, 300, 8 * n, True) and pays(HOPPER, 300, 8 * n, False)
-    assert not pays(HOPPER, 8 * n, 300, True) and not pays(HOPPER, 8 * n, 300, False)
+@pytest.mark.parametrize("pays,rules,pass_", SHAPE_RULES)
+def test_shape_rule_counts_the_longest_row_and_the_scores(pays, rules, pass_):
+    for head_dim, rule in rules.items():
+        batch, heads, n, d = gluon_call(rule, head_dim, True)
+        assert pays(HOPPER, (batch, heads, n, d), (batch, heads, n, d), True)
+        # one row too short, or half the heads (half the scores): FA2
+        assert not pays(HOPPER, (batch, 64 * heads, n - 1, d), (batch, 64 * heads, n - 1, d), False)
+        assert not pays(HOPPER, (batch, heads // 2, n, d), (batch, heads // 2, n, d), True)
+        assert pays(HOPPER, (2 * batch, heads // 2, n, d), (2 * batch, heads // 2, n, d), True)  # batch counts too
+        # causal rows see keys 0..i (aligned at the start): 300 queries see at most 300 keys, however many there are
+        wide = (batch, 1024 * heads, 300, d), (batch, 1024 * heads, 8 * n, d)
+        assert not pays(HOPPER, *wide, True) and pays(HOPPER, *wide, False)
+        assert not pays(HOPPER, wide[1], wide[0], False)  # 300 keys
+        assert not pays(HOPPER, (batch, heads, n, 32), (batch, heads, n, 32), True)  # no rule for head dim 32
+
+
+def test_attention_scores_counts_the_pairs_computed():
+    for n_q, n_k in ((5, 5), (3, 7), (7, 3), (1, 1)):
+        full = torch.ones(n_q, n_k, dtype=torch.bool)
+        causal = torch.ones(n_q, n_k).tril().bool()  # row i sees keys 0..i
+        assert flash_dispatch.attention_scores((2, 3, n_q, 8), (2, 3, n_k, 8), False) == 6 * int(full.sum())
+        assert flash_dispatch.attention_scores((2, 3, n_q, 8), (2, 3, n_k, 8), True) == 6 * int(causal.sum())
+        assert flash_dispatch.attention_scores((3, n_q, 8), (3, n_k, 8), True) == 3 * int(causal.sum())
 
 
 def test_cpu_and_interpreter_take_fa2(no_flash_choice):
-    n = 2 * GLUON_BACKWARD_MIN_KEYS
-    inputs = _backward_inputs((1, 2, n, 64), (1, 2, n, 64))  # all the Gluon backward asks for but the device
-    assert flash_gluon_bwd.layout_problem(*inputs[:3]) is None and gluon_backward_pays(HOPPER, n, n, True)
+    shape = gluon_call(GLUON_BACKWARD_RULES[64], 64, True)
+    inputs = _backward_inputs(shape, shape)  # all the Gluon backward asks for but the device
+    assert flash_gluon_bwd.layout_problem(*inputs[:3]) is None and gluon_backward_pays(HOPPER, shape, shape, True)
     assert choose_backward(*inputs, True) == "triton"
     assert choose_backward(*inputs, True, backward="triton") == "triton"
     with pytest.raises(ValueError, match="Gluon backward was asked for .* " +
@@ -114,16 +159,17 @@ def test_auto_on_a_pretend_hopper_hands_the_inputs_to_the_gluon_backward(no_flas
     calls = []
     no_flash_choice.setattr(flash_gluon_bwd, "flash_backward_gluon",
                             lambda *args, **options: calls.append((args, options)) or "gluon ran")
-    n = GLUON_BACKWARD_MIN_KEYS
-    q, k, v, out, lse, grad_out = _backward_inputs((1, 2, n, 64), (1, 2, n, 64))
+    batch, heads, n, _ = gluon_call(GLUON_BACKWARD_RULES[64], 64, True)
+    q, k, v, out, lse, grad_out = _backward_inputs((batch, heads, n, 64), (batch, heads, n, 64))
     assert flash_triton.flash_backward(q, k, v, out, lse, grad_out, True) == "gluon ran"
     assert len(calls) == 1
     args, options = calls[0]
     assert all(a is b for a, b in zip(args, (q, k, v, out, grad_out, lse, True), strict=True))
     assert options == {"checked": True, "fast_launch": True}
-    for other in (_backward_inputs((1, 2, n - 1, 64), (1, 2, n - 1, 64)),  # shorter than the rule
-                  _backward_inputs((1, 2, n, 64), (1, 2, n, 64), dtype=torch.float32),  # a dtype it does not take
-                  _backward_inputs((1, 2, n, 32), (1, 2, n, 32))):  # a head dim it does not take
+    for other in (_backward_inputs((batch, heads, n - 1, 64), (batch, heads, n - 1, 64)),  # shorter than the rule
+                  _backward_inputs((batch, heads // 2, n, 64), (batch, heads // 2, n, 64)),  # too few scores
+                  _backward_inputs((batch, heads, n, 64), (batch, heads, n, 64), dtype=torch.float32),  # a dtype it does not take
+                  _backward_inputs((batch, heads, n, 32), (batch, heads, n, 32))):  # a head dim it does not take
         assert choose_backward(*other, True) == "triton"
     assert choose_backward(q, k, v, out, lse.double(), grad_out, True) == "triton"  # an L no forward of ours writes
     assert choose_backward(q, k, v, out, lse, grad_out, True, backward="triton") == "triton"
@@ -205,7 +251,8 @@ def test_small_calls_run_fa2s_backward_everywhere(no_flash_choice, kernel_device
 # ----------------------------------------------------------------------------------------------
 # (q shape, k shape, causal, model layout, forward): lengths off the 128-key and 64-query tiles, rectangular both
 # ways (causal aligned at the start), 3-d inputs, the model's strides; the FA2 forward feeding the Gluon backward;
-# the last three long enough for "auto" to take the Gluon backward.
+# the long ones past the tiles' 4096-key boundary. "auto" gives these small calls FA2's backward (GLUON_BACKWARD_RULES);
+# test_gpu_dispatch_by_input_on_hopper checks that it gives large ones Gluon's.
 WIRE_CASES = [
     ((2, 3, 1000, 64), (2, 3, 1000, 64), True, False, "auto"),
     ((1, 2, 777, 128), (1, 2, 777, 128), False, True, "auto"),
@@ -229,7 +276,7 @@ def test_gpu_autograd_function_with_the_gluon_backward(q_shape, k_shape, causal,
     backward fed the same forward."""
     q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
     spies = _Spies(no_flash_choice)
-    takes_gluon = backward == "gluon" or gluon_backward_pays(HOPPER, q_shape[-2], k_shape[-2], causal)
+    takes_gluon = backward == "gluon" or gluon_backward_pays(HOPPER, q_shape, k_shape, causal)
     no_flash_choice.setenv(FORWARD_ENV, forward)
     with flash_triton.pinned_tiles(FA2_TILE, FA2_TILE):
         no_flash_choice.setenv(BACKWARD_ENV, backward)
@@ -252,14 +299,14 @@ def test_gpu_autograd_function_with_the_gluon_backward(q_shape, k_shape, causal,
 def test_gpu_dispatch_by_input_on_hopper(no_flash_choice):
     """On the device: the rule's long shapes take the Gluon backward; what the kernel does not take goes to FA2 in
     "auto" and is a clear error when Gluon is forced."""
-    n = GLUON_BACKWARD_MIN_KEYS
-    long = _backward_inputs((1, 2, n, 64), (1, 2, n, 64), device="cuda")
-    short = _backward_inputs((1, 2, n - 1, 64), (1, 2, n - 1, 64), device="cuda")
+    batch, heads, n, _ = gluon_call(GLUON_BACKWARD_RULES[64], 64, True)
+    long = _backward_inputs((batch, heads, n, 64), (batch, heads, n, 64), device="cuda")
+    short = _backward_inputs((batch, heads, n - 1, 64), (batch, heads, n - 1, 64), device="cuda")
     assert choose_backward(*long, True) == "gluon" and choose_backward(*short, True) == "triton"
     assert choose_backward(*long, True, backward="triton") == "triton"
     assert choose_backward(*short, True, backward="gluon") == "gluon"
     for dtype, head_dim, words in ((torch.float32, 64, "dtype torch.float32"), (torch.bfloat16, 32, "head dim 32")):
-        other = _backward_inputs((1, 2, n, head_dim), (1, 2, n, head_dim), dtype=dtype, device="cuda")
+        other = _backward_inputs((batch, heads, n, head_dim), (batch, heads, n, head_dim), dtype=dtype, device="cuda")
         assert choose_backward(*other, True) == "triton"
         with pytest.raises(ValueError, match=words):
             choose_backward(*other, True, backward="gluon")

@@ -26,8 +26,8 @@ import torch
 
 from cs336_systems.kernels import flash_dispatch, flash_gluon
 from cs336_systems.kernels.common import INTERPRET
-from cs336_systems.kernels.flash_dispatch import (BACKWARD_ENV, FORWARD_ENV, GLUON_MIN_KEYS, HOPPER, choose_forward,
-                                                  gluon_pays)
+from cs336_systems.kernels.flash_dispatch import (BACKWARD_ENV, FORWARD_ENV, GLUON_FORWARD_RULES, HOPPER,
+                                                  choose_forward, gluon_pays)
 from cs336_systems.kernels.flash_gluon import (
     TILES,
     GluonTile,
@@ -41,6 +41,7 @@ from cs336_systems.kernels.flash_gluon import (
     tile_works,
 )
 from cs336_systems.model.attention import attention_scores, naive_attention
+from tests.kernel_devices import gluon_call
 
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 GPU")
@@ -306,23 +307,24 @@ FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autot
 
 
 def test_shape_rule_picks_the_faster_forward_at_every_measured_shape():
-    """The rule was written from these H100 timings (NOTES.md, "Gluon forward (stage 1)"): at each shape it must
-    pick whichever of the shipped Gluon program order and our FA2 forward was faster."""
+    """The rule agrees with these H100 timings (NOTES.md, "Gluon forward (stage 1)"): at each shape it picks
+    whichever of the shipped Gluon program order and our FA2 forward was faster."""
     rows = pd.read_csv(TIMINGS)
     gluon = f"gluon_group{flash_gluon.HEADS_PER_GROUP}"
-    times = rows.pivot_table(index=["case", "seq", "head_dim", "causal"], columns="provider", values="ms")
+    times = rows.pivot_table(index=["case", "batch", "heads", "seq", "head_dim", "causal"], columns="provider",
+                             values="ms")
     assert len(times) >= 5 and times[[gluon, "flash_triton"]].notna().all().all()
-    for (case, seq, head_dim, causal), t in times.iterrows():
+    for (case, batch, heads, seq, head_dim, causal), t in times.iterrows():
         faster = t[gluon] < t["flash_triton"]
-        assert gluon_pays(HOPPER, seq, seq, bool(causal)) == faster, \
+        shape = (int(batch), int(heads), int(seq), int(head_dim))
+        assert gluon_pays(HOPPER, shape, shape, bool(causal)) == faster, \
             f"{case}: Gluon {t[gluon]:.3f} ms, FA2 {t['flash_triton']:.3f} ms"
 
 
 def test_cpu_and_interpreter_take_fa2(monkeypatch):
     monkeypatch.delenv(FORWARD_ENV, raising=False)
-    n = 2 * GLUON_MIN_KEYS
-    q = torch.empty(1, 2, n, 64, dtype=torch.bfloat16)  # all the Gluon kernel asks for but the device
-    assert layout_problem(q, q, q) is None and gluon_pays(HOPPER, n, n, True)
+    q = torch.empty(gluon_call(GLUON_FORWARD_RULES[64], 64, True), dtype=torch.bfloat16)  # all Gluon asks but the device
+    assert layout_problem(q, q, q) is None and gluon_pays(HOPPER, q.shape, q.shape, True)
     assert choose_forward(q, q, q, True) == "triton"
     assert choose_forward(q, q, q, True, forward="triton") == "triton"
     with pytest.raises(ValueError, match="interpreter" if INTERPRET else "needs CUDA tensors"):
@@ -369,7 +371,7 @@ def test_auto_on_a_pretend_hopper_runs_the_gluon_forward_once_checked(monkeypatc
     monkeypatch.setattr(flash_gluon, "device_problem", lambda q: None)
     calls = []
     monkeypatch.setattr(flash_gluon, "_forward", lambda q, k, v, is_causal, **options: calls.append(options) or "ran")
-    q = torch.randn(1, 2, GLUON_MIN_KEYS, 64, dtype=torch.bfloat16)
+    q = torch.empty(gluon_call(GLUON_FORWARD_RULES[64], 64, True), dtype=torch.bfloat16)
     assert flash_triton.flash_forward(q, q, q, True) == "ran"
     assert flash_triton.flash_forward(q[..., :16, :], q, q, True) != "ran"  # causal rows of <= 16 keys: FA2's
     assert calls == [{"checked": True, "fast_launch": True}]
@@ -489,7 +491,7 @@ def test_gpu_autograd_function_with_the_gluon_forward(q_shape, k_shape, causal, 
     q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
     monkeypatch.setenv(BACKWARD_ENV, "triton")
     calls = _spy_on_gluon(monkeypatch)
-    takes_gluon = forward == "gluon" or gluon_pays(HOPPER, q_shape[-2], k_shape[-2], causal)
+    takes_gluon = forward == "gluon" or gluon_pays(HOPPER, q_shape, k_shape, causal)
     with pinned_tiles(FA2_TILE, FA2_TILE):
         monkeypatch.setenv(FORWARD_ENV, forward)
         got = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
@@ -517,8 +519,8 @@ def test_gpu_autograd_function_with_the_gluon_forward(q_shape, k_shape, causal, 
 def test_gpu_dispatch_by_input_on_hopper():
     """On the device: the rule's long shapes take Gluon; what the kernel does not take goes to FA2 in "auto" and
     is a clear error when Gluon is forced."""
-    n = GLUON_MIN_KEYS
-    long = torch.empty(1, 2, n, 64, device="cuda", dtype=torch.bfloat16)
+    batch, heads, n, _ = gluon_call(GLUON_FORWARD_RULES[64], 64, True)
+    long = torch.empty(batch, heads, n, 64, device="cuda", dtype=torch.bfloat16)
     assert choose_forward(long, long, long, True) == "gluon"
     assert choose_forward(long[:, :, :n - 1], long[:, :, :n - 1], long[:, :, :n - 1], True) == "triton"
     assert choose_forward(long, long, long, True, forward="triton") == "triton"

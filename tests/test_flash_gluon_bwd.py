@@ -20,7 +20,7 @@ import torch
 
 from cs336_systems.kernels import flash_dispatch, flash_triton, launch
 from cs336_systems.kernels import flash_gluon_bwd as bwd
-from cs336_systems.kernels.flash_dispatch import GLUON_BACKWARD_MIN_KEYS, HOPPER
+from cs336_systems.kernels.flash_dispatch import GLUON_BACKWARD_RULES, HOPPER
 from cs336_systems.kernels.flash_gluon import _as_4d, descriptor_launch_key
 from cs336_systems.kernels.flash_gluon_bwd import (
     SCHEDULES,
@@ -35,6 +35,7 @@ from cs336_systems.kernels.flash_gluon_bwd import (
 from cs336_systems.kernels.launch import cdiv
 from cs336_systems.kernels.settings import use_flash_settings
 from cs336_systems.model.attention import naive_attention
+from tests.kernel_devices import gluon_call
 from tests.test_flash_gluon import needs_sm90
 LOG2E = 1.4426950408889634
 
@@ -237,9 +238,14 @@ def _model_layout_inputs(batch, heads, n, d, dtype=torch.bfloat16):
     return q, k, v, o, do, torch.randn(batch, heads, n)
 
 
-@pytest.mark.parametrize("setting,n", [("gluon", 100), ("auto", GLUON_BACKWARD_MIN_KEYS)])
+# (setting, heads, n) at batch 1 and d=64: forced Gluon at a short call, and the smallest call "auto" gives Gluon
+_DISPATCHED = [("gluon", 2, 100), ("auto", *gluon_call(GLUON_BACKWARD_RULES[64], 64, True)[1:3])]
+
+
+@pytest.mark.parametrize("setting,heads,n", _DISPATCHED)
 @pytest.mark.parametrize("fast_launch", [True, False])
-def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(monkeypatch, setting, n, fast_launch):
+def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(monkeypatch, setting, heads, n,
+                                                                             fast_launch):
     """flash_triton.flash_backward, choosing Gluon (forced, or "auto" at a long shape): its inputs are checked once
     per call (in the choice, not again in the entry); both kernels launch through their FastLaunchers with the
     setting the pass read (no launcher reads the settings again): the first call of a layout through Triton's
@@ -251,7 +257,7 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
     monkeypatch.setattr(launch, "flash_settings", unread)
     monkeypatch.setattr(bwd, "flash_settings", unread)
     for call in range(2):
-        q, k, v, o, do, lse = _model_layout_inputs(1, 2, n, 64)
+        q, k, v, o, do, lse = _model_layout_inputs(1, heads, n, 64)
         with use_flash_settings(backward=setting, fast_launch=fast_launch):
             dq, dk, dv = flash_triton.flash_backward(q, k, v, o, lse, do, True)
         assert len(checks) == call + 1
@@ -263,7 +269,7 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
         return
     assert [r[:2] for r in second] == [("run", "_bwd_preprocess_kernel"), ("run", "_flash_bwd_gluon_kernel")]
     (_, _, pre_grid, pre_args), (_, _, grid, args) = second
-    assert pre_grid == (cdiv(n, 64), 2, 1) and grid == (cdiv(n, 128) * 2, 1, 1)  # (x, y, z), as Triton's runner
+    assert pre_grid == (cdiv(n, 64), heads, 1) and grid == (cdiv(n, 128) * heads, 1, 1)  # (x, y, z), as Triton's
     assert pre_args[0].data_ptr() == o.data_ptr() and pre_args[1].data_ptr() == do.data_ptr()  # this call's O, dO
     assert len(args) == len(bwd._LAUNCHER.names)  # the whole signature
     for descriptor, t in zip(args, (q, k, v, do, dk, dv)):  # this call's tensors, not the first call's

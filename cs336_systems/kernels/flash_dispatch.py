@@ -10,10 +10,10 @@ and any forward pairs with any backward. `choose_forward` is called by `flash_tr
 `cs336_systems::flash_triton_forward` / `cs336_systems::flash_triton_backward` run, so `torch.compile` sees one
 opaque op per pass whichever kernel runs inside it (no graph break, no guard on the choice).
 
-"auto" takes Gluon on sm_90 where the row rule holds (the longest query row sees at least GLUON_MIN_KEYS keys for
-the forward, GLUON_BACKWARD_MIN_KEYS for the backward) and the kernel takes the inputs, FA2 otherwise. The
-thresholds are the shortest shapes at which Gluon was measured faster on an H100: kernels/NOTES.md, "Gluon forward
-(stage 1)" for the forward and "Wiring the backward" for the backward.
+"auto" takes Gluon on sm_90 where the shape rule of the pass at the head dim holds (`GLUON_FORWARD_RULES`,
+`GLUON_BACKWARD_RULES`: the longest query row sees enough keys and the call computes enough attention scores) and
+the kernel takes the inputs, FA2 otherwise. The rules are where Gluon was measured faster on an H100:
+kernels/NOTES.md, "Where Gluon starts".
 
 Either pass can be forced, for tests and benchmarks: `choose_forward(..., forward="triton")`,
 `choose_backward(..., backward="gluon")`, or for a whole process the settings `FlashSettings.forward` and
@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -45,16 +47,33 @@ BACKWARD_ENV = ENV_VARS["backward"]
 
 # The Gluon kernels' wgmma and setmaxnreg exist on sm_90a only (H100, H200), not on later architectures.
 HOPPER = (9, 0)
-# Keys a query row attends to at most, from which the Gluon forward runs in "auto". Measured on an H100
-# (kernels/NOTES.md, "Gluon forward (stage 1)", run 2, bf16): Gluon took 0.76-0.88x FA2's time at every shape
-# with 4096 keys or more (d=128 at 4096 and 32768, causal or not; d=64 causal at 16384), and 1.02x at the one
-# shorter shape (8 x 16 x 2048, d=64, non-causal), where FA2 stays. 2049-4095 keys are unmeasured: the threshold
-# sits at the shortest measured win. Below it Gluon's host side (four TMA descriptors per call) would also weigh.
-GLUON_MIN_KEYS = 4096
-# The same for the backward, from its own measurement (kernels/NOTES.md, "Wiring the backward"): Gluon's backward
-# won at every shape from 4096 keys and lost at the one 2048-key shape, the forward's picture. Only square shapes
-# were measured, so the row rule is the forward's; 2049-4095 keys are unmeasured.
-GLUON_BACKWARD_MIN_KEYS = 4096
+@dataclass(frozen=True)
+class GluonRule:
+    """From where a Gluon pass runs in "auto", at one head dim: the longest query row sees at least `min_keys` keys
+    and the call computes at least `min_scores` attention scores (`attention_scores`: batch x heads x the (query,
+    key) pairs computed, about half of them under causal masking). Below either, FA2 was measured as fast or faster:
+    short rows leave Gluon's pipeline little to overlap, and in small calls its host side (TMA descriptors) weighs."""
+
+    min_keys: int
+    min_scores: int
+
+    def holds(self, q_shape: Sequence[int], k_shape: Sequence[int], is_causal: bool) -> bool:
+        n_queries, n_keys = q_shape[-2], k_shape[-2]
+        longest_row = min(n_queries, n_keys) if is_causal else n_keys
+        return longest_row >= self.min_keys and attention_scores(q_shape, k_shape, is_causal) >= self.min_scores
+
+
+# Measured on an H100 (kernels/NOTES.md, "Where Gluon starts"; results/diagnosis/flash_gluon_threshold/, 787a134):
+# FA2 against Gluon, both passes forced, over flash_llm_shapes' grid from 512 to 4096 keys. At d=128 Gluon took
+# 0.76-0.90x FA2's forward+backward wherever a call computes at least 2^28 scores (1 x 16 x 4096^2, 8 x 32 x 1024^2
+# and up), from 1024 keys; smaller calls are host-bound, and there FA2's lighter launch won or tied. At d=64 the two
+# were within 2% at 2048 keys; from 4096 keys and 2^29 scores Gluon took 0.91-0.95x, except 1.10x at 32 x 16 x 4096
+# causal (one point against three wins at that length; d=64 keeps the floor of 4096 keys). Earlier, at 4096
+# keys and more only: "Gluon forward (stage 1)" and "Wiring the backward" (8 x 16 x 2048, d=64, non-causal: Gluon
+# 1.02x FA2 in both passes), which these rules agree with.
+GLUON_FORWARD_RULES = {64: GluonRule(min_keys=4096, min_scores=2**29), 128: GluonRule(min_keys=1024, min_scores=2**28)}
+# The backward was measured in the same runs (forward+backward less forward): the forward's picture, the same rules.
+GLUON_BACKWARD_RULES = dict(GLUON_FORWARD_RULES)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -79,25 +98,36 @@ def backward_setting(backward: str | None = None) -> str:
     return _setting("backward", backward)
 
 
-def _longest_row_reaches(min_keys: int, capability: tuple[int, int] | None, n_queries: int, n_keys: int,
-                         is_causal: bool) -> bool:
-    """On Hopper, whether the longest query row sees at least `min_keys` keys. Causal rows see keys 0..i
-    (aligned at the start of both sequences), so the longest row is min(n_queries, n_keys) keys."""
-    if capability != HOPPER:
-        return False
-    longest_row = min(n_queries, n_keys) if is_causal else n_keys
-    return longest_row >= min_keys
+def attention_scores(q_shape: Sequence[int], k_shape: Sequence[int], is_causal: bool) -> int:
+    """Scores a call computes: batch x heads x (query, key) pairs, where causal row i (aligned at the start of both
+    sequences) sees keys 0..i, i.e. min(i + 1, n_keys) of them."""
+    n_queries, n_keys = q_shape[-2], k_shape[-2]
+    if not is_causal:
+        pairs = n_queries * n_keys
+    else:
+        ramp = min(n_queries, n_keys)  # rows 0..ramp-1 see i + 1 keys, the rest all n_keys
+        pairs = ramp * (ramp + 1) // 2 + (n_queries - ramp) * n_keys
+    return math.prod(q_shape[:-2]) * pairs
 
 
-def gluon_pays(capability: tuple[int, int] | None, n_queries: int, n_keys: int, is_causal: bool) -> bool:
+def _rule_holds(rules: dict[int, GluonRule], capability: tuple[int, int] | None, q_shape: Sequence[int],
+                k_shape: Sequence[int], is_causal: bool) -> bool:
+    rule = rules.get(q_shape[-1])
+    return capability == HOPPER and rule is not None and rule.holds(q_shape, k_shape, is_causal)
+
+
+def gluon_pays(capability: tuple[int, int] | None, q_shape: Sequence[int], k_shape: Sequence[int],
+               is_causal: bool) -> bool:
     """The shape rule of "auto" for the forward: whether the Gluon forward was measured faster than FA2's at such a
-    call. `capability` is the device's compute capability, None on the CPU or under Triton's interpreter."""
-    return _longest_row_reaches(GLUON_MIN_KEYS, capability, n_queries, n_keys, is_causal)
+    call (`GLUON_FORWARD_RULES` at q's head dim; none for head dims Gluon does not take). `capability` is the device's
+    compute capability, None on the CPU or under Triton's interpreter."""
+    return _rule_holds(GLUON_FORWARD_RULES, capability, q_shape, k_shape, is_causal)
 
 
-def gluon_backward_pays(capability: tuple[int, int] | None, n_queries: int, n_keys: int, is_causal: bool) -> bool:
-    """The shape rule of "auto" for the backward, as `gluon_pays` with the backward's threshold."""
-    return _longest_row_reaches(GLUON_BACKWARD_MIN_KEYS, capability, n_queries, n_keys, is_causal)
+def gluon_backward_pays(capability: tuple[int, int] | None, q_shape: Sequence[int], k_shape: Sequence[int],
+                        is_causal: bool) -> bool:
+    """The shape rule of "auto" for the backward, as `gluon_pays` with `GLUON_BACKWARD_RULES`."""
+    return _rule_holds(GLUON_BACKWARD_RULES, capability, q_shape, k_shape, is_causal)
 
 
 def device_capability(q: torch.Tensor) -> tuple[int, int] | None:
@@ -175,7 +205,7 @@ def choose_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     ones the kernel takes (bf16/fp16, head dim 64/128, TMA-aligned strides: flash_gluon.layout_problem), FA2
     otherwise; "triton" always FA2; "gluon" always Gluon, or a ValueError naming why it cannot."""
     return _choose("forward", forward_setting(forward), problem=lambda: gluon_problem(q, k, v),
-                   pays=gluon_pays(device_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon,
+                   pays=gluon_pays(device_capability(q), q.shape, k.shape, is_causal), load=_gluon,
                    supported=lambda module: module.gluon_supported(q, k, v, is_causal))
 
 
@@ -188,7 +218,7 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     "gluon" always Gluon, or a ValueError naming why it cannot."""
     return _choose("backward", backward_setting(backward),
                    problem=lambda: gluon_backward_problem(q, k, v, out, lse, grad_out),
-                   pays=gluon_backward_pays(device_capability(q), q.shape[-2], k.shape[-2], is_causal), load=_gluon_bwd,
+                   pays=gluon_backward_pays(device_capability(q), q.shape, k.shape, is_causal), load=_gluon_bwd,
                    supported=lambda module: module.gluon_backward_supported(q, k, v, out, grad_out, lse))
 
 
