@@ -219,6 +219,32 @@ def test_a_failed_profiled_step_is_an_error_row_and_the_timed_row_stands(tmp_pat
     assert list(rows["kind"]) == ["error"] and "made up by the test" in rows["tool"].iloc[0]
 
 
+def test_a_step_the_allocator_history_breaks_is_profiled_again_without_it(tmp_path, monkeypatch):
+    """torch 2.11's SystemError under the allocator's history (pytorch/pytorch#179536) costs the snapshot only: the
+    step is profiled again without the history, and its rows are the profile's; a second failure is an error row."""
+    real, calls = step_profile.profile_step, []
+
+    def history_breaks(*args, history=True, **kwargs):
+        calls.append(history)
+        if history:
+            raise SystemError("<built-in method apply of FunctionMeta object> returned NULL (made up by the test)")
+        return real(*args, history=history, **kwargs)
+
+    monkeypatch.setattr(step_profile, "profile_step", history_breaks)
+    args = [*TINY, "--check-size", "none", "--providers", "torch_plain_ac", "--ablations",
+            "--profile", str(tmp_path / "snapshots")]
+    leaderboard.main([*args, "--out", str(tmp_path / "lb.csv")])
+    rows = pd.read_csv(tmp_path / "leaderboard_8b_profile.csv")
+    assert calls == [True, False] and "error" not in set(rows["kind"])
+    assert {"time", "memory"} <= set(rows["kind"]) and (tmp_path / "snapshots/torch_plain_ac_b2.kernels.csv").exists()
+
+    calls.clear()
+    monkeypatch.setattr(step_profile, "profile_step", lambda *a, history=True, **k: calls.append(history) or 1 / 0)
+    leaderboard.main([*args, "--out", str(tmp_path / "lb2.csv")])
+    rows = pd.read_csv(tmp_path / "leaderboard_8b_profile.csv")
+    assert calls == [True] and list(rows["kind"]) == ["error"] and "ZeroDivisionError" in rows["tool"].iloc[0]
+
+
 # ---- ours-keep:N and ours-mm:N ---------------------------------------------------------------------------------------------
 
 

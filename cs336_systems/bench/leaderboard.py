@@ -478,23 +478,35 @@ def _local_tokens(vocab: int, batch: int, context: int, device: torch.device, se
 
 def profile_one_step(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor, config: LeaderboardConfig,
                      device: torch.device, name: str) -> list[dict]:
-    """One more step under the profiler (bench/step_profile.py), its snapshot as DIR/NAME.pickle on CUDA. A
-    failure of the profiled step (out of memory under the profiler's bookkeeping, say) becomes one `error` row
-    naming it: the point's timed steps stand without it."""
+    """One more step under the profiler (bench/step_profile.py), its snapshot as DIR/NAME.pickle on CUDA. Where
+    recording the allocator's history breaks the step (torch 2.11's SystemError when non-reentrant checkpoints
+    recompute a compiled region, pytorch/pytorch#179536: the anchors, `ours-full_ac`), the step is profiled again
+    without it (no snapshot; the times and memory rows stand). Any other failure of the profiled step (out of memory
+    under the profiler's bookkeeping, say) becomes one `error` row naming it: the point's timed steps stand."""
     parts = {"zero_grad": lambda: trainee.optimizer.zero_grad(set_to_none=True),
              "forwards": forwards(trainee, inputs, targets), "optimizer": trainee.optimizer.step}
-    try:
-        rows = step_profile.profile_step(parts, trainee.model, trainee.parameters.values(), trainee.optimizer,
-                                         device, Path(config.profile_dir) / f"{name}.pickle")
-    except Exception as error:  # noqa: BLE001: whatever the profiler breaks (a SystemError from a compiled
-        # autograd Function under it, seen on an H200), the point's timed row is kept
-        print(f"  [{name}] profiled step failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        traceback.print_exc(file=sys.stderr)  # where it broke, for the log (the row keeps the message only)
-        return [{"kind": "error", "category": "profiled step", "value": math.nan, "unit": "",
-                 "tool": f"{type(error).__name__}: {str(error)[:300]}"}]
-    print(f"  [{name}] profiled step: {rows[-len(step_profile.MEMORY) - 1]['value']:.1f} ms", file=sys.stderr,
-          flush=True)
-    return rows
+    snapshot = Path(config.profile_dir) / f"{name}.pickle"
+    failure = None
+    for history in (True, False):
+        try:
+            rows = step_profile.profile_step(parts, trainee.model, trainee.parameters.values(), trainee.optimizer,
+                                             device, snapshot, history=history)
+        except Exception as error:  # noqa: BLE001: whatever the profiler breaks, the point's timed row is kept
+            failure = error
+        else:
+            print(f"  [{name}] profiled step: {rows[-len(step_profile.MEMORY) - 1]['value']:.1f} ms", file=sys.stderr,
+                  flush=True)
+            return rows
+        if not (history and isinstance(failure, SystemError)):
+            break
+        print(f"  [{name}] profiled step failed with the allocator's history recorded ({failure}; "
+              "pytorch/pytorch#179536): profiling it again without", file=sys.stderr, flush=True)
+        failure = None  # let the failed step's frames (and the tensors they hold) go before the next try
+        _fresh(device)
+    print(f"  [{name}] profiled step failed: {type(failure).__name__}: {failure}", file=sys.stderr, flush=True)
+    traceback.print_exception(failure, file=sys.stderr)  # where it broke, for the log (the row keeps the message)
+    return [{"kind": "error", "category": "profiled step", "value": math.nan, "unit": "",
+             "tool": f"{type(failure).__name__}: {str(failure)[:300]}"}]
 
 
 # ---- the timed points -------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ for the first two): `forward` around the whole forward + loss call, `loss` neste
 output on (a forward hook on the model's `ln_final` opens it: the LM head and cross-entropy), `backward` and
 `optimizer`. On CUDA the allocator's
 history is recorded around the step and its snapshot pickled to DIR (`bench.e2e.dump_snapshot`, with the
-phases' host times, so `report.memory` can draw it).
+phases' host times, so `report.memory` can draw it), unless `history=False`: in torch 2.11 recording it breaks
+the backward of a step whose non-reentrant checkpoints recompute a compiled region (a SystemError, "returned NULL
+without setting an exception": pytorch/pytorch#179536; results/diagnosis/profile_system_error.py found it is the
+history, not the profiler), so the leaderboard profiles such a step again without it.
 
 Device time: on CUDA each GPU kernel's duration, given to the CPU op that launched it (a kernel the profiler
 links to no op, as a Triton kernel launched from Python outside any op is on CUDA, to the phase that started
@@ -253,15 +256,17 @@ class _LossRange:
 
 
 def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Module | None, parameters,
-                 optimizer: torch.optim.Optimizer, device: torch.device, snapshot: Path | None = None) -> list[dict]:
+                 optimizer: torch.optim.Optimizer, device: torch.device, snapshot: Path | None = None,
+                 history: bool = True) -> list[dict]:
     """Profile one step made of `step_parts`: zero_grad, forwards (a list of callables, one per micro-batch, each
     returning the loss its backward starts from; each runs in a `forward` range and its backward in a `backward`
     range before the next), optimizer. Rows of (kind, category, value, unit[, calls]); the snapshot pickled to
-    `snapshot` on CUDA."""
+    `snapshot` on CUDA where `history` is recorded, the kernel listing beside it either way."""
     from cs336_systems.bench.e2e import dump_snapshot  # the snapshot format report.memory reads
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     cuda = device.type == "cuda"
+    recording = cuda and snapshot is not None and history
     loss_range, marks = _LossRange(model), []
 
     def phase(name: str, fn: Callable[[], object]):
@@ -276,9 +281,8 @@ def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Mo
     synchronize(device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-        if snapshot is not None:
-            # Python frames only: symbolising C++ frames of an 8B step's allocations takes minutes
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    if recording:  # Python frames only: symbolising C++ frames of an 8B step's allocations takes minutes
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     try:
         with profile(activities=activities) as prof:
             start = time.perf_counter()
@@ -289,12 +293,12 @@ def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Mo
             phase("optimizer", step_parts["optimizer"])
             synchronize(device)
             wall_ms = (time.perf_counter() - start) * 1e3
-        if cuda and snapshot is not None:
+        if recording:
             Path(snapshot).parent.mkdir(parents=True, exist_ok=True)
             dump_snapshot(snapshot, marks)
     finally:
         loss_range.remove()
-        if cuda and snapshot is not None:
+        if recording:
             torch.cuda.memory._record_memory_history(enabled=None)
     tool = "torch.profiler: CUDA kernel time" if cuda else "torch.profiler: CPU op self time"
     listing = []

@@ -6,7 +6,8 @@ The leaderboard's profiled step (`bench/step_profile.profile_step`) fails for `t
 and `ours-full_ac` on the GPU with "SystemError: <built-in method apply of FunctionMeta object> returned NULL without
 setting an exception", raised in the backward where non-reentrant checkpointing recomputes a compiled region
 (its unpack hook calls the compiled function's autograd Function). `ours` (selective, the checkpoint inside the
-compiled block) profiles fine. The profiled step differs from a timed one in two things: the allocator's history
+compiled block) profiles fine (it is not built here: its policy is resolved per point by the bench's probe). The
+profiled step differs from a timed one in two things: the allocator's history
 recording (`torch.cuda.memory._record_memory_history(stacks="python")`, for the snapshot) and the profiler
 (`torch.profiler.profile`). One step per provider under each alone, then both, says which of them breaks it.
 """
@@ -54,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="small")
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--providers", nargs="+", default=["torch_plain_ac", "ours-full_ac", "ours"])
+    parser.add_argument("--providers", nargs="+", default=["torch_plain_ac", "ours-full_ac"])
     parser.add_argument("--device", default="cuda", help="cpu for a smoke run (no history variants there)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
