@@ -142,6 +142,30 @@ def test_cuda_kernels_no_op_launched_are_counted_in_the_phase_they_ran_in():
         ("_adamw_kernel", "unlinked", "optimizer"), ("_adamw_kernel", "unlinked", "optimizer")]
 
 
+def test_cupti_overhead_records_do_not_count_their_ops_kernels_again():
+    """CUPTI's overhead records ("Command Buffer Full" while the host waits on a full launch queue) share the
+    correlation id of the op launching then, so the profiler lists that op's kernels under them too (an 8B step's
+    categories overcounted by 1.27 s). Each kernel counts once, under its op; an unlinked kernel of the same name and
+    time stays unlinked (the duplicate must not hide it)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import Kernel
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    rng = step_profile.RANGE_PREFIX
+    gemm = Kernel("nvjet_sm90_tst_gemm", 0, 40)
+    overhead = _event(cpu, "Command Buffer Full", 12, 90, [gemm])
+    typed = _event(cpu, "Buffer wait", 12, 90, [gemm])  # an overhead record known by its activity type only
+    typed.activity_type = "overhead"
+    events = [_event(cpu, rng + "forward", 0, 100), _event(cpu, rng + "backward", 100, 200),
+              _event(cpu, "aten::mm", 10, 20, [gemm]), overhead, typed,
+              _event(cuda, "nvjet_sm90_tst_gemm", 15, 55), _event(cuda, "nvjet_sm90_tst_gemm", 120, 160)]
+    assert step_profile.unlinked_kernels(events) == [("nvjet_sm90_tst_gemm", 120, 0.04)]
+    listing = []
+    times = step_profile.device_times(events, torch.device("cuda"), listing)
+    assert times["GEMM"] == (2, pytest.approx(0.08)) and sum(calls for calls, _ in times.values()) == 2
+    assert [k["where"] for k in listing] == ["aten::mm @10.0", "@120.0"]
+
+
 # ---- the profiled run --------------------------------------------------------------------------------------
 
 

@@ -136,12 +136,27 @@ def _phase_started_before(intervals, t: float) -> str | None:
     return next((phase for start, _, phase in intervals if start <= t), None)
 
 
+# CUPTI's overhead records (kineto's "overhead" activities: the host blocked on a full launch queue, a buffer
+# request, ...) reach the profiler as CPU events that carry the correlation id of the op launching at the time, so
+# the profiler lists that op's kernels under them as well. A step whose host runs ahead of the GPU fills the queue
+# often: the 8B step (H200, 1757b49) counted 1,272 ms of ours' kernels twice, 9.3 s of the anchor's, until these
+# were left out. Names as CUPTI's overhead kinds (torch.profiler._cupti_monitor lists them).
+CUPTI_OVERHEADS = frozenset({"Unknown", "Driver Compiler", "Buffer Flush", "Instrumentation", "Resource",
+                             "Runtime Triggered Module Loading", "Lazy Function Loading", "Command Buffer Full",
+                             "Activity Buffer Request", "UVM Activity Init"})
+
+
+def _launchers(events):
+    """The CPU events whose kernels are theirs: every CPU event but CUPTI's overhead records."""
+    return [event for event in events if event.device_type == DeviceType.CPU and event.name not in CUPTI_OVERHEADS
+            and str(getattr(event, "activity_type", None) or "").lower() != "overhead"]
+
+
 def unlinked_kernels(events) -> list[tuple[str, float, float]]:
     """(name, device start µs, ms) of the device kernels that no CPU event lists among its launches. The
     profiler links a kernel to its launching op through the CUDA runtime call; a Triton kernel launched from
     Python (our AdamW's) goes through the driver with no op around it and comes out unlinked on CUDA."""
-    linked = Counter((kernel.name, kernel.duration) for event in events if event.device_type == DeviceType.CPU
-                     for kernel in event.kernels)
+    linked = Counter((kernel.name, kernel.duration) for event in _launchers(events) for kernel in event.kernels)
     found = []
     for event in events:
         # The profiler also puts record_function ranges on the GPU timeline (`step:forward`, ...): ranges, not
@@ -181,9 +196,7 @@ def device_times(events, device: torch.device, listing: list[dict] | None = None
             listing.append({"name": name, "ms": ms, "category": category, "phase": phase, "found": how,
                             "where": where})
 
-    for event in events:
-        if event.device_type != DeviceType.CPU:
-            continue
+    for event in _launchers(events):
         if device.type == "cuda":  # kernels linked to the innermost op or range on the stack: ours too (a
             # Triton kernel launched from Python, as our AdamW's, may have no op around it but the phase)
             launched = [(kernel.name, kernel.duration / 1e3) for kernel in event.kernels]
