@@ -24,7 +24,10 @@ import sympy as sp
 from cs336_systems.analysis import parallelism as par
 from cs336_systems.analysis.collectives import fit_ring_model, measured_bandwidth, ring_time
 from cs336_systems.analysis.fsdp_accounting import accounting_table, predicted_peaks
+from cs336_systems.analysis.fsdp_accounting import MIB
 from cs336_systems.model import get_config
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import Quotes, Section
 from cs336_systems.results import read_table
 
 
@@ -191,35 +194,65 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
     return "\n".join(out)
 
 
-def render_fsdp_accounting(measured: pd.DataFrame | None = None, sizes: tuple[str, ...] = ("xl", "2.7B"),
-                           world_size: int = 2) -> str:
-    """Markdown answer to fsdp_accounting (a) of the 2026 handout; `measured` is results/sharding.csv."""
+ACCOUNTING_MIB = {"params_mib": "params (MiB)", "grads_mib": "grads (MiB)", "optimizer_mib": "optimizer (MiB)",
+                  "state_mib": "state (MiB)", "saving_vs_ddp_mib": "saving vs DDP (MiB)",
+                  "gather_buffers_mib": "gather buffers (MiB)"}
+
+
+def fsdp_accounting_table(sizes: tuple[str, ...] = ("xl", "2.7B"), world_size: int = 2) -> NumericTable:
+    """analysis.fsdp_accounting's table (MiB per rank) as the prose quotes it: one row per size and strategy."""
     table = accounting_table(sizes, world_size)
-    first = table[table["size"] == sizes[0]].set_index("strategy")
-    shown = table[["size", "parameters", "strategy", "params_mib", "grads_mib", "optimizer_mib", "state_mib",
-                   "saving_vs_ddp_mib", "gather_buffers_mib"]]
-    text = [
-        "### fsdp_accounting (a) — expected saving from FSDP (2026 handout, section 7)\n",
-        f"Model state per rank, world size {world_size}: FP32 master weights, FP32 gradients and AdamW's two "
-        "FP32 moments (16 B per parameter), from `parameter_count` of each size. DDP holds all of it on every "
-        "rank, ZeRO-1 shards the optimizer state, FSDP shards everything but the RMSNorm gains. The gathered "
-        "BF16 copies (two units in flight plus one full gradient before its reduce-scatter, the largest "
-        "units assumed) are the buffers the handout says to ignore; they are listed apart.\n",
-        shown.to_markdown(index=False, floatfmt=",.0f"),
-        "",
-        f"**Answer.** The activations do not change, so the peak falls by the model state FSDP shards: for "
-        f"{sizes[0]} on {world_size} ranks, {first.loc['FSDP', 'saving_vs_ddp_mib']:,.0f} MiB against DDP "
-        f"(16·P·(N−1)/N) and {first.loc['ZeRO-1', 'state_mib'] - first.loc['FSDP', 'state_mib']:,.0f} MiB against "
-        f"ZeRO-1 (the parameters and gradients, 8·P·(N−1)/N), minus about "
-        f"{first.loc['FSDP', 'gather_buffers_mib']:,.0f} MiB of gathered BF16 buffers.",
-    ]
+    data = table[["size", "parameters", "world_size", "strategy", *ACCOUNTING_MIB]].rename(
+        columns={"world_size": "ranks", **ACCOUNTING_MIB})
+    return NumericTable(data, (Col("size"), Col("parameters", ",d"), Col("ranks", "d"), Col("strategy"),
+                               *(Col(c, ",.0f") for c in ACCOUNTING_MIB.values())))
+
+
+def _state(t: pd.DataFrame, size: str, strategy: str, column: str = "state (MiB)") -> float:
+    return float(t.loc[(t["size"] == size) & (t["strategy"] == strategy), column].iloc[0])
+
+
+def fsdp_accounting_section(measured: pd.DataFrame | None = None, sizes: tuple[str, ...] = ("xl", "2.7B"),
+                            world_size: int = 2) -> Section:
+    """fsdp_accounting (a) of the 2026 handout: the accounting table and prose that quotes it (cells, and formulas
+    over cells); `measured` is results/sharding.csv, whose peaks are set beside the accounting (not checked: another
+    table)."""
+    table = fsdp_accounting_table(sizes, world_size)
+    q = Quotes(table)
+    size = sizes[0]
+    per_parameter = q.derive(lambda t: _state(t, size, "DDP") * MIB / _state(t, size, "DDP", "parameters"), ".0f",
+                             f"DDP's state per parameter, {size}, B")
+    heading = "### fsdp_accounting (a) — expected saving from FSDP (2026 handout, section 7)"
+    intro = (f"Model state per rank, {q.cell('ranks', 0)} ranks: FP32 master weights, FP32 gradients and AdamW's two "
+             f"FP32 moments ({per_parameter} B per parameter), from `parameter_count` of each size. DDP holds all of "
+             "it on every rank, ZeRO-1 shards the optimizer state, FSDP shards everything but the RMSNorm gains. The "
+             "gathered BF16 copies (two units in flight plus one full gradient before its reduce-scatter, the "
+             "largest units assumed) are the buffers the handout says to ignore; they are listed apart.")
+    keys = {"size": size, "strategy": "FSDP"}
+    against_zero = q.derive(lambda t: _state(t, size, "ZeRO-1") - _state(t, size, "FSDP"), ",.0f",
+                            f"{size}: ZeRO-1's state less FSDP's, MiB")
+    answer = (f"**Answer.** The activations do not change, so the peak falls by the model state FSDP shards: for "
+              f"{size} on {q.cell('ranks', **keys)} ranks, {q.cell('saving vs DDP (MiB)', **keys)} MiB against DDP "
+              f"({per_parameter}·P_sharded·(N−1)/N, P_sharded the parameters FSDP shards: all but the RMSNorm gains) "
+              f"and {against_zero} MiB against ZeRO-1 (the parameters and gradients FSDP also shards, less the "
+              "gains' moments ZeRO-1 shards and FSDP keeps whole: 8·(P_sharded − P_norms)·(N−1)/N), minus about "
+              f"{q.cell('gather buffers (MiB)', **keys)} MiB of gathered BF16 buffers.")
+    checked = [heading, intro, answer]
+    parts = [heading, intro, table.to_markdown(), answer]
     if measured is not None:
         peaks = predicted_peaks(measured)
         if len(peaks):
-            text += ["", "Measured peaks (after the optimizer step, `results/sharding.csv`) against the accounting; "
-                     "the predicted FSDP peak is the measured ZeRO-1 peak less the parameter and gradient state "
-                     "FSDP also shards:\n", peaks.to_markdown(index=False, floatfmt=",.0f")]
-    return "\n".join(text) + "\n"
+            parts += ["Measured peaks (after the optimizer step, `results/sharding.csv`) against the accounting; "
+                      "the predicted FSDP peak is the measured ZeRO-1 peak less the parameter and gradient state "
+                      "FSDP also shards:", peaks.to_markdown(index=False, floatfmt=",.0f")]
+    # the handout's numbering and the constants of the two formulas (8 B of parameter and gradient; N − 1)
+    return Section(parts, table, checked, q.derived, wording=("2026", "7", "8", "1"))
+
+
+def render_fsdp_accounting(measured: pd.DataFrame | None = None, sizes: tuple[str, ...] = ("xl", "2.7B"),
+                           world_size: int = 2) -> str:
+    """Markdown answer to fsdp_accounting (a) of the 2026 handout; `measured` is results/sharding.csv."""
+    return fsdp_accounting_section(measured, sizes, world_size).markdown() + "\n"
 
 
 def held_out_ring_table(frame: pd.DataFrame) -> pd.DataFrame:

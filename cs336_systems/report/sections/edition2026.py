@@ -13,7 +13,7 @@ import pandas as pd
 
 from cs336_systems.model import CheckpointPolicy, checkpoint_cost, get_config, parameter_count
 from cs336_systems.report.figures import save_figure
-from cs336_systems.report.parallelism_render import render_fsdp_accounting, render_parallelism
+from cs336_systems.report.parallelism_render import fsdp_accounting_section, render_parallelism
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.leaderboard import NUMBER
@@ -557,8 +557,8 @@ def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
     return float(chosen[column].iloc[0])
 
 
-def render_fsdp_accounting_section(ctx: Context) -> str:
-    return render_fsdp_accounting(ctx.frame("sharding"))
+def render_fsdp_accounting_section(ctx: Context) -> Section:
+    return fsdp_accounting_section(ctx.frame("sharding"))
 
 
 # the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
