@@ -483,7 +483,8 @@ def nesting_sentence(q: Quotes, nested: list[str]) -> str:
     bought = (f"buys at most {q.derive(below_every_block, '.2f', 'every:1 peak less the lowest nested peak, GiB')} "
               "GiB against every:1" if round(below, 2) > 0 else "buys no memory against every:1")
     return (f"Nesting costs compute ({per}) and {bought}. (a)'s cost model, which counts activations alone, "
-            "predicts more: fewer stored boundaries at the peak. The measured peak also holds the gradients, which "
+            "predicts a larger saving, from the boundaries nesting does not store. The measured peak also holds the "
+            "gradients, which "
             "the backward allocates block by block while it frees the stored boundaries; a peak late in the "
             "backward, where every policy holds few boundaries, would leave nesting little to save (the sweep "
             "records no timeline that shows where its peak falls).")
