@@ -13,7 +13,8 @@ import pandas as pd
 
 from cs336_systems.model import CheckpointPolicy, checkpoint_cost, get_config, parameter_count
 from cs336_systems.report.figures import save_figure
-from cs336_systems.report.parallelism_render import fsdp_accounting_section, render_parallelism
+from cs336_systems.report.parallelism_render import (fsdp_accounting_of_runs, fsdp_accounting_section,
+                                                     render_parallelism)
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.leaderboard import NUMBER
@@ -559,7 +560,7 @@ def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
 
 
 def render_fsdp_accounting_section(ctx: Context) -> Section:
-    return fsdp_accounting_section(ctx.frame("sharding"))
+    return fsdp_accounting_section(ctx.numeric("fsdp_accounting"), ctx.frame("sharding"), ctx.table("fsdp_accounting"))
 
 
 # the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
@@ -727,7 +728,11 @@ DELIVERABLES = [
                 ("fsdp",),
                 tables=(Table("fsdp", "fsdp", fsdp_table,
                               "FSDP step time and per-phase peak memory beside torch FSDP2, DDP and ZeRO-1"),)),
-    Deliverable("2026 §7 fsdp_accounting (a)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",)),
+    Deliverable("2026 §7 fsdp_accounting (a)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",),
+                tables=(Table("fsdp_accounting", "sharding", fsdp_accounting_of_runs,
+                              "Model state per rank under DDP, ZeRO-1 and FSDP, counted from each size's parameters "
+                              "(analysis.fsdp_accounting, not measured) at the ranks of the DDP benchmark's runs "
+                              "(2026 handout, 7 (a)); the provenance is those runs'"),)),
     Deliverable("2026 §7 fsdp_accounting (b): exposed communication per wrapper", "fsdp_overlap", render_fsdp_overlap,
                 ("fsdp_overlap",),
                 tables=(Table("fsdp_overlap", "fsdp_overlap", fsdp_overlap_table,
