@@ -835,8 +835,8 @@ def test_checkpointing_nesting_sentence_quotes_how_little_it_buys(committed):
 def test_fsdp_accounting_a_quotes_its_table(committed):
     """2026 §7 fsdp_accounting (a) is checked prose over the accounting table: the bytes per parameter and ranks
     are its cells or formulas, the savings equal the closed forms recomputed here from the model's weight tensors
-    (16·P_sharded·(N−1)/N against DDP, 8·(P_sharded − P_norms)·(N−1)/N against ZeRO-1), and a changed number is
-    caught."""
+    (16·P_sharded·(N−1)/N against DDP, 8·(P_sharded − P_norms)·(N−1)/N against ZeRO-1), and a changed number
+    is caught."""
     from cs336_systems.analysis.fsdp_accounting import units
     from cs336_systems.model import get_config
 

@@ -202,7 +202,8 @@ ACCOUNTING_MIB = {"params_mib": "params (MiB)", "grads_mib": "grads (MiB)", "opt
 ACCOUNTING_SIZES = ("xl", "2.7B")  # the DDP benchmark's size and the handout's largest
 
 
-def fsdp_accounting_table(sizes: tuple[str, ...] = ACCOUNTING_SIZES, world_sizes: tuple[int, ...] = (2,)) -> NumericTable:
+def fsdp_accounting_table(sizes: tuple[str, ...] = ACCOUNTING_SIZES,
+                          world_sizes: tuple[int, ...] = (2,)) -> NumericTable:
     """analysis.fsdp_accounting's table (MiB per rank) as the prose quotes it: one row per ranks, size and
     strategy."""
     table = pd.concat([accounting_table(sizes, world) for world in world_sizes], ignore_index=True)
@@ -249,8 +250,8 @@ def fsdp_accounting_section(table: NumericTable, measured: pd.DataFrame | None =
               f"{keys['size']} on {q.cell('ranks', **fsdp)} ranks, {q.cell('saving vs DDP (MiB)', **fsdp)} MiB "
               f"against DDP ({per_parameter}·P_sharded·(N−1)/N, P_sharded the parameters FSDP shards: all but the "
               f"RMSNorm gains) and {against_zero} MiB against ZeRO-1 (the parameters and gradients FSDP also shards, "
-              "less the gains' moments ZeRO-1 shards and FSDP keeps whole: 8·(P_sharded − P_norms)·(N−1)/N), minus "
-              f"about {q.cell('gather buffers (MiB)', **fsdp)} MiB of gathered BF16 buffers.")
+              "less the gains' moments ZeRO-1 shards and FSDP keeps whole: 8·(P_sharded − P_norms)·(N−1)/N), "
+              f"minus about {q.cell('gather buffers (MiB)', **fsdp)} MiB of gathered BF16 buffers.")
     checked = [heading, intro, answer]
     parts = [heading, intro, table.to_markdown() if embed is None else embed, answer]
     if measured is not None:
