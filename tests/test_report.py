@@ -246,7 +246,8 @@ QUOTING = ["1.1.3 (b)", "1.1.3 (c)", "1.1.4 (a–e)", "1.1.5 (c) fp32", "1.1.6 (
            "1.3.3, continued", "2.1",
             "2.2", "2.3 ddp_overlap_individual_parameters_benchmarking (a)", "2.3 ddp_bucketed", "End to end",
            "2026 §9 leaderboard:", "2026 §9 leaderboard, continued", "1.3.1 (b), continued: the optimizer step",
-           "2026 §3.1", "2026 §3.2", "2026 §9 leaderboard parts"]
+           "2026 §3.1", "2026 §3.2 gradient_checkpointing (a)",
+           "2026 §3.2 gradient_checkpointing (b)", "2026 §9 leaderboard parts", "2026 §7 fsdp_accounting (a)"]
 
 
 @pytest.mark.parametrize("section", [item.section for item in DELIVERABLES])
@@ -739,7 +740,7 @@ def test_checkpointing_model_state_is_weights_and_moments_of_the_swept_model(com
     the start-of-step allocation must hold with little to spare."""
     from cs336_systems.model import MODEL_SIZES_2026
 
-    text = committed["2026 §3.2 gradient_checkpointing (a–b)"].markdown()
+    text = committed[CHECKPOINTING].markdown()
     frame = pd.read_csv(ROOT / "results" / "checkpointing.csv")
     config = MODEL_SIZES_2026[frame["size"].iloc[0]]
     d, f = config.d_model, config.d_ff
@@ -752,15 +753,17 @@ def test_checkpointing_model_state_is_weights_and_moments_of_the_swept_model(com
 
 
 def test_checkpointing_answer_a_picks_the_policy_with_the_least_modelled_peak(committed):
-    """3.2(a) names recursive halving and O(1) blocks: at the measured block and boundary sizes it must have
-    the least modelled peak of the policies shown, within one block plus two boundaries per level, and the O(1)
-    scheme it also names must be said to cost more compute, not to be the answer."""
+    """3.2(a) names the chain as the least memory (compute ignored) and recursive halving as the one run: the
+    latter must have the least modelled peak of the policies shown, within one block plus two boundaries per level
+    (the model's upper bound, which the prose calls one)."""
     import math
 
     from cs336_systems.model import CheckpointPolicy, checkpoint_cost
 
-    answer = next(p for p in committed["2026 §3.2 gradient_checkpointing (a–b)"].parts if p.startswith("(a) "))
-    assert "recursive halving is our answer" in answer and "O(N^2)" in answer
+    body = committed[COST_MODEL]
+    answer = next(p for p in body.parts if p.startswith("(a) "))
+    assert "O(N^2)" in answer and "at most two segment inputs per level" in answer
+    assert "is the chain; recursive halving" in body.checked[2] and "an upper bound" in body.checked[2]
     saved = pd.read_csv(ROOT / "results" / "saved_tensors.csv").query("mode == 'eager' and case == 'block'")
     block = saved.loc[saved["kind"] == "activation", "storage_mib"].item()
     boundary = saved.loc[saved["kind"] == "input", "storage_mib"].item()
@@ -770,11 +773,93 @@ def test_checkpointing_answer_a_picks_the_policy_with_the_least_modelled_peak(co
                   "sqrt": CheckpointPolicy.sqrt(n), "binary": CheckpointPolicy.binary(n)}.items()}
         assert min(peaks, key=peaks.get) == "binary", n
         assert peaks["binary"] <= block + 2 * math.ceil(math.log2(n)) * boundary, n
-        assert "at most two per level" in answer
+
+
+def _stored_starts(levels: tuple[int, ...], start: int, n: int, block: int) -> set[int]:
+    """The distinct segment inputs (as block indices) nested checkpoints keep while `block`'s backward runs,
+    counted here independently of the cost model: the backward visits a level's segments last to first, so the
+    inputs of the segments up to the one holding `block` are stored; then the same inside that segment."""
+    if not levels:
+        return set()
+    starts = [s for s in range(start, start + n, levels[0]) if s <= block]
+    inner = _stored_starts(levels[1:], starts[-1], min(levels[0], start + n - starts[-1]), block)
+    return set(starts) | inner
+
+
+def test_checkpointing_a_states_the_cost_model_table(committed):
+    """3.2(a) is checked prose over the cost-model table: the block and boundary sizes it states are 3.1's eager
+    block (results/saved_tensors.csv), the counts it derives hold for recursive halving at every N of the table
+    (two modelled boundaries per level, log2 N + 1 distinct ones counted from the nesting, N·(log2 N + 3)/2 block
+    forwards), and a changed number is caught."""
+    import math
+
+    from cs336_systems.model import CheckpointPolicy, checkpoint_cost
+
+    body = committed[COST_MODEL]
+    assert isinstance(body, Section) and unquoted(body) == []
+    numbers = body.checked[2]
+    saved = pd.read_csv(ROOT / "results" / "saved_tensors.csv").query("mode == 'eager' and case == 'block'")
+    block = saved.loc[saved["kind"] == "activation", "storage_mib"].item()
+    boundary = saved.loc[saved["kind"] == "input", "storage_mib"].item()
+    for n in (8, 32, 128, 512):
+        policy = CheckpointPolicy.binary(n)
+        cost = checkpoint_cost(policy, n, block, boundary)
+        assert cost.block_forwards == n * (math.log2(n) + 3) / 2, n
+        assert cost.peak_bytes == pytest.approx(block + 2 * math.log2(n) * boundary), n
+        assert max(len(_stored_starts(policy.segments, 0, n, b)) for b in range(n)) == math.log2(n) + 1, n
+    n = 512
+    distinct = math.log2(n) + 1
+    said = [f"residuals {block:,.2f} MiB", f"boundary {boundary:,.2f} MiB", f"one block and {2 * math.log2(n):.0f} "
+            "boundaries", f"the boundaries are {distinct:.0f}", f"stores {distinct - 2:.0f} fewer",
+            f"{(distinct - 2) * boundary:,.0f} MiB"]
+    for part in said:
+        assert part in numbers, part
+        assert perturbed_number(body, numbers, part), part
+
+
+def test_checkpointing_nesting_sentence_quotes_how_little_it_buys(committed):
+    """3.2(b): what nesting buys against every:1 is the table's every:1 peak less its lowest nested peak, and a
+    changed one is caught."""
+    body = committed[CHECKPOINTING]
+    sentence = next(p for p in body.checked if p.startswith("Nesting costs compute"))
+    frame = pd.read_csv(ROOT / "results" / "checkpointing.csv").query("status == 'ok'")
+    peaks = frame.set_index("policy")["peak_memory_mib"] / 1024
+    below = peaks["every:1"] - peaks[frame.loc[frame["policy_kind"] == "nested", "policy"]].min()
+    assert round(below, 2) > 0
+    said = f"at most {below:.2f} GiB"
+    assert said in sentence and "(a) predicts" not in sentence
+    wrong = sentence.replace(said, f"at most {below + 0.01:.2f} GiB")
+    assert unquoted(replace(body, checked=[wrong if p == sentence else p for p in body.checked]))
+
+
+def test_fsdp_accounting_a_quotes_its_table(committed):
+    """2026 §7 fsdp_accounting (a) is checked prose over the accounting table: the bytes per parameter and ranks
+    are its cells or formulas, the savings equal the closed forms recomputed here from the model's weight tensors
+    (16·P_sharded·(N−1)/N against DDP, 8·(P_sharded − P_norms)·(N−1)/N against ZeRO-1), and a changed number
+    is caught."""
+    from cs336_systems.analysis.fsdp_accounting import units
+    from cs336_systems.model import get_config
+
+    body = committed[FSDP_ACCOUNTING]
+    assert isinstance(body, Section) and unquoted(body) == []
+    intro, answer = body.checked[1], body.checked[2]
+    u, world = units(get_config("xl")), 2
+    sharded, norms = sum(u.sharded), u.replicated
+    against_ddp = 16 * sharded * (world - 1) / world / MiB
+    against_zero = 8 * (sharded - norms) * (world - 1) / world / MiB
+    for paragraph, said in ((intro, f"{world} ranks"), (intro, "(16 B per parameter)"),
+                            (answer, f"{world} ranks, {against_ddp:,.0f} MiB against DDP"),
+                            (answer, f"and {against_zero:,.0f} MiB against ZeRO-1")):
+        assert said in paragraph, said
+        assert perturbed_number(body, paragraph, said), said
+    gathered = 2 * (2 * max(u.sharded) + max(u.sharded)) / MiB  # two units in flight and one gradient, BF16
+    assert f"about {gathered:,.0f} MiB of gathered BF16 buffers" in answer
 
 
 SAVED = "2026 §3.1 autograd residuals: saved tensors"
-CHECKPOINTING = "2026 §3.2 gradient_checkpointing (a–b)"
+CHECKPOINTING = "2026 §3.2 gradient_checkpointing (b)"
+COST_MODEL = "2026 §3.2 gradient_checkpointing (a)"
+FSDP_ACCOUNTING = "2026 §7 fsdp_accounting (a)"
 
 
 def perturbed_number(body: Section, paragraph: str, said: str) -> list[str]:

@@ -24,7 +24,10 @@ import sympy as sp
 from cs336_systems.analysis import parallelism as par
 from cs336_systems.analysis.collectives import fit_ring_model, measured_bandwidth, ring_time
 from cs336_systems.analysis.fsdp_accounting import accounting_table, predicted_peaks
+from cs336_systems.analysis.fsdp_accounting import MIB
 from cs336_systems.model import get_config
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import Quotes, Section
 from cs336_systems.results import read_table
 
 
@@ -191,35 +194,80 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
     return "\n".join(out)
 
 
-def render_fsdp_accounting(measured: pd.DataFrame | None = None, sizes: tuple[str, ...] = ("xl", "2.7B"),
-                           world_size: int = 2) -> str:
-    """Markdown answer to fsdp_accounting (a) of the 2026 handout; `measured` is results/sharding.csv."""
-    table = accounting_table(sizes, world_size)
-    first = table[table["size"] == sizes[0]].set_index("strategy")
-    shown = table[["size", "parameters", "strategy", "params_mib", "grads_mib", "optimizer_mib", "state_mib",
-                   "saving_vs_ddp_mib", "gather_buffers_mib"]]
-    text = [
-        "### fsdp_accounting (a) — expected saving from FSDP (2026 handout, section 7)\n",
-        f"Model state per rank, world size {world_size}: FP32 master weights, FP32 gradients and AdamW's two "
-        "FP32 moments (16 B per parameter), from `parameter_count` of each size. DDP holds all of it on every "
-        "rank, ZeRO-1 shards the optimizer state, FSDP shards everything but the RMSNorm gains. The gathered "
-        "BF16 copies (two units in flight plus one full gradient before its reduce-scatter, the largest "
-        "units assumed) are the buffers the handout says to ignore; they are listed apart.\n",
-        shown.to_markdown(index=False, floatfmt=",.0f"),
-        "",
-        f"**Answer.** The activations do not change, so the peak falls by the model state FSDP shards: for "
-        f"{sizes[0]} on {world_size} ranks, {first.loc['FSDP', 'saving_vs_ddp_mib']:,.0f} MiB against DDP "
-        f"(16·P·(N−1)/N) and {first.loc['ZeRO-1', 'state_mib'] - first.loc['FSDP', 'state_mib']:,.0f} MiB against "
-        f"ZeRO-1 (the parameters and gradients, 8·P·(N−1)/N), minus about "
-        f"{first.loc['FSDP', 'gather_buffers_mib']:,.0f} MiB of gathered BF16 buffers.",
-    ]
+ACCOUNTING_MIB = {"params_mib": "params (MiB)", "grads_mib": "grads (MiB)", "optimizer_mib": "optimizer (MiB)",
+                  "state_mib": "state (MiB)", "saving_vs_ddp_mib": "saving vs DDP (MiB)",
+                  "gather_buffers_mib": "gather buffers (MiB)"}
+
+
+ACCOUNTING_SIZES = ("xl", "2.7B")  # the DDP benchmark's size and the handout's largest
+
+
+def fsdp_accounting_table(sizes: tuple[str, ...] = ACCOUNTING_SIZES,
+                          world_sizes: tuple[int, ...] = (2,)) -> NumericTable:
+    """analysis.fsdp_accounting's table (MiB per rank) as the prose quotes it: one row per ranks, size and
+    strategy."""
+    table = pd.concat([accounting_table(sizes, world) for world in world_sizes], ignore_index=True)
+    data = table[["size", "parameters", "world_size", "strategy", *ACCOUNTING_MIB]].rename(
+        columns={"world_size": "ranks", **ACCOUNTING_MIB})
+    return NumericTable(data, (Col("size"), Col("parameters", ",d"), Col("ranks", "d"), Col("strategy"),
+                               *(Col(c, ",.0f") for c in ACCOUNTING_MIB.values())))
+
+
+def fsdp_accounting_of_runs(frame: pd.DataFrame) -> NumericTable:
+    """The `table` rule's build (from results/sharding.csv): the accounting at the world sizes the DDP benchmark
+    ran, so it sits beside the measured peaks of the same ranks."""
+    worlds = tuple(sorted({int(w) for w in frame["world_size"].dropna()})) or (2,)
+    return fsdp_accounting_table(ACCOUNTING_SIZES, worlds)
+
+
+def _state(t: pd.DataFrame, keys: dict, strategy: str, column: str = "state (MiB)") -> float:
+    chosen = (t["size"] == keys["size"]) & (t["ranks"] == keys["ranks"]) & (t["strategy"] == strategy)
+    return float(t.loc[chosen, column].iloc[0])
+
+
+def fsdp_accounting_section(table: NumericTable, measured: pd.DataFrame | None = None,
+                            embed: str | None = None) -> Section:
+    """fsdp_accounting (a) of the 2026 handout: the accounting table (`embed`: its Markdown as the `table` rule
+    wrote it, caption included; by default the bare table) and prose that quotes it (cells, and formulas over
+    cells); `measured` is results/sharding.csv, whose peaks are set beside the accounting (not checked: another
+    table). The answer is for the first row's size and ranks."""
+    q = Quotes(table)
+    keys = {"size": table.data["size"].iloc[0], "ranks": table.data["ranks"].iloc[0]}
+    per_parameter = q.derive(lambda t: _state(t, keys, "DDP") * MIB / _state(t, keys, "DDP", "parameters"), ".0f",
+                             f"DDP's state per parameter, {keys['size']}, B")
+    ranks = (f"{q.cell('ranks', 0)} ranks" if table.data["ranks"].nunique() == 1 else
+             "each row's ranks (the table's column)")
+    heading = "### fsdp_accounting (a) — expected saving from FSDP (2026 handout, section 7)"
+    intro = (f"Model state per rank, {ranks}: FP32 master weights, FP32 gradients and AdamW's two FP32 moments "
+             f"({per_parameter} B per parameter), from `parameter_count` of each size. DDP holds all of it on every "
+             "rank, ZeRO-1 shards the optimizer state, FSDP shards everything but the RMSNorm gains. The gathered "
+             "BF16 copies (two units in flight plus one full gradient before its reduce-scatter, the largest units "
+             "assumed) are the buffers the handout says to ignore; they are listed apart.")
+    fsdp = {**keys, "strategy": "FSDP"}
+    against_zero = q.derive(lambda t: _state(t, keys, "ZeRO-1") - _state(t, keys, "FSDP"), ",.0f",
+                            f"{keys['size']}: ZeRO-1's state less FSDP's, MiB")
+    answer = (f"**Answer.** The activations do not change, so the peak falls by the model state FSDP shards: for "
+              f"{keys['size']} on {q.cell('ranks', **fsdp)} ranks, {q.cell('saving vs DDP (MiB)', **fsdp)} MiB "
+              f"against DDP ({per_parameter}·P_sharded·(N−1)/N, P_sharded the parameters FSDP shards: all but the "
+              f"RMSNorm gains) and {against_zero} MiB against ZeRO-1 (the parameters and gradients FSDP also shards, "
+              "less the gains' moments ZeRO-1 shards and FSDP keeps whole: 8·(P_sharded − P_norms)·(N−1)/N), "
+              f"minus about {q.cell('gather buffers (MiB)', **fsdp)} MiB of gathered BF16 buffers.")
+    checked = [heading, intro, answer]
+    parts = [heading, intro, table.to_markdown() if embed is None else embed, answer]
     if measured is not None:
         peaks = predicted_peaks(measured)
         if len(peaks):
-            text += ["", "Measured peaks (after the optimizer step, `results/sharding.csv`) against the accounting; "
-                     "the predicted FSDP peak is the measured ZeRO-1 peak less the parameter and gradient state "
-                     "FSDP also shards:\n", peaks.to_markdown(index=False, floatfmt=",.0f")]
-    return "\n".join(text) + "\n"
+            parts += ["Measured peaks (after the optimizer step, `results/sharding.csv`) against the accounting; "
+                      "the predicted FSDP peak is the measured ZeRO-1 peak less the parameter and gradient state "
+                      "FSDP also shards:", peaks.to_markdown(index=False, floatfmt=",.0f")]
+    # the handout's numbering and the constants of the two formulas (8 B of parameter and gradient; N − 1)
+    return Section(parts, table, checked, q.derived, wording=("2026", "7", "8", "1"))
+
+
+def render_fsdp_accounting(measured: pd.DataFrame | None = None, sizes: tuple[str, ...] = ACCOUNTING_SIZES,
+                           world_size: int = 2) -> str:
+    """Markdown answer to fsdp_accounting (a) of the 2026 handout; `measured` is results/sharding.csv."""
+    return fsdp_accounting_section(fsdp_accounting_table(sizes, (world_size,)), measured).markdown() + "\n"
 
 
 def held_out_ring_table(frame: pd.DataFrame) -> pd.DataFrame:
