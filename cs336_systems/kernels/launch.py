@@ -77,7 +77,12 @@ def lean_runner(compiled, grid: tuple[int, int, int]) -> Callable:
     c_launch, function, packed = launcher.launch, compiled.function, compiled.packed_metadata
     cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
     grid_x, grid_y, grid_z = grid
-    get_device, get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
+    # torch's own calls behind Triton's driver.get_current_device / get_current_stream, without the Python wrapper
+    # (`torch.cuda.current_device` checks CUDA's lazy initialisation at each call; it ran when the kernel did)
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_device is None or get_stream is None:
+        return runner
 
     def run(*args):
         if not _no_launch_hooks():
