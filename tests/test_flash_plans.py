@@ -175,6 +175,54 @@ def test_clearing_a_launcher_drops_every_plan(plans, kernel_device):
     assert not flash_triton._FORWARD_PLANS and not flash_triton._BACKWARD_PLANS
 
 
+def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, monkeypatch):
+    """As on a GPU (fast launch on, no interpreter), with Triton's compiled kernels replaced by recorders: a plan
+    hit hands each of the four binaries (forward; D, dK dV, dQ) the arguments, in order, and the grid that the
+    FastLauncher's own cached path hands it for the same call, without deriving anything."""
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    runs = []
+
+    class Compiled:  # Triton's compiled kernel: `[grid]` gives the runner, here a recorder
+        def __getitem__(self, grid):
+            return lambda *args: runs.append((grid, args))
+
+    class Public:  # `kernel[grid](...)`: Triton's public path, which compiles (here: returns the recorder)
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: Compiled()
+
+    for name, launcher in list(flash_triton.LAUNCH.items()):
+        fresh = launch.FastLauncher(launcher.kernel)
+        fresh.kernel = Public()
+        if fresh.autotuner is not None:  # the tuned config Triton would have chosen: pinned_tiles' one
+            monkeypatch.setattr(fresh.autotuner, "best_config", fresh.autotuner.configs[0], raising=False)
+        monkeypatch.setitem(flash_triton.LAUNCH, name, fresh)
+    q, k, v, do = _inputs((2, 3, 20, 24), "cpu")
+    out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # first calls: the public path, plans made
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    assert runs == [] and len(plans) == 2
+    q, k, v, do = _inputs((2, 3, 20, 24), "cpu", seed=1)
+    out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # plan hits
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    assert len(plans) == 2 and len(runs) == 4
+    planned = list(runs)
+    runs.clear()
+    flash_triton.clear_plans()  # the launchers keep their entries: their cached path, with these inputs
+    flash_triton.flash_forward_triton(q, k, v, True)
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    assert len(plans) == 4 and len(runs) == 4
+    inputs = {id(t): name for name, t in (("q", q), ("k", k), ("v", v), ("do", do))}
+
+    def described(run):  # the call's inputs by name, O, L and fresh outputs by layout, every other value as it is
+        grid, args = run
+        return grid, [(inputs.get(id(a)) or (a.shape, a.stride(), a.dtype)) if isinstance(a, torch.Tensor) else a
+                      for a in args]
+
+    for got, want in zip(planned, runs, strict=True):
+        assert described(got) == described(want)
+    assert described(planned[0])[1][:5] == ["q", "k", "v", (out.shape, out.stride(), out.dtype),
+                                            (lse.shape, lse.stride(), lse.dtype)]
+
+
 # ----------------------------------------------------------------------------------------------
 # the lean runner, on CPU: Triton's compiled-kernel and launcher classes around a recording C launch
 # ----------------------------------------------------------------------------------------------

@@ -439,7 +439,8 @@ triton.set_allocator(_descriptor_scratch)
 class _Plan:
     """The launches of one call signature: each `(name, grid, rest, kwargs, bound)` runs as
     `LAUNCH[name](grid, *tensors, *rest, **kwargs)`, or, where `bound` is `(run, tail)` (the launcher's binary for
-    this layout: fast launch on, on a GPU), as `run(*tensors, *tail)`."""
+    this layout: fast launch on, on a GPU; tail: `rest`, then the keywords and the values Triton filled in, in
+    signature order), as `run(*tensors, *tail)`."""
 
     __slots__ = ("settings", "launches")
 
@@ -458,7 +459,10 @@ class _Plan:
         name, grid, rest, kwargs, _ = self.launches[index]
         launcher = LAUNCH[name]
         if self.settings.fast_launch and isinstance(launcher, FastLauncher):
-            self.launches[index] = (name, grid, rest, kwargs, launcher.bound(grid, (*tensors, *rest), kwargs))
+            bound = launcher.bound(grid, (*tensors, *rest), kwargs)
+            if bound is not None:  # the binary takes the tensors, then the rest of the positional arguments, then
+                bound = (bound[0], (*rest, *bound[1]))  # the keywords and the values Triton filled in
+            self.launches[index] = (name, grid, rest, kwargs, bound)
 
 
 _FORWARD_PLANS: dict[tuple, _Plan] = {}
