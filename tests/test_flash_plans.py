@@ -15,6 +15,7 @@ import torch
 from cs336_systems.kernels import flash_triton, launch
 from cs336_systems.kernels.settings import ENV_VARS, set_flash_settings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
+from tests.kernel_devices import INTERPRET
 
 TILES = ((32, 16, 4, 1), (32, 16, 4, 1))  # one tile config per kernel: no autotuning (the interpreter is slow)
 
@@ -180,6 +181,7 @@ def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, monkeypat
     hit hands each of the four binaries (forward; D, dK dV, dQ) the arguments, in order, and the grid that the
     FastLauncher's own cached path hands it for the same call, without deriving anything."""
     monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(flash_triton, "check_kernel_device", lambda t, name: None)  # CPU tensors, in any process
     runs = []
 
     class Compiled:  # Triton's compiled kernel: `[grid]` gives the runner, here a recorder
@@ -283,3 +285,40 @@ def test_lean_runner_leaves_kernels_with_scratch_memory_to_triton(monkeypatch):
     compiled, _, _ = _fake_compiled(monkeypatch, scratch=256)
     run = launch.lean_runner(compiled, (1, 1, 1))
     assert run.__qualname__.startswith("CompiledKernel.__getitem__")
+
+
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="launches compiled kernels")
+def test_gpu_lean_runner_matches_tritons_runner(plans, monkeypatch):
+    """On a GPU: forward and backward launched through plans and the lean runner give the same O, L, dQ, dK, dV bit
+    for bit as through Triton's own runner, and a launch hook registered later is called at every launch (the lean
+    runner hands those launches back to Triton's runner)."""
+    import triton
+
+    q, k, v, do = _inputs((2, 3, 100, 64), "cuda", dtype=torch.bfloat16, transposed=True)
+
+    def twice():  # the first call of a layout takes Triton's public path; the second the cached one
+        _fwd_bwd(q, k, v, do, True)
+        return _fwd_bwd(q, k, v, do, True)
+
+    lean = twice()
+    with monkeypatch.context() as patch:
+        patch.setattr(launch, "lean_runner", lambda compiled, grid: compiled[grid])
+        for launcher in flash_triton.LAUNCH.values():
+            launcher.clear()
+        tritons = twice()
+    for launcher in flash_triton.LAUNCH.values():
+        launcher.clear()
+    for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), lean, tritons):
+        assert torch.equal(a, b), name
+    twice()
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731 (a LazyDict)
+    triton.knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        hooked = _fwd_bwd(q, k, v, do, True)
+        torch.cuda.synchronize()
+    finally:
+        triton.knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 4, seen
+    for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), hooked, lean):
+        assert torch.equal(a, b), name
