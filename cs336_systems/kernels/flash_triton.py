@@ -36,7 +36,7 @@ import triton.language as tl
 
 from cs336_systems.kernels import flash_dispatch
 from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
-from cs336_systems.kernels.launch import FastLauncher, cdiv, next_power_of_2
+from cs336_systems.kernels.launch import FastLauncher, cdiv, next_power_of_2, on_clear
 from cs336_systems.kernels.settings import FlashSettings, flash_settings
 from cs336_systems.kernels.flash_tuning import (
     TILINGS,
@@ -427,47 +427,142 @@ def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 triton.set_allocator(_descriptor_scratch)
 
 
+# ----------------------------------------------------------------------------------------------
+# per-call-signature plans
+# ----------------------------------------------------------------------------------------------
+# Everything a launcher derives from its inputs' layout and the settings (launch parameters, strides, grids,
+# scales, the TMA choice) is the same at every call of that layout: a `_Plan` keeps it, with each launch's
+# compiled binary and filled-in arguments once its FastLauncher knows them (after the first call, which autotunes),
+# so a hit allocates the outputs and launches. A plan is keyed by `_layout` of the inputs and `is_causal`, and used
+# only with the settings it was made with (the settings are still read at every call); FastLauncher.clear (new tile
+# configs: pinned_tiles) drops every plan. Measured in kernels/NOTES.md, "Plan cache (branch h-host2)".
+class _Plan:
+    """The launches of one call signature: each `(name, grid, rest, kwargs, bound)` runs as
+    `LAUNCH[name](grid, *tensors, *rest, **kwargs)`, or, where `bound` is `(run, tail)` (the launcher's binary for
+    this layout: fast launch on, on a GPU; tail: `rest`, then the keywords and the values Triton filled in, in
+    signature order), as `run(*tensors, *tail)`."""
+
+    __slots__ = ("settings", "launches")
+
+    def __init__(self, settings: FlashSettings, launches: list[tuple]):
+        self.settings, self.launches = settings, launches
+
+    def run(self, index: int, *tensors: torch.Tensor) -> None:
+        name, grid, rest, kwargs, bound = self.launches[index]
+        if bound is not None:
+            bound[0](*tensors, *bound[1])
+        else:
+            LAUNCH[name](grid, *tensors, *rest, fast_launch=self.settings.fast_launch, **kwargs)
+
+    def bind(self, index: int, *tensors: torch.Tensor) -> None:
+        """After launch `index` ran with `tensors` through its launcher: keep the launcher's binary for it."""
+        name, grid, rest, kwargs, _ = self.launches[index]
+        launcher = LAUNCH[name]
+        if self.settings.fast_launch and isinstance(launcher, FastLauncher):
+            bound = launcher.bound(grid, (*tensors, *rest), kwargs)
+            if bound is not None:  # the binary takes the tensors, then the rest of the positional arguments, then
+                bound = (bound[0], (*rest, *bound[1]))  # the keywords and the values Triton filled in
+            self.launches[index] = (name, grid, rest, kwargs, bound)
+
+
+_FORWARD_PLANS: dict[tuple, _Plan] = {}
+_BACKWARD_PLANS: dict[tuple, _Plan] = {}
+
+
+def clear_plans() -> None:
+    """Forget every plan (each launcher's next call derives its launches again)."""
+    _FORWARD_PLANS.clear()
+    _BACKWARD_PLANS.clear()
+
+
+on_clear(clear_plans)
+
+
+def _layout(*tensors: torch.Tensor) -> tuple:
+    """What a plan depends on of each input: shape, strides, dtype, 16-byte alignment (Triton specialises pointers
+    on it) and device index. Fresh outputs are not in it: `empty_like` of one layout always gives one layout, and
+    the allocators align every block to at least 64 bytes."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.get_device()) for t in tensors])
+
+
+def _plan_for(plans: dict[tuple, _Plan], key: tuple, settings: FlashSettings) -> _Plan | None:
+    plan = plans.get(key)
+    if plan is not None and (plan.settings is settings or plan.settings == settings):
+        return plan
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# the FA2 launchers, through their plans
+# ----------------------------------------------------------------------------------------------
 def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                          settings: FlashSettings | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """O (q's dtype, contiguous) and L (float32, shape q.shape[:-1]), with `settings` (None: those in force)."""
-    check_kernel_device(q, "flash_triton")
     settings = settings or flash_settings()
-    p = _launch_params(q, k, settings)
-    batch_heads = q.shape[0] * p["H"]
+    key = (_layout(q, k, v), is_causal)
+    plan = _plan_for(_FORWARD_PLANS, key, settings)
     out = torch.empty_like(q)  # q's layout: a model's (batch, seq, heads, dim) view needs no copy after
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    qk_scale = q.shape[-1] ** -0.5 * LOG2E
-    grid = lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
-    LAUNCH["forward"](grid, q, k, v, out, lse, *_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out),
-                      qk_scale=qk_scale, IS_CAUSAL=is_causal, TMA=_tma_ok(settings, q, k, v, out),
-                      fast_launch=settings.fast_launch, **p)
+    if plan is not None:
+        plan.run(0, q, k, v, out, lse)
+        return out, lse
+    check_kernel_device(q, "flash_triton")
+    p = _launch_params(q, k, settings)
+    batch_heads = q.shape[0] * p["H"]
+    grid = lambda meta: (cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads)  # noqa: E731
+    rest = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(out))
+    kwargs = dict(qk_scale=q.shape[-1] ** -0.5 * LOG2E, IS_CAUSAL=is_causal, TMA=_tma_ok(settings, q, k, v, out), **p)
+    plan = _Plan(settings, [("forward", grid, rest, kwargs, None)])
+    plan.run(0, q, k, v, out, lse)
+    plan.bind(0, q, k, v, out, lse)
+    _FORWARD_PLANS[key] = plan  # only once it ran: a call that raised leaves no plan
     return out, lse
 
 
 def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings: FlashSettings | None = None):
     """FA2's dQ, dK, dV (each in its input's layout) from the forward's O and L and dO, with `settings` (None:
     those in force)."""
-    check_kernel_device(q, "flash_triton")
     settings = settings or flash_settings()
-    p = _launch_params(q, k, settings)
-    fast = settings.fast_launch
-    batch_heads = q.shape[0] * p["H"]
+    key = (_layout(q, k, v, out, lse, grad_out), is_causal)
+    plan = _plan_for(_BACKWARD_PLANS, key, settings)
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    delta_block = 16 if INTERPRET else 64
-    LAUNCH["delta"]((cdiv(p["N_Q"], delta_block), batch_heads),
-        out, grad_out, delta, *_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"],
-        BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"], fast_launch=fast)
     # Gradients in their inputs' layouts: autograd then takes them as .grad without a strided copy
     # (which cost a noticeable share of short calls: kernels/NOTES.md, session 7, "Gradient layout").
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if plan is None:
+        check_kernel_device(q, "flash_triton")
+        plan = _backward_plan(q, k, v, out, grad_out, dq, dk, dv, is_causal, settings)
+        fresh = True
+    else:
+        fresh = False
+    plan.run(0, out, grad_out, delta)
+    plan.run(1, q, k, v, grad_out, lse, delta, dk, dv)
+    plan.run(2, q, k, v, grad_out, lse, delta, dq)
+    if fresh:  # only once they ran: a call that raised leaves no plan
+        plan.bind(0, out, grad_out, delta)
+        plan.bind(1, q, k, v, grad_out, lse, delta, dk, dv)
+        plan.bind(2, q, k, v, grad_out, lse, delta, dq)
+        _BACKWARD_PLANS[key] = plan
+    return dq, dk, dv
+
+
+def _backward_plan(q, k, v, out, grad_out, dq, dk, dv, is_causal: bool, settings: FlashSettings) -> _Plan:
+    """The backward's three launches: D = rowsum(dO ∘ O), then dK and dV, then dQ."""
+    p = _launch_params(q, k, settings)
+    batch_heads = q.shape[0] * p["H"]
+    delta_block = 16 if INTERPRET else 64
     sm_scale = q.shape[-1] ** -0.5
     common = dict(qk_scale=sm_scale * LOG2E, sm_scale=sm_scale, IS_CAUSAL=is_causal, **p)
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out))
-    LAUNCH["backward_dkdv"](lambda meta: (triton.cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads),
-        q, k, v, grad_out, lse, delta, dk, dv, *strides, *_strides4(dk), *_strides4(dv), fast_launch=fast, **common)
-    LAUNCH["backward_dq"](lambda meta: (triton.cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads),
-        q, k, v, grad_out, lse, delta, dq, *strides, *_strides4(dq), fast_launch=fast, **common)
-    return dq, dk, dv
+    return _Plan(settings, [
+        ("delta", (cdiv(p["N_Q"], delta_block), batch_heads),
+         (*_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"]),
+         dict(BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"]), None),
+        ("backward_dkdv", lambda meta: (cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads),
+         (*strides, *_strides4(dk), *_strides4(dv)), common, None),
+        ("backward_dq", lambda meta: (cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads),
+         (*strides, *_strides4(dq)), common, None),
+    ])
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool

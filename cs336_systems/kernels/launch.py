@@ -15,6 +15,14 @@ That reads Triton internals with no public equivalent: `Autotuner.fn` and `.best
 warning and takes the public `kernel[grid](...)` path, as it does under Triton's interpreter (there
 is no binary), with the `fast_launch` setting off (settings.py; CS336_FLASH_FAST_LAUNCH=0), and on
 the first call per layout. `clear()` forgets every layout (after a kernel's configs are swapped).
+
+The binary is called through `lean_runner`: Triton 3.6's own runner (`CompiledKernel[grid]`) builds launch
+metadata (a LazyDict) on every launch and hands the C launcher two hook chains to call, because
+`knobs.runtime.launch_enter_hook` is an (empty) `HookChain`, never None, so its "no hook" test never holds; where
+no hook is registered and the kernel needs no scratch memory, `lean_runner` calls the C launcher with Nones
+instead, as Triton's runner would with no hooks (kernels/NOTES.md, "Plan cache (branch h-host2)").
+`FastLauncher.bound` hands the remembered binary and the arguments Triton filled in to a caller that keeps its
+own per-call plan (flash_triton's plan cache), so that caller's hits skip the layout key too.
 """
 
 from __future__ import annotations
@@ -32,6 +40,57 @@ from cs336_systems.kernels.settings import flash_settings
 # (results/diagnosis/flash_fast_launch_check.py); another release takes the public path until checked.
 CHECKED_TRITON_VERSIONS = ("3.6",)
 _warned: set[str] = set()
+# Callbacks run when any FastLauncher is cleared: caches built from launchers' entries (flash_triton's plans)
+# register here (`on_clear`), so whatever forgets the launchers' layouts (new tile configs) forgets them too.
+_dependents: list[Callable[[], None]] = []
+
+
+def on_clear(callback: Callable[[], None]) -> None:
+    """Run `callback` whenever a FastLauncher is cleared (a cache derived from the launchers' entries)."""
+    _dependents.append(callback)
+
+
+def _no_launch_hooks() -> bool:
+    """Whether no Triton launch hook is registered now (a profiler such as Proton registers one)."""
+    runtime = triton.knobs.runtime
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is None or (type(enter) is triton.knobs.HookChain and not enter.calls)) and (
+        exit_ is None or (type(exit_) is triton.knobs.HookChain and not exit_.calls))
+
+
+def lean_runner(compiled, grid: tuple[int, int, int]) -> Callable:
+    """`run(*args)` launching `compiled` (Triton's CompiledKernel) on `grid` as `compiled[grid](*args)` does: on the
+    current device's current stream, with no launch metadata where no launch hook is registered (checked per call;
+    with a hook, Triton's own runner). Kernels that need global or profile scratch memory, and objects that are not
+    a CompiledKernel with the CUDA launcher this was checked against, get Triton's runner."""
+    runner = compiled[grid]  # also loads the binary (CompiledKernel._init_handles)
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+        from triton.compiler.compiler import CompiledKernel
+    except ImportError:
+        return runner
+    if type(compiled) is not CompiledKernel or type(compiled.run) is not CudaLauncher:
+        return runner
+    launcher = compiled.run
+    if launcher.global_scratch_size or launcher.profile_scratch_size:
+        return runner
+    c_launch, function, packed = launcher.launch, compiled.function, compiled.packed_metadata
+    cooperative, pdl = launcher.launch_cooperative_grid, launcher.launch_pdl
+    grid_x, grid_y, grid_z = grid
+    # torch's own calls behind Triton's driver.get_current_device / get_current_stream, without the Python wrapper
+    # (`torch.cuda.current_device` checks CUDA's lazy initialisation at each call; it ran when the kernel did)
+    get_device = getattr(torch._C, "_cuda_getDevice", None)
+    get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if get_device is None or get_stream is None:
+        return runner
+
+    def run(*args):
+        if not _no_launch_hooks():
+            return runner(*args)
+        c_launch(grid_x, grid_y, grid_z, get_stream(get_device()), function, cooperative, pdl, None, None, packed,
+                 None, None, None, *args)
+
+    return run
 
 
 def _key(args: tuple, kwargs: dict) -> tuple:
@@ -113,6 +172,20 @@ class FastLauncher:
 
     def clear(self) -> None:
         self.entries.clear()
+        for callback in _dependents:
+            callback()
+
+    def bound(self, grid: Callable[[dict], tuple] | tuple, args: tuple, kwargs: dict) -> tuple[Callable, tuple] | None:
+        """For a call this launcher has run on its fast path: `(run, tail)` such that `run(*args, *tail)` launches
+        it again (tail: the keywords and the values Triton filled in, in signature order), for a caller that keys
+        the call by itself and will pass the same `kwargs`; None where there is no such entry (the public path)."""
+        if self.problem is not None or INTERPRET:
+            return None
+        entry = self.entries.get((self.key(args, kwargs), grid if type(grid) is tuple else None))
+        if entry is None:
+            return None
+        run, tail = entry
+        return run, tuple([kwargs[name] if from_kwargs else value for name, from_kwargs, value in tail])
 
     def __call__(self, grid: Callable[[dict], tuple] | tuple, *args, fast_launch: bool | None = None,
                  **kwargs) -> None:
@@ -150,7 +223,7 @@ class FastLauncher:
             fixed = {name: values[name] for name in self.names if name not in kwargs and name not in
                      self.names[:len(args)]}  # tuned tiles and heuristic flags
             launch_grid = grid(values) if callable(grid) else grid
-            run = compiled[tuple(launch_grid) + (1,) * (3 - len(launch_grid))]
+            run = lean_runner(compiled, tuple(launch_grid) + (1,) * (3 - len(launch_grid)))
         except (AttributeError, KeyError, TypeError) as error:
             self.problem = f"reading Triton's state after a launch failed ({type(error).__name__}: {error})"
             _warn_once(self.problem)

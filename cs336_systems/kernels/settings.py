@@ -103,6 +103,22 @@ class FlashSettings:
         return cls(**values)
 
 
+def _env_reader():
+    """A function giving the raw values of ENV_VARS now. `os.environ` keeps its values in a plain dict (`_data`,
+    keys and values encoded) that every change through `os.environ` (monkeypatch.setenv included) updates; a lookup
+    there costs a fraction of `os.environ.get`, which runs Mapping.get, __getitem__ and the key's encoding in Python
+    (5 of them were ~3 us of every call: kernels/NOTES.md, "Plan cache (branch h-host2)"). Where that dict is not
+    there (another Python), the public lookups."""
+    data = getattr(os.environ, "_data", None)
+    encodekey = getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encodekey is None:
+        return lambda: tuple([os.environ.get(var) for var in ENV_VARS.values()])
+    keys = tuple(encodekey(var) for var in ENV_VARS.values())
+    return lambda: tuple([os.environ._data.get(key) for key in keys])  # os.environ looked up per call: it may be
+    # replaced (never in practice), and its dict with it
+
+
+_raw_environment = _env_reader()
 _chosen: FlashSettings | None = None  # set from code; None: from the environment
 _from_env: tuple[tuple, FlashSettings] | None = None  # the last environment read, by its raw values
 
@@ -113,7 +129,7 @@ def flash_settings() -> FlashSettings:
     global _from_env
     if _chosen is not None:
         return _chosen
-    raw = tuple(os.environ.get(var) for var in ENV_VARS.values())
+    raw = _raw_environment()
     if _from_env is None or _from_env[0] != raw:
         _from_env = (raw, FlashSettings.from_env())
     return _from_env[1]

@@ -10,17 +10,22 @@ with static shapes; compiled after it saw three shapes, as the bench's provider 
 - host time per call: 200 calls issued with no synchronisation, then one; if host-bound, wall/200;
 - a cProfile of 100 calls (top functions by own time) into DIR/profile_*.txt;
 - on sm_90, at the shapes the Gluon backward runs at, the backward alone with its launches through FastLauncher
-  and through Triton's public path (`gluon_backward_rows`).
+  and through Triton's public path (`gluon_backward_rows`);
+- at the shapes FA2 runs at, eager forward and forward+backward with the per-call plans and the lean runner
+  (`eager_plans`), with plans off (`eager_no_plans`: every call derives its launches, as before branch h-host2) and
+  with Triton's own runner (`eager_triton_runner`): the A/B of kernels/NOTES.md, "Plan cache (branch h-host2)".
 Rows go to DIR/host_floor.csv with provenance.
 """
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
 import pstats
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -83,6 +88,58 @@ def gluon_backward_rows(shape, prov) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def plan_variant(name: str):
+    """The FA2 eager path as variant `name` runs it: "eager_plans" as shipped; "eager_no_plans" with no plan ever
+    found or kept (each call derives its launches and goes through the FastLaunchers' keys); "eager_triton_runner"
+    with the launchers' binaries called through Triton's `CompiledKernel[grid]` runner instead of launch.lean_runner."""
+    from cs336_systems.kernels import flash_triton, launch
+
+    patches = {"eager_plans": [],
+               "eager_no_plans": [mock.patch.object(flash_triton, "_plan_for", lambda *args: None),
+                                  mock.patch.object(flash_triton._Plan, "bind", lambda *args: None)],
+               "eager_triton_runner": [mock.patch.object(launch, "lean_runner", lambda compiled, grid: compiled[grid])]}
+    with contextlib.ExitStack() as stack:
+        for patch in patches[name]:
+            stack.enter_context(patch)
+        for launcher in flash_triton.LAUNCH.values():  # (their plans too) remembered again at the next call
+            launcher.clear()
+        try:
+            yield
+        finally:
+            for launcher in flash_triton.LAUNCH.values():
+                launcher.clear()
+
+
+def plan_rows(shape, prov) -> list[dict]:
+    """Eager forward and forward+backward of FA2 (forced: CS336_FLASH_FORWARD/BACKWARD=triton) at `shape`, per
+    plan_variant, in one run."""
+    from cs336_systems.kernels.flash_triton import FlashAttentionTriton
+    from cs336_systems.kernels.settings import use_flash_settings
+
+    q, k, v, do = tensors(*shape)
+    rows = []
+    for name in ("eager_plans", "eager_no_plans", "eager_triton_runner"):
+        with use_flash_settings(forward="triton", backward="triton"), plan_variant(name):
+            def both():
+                FlashAttentionTriton.apply(q, k, v, True).backward(do)
+                q.grad = k.grad = v.grad = None
+
+            def forward():
+                with torch.no_grad():
+                    FlashAttentionTriton.apply(q, k, v, True)
+
+            for pass_, call in (("forward", forward), ("forward_backward", both)):
+                device_ms = bench_ms(call, q.device, 200, 1000, min_calls=10)
+                issue_us, wall_us = host_us(call)
+                rows.append({"batch": shape[0], "heads": shape[1], "seq_len": shape[2], "head_dim": shape[3],
+                             "variant": name, "pass": pass_, "median_ms": device_ms, "issue_us_per_call": issue_us,
+                             "wall_us_per_call": wall_us, **prov})
+                print({key: rows[-1][key] for key in ("seq_len", "variant", "pass", "median_ms", "issue_us_per_call")},
+                      flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "."))
@@ -125,6 +182,10 @@ def main():
                 text.write("\n\n--- by cumulative time ---\n")
                 pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(45)
                 (out / f"profile_{name}_{shape[2]}x{shape[3]}.txt").write_text(text.getvalue())
+    for shape in SHAPES:
+        if shape[2] < 4096:  # where "auto" runs FA2 (flash_dispatch.GLUON_MIN_KEYS)
+            rows += plan_rows(shape, prov)
+            write_rows(rows, out / "host_floor.csv")
     if torch.cuda.get_device_capability() == (9, 0):  # where the Gluon backward runs
         for shape in SHAPES:
             if shape[2] >= 4096:  # flash_dispatch.GLUON_BACKWARD_MIN_KEYS: the shapes "auto" gives it
