@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import timeit
 
 os.environ.pop("TRITON_INTERPRET", None)  # the kernels as on a GPU: compiled objects, FastLauncher's fast path on
 os.environ["CS336_FLASH_TMA"] = "0"  # the TMA check would ask the CUDA device (none here); the GPU takes pointer
@@ -34,32 +33,9 @@ import triton  # noqa: E402
 from cs336_systems.kernels import common, flash_triton  # noqa: E402
 from cs336_systems.kernels.settings import flash_settings  # noqa: E402
 
+from flash_host_pieces import per_call_us, stub_launches  # noqa: E402 (this folder's: the same no-op launches)
+
 SHAPE = (1, 16, 1024, 128)  # batch, heads, sequence, head dim: the H100 profile's shape (FA2 path, causal)
-
-
-class _NoOpKernel:
-    """Stands for a Triton kernel: `kernel[grid](*args)` launches nothing and returns a "compiled kernel" whose
-    `[grid]` runner does nothing, as FastLauncher's first call and fast path expect."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self
-
-    def __call__(self, *args):
-        return None
-
-
-def stub_launches():
-    """Every FastLauncher of flash_triton launches no-ops; the device check lets CPU tensors through."""
-    flash_triton.check_kernel_device = lambda t, name: None
-    for launcher in flash_triton.LAUNCH.values():
-        if launcher.autotuner is not None:
-            launcher.autotuner.best_config = launcher.autotuner.configs[0]
-        launcher.kernel = _NoOpKernel()
-
-
-def per_call_us(fn, number: int, repeats: int = 7) -> float:
-    fn()
-    return statistics.median(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
 
 
 def inputs(grad=False):
