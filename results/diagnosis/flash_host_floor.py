@@ -188,7 +188,7 @@ def main():
             write_rows(rows, out / "host_floor.csv")
     if torch.cuda.get_device_capability() == (9, 0):  # where the Gluon backward runs
         for shape in SHAPES:
-            if shape[2] >= 4096:  # flash_dispatch.GLUON_BACKWARD_MIN_KEYS: the shapes "auto" gives it
+            if shape[2] >= 4096:  # the shapes "auto" gave it before the per-head-dim rules (GLUON_BACKWARD_RULES)
                 rows += gluon_backward_rows(shape, prov)
                 write_rows(rows, out / "host_floor.csv")
 
