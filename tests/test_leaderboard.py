@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cs336_systems.bench import leaderboard
 from cs336_systems.bench.plain_model import SDPA_OPS, PlainTransformerLM, plain_state_dict
 from cs336_systems.model import TransformerLM, cross_entropy, get_config
+from tests.kernel_devices import cpu_kernels
 
 
 
@@ -161,6 +162,7 @@ def test_rows_name_what_each_provider_runs():
         assert len(changed) == 1, (name, changed)
 
 
+@cpu_kernels  # ours' kernels on CPU tensors: the interpreter only (a GPU machine skips it)
 def test_ours_saves_the_matmuls_of_as_many_blocks_as_the_free_memory_holds(tmp_path, monkeypatch):
     """`AUTO`, resolved per point: a plain selective probe's peak, subtracted from the capacity less the margin,
     divided by a block's matmul outputs (tokens of one pass x (4 d + 2 d_ff) x 4 B in TINY's float32: ours passes
@@ -218,6 +220,7 @@ def test_microbatches_name_bad_values():
         microbatches(tokens, tokens[:, :3], 1)
 
 
+@cpu_kernels  # ours' kernels on CPU tensors: the interpreter only (a GPU machine skips it)
 def test_the_first_pass_saves_more_blocks_than_the_passes_holding_gradients(tmp_path, monkeypatch):
     """Ours at batch 2 passes one sequence at a time: the probe's peak of the first pass (no gradients yet) leaves
     room for both blocks, the second pass's (one block more) for one, so the row's policy is "selective:0,2 then

@@ -9,6 +9,7 @@ import torch
 from cs336_systems.bench import leaderboard, step_profile
 from cs336_systems.bench.step_profile import categorize, classify
 from cs336_systems.model import get_config
+from tests.kernel_devices import cpu_kernels
 from tests.test_leaderboard import TINY, _tiny
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -178,6 +179,7 @@ def profiled(tmp_path_factory):
     return pd.read_csv(tmp / "leaderboard_8b_profile.csv"), tmp
 
 
+@cpu_kernels  # the profiled fixture runs ours' kernels on CPU tensors
 def test_profile_rows_add_up_to_the_step(profiled):
     """On the CPU a category's time is its ops' self CPU time; the categories must add up to the outermost ops'
     total CPU time (summed independently from the nesting, `profiled ops (total)`) within 1% (µs rounding of
@@ -196,6 +198,7 @@ def test_profile_rows_add_up_to_the_step(profiled):
     assert not list(tmp.glob("snapshots/*.pickle"))  # allocator history is CUDA's
 
 
+@cpu_kernels  # the profiled fixture runs ours' kernels on CPU tensors
 def test_profile_lists_every_kernel_it_counted(profiled):
     """Beside each snapshot path, the per-kernel (on a CPU, per-op) listing the categories were summed from: its
     ms and counts per category are the rows' (what a total that does not add up is checked against)."""
@@ -212,6 +215,7 @@ def test_profile_lists_every_kernel_it_counted(profiled):
         assert set(listing["phase"].dropna()) <= {"forward", "loss", "backward", "optimizer"}
 
 
+@cpu_kernels  # the profiled fixture runs ours' kernels on CPU tensors
 def test_profile_memory_parts_are_the_models_tensors(profiled):
     """Parameters and gradients counted from the model (float32 here), AdamW's two moments per parameter plus
     its per-tensor step counters; no peak on a CPU, so no rest."""
@@ -304,6 +308,7 @@ def _render(results):
     return render_leaderboard(ctx), render(DELIVERABLES[1], ctx)
 
 
+@cpu_kernels  # the profiled fixture runs ours' kernels on CPU tensors
 def test_section_renders_the_profile_and_is_pending_without_it(profiled, tmp_path):
     """Without the profile CSV the section names the command that records it (and its continuation is pending);
     with it, the continuation's time table holds each provider's category times from the CSV, its memory table
