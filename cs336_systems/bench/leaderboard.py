@@ -251,7 +251,7 @@ class LeaderboardConfig:
         if self.profile_out is not None and self.profile_dir is None:
             raise ValueError(f"profile output {self.profile_out!r} given without a profile folder (--profile DIR)")
         check_known("compile mode", [self.compile], COMPILE_MODES)
-        spec = DataParallelSpec.parse(self.data_parallel)  # a ValueError naming a bad spec
+        spec = self.data_parallel_spec()  # a ValueError naming a bad spec
         if spec.kind in ("fsdp", "torch_fsdp2") or spec.optimizer_sharding != "none":
             raise ValueError(f"data parallelism {self.data_parallel!r}: the leaderboard replicates the model (a DDP "
                              "kind without optimizer sharding, e.g. bucketed:100 or torch_ddp)")
@@ -268,6 +268,10 @@ class LeaderboardConfig:
             check_positive("memory capacity (GiB)", self.memory_capacity_gib)
         self.model_config()  # an unknown size raises here
         resolve_device(self.device)
+
+    def data_parallel_spec(self) -> DataParallelSpec:
+        """`data_parallel` parsed (checked on construction)."""
+        return DataParallelSpec.parse(self.data_parallel)
 
     def model_config(self) -> ModelConfig:
         return get_config(self.size, edition="2026", context_length=self.context_length)
@@ -341,7 +345,7 @@ def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCon
                          "takes the resolved policy as `checkpoint`")
     policies = pass_policies(recipe.checkpoint)
     plan = ParallelPlan(compile=config.compile, checkpoint=policies[0],
-                        data_parallel=DataParallelSpec.parse(config.data_parallel))
+                        data_parallel=config.data_parallel_spec())
     wrapped = parallelize(model, plan, device)
     fused = recipe.loss == "fused"
     return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused),
@@ -359,7 +363,7 @@ def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCo
     if config.compile == "blocks":
         model.compile_blocks()
     parameters = dict(model.named_parameters())
-    if DataParallelSpec.parse(config.data_parallel).kind == "none":
+    if config.data_parallel_spec().kind == "none":
         return Trainee(loss=model.loss, optimizer=make_optimizer(recipe, model.parameters(), config.lr),
                        parameters=parameters, as_plain_names=dict, model=model)
     # with data parallelism, the anchors replicate as torch does (torch DDP), whatever ours runs
@@ -648,11 +652,12 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
 
 def _batch_mean(loss: torch.Tensor) -> torch.Tensor:
     """The whole batch's mean loss from this rank's (the mean over ranks of equal shares; itself without a group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    world = _world()[1]
+    if world == 1:
         return loss
     total = loss.detach().clone()
     dist.all_reduce(total)
-    return total / dist.get_world_size()
+    return total / world
 
 
 def _loss_and_gradients(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, dict]:
@@ -723,7 +728,7 @@ def check_world(config: LeaderboardConfig, world: int) -> None:
     """Raise (naming the values) where the run's data parallelism does not fit its world: ranks without a spec
     would each train alone; every batch is split into equal shares; and a rank's share runs in one pass, since
     the data-parallel wrappers synchronize gradients during or after one backward, not across accumulated ones."""
-    spec = DataParallelSpec.parse(config.data_parallel)
+    spec = config.data_parallel_spec()
     if world > 1 and spec.kind == "none":
         raise ValueError(f"{world} ranks with data parallelism 'none' would each train alone: give --data-parallel")
     for batch in (*config.batches, *((config.check_batch,) if config.check_size != "none" else ())):
