@@ -18,6 +18,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # CUDA up front: torch's checkpoint raises at recomputation if the device state was initialised during the
+    # forward it replays, and on a GPU machine a CPU-tensor test's first compile or kernel dispatch can do that
+    # lazily, inside a checkpointed block (found on an H100: the first such test in a worker failed, and its
+    # half-unwound checkpoint then failed every later checkpointing test in that worker).
+    torch.cuda.init()
 
 from tests.kernel_devices import KERNEL_DEVICE, NO_KERNEL_DEVICE  # noqa: E402  (reads the choice above)
 

@@ -24,7 +24,9 @@ cpu_kernels = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels 
 @contextlib.contextmanager
 def interpreter_in_child_processes() -> Iterator[None]:
     """TRITON_INTERPRET=1 in the environment that processes started inside the block inherit (gloo
-    ranks, which run the kernels on CPU tensors), whatever this process runs them with."""
+    ranks, which run the kernels on CPU tensors), whatever this process runs them with. Not for FA2's kernels on
+    the GPU machines: Triton 3.6's interpreter turns a loop bound into an int by a conversion numpy 2.5 (theirs)
+    refuses, so tests that run FA2 in gloo ranks are `cpu_kernels` tests."""
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:

@@ -323,6 +323,7 @@ def _two_rank_run(rank: int, world: int, out: str) -> None:
                       "--out", out])
 
 
+@cpu_kernels  # the interpreter only: on the GPU machines (numpy 2.5) Triton 3.6's interpreter fails in FA2's key loop
 def test_two_ranks_check_and_time_the_step_with_data_parallelism(tmp_path):
     """The two-GPU step a data-parallel spec away, at smoke scale on 2 gloo ranks: each rank takes one of the two
     sequences, ours replicates with our bucketed DDP and the anchor with torch DDP; the check compares each rank's

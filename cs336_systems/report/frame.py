@@ -203,8 +203,10 @@ class NumericTable:
         return cls.from_json(Path(path).read_text())
 
 
-def _dtype(values: Sequence) -> str:
-    """float64 for columns of numbers (None as NaN), int64 for whole numbers, object for text."""
+def _dtype(values: Sequence) -> str | None:
+    """float64 for columns of numbers (None as NaN), int64 for whole numbers, object for flags; text is left to
+    pandas, so that a loaded column has the dtype the same list gets in a new frame (object before pandas 3,
+    its string dtype from 3 on)."""
     present = [v for v in values if v is not None]
     if present and all(isinstance(v, bool) for v in present):
         return "object"
@@ -212,4 +214,4 @@ def _dtype(values: Sequence) -> str:
         return "int64"
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
         return "float64"
-    return "object"
+    return None
