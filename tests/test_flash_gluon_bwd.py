@@ -372,6 +372,28 @@ def test_compiles_for_sm90_without_spills(tmp_path, variant):
     assert row["tma_reduce_ops"] >= 1
 
 
+def test_d64_tile_candidates_are_the_tiles_bwdtile_takes():
+    """The d=64 tile search's candidates (bench.flash_gluon_bwd_resources --d64-tiles, timed by
+    results/diagnosis/flash_gluon_d64.py): a name says its tile's fields; BwdTile refuses only block_m 128 with
+    more than 2 slots (its tiles need 232,448 B or more of shared memory), naming why; the shipped tile is one."""
+    from cs336_systems.bench.flash_gluon_bwd_resources import D64_CANDIDATES, VARIANTS, d64_tile_variants
+
+    taken, refused = d64_tile_variants()
+    assert sorted(taken + list(refused)) == sorted(D64_CANDIDATES)
+    schemes = {"split": (True, False), "percons": (False, False), "deferred": (True, True)}
+    for name, fields in D64_CANDIDATES.items():
+        block_m, slots, scheme = name.split("_")
+        assert (fields["block_m"], fields["num_slots"]) == (int(block_m[1:]), int(slots[1:]))
+        assert (fields["split_dq"], fields["defer_dq"]) == schemes[scheme]
+        assert VARIANTS[name] == (fields, False) and VARIANTS[name + "_exact"] == (fields, True)
+        assert (name in refused) == (fields["block_m"] == 128 and fields["num_slots"] > 2), name
+    for name, why in refused.items():
+        assert "shared memory" in why and str(bwd.SHARED_BYTES) in why
+    for name in taken:
+        assert BwdTile(64, **D64_CANDIDATES[name]).shared_bytes() <= bwd.SHARED_BYTES
+    assert dataclasses.replace(bwd.tile_for(64), **D64_CANDIDATES["m64_s4_split"]) == bwd.tile_for(64)
+
+
 # ----------------------------------------------------------------------------------------------
 # on an sm_90 GPU
 # ----------------------------------------------------------------------------------------------

@@ -41,6 +41,40 @@ VARIANTS = {  # name -> (BwdTile fields changed from TILES', EXACT)
     "pingpong": ({**LOCKSTEP, "defer_dq": True, "pingpong": True}, False),
     "pingpong_exact": ({**LOCKSTEP, "defer_dq": True, "pingpong": True}, True),
 }
+# The d=64 candidates of issue #26's tile search (results/diagnosis/flash_gluon_d64.py times them), lockstep:
+# "m{block_m}_s{num_slots}_{split|percons}", block_m 64 or 128 (queries per step) x Q/dO ring depth 2-4 x dQ scheme;
+# "m{block_m}_s{num_slots}_deferred" the deferred schedule (split dQ only). BwdTile refuses what does not fit sm_90's
+# shared memory (block_m 128 with more than 2 slots): d64_tile_variants leaves those out and says why.
+def _d64_name(block_m: int, num_slots: int, split_dq: bool | None) -> str:
+    scheme = "deferred" if split_dq is None else ("split" if split_dq else "percons")
+    return f"m{block_m}_s{num_slots}_{scheme}"
+
+
+D64_CANDIDATES = {_d64_name(bm, slots, split): {**LOCKSTEP, "block_m": bm, "num_slots": slots,
+                                                 "split_dq": split is not False, "defer_dq": split is None}
+                  for bm in (64, 128) for slots in (2, 3, 4) for split in (True, False, None)}
+for _name, _fields in D64_CANDIDATES.items():
+    VARIANTS[_name] = (_fields, False)
+    VARIANTS[_name + "_exact"] = (_fields, True)
+
+
+def d64_tile_variants() -> tuple[list[str], dict[str, str]]:
+    """The d=64 candidates BwdTile takes, and why it refuses the others (name -> its ValueError)."""
+    from dataclasses import replace
+
+    from cs336_systems.kernels import flash_gluon_bwd as bwd
+
+    taken, refused = [], {}
+    for name, fields in D64_CANDIDATES.items():
+        try:
+            replace(bwd.tile_for(64), **fields)
+        except ValueError as error:
+            refused[name] = str(error)
+        else:
+            taken.append(name)
+    return taken, refused
+
+
 CONFIGS = [(d, causal, dtype, "shipped") for d in (64, 128) for causal in (True, False) for dtype in ("bf16", "fp16")]
 CONFIGS += [(d, causal, "bf16", "lockstep") for d in (64, 128) for causal in (True, False)]  # what d=128 shipped before
 CONFIGS += [(d, causal, "bf16", "per_consumer_dq") for d in (64, 128) for causal in (True, False)]
@@ -113,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only-first", action="store_true", help="only the first selected configuration (tests)")
     parser.add_argument("--variants", nargs="+", default=None,
                         help=f"only these variants ({', '.join(VARIANTS)})")
+    parser.add_argument("--d64-tiles", action="store_true",
+                        help="the d=64 tile candidates (D64_CANDIDATES that BwdTile takes, each with its EXACT twin), "
+                        "bf16, causal or not, instead of CONFIGS")
     parser.add_argument("--sass-check", default=None, metavar="DIR",
                         help="folder of the Gluon probe's sass_check.py: also count register-A hazards in the SASS")
     parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")
@@ -121,8 +158,15 @@ def main(argv: list[str] | None = None) -> None:
     from cs336_systems.provenance import provenance
     from cs336_systems.results import write_rows
 
+    configs = CONFIGS
+    if args.d64_tiles:
+        taken, refused = d64_tile_variants()
+        for name, why in refused.items():
+            print(f"d=64 {name}: refused by BwdTile: {why}", flush=True)
+        configs = [(64, causal, "bf16", variant + suffix) for variant in taken for suffix in ("", "_exact")
+                   for causal in (True, False)]
     rows = []
-    for head_dim, causal, dtype, variant in CONFIGS:
+    for head_dim, causal, dtype, variant in configs:
         if ((args.head_dims and head_dim not in args.head_dims) or (variant != "shipped" and args.shipped_only)
                 or (args.variants and variant not in args.variants)):
             continue
