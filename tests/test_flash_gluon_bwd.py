@@ -375,7 +375,7 @@ def test_compiles_for_sm90_without_spills(tmp_path, variant):
 def test_d64_tile_candidates_are_the_tiles_bwdtile_takes():
     """The d=64 tile search's candidates (bench.flash_gluon_bwd_resources --d64-tiles, timed by
     results/diagnosis/flash_gluon_d64.py): a name says its tile's fields; BwdTile refuses only block_m 128 with
-    more than 2 slots (its tiles need 232,448 B or more of shared memory), naming why; the shipped tile is one."""
+    more than 2 slots (its tiles need 232,448 B or more of shared memory), naming why; the shipped tile is one of them."""
     from cs336_systems.bench.flash_gluon_bwd_resources import D64_CANDIDATES, VARIANTS, d64_tile_variants
 
     taken, refused = d64_tile_variants()
@@ -391,7 +391,8 @@ def test_d64_tile_candidates_are_the_tiles_bwdtile_takes():
         assert "shared memory" in why and str(bwd.SHARED_BYTES) in why
     for name in taken:
         assert BwdTile(64, **D64_CANDIDATES[name]).shared_bytes() <= bwd.SHARED_BYTES
-    assert dataclasses.replace(bwd.tile_for(64), **D64_CANDIDATES["m64_s4_split"]) == bwd.tile_for(64)
+    shipped = bwd.tile_for(64)
+    assert any(dataclasses.replace(shipped, **fields) == shipped for fields in D64_CANDIDATES.values())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -176,10 +176,13 @@ SCHEDULES = {
     "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True},
 }
 
-# Shared memory (tiles): d=128, 2 slots, ping-pong: 225 KiB of the H100's 227 KiB; d=64, 4 slots: 146 KiB.
+# Shared memory (tiles): d=128, 2 slots, ping-pong: 225 KiB of the H100's 227 KiB; d=64, 2 slots: 113 KiB.
 # d=128 runs ping-pong (one H200, results/diagnosis/flash_gluon_bwd_v2/: 0.952x lockstep's time at the 8B
-# shape, 0.983x at 4 x 32 x 4096); d=64 stays lockstep (ping-pong took 1.02-1.04x there).
-TILES = {64: BwdTile(64, num_slots=4), 128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
+# shape, 0.983x at 4 x 32 x 4096); d=64 stays lockstep (ping-pong took 1.02-1.04x there), with each consumer's
+# own dQ and a two-slot ring: in the d=64 tile search (results/diagnosis/flash_gluon_d64/, H100, 7b7a8a7) 0.94x and
+# 0.96x the split-dQ four-slot tile shipped before at the two causal shapes off the leaderboard, 0.98x over its five
+# shapes (geometric mean), at most 1.013x (one non-causal shape, within that shape's 4% spread between rounds).
+TILES = {64: BwdTile(64, num_slots=2, split_dq=False), 128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
 
 
 def tile_for(head_dim: int) -> BwdTile:
