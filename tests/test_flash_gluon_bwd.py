@@ -450,7 +450,8 @@ def _check_against_float64_and_fa2(q, k, v, do, causal, tile=None):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype, schedule):
     q, k, v = (_fresh(s, model_layout, dtype) for s in (q_shape, k_shape, k_shape))
-    tile = dataclasses.replace(TILES[q_shape[-1]], **SCHEDULES[schedule])
+    fields = SCHEDULES[schedule] | ({"split_dq": True} if SCHEDULES[schedule]["defer_dq"] else {})  # deferred: split
+    tile = dataclasses.replace(TILES[q_shape[-1]], **fields)
     _check_against_float64_and_fa2(q, k, v, _fresh(q_shape, model_layout, dtype), causal, tile)
 
 
