@@ -33,7 +33,6 @@ every row; a summary printed at the end: per shape, the fastest forward and back
 
 import argparse
 import dataclasses
-import faulthandler
 import os
 import statistics
 import sys
@@ -44,8 +43,9 @@ import torch
 import triton
 
 # stage 2's inputs, error measure and references, stage 3's SDPA forward (this folder is on sys.path as a script)
-from flash_gluon_stage2 import FA2_TILE, fresh, rel_err, reference_grads, sdpa_backward
-from flash_gluon_stage3 import sdpa_forward
+from flash_gluon_stage2 import (FA2_TILE, exact_backward_mismatches, fresh, gradients_within_fa2s_error,
+                                reference_grads, rel_err, sdpa_backward, watched)
+from flash_gluon_stage3 import exact_forward_case, sdpa_forward
 
 from cs336_systems.bench.flash_gluon_bwd_resources import D64_CANDIDATES
 from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
@@ -120,15 +120,7 @@ def scores(batch, heads, seq, causal) -> int:
 # ----------------------------------------------------------------------------------------------
 def exact_forward_rows(fwd):
     for causal in (True, False):
-        q, k = (torch.randint(-1, 2, EXACT_FORWARD_SHAPE, device="cuda").to(torch.bfloat16) for _ in range(2))
-        sparse = torch.rand(EXACT_FORWARD_SHAPE, device="cuda") < 0.25
-        v = (torch.randint(-1, 2, EXACT_FORWARD_SHAPE, device="cuda") * sparse).to(torch.bfloat16)
-        s = q.double() @ k.double().transpose(-1, -2)
-        p = s - torch.floor(s / 8) * 8
-        if causal:
-            p = p.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device="cuda").triu(1), 0.0)
-        expected = (p @ v.double()).to(torch.bfloat16)
-        del s, p
+        q, k, v, expected = exact_forward_case(EXACT_FORWARD_SHAPE, causal)
         for name, tile in fwd.items():
             mismatches = [int((flash_gluon._forward(q, k, v, causal, exact=True, tile=tile)[0] != expected).sum())
                           for _ in range(3)]
@@ -146,10 +138,7 @@ def exact_backward_rows(bwd):
         o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
         case = f"q{list(q_shape)} k{list(k_shape)}"
         for name, tile in bwd.items():
-            mismatches = []
-            for _ in range(3):
-                grads = flash_gluon_bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
-                mismatches.append([int((g != e).sum()) for g, e in zip(grads, expected)])
+            mismatches = exact_backward_mismatches(q, k, v, o, do, lse, causal, tile, expected)
             ok = not any(any(m) for m in mismatches)
             print(f"exact backward {case} causal={causal} {name}: mismatches (dQ, dK, dV) per launch {mismatches} "
                   f"{'ok' if ok else 'FAIL'}", flush=True)
@@ -192,13 +181,7 @@ def float_rows(fwd, bwd):
             torch.cuda.synchronize()
             first = first or grads
             row = {**base, "pass": "backward", "variant": name}
-            ok = True
-            for label, g, f, r in zip(("dq", "dk", "dv"), grads, fa2, ref_grads):
-                err, fa2_err = rel_err(g, r), rel_err(f, r)
-                limit = 2 * fa2_err + 2e-3
-                row.update({f"{label}_rel_err": err, f"{label}_fa2_rel_err": fa2_err, f"{label}_limit": limit,
-                            f"{label}_diff_vs_fa2": rel_err(g, f)})
-                ok &= bool(torch.isfinite(g).all()) and err < limit and row[f"{label}_diff_vs_fa2"] < limit
+            ok = gradients_within_fa2s_error(row, grads, fa2, ref_grads)
             row["dkdv_repeatable"] = bool(torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]))
             row["layouts_kept"] = all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
             row["dkdv_equal_to_shipped"] = bool(torch.equal(grads[1], first[1]) and torch.equal(grads[2], first[2]))
@@ -324,13 +307,7 @@ def main(argv=None):
 
     def record(new_rows):
         """Each row pulled under the watchdog, then the CSV rewritten: a watchdog exit keeps what was measured."""
-        new_rows = iter(new_rows)
-        while True:
-            faulthandler.dump_traceback_later(args.case_timeout, exit=True)
-            row = next(new_rows, None)
-            faulthandler.cancel_dump_traceback_later()
-            if row is None:
-                return
+        for row in watched(new_rows, args.case_timeout):
             name = row.get("variant", row.get("provider"))
             if name in tiles:  # the tile's fields beside its name
                 row = {**row, **{f"tile_{k}": v for k, v in vars(tiles[name][1]).items() if k != "head_dim"}}

@@ -66,6 +66,39 @@ def rel_err(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1.0)).item()
 
 
+def watched(rows, timeout_s: float):
+    """The rows of a generator, each pulled under a watchdog that ends the process (with every thread's
+    traceback) if producing it takes longer than `timeout_s`: a barrier deadlock ends the run, not the session."""
+    rows = iter(rows)
+    while True:
+        faulthandler.dump_traceback_later(timeout_s, exit=True)
+        row = next(rows, None)
+        faulthandler.cancel_dump_traceback_later()
+        if row is None:
+            return
+        yield row
+
+
+def exact_backward_mismatches(q, k, v, o, do, lse, causal: bool, tile, expected) -> list[list[int]]:
+    """Per launch of 3, the (dQ, dK, dV) elements of the EXACT backward that differ from `expected`."""
+    return [[int((g != e).sum()) for g, e in
+             zip(flash_gluon_bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True), expected)]
+            for _ in range(3)]
+
+
+def gradients_within_fa2s_error(row: dict, grads, fa2, ref) -> bool:
+    """dQ, dK, dV against float64 (`ref`), each within 2x (+2e-3) of our FA2 backward's own error (`fa2`, on the
+    same O and L) and that close to FA2's values, and finite; the errors and limits go into `row`."""
+    ok = True
+    for name, g, f, r in zip(("dq", "dk", "dv"), grads, fa2, ref):
+        err, fa2_err = rel_err(g, r), rel_err(f, r)
+        limit = 2 * fa2_err + 2e-3
+        row.update({f"{name}_rel_err": err, f"{name}_fa2_rel_err": fa2_err, f"{name}_limit": limit,
+                    f"{name}_diff_vs_fa2": rel_err(g, f)})
+        ok &= bool(torch.isfinite(g).all()) and err < limit and row[f"{name}_diff_vs_fa2"] < limit
+    return ok
+
+
 def fresh(shape, model_layout=False, dtype=torch.bfloat16):
     t = torch.randn(shape, device="cuda", dtype=torch.float64)
     if model_layout:
@@ -105,13 +138,9 @@ def check_rows(timeout_s):
             torch.cuda.synchronize()
             row = {"section": "check", "case": case, "causal": causal, "model_layout": model_layout,
                    "stride0_do": stride0, "dtype": "bfloat16", "variant": variant, "split_dq": tile.split_dq}
-            ok = True
-            for name, g, f, r, own_g in zip(("dq", "dk", "dv"), grads, fa2, ref, own):
-                err, fa2_err = rel_err(g, r), rel_err(f, r)
-                limit = 2 * fa2_err + 2e-3
-                row.update({f"{name}_rel_err": err, f"{name}_fa2_rel_err": fa2_err, f"{name}_torch_own_rel_err":
-                            rel_err(own_g, r), f"{name}_limit": limit, f"{name}_diff_vs_fa2": rel_err(g, f)})
-                ok &= bool(torch.isfinite(g).all()) and err < limit and row[f"{name}_diff_vs_fa2"] < limit
+            ok = gradients_within_fa2s_error(row, grads, fa2, ref)
+            row.update({f"{name}_torch_own_rel_err": rel_err(own_g, r)
+                        for name, own_g, r in zip(("dq", "dk", "dv"), own, ref)})
             row["dkdv_repeatable"] = bool(torch.equal(grads[1], again[1]) and torch.equal(grads[2], again[2]))
             row["layouts_kept"] = all(g.stride() == t.stride() for g, t in zip(grads, (q, k, v)))
             row["ok"] = ok and row["dkdv_repeatable"] and row["layouts_kept"]
@@ -135,10 +164,7 @@ def exact_rows(timeout_s):
             expected = [g.to(torch.bfloat16) for g in flash_gluon_bwd.exact_reference(q, k, v, do, causal)]
             o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
             for variant, tile in variants(head_dim):
-                mismatches = []
-                for _ in range(3):
-                    grads = flash_gluon_bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
-                    mismatches.append([int((g != e).sum()) for g, e in zip(grads, expected)])
+                mismatches = exact_backward_mismatches(q, k, v, o, do, lse, causal, tile, expected)
                 ok = not any(any(m) for m in mismatches)
                 print(f"exact d={head_dim} causal={causal} {variant}: mismatches (dQ, dK, dV) per launch {mismatches}"
                       f" {'ok' if ok else 'FAIL'}", flush=True)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 import triton
 
 # the shapes, the inputs and the error measure as in stage 2 (this folder is on sys.path when run as a script)
-from flash_gluon_stage2 import SHAPES, fresh, rel_err
+from flash_gluon_stage2 import SHAPES, fresh, rel_err, watched
 
 from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
 from cs336_systems.kernels.flash_triton import FlashAttentionTriton
@@ -73,19 +73,24 @@ def run_variant(variant, q, k, v, causal, exact=False):
         return flash_gluon._forward(q, k, v, causal, exact=exact, tile=tile)
 
 
+def exact_forward_case(shape: tuple, causal: bool) -> tuple:
+    """q, k, v of small integers (v sparse) and the EXACT forward's O computed in float64 (P = S mod 8, no softmax,
+    causal-masked), rounded to bf16: every value is an exact integer, so the kernel must match it bit for bit."""
+    q, k = (torch.randint(-1, 2, shape, device="cuda").to(torch.bfloat16) for _ in range(2))
+    sparse = torch.rand(shape, device="cuda") < 0.25
+    v = (torch.randint(-1, 2, shape, device="cuda") * sparse).to(torch.bfloat16)
+    s = q.double() @ k.double().transpose(-1, -2)
+    p = s - torch.floor(s / 8) * 8
+    if causal:
+        p = p.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device="cuda").triu(1), 0.0)
+    return q, k, v, (p @ v.double()).to(torch.bfloat16)
+
+
 def exact_rows():
     for head_dim in (64, 128):
         for causal in (True, False):
             shape = (*EXACT_SHAPE, head_dim)
-            q, k = (torch.randint(-1, 2, shape, device="cuda").to(torch.bfloat16) for _ in range(2))
-            sparse = torch.rand(shape, device="cuda") < 0.25
-            v = (torch.randint(-1, 2, shape, device="cuda") * sparse).to(torch.bfloat16)
-            s = q.double() @ k.double().transpose(-1, -2)
-            p = s - torch.floor(s / 8) * 8
-            if causal:
-                p = p.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device="cuda").triu(1), 0.0)
-            expected = (p @ v.double()).to(torch.bfloat16)
-            del s, p
+            q, k, v, expected = exact_forward_case(shape, causal)
             for variant in VARIANTS:
                 mismatches = [int((run_variant(variant, q, k, v, causal, exact=True)[0] != expected).sum())
                               for _ in range(3)]
@@ -224,15 +229,8 @@ def main():
     start = time.time()
 
     def record(new_rows):
-        """Each row pulled from a generator under the watchdog, then the CSV rewritten: a watchdog exit keeps
-        what was measured."""
-        new_rows = iter(new_rows)
-        while True:
-            faulthandler.dump_traceback_later(args.case_timeout, exit=True)
-            row = next(new_rows, None)
-            faulthandler.cancel_dump_traceback_later()
-            if row is None:
-                return
+        """Each row pulled under the watchdog, then the CSV rewritten: a watchdog exit keeps what was measured."""
+        for row in watched(new_rows, args.case_timeout):
             rows.append(row)
             write_rows([{**row, **prov} for row in rows], args.out)
 
