@@ -12,6 +12,7 @@ backward fed by the FA2 forward; the dispatch by input; and `torch.compile(fullg
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -344,3 +345,25 @@ def test_gpu_compiled_with_the_gluon_backward(no_flash_choice):
         compiles[backward] = len(graphs)
     assert spies.calls == ["triton"] * 2 + ["gluon"] * 2
     assert 1 <= compiles["gluon"] <= compiles["triton"], compiles
+
+
+D64_SEARCH = Path(__file__).parents[1] / "results/diagnosis/flash_gluon_d64/run1/flash_gluon_d64.csv"
+
+
+@pytest.mark.parametrize("pass_", ["forward", "backward"])
+def test_shipped_d64_tiles_are_the_searchs_best(pass_):
+    """TILES[64] of each kernel against the tile search it was chosen from (one H100 run, every candidate timed in
+    the same rounds at five shapes): the shipped tile is a measured candidate, has the least geometric mean of its
+    time over the tile shipped before (the run's `shipped`, ratio 1), and is never more than the run's spread (2%)
+    slower than that tile at any shape. Changing the tiles needs a new search."""
+    from cs336_systems.kernels import flash_gluon
+
+    rows = pd.read_csv(D64_SEARCH)
+    rows = rows[(rows["section"] == "timing") & (rows["pass"] == pass_) & (rows["provider"] != "cudnn")]
+    fields = ["num_slots", "persistent"] if pass_ == "forward" else ["num_slots", "split_dq", "defer_dq", "block_m"]
+    tile = (flash_gluon if pass_ == "forward" else flash_gluon_bwd).tile_for(64)
+    shipped = rows[pd.concat([rows[f"tile_{f}"] == getattr(tile, f) for f in fields], axis=1).all(axis=1)]
+    assert shipped["case"].nunique() == 5 == rows["case"].nunique(), shipped
+    geomean = rows.assign(log=np.log(rows["ratio_vs_shipped"])).groupby("provider")["log"].mean()
+    assert geomean.idxmin() == shipped["provider"].iloc[0], geomean.sort_values()
+    assert (shipped["ratio_vs_shipped"] <= 1.02).all(), shipped[["case", "ratio_vs_shipped"]]
