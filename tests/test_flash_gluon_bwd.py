@@ -450,8 +450,7 @@ def _check_against_float64_and_fa2(q, k, v, do, causal, tile=None):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype, schedule):
     q, k, v = (_fresh(s, model_layout, dtype) for s in (q_shape, k_shape, k_shape))
-    fields = SCHEDULES[schedule] | ({"split_dq": True} if SCHEDULES[schedule]["defer_dq"] else {})  # deferred: split
-    tile = dataclasses.replace(TILES[q_shape[-1]], **fields)
+    tile = dataclasses.replace(TILES[q_shape[-1]], **SCHEDULES[schedule])
     _check_against_float64_and_fa2(q, k, v, _fresh(q_shape, model_layout, dtype), causal, tile)
 
 
@@ -484,7 +483,7 @@ def test_gpu_exact_pipeline(head_dim, causal, split_dq, schedule):
     q, k, v, do = bwd.exact_inputs((2, 3, 777, head_dim), (2, 3, 1000, head_dim), "cuda", gen)
     expected = [g.to(torch.bfloat16) for g in bwd.exact_reference(q, k, v, do, causal)]
     o, lse = torch.zeros_like(q), torch.zeros(q.shape[:-1], device="cuda")
-    tile = dataclasses.replace(TILES[head_dim], split_dq=split_dq, **SCHEDULES[schedule])
+    tile = dataclasses.replace(TILES[head_dim], **{"split_dq": split_dq, **SCHEDULES[schedule]})
     for _ in range(3):
         grads = bwd._backward(q, k, v, o, do, lse, causal, scale=1.0, tile=tile, exact=True)
         for name, g, e in zip(("dQ", "dK", "dV"), grads, expected):

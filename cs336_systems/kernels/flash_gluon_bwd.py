@@ -167,13 +167,15 @@ class BwdTile:
 
 
 # The consumers' step schedules by name, each a whole set of BwdTile fields (so that a name means the same
-# whichever one TILES ships): lockstep first, the one the others were measured against (kernels/NOTES.md).
+# whichever one TILES ships): lockstep first, the one the others were measured against (kernels/NOTES.md). The
+# lockstep ones take either dQ scheme (the tile's stays); the deferred ones are written for the split dQ only, so
+# they set it (TILES[64] ships the per-consumer dQ).
 SCHEDULES = {
     "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
-    "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False},
+    "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False, "split_dq": True},
     "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2, "pingpong": False},
-    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False},
-    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True},
+    "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False, "split_dq": True},
+    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True, "split_dq": True},
 }
 
 # Shared memory (tiles): d=128, 2 slots, ping-pong: 225 KiB of the H100's 227 KiB; d=64, 2 slots: 113 KiB.
