@@ -1,0 +1,152 @@
+"""Why our attention is slower than SDPA flash at short calls (issue #26: "never slower than SDPA flash").
+
+    python results/diagnosis/flash_short_calls.py --out-dir DIR
+
+`flash_llm_shapes` at 69bcc27 (H100) has ours (eager, FA2 path) slower than SDPA flash at 12 forward+backward
+points, all below 2^28 scores, where every provider is host-bound. `flash_host_floor.py` put our eager forward
+at ~60 us of issue time and forward+backward at ~475 us at 1 x 16 x 1024 x 128, where the same Python with its
+launches stubbed costs ~40 us on a CPU: the backward's host time on the H100 is not accounted for. Its issue
+time was measured over 200 unsynchronised calls, which at ~8 launches a call can fill CUDA's launch queue, so
+some of it may have been device time. This measures, per shape and provider (ours eager; SDPA flash; SDPA cuDNN),
+forward+backward, in one run:
+- `bench_ms`: the grid's statistic (do_bench median, L2 flushed between calls);
+- `sync_us`: wall time per call with a synchronisation after each (median of 200 calls);
+- `issue_us`: host time per call over 20 unsynchronised calls (too few to fill the launch queue);
+- `kernel_us`: the summed duration of the call's kernels, from torch.profiler (mean over 10 calls);
+and the same for ours with autograd's device threads off (`torch.autograd.set_multithreading_enabled(False)`:
+the backward runs on the calling thread, no hand-off to the engine's CUDA thread), and ours' backward alone as
+autograd calls it (`Function.backward` with a saved context, no engine). torch.profiler traces of 5 calls each go
+to DIR/traces/ (chrome trace JSON), rows to DIR/short_calls.csv with provenance.
+"""
+
+import argparse
+import contextlib
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cs336_systems.model.attention import get_attention
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+from cs336_systems.timing import bench_ms
+
+# (batch, heads, seq, head_dim, causal): the grid's points where ours was slower than SDPA flash at 69bcc27,
+# one per (head dim, length) and both masks at the worst one
+SHAPES = [(1, 16, 1024, 128, True), (1, 16, 512, 128, False), (1, 16, 512, 64, True), (1, 16, 1024, 64, False),
+          (1, 16, 2048, 64, True), (4, 16, 1024, 64, True)]
+PROVIDERS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+
+
+def tensors(batch, heads, seq, dim):
+    # the model's layout: (batch, seq, heads, dim) viewed as (batch, heads, seq, dim)
+    q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+    return q, k, v, torch.randn_like(q)
+
+
+def sync_us(call, n=200) -> float:
+    samples = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def issue_us(call, n=20) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        call()
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    return (issued - start) / n * 1e6
+
+
+def kernel_us(call, trace: Path, n=10) -> float:
+    """Mean summed kernel time per call (torch.profiler), and a chrome trace of the first 5 calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            call()
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / n
+
+
+def measure(name: str, call, shape, out_dir: Path, prov: dict, q) -> dict:
+    for _ in range(20):
+        call()
+    batch, heads, seq, dim, causal = shape
+    row = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal, "variant": name,
+           "bench_ms": bench_ms(call, q.device, 100, 300, grad_to_none=[q], min_calls=10),
+           "sync_us": sync_us(call), "issue_us": issue_us(call),
+           "kernel_us": kernel_us(call, out_dir / "traces" / f"{name}_{batch}x{heads}x{seq}x{dim}_{int(causal)}.json"),
+           **prov}
+    print({key: row[key] for key in ("seq_len", "head_dim", "causal", "variant", "bench_ms", "sync_us", "issue_us",
+                                     "kernel_us")}, flush=True)
+    return row
+
+
+def backward_alone(q, k, v, do, causal):
+    """Ours' backward as the engine calls it (the Function's own `backward`), without the engine."""
+    from cs336_systems.kernels.flash_triton import FlashAttentionTriton
+
+    out = FlashAttentionTriton.apply(q, k, v, causal)
+    node = out.grad_fn
+    return lambda: node.apply(do)
+
+
+def rows_for(shape, out_dir: Path, prov: dict) -> list[dict]:
+    batch, heads, seq, dim, causal = shape
+    q, k, v, do = tensors(batch, heads, seq, dim)
+    rows = []
+    for provider in PROVIDERS:
+        fn = get_attention(provider)
+
+        def both(fn=fn):
+            fn(q, k, v, causal).backward(do)
+            q.grad = k.grad = v.grad = None
+
+        rows.append(measure(provider, both, shape, out_dir, prov, q))
+    fn = get_attention("flash_triton")
+
+    def single_thread():
+        with torch.autograd.set_multithreading_enabled(False):
+            fn(q, k, v, causal).backward(do)
+        q.grad = k.grad = v.grad = None
+
+    rows.append(measure("flash_triton_no_device_threads", single_thread, shape, out_dir, prov, q))
+    try:  # calling a grad_fn directly is outside autograd's documented use: a failure here is reported, not fatal
+        rows.append(measure("flash_triton_backward_alone", backward_alone(q, k, v, do, causal), shape, out_dir, prov, q))
+    except Exception as error:  # noqa: BLE001
+        print(f"backward alone at {shape}: {error!r}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, required=True)
+    args = parser.parse_args()
+    (args.out_dir / "traces").mkdir(parents=True, exist_ok=True)
+    prov = provenance("cuda")
+    rows = []
+    for shape in SHAPES:
+        with contextlib.suppress(torch.OutOfMemoryError):
+            rows += rows_for(shape, args.out_dir, prov)
+    write_rows(rows, args.out_dir / "short_calls.csv")
+
+
+if __name__ == "__main__":
+    main()
