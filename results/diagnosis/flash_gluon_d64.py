@@ -6,7 +6,8 @@ of under 7 minutes on an H100, compiles included (each kernel variant compiles i
 
     python results/diagnosis/flash_gluon_d64.py [--out-dir DIR] [--rounds 5] [--only-checks]
 
-(--out-dir defaults to $OUT; the CSV is DIR/flash_gluon_d64.csv. `--list` prints the variants and shapes and exits.)
+(--out-dir defaults to $OUT; the CSV is DIR/flash_gluon_d64.csv. `--list` prints the variants and shapes and exits;
+`--backward NAME ...` and `--forward-shipped-only` narrow the search, e.g. to the block_m 128 tiles of run 2.)
 The variants are tile values passed to the kernels' entries (`tile=`), never an edit of TILES; the tile TILES ships
 is always among them (`shipped` column). Their resources (registers, spills, shared memory) were read without a GPU:
 results/diagnosis/flash_gluon_d64/*_resources.csv (`python -m cs336_systems.bench.flash_gluon_resources --d64-tiles`,
@@ -81,21 +82,21 @@ def forward_name(num_slots: int, persistent: bool) -> str:
     return f"{'persistent' if persistent else 'one_tile'}_s{num_slots}"
 
 
-def forward_variants() -> dict[str, flash_gluon.GluonTile]:
-    """name -> GluonTile of every forward variant, the shipped tile first (added if FORWARD lacks it)."""
+def forward_variants(forward=FORWARD) -> dict[str, flash_gluon.GluonTile]:
+    """name -> GluonTile of every forward variant, the shipped tile first (added if `forward` lacks it)."""
     shipped = flash_gluon.tile_for(HEAD_DIM)
     tiles = {forward_name(shipped.num_slots, shipped.persistent): shipped}
-    for num_slots, persistent in FORWARD:
+    for num_slots, persistent in forward:
         tiles.setdefault(forward_name(num_slots, persistent),
                          dataclasses.replace(shipped, num_slots=num_slots, persistent=persistent))
     return tiles
 
 
-def backward_variants() -> dict[str, flash_gluon_bwd.BwdTile]:
-    """name -> BwdTile of every backward variant, the shipped tile first (named by its fields)."""
+def backward_variants(backward=BACKWARD) -> dict[str, flash_gluon_bwd.BwdTile]:
+    """name -> BwdTile of every backward variant in `backward`, the shipped tile first (named by its fields)."""
     shipped = flash_gluon_bwd.tile_for(HEAD_DIM)
     tiles = {}
-    for name in BACKWARD:
+    for name in backward:
         tile = dataclasses.replace(shipped, **D64_CANDIDATES[name])
         if tile == shipped:
             tiles = {name: tile, **tiles}
@@ -278,6 +279,11 @@ def parse_args(argv=None):
     parser.add_argument("--rep-ms", type=int, default=150, help="do_bench's timing window per measurement (ms)")
     parser.add_argument("--only-checks", action="store_true", help="skip the timing")
     parser.add_argument("--list", action="store_true", help="print the variants and shapes and exit")
+    parser.add_argument("--backward", nargs="+", default=BACKWARD, choices=list(D64_CANDIDATES), metavar="NAME",
+                        help="the backward variants to check and time (D64_CANDIDATES names; the shipped tile is "
+                        f"always added; default: {' '.join(BACKWARD)})")
+    parser.add_argument("--forward-shipped-only", action="store_true",
+                        help="check and time the shipped forward tile only (a backward-only search)")
     parser.add_argument("--case-timeout", type=float, default=180.0,
                         help="seconds one check case or one timing shape may take before the run is ended (hang)")
     args = parser.parse_args(argv)
@@ -292,7 +298,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    fwd, bwd = forward_variants(), backward_variants()
+    fwd, bwd = forward_variants(() if args.forward_shipped_only else FORWARD), backward_variants(args.backward)
     print_plan(fwd, bwd)
     if args.list:
         return

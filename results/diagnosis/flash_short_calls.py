@@ -13,9 +13,8 @@ forward+backward, in one run:
 - `sync_us`: wall time per call with a synchronisation after each (median of 200 calls);
 - `issue_us`: host time per call over 20 unsynchronised calls (too few to fill the launch queue);
 - `kernel_us`: the summed duration of the call's kernels, from torch.profiler (mean over 10 calls);
-and the same for ours with autograd's device threads off (`torch.autograd.set_multithreading_enabled(False)`:
-the backward runs on the calling thread, no hand-off to the engine's CUDA thread), and ours' backward alone as
-autograd calls it (`Function.backward` with a saved context, no engine). torch.profiler traces of 5 calls each go
+and the same for ours and SDPA flash with autograd's device threads off (`torch.autograd.set_multithreading_enabled(
+False)`: the backward runs on the calling thread, no hand-off to the engine's CUDA thread). torch.profiler traces of 5 calls each go
 to DIR/traces/ (chrome trace JSON), rows to DIR/short_calls.csv with provenance.
 """
 
@@ -99,15 +98,6 @@ def measure(name: str, call, shape, out_dir: Path, prov: dict, q) -> dict:
     return row
 
 
-def backward_alone(q, k, v, do, causal):
-    """Ours' backward as the engine calls it (the Function's own `backward`), without the engine."""
-    from cs336_systems.kernels.flash_triton import FlashAttentionTriton
-
-    out = FlashAttentionTriton.apply(q, k, v, causal)
-    node = out.grad_fn
-    return lambda: node.apply(do)
-
-
 def rows_for(shape, out_dir: Path, prov: dict) -> list[dict]:
     batch, heads, seq, dim, causal = shape
     q, k, v, do = tensors(batch, heads, seq, dim)
@@ -120,18 +110,15 @@ def rows_for(shape, out_dir: Path, prov: dict) -> list[dict]:
             q.grad = k.grad = v.grad = None
 
         rows.append(measure(provider, both, shape, out_dir, prov, q))
-    fn = get_attention("flash_triton")
+    for provider in ("flash_triton", "sdpa_flash"):
+        fn = get_attention(provider)
 
-    def single_thread():
-        with torch.autograd.set_multithreading_enabled(False):
-            fn(q, k, v, causal).backward(do)
-        q.grad = k.grad = v.grad = None
+        def single_thread(fn=fn):
+            with torch.autograd.set_multithreading_enabled(False):
+                fn(q, k, v, causal).backward(do)
+            q.grad = k.grad = v.grad = None
 
-    rows.append(measure("flash_triton_no_device_threads", single_thread, shape, out_dir, prov, q))
-    try:  # calling a grad_fn directly is outside autograd's documented use: a failure here is reported, not fatal
-        rows.append(measure("flash_triton_backward_alone", backward_alone(q, k, v, do, causal), shape, out_dir, prov, q))
-    except Exception as error:  # noqa: BLE001
-        print(f"backward alone at {shape}: {error!r}", flush=True)
+        rows.append(measure(f"{provider}_no_device_threads", single_thread, shape, out_dir, prov, q))
     return rows
 
 
