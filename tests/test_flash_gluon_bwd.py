@@ -269,7 +269,8 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
         return
     assert [r[:2] for r in second] == [("run", "_bwd_preprocess_kernel"), ("run", "_flash_bwd_gluon_kernel")]
     (_, _, pre_grid, pre_args), (_, _, grid, args) = second
-    assert pre_grid == (cdiv(n, 64), heads, 1) and grid == (cdiv(n, 128) * heads, 1, 1)  # (x, y, z), as Triton's
+    tile = bwd.tile_for(64)  # the preprocessing runs one program per block_m rows, the main kernel per block_n keys
+    assert pre_grid == (cdiv(n, tile.block_m), heads, 1) and grid == (cdiv(n, tile.block_n) * heads, 1, 1)  # (x, y, z)
     assert pre_args[0].data_ptr() == o.data_ptr() and pre_args[1].data_ptr() == do.data_ptr()  # this call's O, dO
     assert len(args) == len(bwd._LAUNCHER.names)  # the whole signature
     for descriptor, t in zip(args, (q, k, v, do, dk, dv)):  # this call's tensors, not the first call's

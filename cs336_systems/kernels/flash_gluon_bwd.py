@@ -169,7 +169,7 @@ class BwdTile:
 # The consumers' step schedules by name, each a whole set of BwdTile fields (so that a name means the same
 # whichever one TILES ships): lockstep first, the one the others were measured against (kernels/NOTES.md). The
 # lockstep ones take either dQ scheme (the tile's stays); the deferred ones are written for the split dQ only, so
-# they set it (TILES[64] ships the per-consumer dQ).
+# they set it (a tile with per-consumer dQ gets the split one).
 SCHEDULES = {
     "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
     "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False, "split_dq": True},
@@ -180,11 +180,13 @@ SCHEDULES = {
 
 # Shared memory (tiles): d=128, 2 slots, ping-pong: 225 KiB of the H100's 227 KiB; d=64, 2 slots: 113 KiB.
 # d=128 runs ping-pong (one H200, results/diagnosis/flash_gluon_bwd_v2/: 0.952x lockstep's time at the 8B
-# shape, 0.983x at 4 x 32 x 4096); d=64 stays lockstep (ping-pong took 1.02-1.04x there), with each consumer's
-# own dQ and a two-slot ring: in the d=64 tile search (results/diagnosis/flash_gluon_d64/, H100, 7b7a8a7) 0.94x and
-# 0.96x the split-dQ four-slot tile shipped before at the two causal shapes off the leaderboard, 0.98x over its five
-# shapes (geometric mean), at most 1.013x (one non-causal shape, within that shape's 4% spread between rounds).
-TILES = {64: BwdTile(64, num_slots=2, split_dq=False), 128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
+# shape, 0.983x at 4 x 32 x 4096); d=64 stays lockstep (ping-pong took 1.02-1.04x there), with 128 queries a step,
+# split dQ and a two-slot ring. Its consumers spill (48-124 B a thread, ptxas of Triton 3.6: a consumer holds S^T and
+# dP^T of 64 x 128 beside dK and dV), and it is still the fastest measured: in the d=64 tile search's second run
+# (results/diagnosis/flash_gluon_d64/run2/, H100, f63684a) 0.91-0.99x the time of the 64-query tile shipped before at
+# its five shapes, 0.937x their geometric mean, the best of the block_m 128 tiles (per-consumer, deferred dQ).
+TILES = {64: BwdTile(64, block_m=128, num_slots=2),
+         128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
 
 
 def tile_for(head_dim: int) -> BwdTile:
