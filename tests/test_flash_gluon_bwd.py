@@ -57,6 +57,18 @@ def test_tiles_fit_shared_memory_and_keep_the_masking_assumption():
         bwd.tile_for(32)
 
 
+@pytest.mark.parametrize("split_dq,schedule", [(None, s) for s in SCHEDULES] + [(True, s) for s in SCHEDULES]
+                         + [(False, "lockstep")])
+@pytest.mark.parametrize("head_dim", sorted(TILES))
+def test_every_schedule_applies_to_every_shipped_tile(head_dim, split_dq, schedule):
+    """A schedule's name means one schedule whatever TILES ships: BwdTile takes each shipped tile with each
+    schedule, as the GPU tests apply them (the tile's own dQ scheme, the split one, per-consumer with lockstep), and
+    the result has the schedule's every field."""
+    fields = SCHEDULES[schedule] if split_dq is None else {"split_dq": split_dq, **SCHEDULES[schedule]}
+    tile = dataclasses.replace(TILES[head_dim], **fields)
+    assert all(getattr(tile, name) == value for name, value in SCHEDULES[schedule].items())
+
+
 def test_the_deferred_schedule_is_opt_in_and_flags_must_be_bools():
     """TILES ships ping-pong (a deferred schedule) at d=128 only, as measured (kernels/NOTES.md); a flag given as a
     string or int (which Triton would take as a truthy constexpr) is refused, naming the field and the value."""

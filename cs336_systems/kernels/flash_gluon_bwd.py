@@ -169,13 +169,14 @@ class BwdTile:
 # The consumers' step schedules by name, each a whole set of BwdTile fields (so that a name means the same
 # whichever one TILES ships): lockstep first, the one the others were measured against (kernels/NOTES.md). The
 # lockstep ones take either dQ scheme (the tile's stays); the deferred ones are written for the split dQ only, so
-# they set it (a tile with per-consumer dQ gets the split one).
+# they set it (a tile with per-consumer dQ gets the split one), and ping-pong's four dS^T buffers fit sm_90's shared
+# memory only with 64-query steps (at 128, d=64: 264,192 B), so it sets that too (TILES[64] steps 128 queries).
 SCHEDULES = {
     "lockstep": {"defer_dq": False, "dq_buffers": 1, "pingpong": False},
     "deferred": {"defer_dq": True, "dq_buffers": 1, "pingpong": False, "split_dq": True},
     "lockstep_dq2": {"defer_dq": False, "dq_buffers": 2, "pingpong": False},
     "deferred_dq2": {"defer_dq": True, "dq_buffers": 2, "pingpong": False, "split_dq": True},
-    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True, "split_dq": True},
+    "pingpong": {"defer_dq": True, "dq_buffers": 1, "pingpong": True, "split_dq": True, "block_m": 64},
 }
 
 # Shared memory (tiles): d=128, 2 slots, ping-pong: 225 KiB of the H100's 227 KiB; d=64, 2 slots: 113 KiB.
