@@ -18,7 +18,6 @@ FA2-only path, and `torch.compile(fullgraph=True)` compiling and recompiling as 
 import dataclasses
 import subprocess
 import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -302,23 +301,7 @@ def test_gpu_exact_pipeline(head_dim, causal, variant, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # wired into the flash_triton backend (kernels/flash_dispatch.py)
 # ----------------------------------------------------------------------------------------------
-TIMINGS = Path(__file__).parents[1] / "results/diagnosis/flash_gluon_stage1/run2/flash_gluon_stage1_timing.csv"
 FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
-
-
-def test_shape_rule_picks_the_faster_forward_at_every_measured_shape():
-    """The rule agrees with these H100 timings (NOTES.md, "Gluon forward (stage 1)"): at each shape it picks
-    whichever of the shipped Gluon program order and our FA2 forward was faster."""
-    rows = pd.read_csv(TIMINGS)
-    gluon = f"gluon_group{flash_gluon.HEADS_PER_GROUP}"
-    times = rows.pivot_table(index=["case", "batch", "heads", "seq", "head_dim", "causal"], columns="provider",
-                             values="ms")
-    assert len(times) >= 5 and times[[gluon, "flash_triton"]].notna().all().all()
-    for (case, batch, heads, seq, head_dim, causal), t in times.iterrows():
-        faster = t[gluon] < t["flash_triton"]
-        shape = (int(batch), int(heads), int(seq), int(head_dim))
-        assert gluon_pays(HOPPER, shape, shape, bool(causal)) == faster, \
-            f"{case}: Gluon {t[gluon]:.3f} ms, FA2 {t['flash_triton']:.3f} ms"
 
 
 def test_cpu_and_interpreter_take_fa2(monkeypatch):

@@ -63,15 +63,16 @@ class GluonRule:
         return longest_row >= self.min_keys and attention_scores(q_shape, k_shape, is_causal) >= self.min_scores
 
 
-# Measured on an H100 (kernels/NOTES.md, "Where Gluon starts"; results/diagnosis/flash_gluon_threshold/, 787a134):
-# FA2 against Gluon, both passes forced, over flash_llm_shapes' grid from 512 to 4096 keys. At d=128 Gluon took
-# 0.76-0.90x FA2's forward+backward wherever a call computes at least 2^28 scores (1 x 16 x 4096^2, 8 x 32 x 1024^2
-# and up), from 1024 keys; smaller calls are host-bound, and there FA2's lighter launch won or tied. At d=64 the two
-# were within 2% at 2048 keys; from 4096 keys and 2^29 scores Gluon took 0.91-0.95x, except 1.10x at 32 x 16 x 4096
-# causal (one point against three wins at that length; d=64 keeps the floor of 4096 keys). Earlier, at 4096
-# keys and more only: "Gluon forward (stage 1)" and "Wiring the backward" (8 x 16 x 2048, d=64, non-causal: Gluon
-# 1.02x FA2 in both passes), which these rules agree with.
-GLUON_FORWARD_RULES = {64: GluonRule(min_keys=4096, min_scores=2**29), 128: GluonRule(min_keys=1024, min_scores=2**28)}
+# Measured on an H100 (kernels/NOTES.md, "Where Gluon starts"): FA2 against Gluon, both passes forced, over
+# flash_llm_shapes' grid from 1024 to 4096 keys (results/diagnosis/flash_gluon_threshold/run2/, 934e267, with the
+# persistent d=64 forward and the 128-query d=64 backward tile). At d=128 Gluon took 0.76-0.94x FA2's
+# forward+backward at every call of at least 2^27 scores, from 1024 keys (8 x 32 x 1024 causal, 2 x 32 x 2048
+# causal, 1 x 16 x 4096 causal and up); at 2^26 and below the calls are host-bound and Gluon's heavier host side lost
+# by 2-3x. At d=64 Gluon took 0.84-0.93x from 2048 keys and 2^28 scores (0.99x at 1 x 16 x 4096 non-causal); below
+# 2^28 it lost (4 x 16 x 2048 causal 1.07x, 1 x 16 x 4096 causal 1.46x), and at 1024 keys it lost at 2^28 (32 x 16
+# causal 1.12x, 16 x 16 non-causal 1.05x). The first run (787a134, ../flash_gluon_threshold/threshold.csv, before
+# those d=64 tiles) had d=64 from 4096 keys and 2^29 scores, d=128 from 2^28.
+GLUON_FORWARD_RULES = {64: GluonRule(min_keys=2048, min_scores=2**28), 128: GluonRule(min_keys=1024, min_scores=2**27)}
 # The backward was measured in the same runs (forward+backward less forward): the forward's picture, the same rules.
 GLUON_BACKWARD_RULES = dict(GLUON_FORWARD_RULES)
 
