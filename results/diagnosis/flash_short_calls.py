@@ -1,6 +1,6 @@
 """Why our attention is slower than SDPA flash at short calls (issue #26: "never slower than SDPA flash").
 
-    python results/diagnosis/flash_short_calls.py --out-dir DIR
+    python results/diagnosis/flash_short_calls.py --out-dir DIR [--shapes 1x16x4096x64 2x32x2048x128c ...] [--fa2-too]
 
 `flash_llm_shapes` at 69bcc27 (H100) has ours (eager, FA2 path) slower than SDPA flash at 12 forward+backward
 points, all below 2^28 scores, where every provider is host-bound. `flash_host_floor.py` put our eager forward
@@ -28,6 +28,7 @@ import torch
 
 from cs336_systems.model.attention import get_attention
 from cs336_systems.provenance import provenance
+from cs336_systems.kernels.settings import use_flash_settings
 from cs336_systems.results import write_rows
 from cs336_systems.timing import bench_ms
 
@@ -98,7 +99,17 @@ def measure(name: str, call, shape, out_dir: Path, prov: dict, q) -> dict:
     return row
 
 
-def rows_for(shape, out_dir: Path, prov: dict) -> list[dict]:
+def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
+    """BxHxNxD with a trailing "c" for causal: "1x16x4096x64c"."""
+    causal = text.endswith("c")
+    try:
+        batch, heads, seq, dim = (int(part) for part in text.rstrip("c").split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: write BxHxNxD, with a trailing c for causal") from None
+    return batch, heads, seq, dim, causal
+
+
+def rows_for(shape, out_dir: Path, prov: dict, fa2_too: bool = False) -> list[dict]:
     batch, heads, seq, dim, causal = shape
     q, k, v, do = tensors(batch, heads, seq, dim)
     rows = []
@@ -119,19 +130,31 @@ def rows_for(shape, out_dir: Path, prov: dict) -> list[dict]:
             q.grad = k.grad = v.grad = None
 
         rows.append(measure(f"{provider}_no_device_threads", single_thread, shape, out_dir, prov, q))
+    if fa2_too:  # ours with both passes forced to FA2, beside whatever "auto" chose above
+        fn = get_attention("flash_triton")
+
+        def fa2(fn=fn):
+            with use_flash_settings(forward="triton", backward="triton"):
+                fn(q, k, v, causal).backward(do)
+            q.grad = k.grad = v.grad = None
+
+        rows.append(measure("flash_triton_fa2", fa2, shape, out_dir, prov, q))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES,
+                        help="BxHxNxD[c] each (default: the six short points of the 69bcc27 grid)")
+    parser.add_argument("--fa2-too", action="store_true", help="also ours with both passes forced to FA2")
     args = parser.parse_args()
     (args.out_dir / "traces").mkdir(parents=True, exist_ok=True)
     prov = provenance("cuda")
     rows = []
-    for shape in SHAPES:
+    for shape in args.shapes:
         with contextlib.suppress(torch.OutOfMemoryError):
-            rows += rows_for(shape, args.out_dir, prov)
+            rows += rows_for(shape, args.out_dir, prov, args.fa2_too)
     write_rows(rows, args.out_dir / "short_calls.csv")
 
 
