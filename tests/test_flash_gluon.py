@@ -394,6 +394,58 @@ def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
     assert len(public) == 3 and len(runs) == 1
 
 
+def test_forward_plan_launches_this_calls_tensors_in_the_first_calls_geometry(monkeypatch, request):
+    """The forward's per-layout plan (no GPU: the launcher's Triton side is a stub): the first call of a layout
+    checks its inputs and goes through Triton's public path; from the second (fresh tensors of the layout) the
+    runner gets, without any check, what the first call's arguments were with this call's tensors in them: each TMA
+    descriptor as a HostDescriptor of this call's tensor in the first descriptor's shape, strides and padding, which
+    Triton's launcher turns into the same argument list as a TensorDescriptor of it; the rest equal. A new layout
+    (3-d inputs) misses; FastLauncher.clear drops the plans; with fast_launch off no plan is made or used."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from cs336_systems.kernels import launch
+
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(flash_gluon, "device_problem", lambda q: None)
+    flash_gluon._PLANS.clear()  # the module's own dict (launch.on_clear holds its clear): no plan around the stub
+    request.addfinalizer(flash_gluon._PLANS.clear)  # is left to another test
+    checks, real_check = [], flash_gluon.layout_problem
+    monkeypatch.setattr(flash_gluon, "layout_problem", lambda *a: checks.append(a) or real_check(*a))
+    launcher = launch.FastLauncher(flash_gluon._flash_fwd_gluon_kernel, key=flash_gluon.descriptor_launch_key)
+    public, runs = [], []
+    compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append(args)})()
+    launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
+                                          or compiled})()
+    monkeypatch.setattr(flash_gluon, "_LAUNCHER", launcher)
+
+    def call(shape=(2, 3, 200, 64), fast_launch=True):
+        q, k, v = (torch.randn(shape[0], shape[2], *shape[1:-2], shape[-1], dtype=torch.bfloat16).transpose(1, -2)
+                   if len(shape) == 4 else torch.randn(shape, dtype=torch.bfloat16) for _ in range(3))
+        out, lse = flash_gluon._forward(q, k, v, True, fast_launch=fast_launch)
+        return q, k, v, out, lse
+
+    first = call()
+    assert len(public) == 1 and len(checks) == 1 and len(flash_gluon._PLANS) == 1
+    q, k, v, out, lse = call()
+    assert len(public) == 1 and len(checks) == 1 and len(runs) == 1
+    [args] = runs
+    expected, _, _ = flash_gluon.kernel_launch(*map(flash_gluon._as_4d, (q, k, v, out)), lse, True)
+    assert len(args) == len(expected) == len(launcher.names)
+    for got, want, t in zip(args, expected, (q, k, v, out)):
+        assert isinstance(want, TensorDescriptor) and type(got) is flash_gluon.HostDescriptor
+        assert got.base.data_ptr() == t.data_ptr() and got.base.data_ptr() != first[0].data_ptr()
+        assert make_tensordesc_arg(got, None) == make_tensordesc_arg(want, None)
+    assert args[4] is lse and args[5:] == expected[5:]
+    call((2, 200, 64))  # another layout: checked, public path, a plan of its own
+    assert len(public) == 2 and len(checks) == 2 and len(flash_gluon._PLANS) == 2
+    launcher.clear()
+    assert flash_gluon._PLANS == {}
+    call(fast_launch=False)
+    call(fast_launch=False)
+    assert len(public) == 4 and len(runs) == 1 and flash_gluon._PLANS == {}
+
+
 def _counting(compiles: list, backend: str):
     """A torch.compile backend that counts the graphs Dynamo hands it (one per compile or recompile) and
     compiles them with `backend` (composed as PyTorch's custom-backend documentation shows)."""

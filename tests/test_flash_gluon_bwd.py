@@ -213,6 +213,7 @@ def _recording_launchers(monkeypatch, on_launch=lambda name, args: None) -> list
     assert bwd._PREPROCESS.kernel is bwd._bwd_preprocess_kernel and bwd._LAUNCHER.kernel is bwd._flash_bwd_gluon_kernel
     assert bwd._LAUNCHER.key is descriptor_launch_key  # the main kernel's arguments include TMA descriptors
     monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(bwd, "_PLANS", {})  # plans hold the launchers' binaries: none from another test's
     records = []
     for attribute, name in (("_PREPROCESS", "_bwd_preprocess_kernel"), ("_LAUNCHER", "_flash_bwd_gluon_kernel")):
         launcher = launch.FastLauncher(getattr(bwd, name), key=getattr(bwd, attribute).key)
@@ -261,8 +262,8 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
     """flash_triton.flash_backward, choosing Gluon (forced, or "auto" at a long shape): its inputs are checked once
     per call (in the choice, not again in the entry); both kernels launch through their FastLaunchers with the
     setting the pass read (no launcher reads the settings again): the first call of a layout through Triton's
-    public path, the next one (fresh tensors) through the cached runner with that call's own arguments, the
-    descriptors' bases included; with fast_launch off, every call takes the public path."""
+    public path, the next one (fresh tensors) through the layout's plan: the cached runners with that call's own
+    arguments, the descriptors' bases included; with fast_launch off, every call takes the public path."""
     _pretend_hopper(monkeypatch)
     checks, records = _counted_checks(monkeypatch), _recording_launchers(monkeypatch)
     unread = lambda: pytest.fail("the settings were read again below flash_backward")  # noqa: E731
@@ -285,8 +286,9 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
     assert pre_grid == (cdiv(n, tile.block_m), heads, 1) and grid == (cdiv(n, tile.block_n) * heads, 1, 1)  # (x, y, z)
     assert pre_args[0].data_ptr() == o.data_ptr() and pre_args[1].data_ptr() == do.data_ptr()  # this call's O, dO
     assert len(args) == len(bwd._LAUNCHER.names)  # the whole signature
-    for descriptor, t in zip(args, (q, k, v, do, dk, dv)):  # this call's tensors, not the first call's
-        assert descriptor.base.data_ptr() == t.data_ptr() and descriptor.base.stride() == _as_4d(t).stride()
+    for descriptor, t in zip(args, (q, k, v, do, dk, dv)):  # this call's tensors, not the first call's, in the
+        assert descriptor.base.data_ptr() == t.data_ptr()  # geometry the launcher encodes (the plan's HostDescriptor)
+        assert list(descriptor.shape) == list(_as_4d(t).shape) and list(descriptor.strides) == list(_as_4d(t).stride())
 
 
 def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch):

@@ -66,6 +66,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from cs336_systems.kernels.common import check_inputs, cuda_capability
 from cs336_systems.kernels import launch
 from cs336_systems.kernels.launch import FastLauncher, cdiv
+from cs336_systems.kernels.settings import flash_settings
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -526,8 +527,23 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(1) if t.dim() == 3 else t
 
 
+# layout_problem's answers by the inputs' launch.layout (what it reads of them), so that "auto" asks once per layout
+_LAYOUT_ANSWERS: dict[tuple, str | None] = {}
+
+
 def layout_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """What in these inputs' shapes, dtypes and strides the kernel does not take, or None. No device check."""
+    """What in these inputs' shapes, dtypes and strides the kernel does not take, or None. No device check. A
+    function of the inputs' `launch.layout` alone, remembered per layout (at most 4096)."""
+    key = launch.layout(q, k, v)
+    answer = _LAYOUT_ANSWERS.get(key, False)
+    if answer is False:
+        if len(_LAYOUT_ANSWERS) >= 4096:
+            _LAYOUT_ANSWERS.clear()
+        answer = _LAYOUT_ANSWERS[key] = _layout_problem(q, k, v)
+    return answer
+
+
+def _layout_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     try:
         check_inputs(q, k, v, "flash_gluon")
     except ValueError as error:
@@ -616,8 +632,72 @@ def descriptor_launch_key(args: tuple, kwargs: dict) -> tuple:
 _LAUNCHER = FastLauncher(_flash_fwd_gluon_kernel, key=descriptor_launch_key)
 
 
+# ----------------------------------------------------------------------------------------------
+# per-layout plans of the Gluon launches (this forward's and flash_gluon_bwd's)
+# ----------------------------------------------------------------------------------------------
+# Building a call's TensorDescriptors (Triton's dataclass validates each: ~13 a forward+backward), its launch
+# arguments and its FastLauncher key took ~700 Python calls per Gluon forward+backward, 1.5-2.8x FA2's host time per
+# call at the grid's mid-size points, where the Gluon kernels are as fast as cuDNN's and the host was the bottleneck
+# (kernels/NOTES.md, "The Gluon host path"). A plan keeps all of that per call layout, as flash_triton's `_Plan`
+# does for FA2: a hit checks nothing (the first call of the layout did, and a layout key covers all it checked),
+# builds no TensorDescriptor and calls the binary. `FastLauncher.clear` drops the plans (`launch.on_clear`).
+class HostDescriptor:
+    """A TMA descriptor argument as Triton 3.6's launcher reads one (`base`, `shape`, `strides`, `padding`:
+    `driver.make_tensordesc_arg` encodes the CUtensorMap from them at each launch), without `TensorDescriptor`'s
+    checks: made only by a plan hit, whose first call built and checked a real TensorDescriptor of the same geometry.
+    Reading these attributes is Triton-internal; FastLauncher's CHECKED_TRITON_VERSIONS guards it, as it guards
+    every plan (no bound binary, no plan)."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base: torch.Tensor, shape: list[int], strides: list[int], padding: str):
+        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
+
+
+class DescriptorPlan:
+    """One Gluon launch of a fixed call layout: the FastLauncher's binary (`run`), each leading TensorDescriptor
+    argument's geometry (shape, strides, padding) and the arguments after the per-call ones, with the values Triton
+    filled in (`rest`). `launch(bases, *per_call)` launches with descriptors of `bases` (tensors whose data_ptr is
+    the descriptor's start; their views' shapes do not matter) and `per_call` (fresh tensors that follow them)."""
+
+    __slots__ = ("run", "geometry", "rest")
+
+    def __init__(self, run, geometry: tuple, rest: tuple):
+        self.run, self.geometry, self.rest = run, geometry, rest
+
+    @classmethod
+    def after(cls, launcher: FastLauncher, grid: tuple, args: tuple, options: dict, per_call: int
+              ) -> DescriptorPlan | None:
+        """The plan of a call that `launcher` has just run (`args`: its TensorDescriptors first, then `per_call`
+        per-call arguments, then the rest); None where the launcher keeps no binary (fast launch off, an unchecked
+        Triton release, the interpreter)."""
+        bound = launcher.bound(grid, args, options)
+        if bound is None:
+            return None
+        n = next(i for i, a in enumerate(args) if not isinstance(a, TensorDescriptor))
+        geometry = tuple([(d.shape, d.strides, d.padding) for d in args[:n]])
+        return cls(bound[0], geometry, (*args[n + per_call:], *bound[1]))
+
+    def launch(self, bases: Sequence[torch.Tensor], *per_call) -> None:
+        self.run(*[HostDescriptor(base, *geometry) for base, geometry in zip(bases, self.geometry)], *per_call,
+                 *self.rest)
+
+
+_PLANS: dict[tuple, DescriptorPlan] = {}
+launch.on_clear(_PLANS.clear)
+
+
 def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None, tile: GluonTile | None = None,
              checked: bool = False, fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if fast_launch is None:
+        fast_launch = flash_settings().fast_launch
+    key = (launch.layout(q, k, v), is_causal, exact, group, tile)
+    plan = _PLANS.get(key) if fast_launch else None
+    if plan is not None:  # this layout ran (checked) before: the same checks would pass
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        plan.launch((q, k, v, out), lse)
+        return out, lse
     problem = None if checked else layout_problem(q, k, v) or device_problem(q)
     if problem:
         raise ValueError(problem)
@@ -630,6 +710,10 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = 
     args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact, group,
                                         tile)
     _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
+    if fast_launch:
+        plan = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=1)
+        if plan is not None:  # only once it ran: a call that raised leaves no plan
+            _PLANS[key] = plan
     return out, lse
 
 

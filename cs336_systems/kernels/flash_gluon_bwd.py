@@ -78,9 +78,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_systems.kernels.flash_gluon import (_as_2d, _as_4d, _descriptor, _next_slot, descriptor_launch_key,
-                                               device_problem, layout_problem)
-from cs336_systems.kernels.launch import FastLauncher, cdiv
+from cs336_systems.kernels.flash_gluon import (DescriptorPlan, _as_2d, _as_4d, _descriptor, _next_slot,
+                                               descriptor_launch_key, device_problem, layout_problem)
+from cs336_systems.kernels.launch import FastLauncher, cdiv, layout, on_clear
 from cs336_systems.kernels.settings import flash_settings
 
 LOG2E = 1.4426950408889634
@@ -752,24 +752,31 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
     """flash_backward_gluon, plus EXACT (tests only: P^T = S^T mod 8 in place of the softmax, L unused; with
     integer inputs, O = 0 (so D = 0) and scale 1 every value is an exact integer, so the whole pipeline is checkable
     bit for bit)."""
+    if fast_launch is None:
+        fast_launch = flash_settings().fast_launch
+    key = (layout(q, k, v, o, do, lse), causal, scale, tile, exact)
+    plan = _PLANS.get(key) if fast_launch else None
+    if plan is not None:  # this layout ran (checked) before: the same checks would pass
+        return plan.run(q, k, v, o, do, lse)
     problem = None if checked else backward_problem(q, k, v, o, do, lse)
     if problem:
         raise ValueError(problem)
-    if fast_launch is None:
-        fast_launch = flash_settings().fast_launch
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     tile = tile or tile_for(q.shape[-1])
     if tile.head_dim != q.shape[-1]:
         raise ValueError(f"flash_gluon_bwd: tile for head dim {tile.head_dim} given for head dim {q.shape[-1]}")
     q4, k4, v4, o4, do4 = map(_as_4d, (q, k, v, o, do))
-    if _tma_problem("do", do4):
+    copy_do = _tma_problem("do", do4) is not None
+    if copy_do:
         do4 = do4.contiguous()  # e.g. the stride-0 dO of o.sum().backward()
     batch, heads, n_queries, head_dim = q4.shape
     n_pad = padded_queries(n_queries, tile)
     lse2 = torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    _PREPROCESS((n_pad // tile.block_m, batch * heads), o4, do4, lse, lse2, delta, *o4.stride(), *do4.stride(), heads,
-                n_queries, n_pad, HEAD_DIM=head_dim, BLOCK=tile.block_m, fast_launch=fast_launch)
+    pre_grid, pre_args = (n_pad // tile.block_m, batch * heads), (o4, do4, lse, lse2, delta, *o4.stride(),
+                                                                   *do4.stride(), heads, n_queries, n_pad)
+    pre_options = {"HEAD_DIM": head_dim, "BLOCK": tile.block_m}
+    _PREPROCESS(pre_grid, *pre_args, fast_launch=fast_launch, **pre_options)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dk4, dv4 = _as_4d(dk), _as_4d(dv)
     for name, grad, t in (("dk", dk4, k4), ("dv", dv4, v4)):
@@ -784,4 +791,39 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
     # dQ = accumulator * scale, rounded to q's dtype into q's layout: one elementwise pass (a separate in-place
     # scale and cast copy read and wrote the float32 accumulator once more, and cost a launch more)
     torch.mul(dq_acc, scale, out=_as_4d(dq))
+    if fast_launch:  # only once it ran: a call that raised leaves no plan
+        preprocess = _PREPROCESS.bound(pre_grid, pre_args, pre_options)
+        main = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=0)
+        if preprocess is not None and main is not None:
+            _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[5:], *preprocess[1])), main,
+                                        dq_acc.shape, scale)
     return dq, dk, dv
+
+
+class _BackwardPlan:
+    """The backward's launches for one call layout (flash_gluon's per-layout plans): whether dO is copied for TMA,
+    the preprocessed rows' shape, the preprocess binary with its arguments after the five tensors, the main kernel's
+    DescriptorPlan, the dQ accumulator's shape and the scale."""
+
+    __slots__ = ("copy_do", "rows_shape", "preprocess", "main", "dq_shape", "scale")
+
+    def __init__(self, copy_do: bool, rows_shape, preprocess: tuple, main: DescriptorPlan, dq_shape, scale: float):
+        self.copy_do, self.rows_shape, self.preprocess = copy_do, rows_shape, preprocess
+        self.main, self.dq_shape, self.scale = main, dq_shape, scale
+
+    def run(self, q, k, v, o, do, lse):
+        if self.copy_do:
+            do = do.contiguous()
+        lse2 = torch.empty(self.rows_shape, dtype=torch.float32, device=q.device)
+        delta = torch.empty_like(lse2)
+        run, rest = self.preprocess
+        run(o, do, lse, lse2, delta, *rest)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq_acc = torch.zeros(self.dq_shape, dtype=torch.float32, device=q.device)
+        self.main.launch((q, k, v, do, dk, dv, dq_acc, lse2, delta))
+        torch.mul(dq_acc, self.scale, out=_as_4d(dq))
+        return dq, dk, dv
+
+
+_PLANS: dict[tuple, _BackwardPlan] = {}
+on_clear(_PLANS.clear)

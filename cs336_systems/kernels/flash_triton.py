@@ -36,7 +36,7 @@ import triton.language as tl
 
 from cs336_systems.kernels import flash_dispatch
 from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
-from cs336_systems.kernels.launch import FastLauncher, cdiv, next_power_of_2, on_clear
+from cs336_systems.kernels.launch import FastLauncher, cdiv, layout, next_power_of_2, on_clear
 from cs336_systems.kernels.settings import FlashSettings, flash_settings
 from cs336_systems.kernels.flash_tuning import (
     TILINGS,
@@ -433,7 +433,7 @@ triton.set_allocator(_descriptor_scratch)
 # Everything a launcher derives from its inputs' layout and the settings (launch parameters, strides, grids,
 # scales, the TMA choice) is the same at every call of that layout: a `_Plan` keeps it, with each launch's
 # compiled binary and filled-in arguments once its FastLauncher knows them (after the first call, which autotunes),
-# so a hit allocates the outputs and launches. A plan is keyed by `_layout` of the inputs and `is_causal`, and used
+# so a hit allocates the outputs and launches. A plan is keyed by `launch.layout` of the inputs and `is_causal`, and used
 # only with the settings it was made with (the settings are still read at every call); FastLauncher.clear (new tile
 # configs: pinned_tiles) drops every plan. Measured in kernels/NOTES.md, "Plan cache (branch h-host2)".
 class _Plan:
@@ -478,13 +478,6 @@ def clear_plans() -> None:
 on_clear(clear_plans)
 
 
-def _layout(*tensors: torch.Tensor) -> tuple:
-    """What a plan depends on of each input: shape, strides, dtype, 16-byte alignment (Triton specialises pointers
-    on it) and device index. Fresh outputs are not in it: `empty_like` of one layout always gives one layout, and
-    the allocators align every block to at least 64 bytes."""
-    return tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.get_device()) for t in tensors])
-
-
 def _plan_for(plans: dict[tuple, _Plan], key: tuple, settings: FlashSettings) -> _Plan | None:
     plan = plans.get(key)
     if plan is not None and (plan.settings is settings or plan.settings == settings):
@@ -499,7 +492,7 @@ def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
                          settings: FlashSettings | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """O (q's dtype, contiguous) and L (float32, shape q.shape[:-1]), with `settings` (None: those in force)."""
     settings = settings or flash_settings()
-    key = (_layout(q, k, v), is_causal)
+    key = (layout(q, k, v), is_causal)
     plan = _plan_for(_FORWARD_PLANS, key, settings)
     out = torch.empty_like(q)  # q's layout: a model's (batch, seq, heads, dim) view needs no copy after
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
@@ -523,7 +516,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
     """FA2's dQ, dK, dV (each in its input's layout) from the forward's O and L and dO, with `settings` (None:
     those in force)."""
     settings = settings or flash_settings()
-    key = (_layout(q, k, v, out, lse, grad_out), is_causal)
+    key = (layout(q, k, v, out, lse, grad_out), is_causal)
     plan = _plan_for(_BACKWARD_PLANS, key, settings)
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     # Gradients in their inputs' layouts: autograd then takes them as .grad without a strided copy

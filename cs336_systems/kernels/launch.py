@@ -105,6 +105,13 @@ def _key(args: tuple, kwargs: dict) -> tuple:
                     if isinstance(a, tensor) else a) for name, a in kwargs.items()]))
 
 
+def layout(*tensors: torch.Tensor) -> tuple:
+    """What a per-call plan (flash_triton's, the Gluon passes') depends on of each input: shape, strides, dtype,
+    16-byte alignment (Triton specialises pointers on it) and device index. Fresh outputs are not in it:
+    `empty_like` of one layout always gives one layout, and the allocators align every block to at least 64 bytes."""
+    return tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.get_device()) for t in tensors])
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive ints, as triton.cdiv: that one is a Triton "constexpr function", whose call from
     Python costs ~1-2 us through its wrapper, and the launchers call it on every launch."""
