@@ -119,12 +119,12 @@ class GluonTile:
         return element_size * self.head_dim * (q_and_o + 2 * self.num_slots * self.block_n)
 
 
-# d=128: the probe's two-slot ring (164 KB), one tile per program; three slots (230 KB) was slower in the probe's
-# own run and even or 4% faster (its pin variant) in ours (results/diagnosis/flash_gluon_stage1/run*/
-# probe_stage0.log): not yet tried in this kernel. d=64: persistent with a six-slot ring (230 KB), the fastest of the
-# d=64 tile search at every one of its five shapes, 0.91-0.99x the one-tile four-slot forward shipped before
-# (results/diagnosis/flash_gluon_d64/, H100, 7b7a8a7).
-TILES = {64: GluonTile(64, num_slots=6, persistent=True), 128: GluonTile(128, num_slots=2)}
+# d=128: persistent with the probe's two-slot ring (197 KB with the persistent kernel's O buffers; three slots do not
+# fit), 0.95-0.99x the one-tile forward shipped before at each of seven of the grid's d=128 Gluon points, from
+# 8 x 32 x 1024 causal to the 8B shape (results/diagnosis/flash_gluon_d128_forward/, H100, 82dec3d). d=64:
+# persistent with a six-slot ring (230 KB), the fastest of the d=64 tile search at every one of its five shapes,
+# 0.91-0.99x the one-tile four-slot forward shipped before (results/diagnosis/flash_gluon_d64/, H100, 7b7a8a7).
+TILES = {64: GluonTile(64, num_slots=6, persistent=True), 128: GluonTile(128, num_slots=2, persistent=True)}
 
 
 def tile_for(head_dim: int) -> GluonTile:
