@@ -433,9 +433,9 @@ triton.set_allocator(_descriptor_scratch)
 # Everything a launcher derives from its inputs' layout and the settings (launch parameters, strides, grids,
 # scales, the TMA choice) is the same at every call of that layout: a `_Plan` keeps it, with each launch's
 # compiled binary and filled-in arguments once its FastLauncher knows them (after the first call, which autotunes),
-# so a hit allocates the outputs and launches. A plan is keyed by `launch.layout` of the inputs and `is_causal`, and used
-# only with the settings it was made with (the settings are still read at every call); FastLauncher.clear (new tile
-# configs: pinned_tiles) drops every plan. Measured in kernels/NOTES.md, "Plan cache (branch h-host2)".
+# so a hit allocates the outputs and launches. A plan is keyed by `launch.layout` of the inputs and `is_causal`, and
+# used only with the settings it was made with (the settings are still read at every call); FastLauncher.clear (new
+# tile configs: pinned_tiles) drops every plan. Measured in kernels/NOTES.md, "Plan cache (branch h-host2)".
 class _Plan:
     """The launches of one call signature: each `(name, grid, rest, kwargs, bound)` runs as
     `LAUNCH[name](grid, *tensors, *rest, **kwargs)`, or, where `bound` is `(run, tail)` (the launcher's binary for

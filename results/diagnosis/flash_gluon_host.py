@@ -40,20 +40,14 @@ from cs336_systems.timing import bench_ms  # noqa: E402
 SHAPES = [(1, 16, 4096, 64, False), (2, 32, 2048, 128, True), (8, 32, 1024, 128, True)]
 
 
-def busy(ms_target: float = 20.0) -> None:
-    """Queue about `ms_target` ms of matmuls on the current stream without waiting for them."""
-    a = busy.a if hasattr(busy, "a") else torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    busy.a = a
-    for _ in range(max(1, int(ms_target / 1.5))):  # an 8192^3 bf16 matmul: ~1.4 ms on an H100
-        torch.mm(a, a)
-
-
-def blocking_ms(piece, n=5) -> float:
-    """Median host time of `piece()` with ~20 ms of device work queued ahead of it."""
+def blocking_ms(piece, n=5, queued_ms: float = 20.0) -> float:
+    """Median host time of `piece()` with about `queued_ms` of matmuls queued ahead of it, not waited for."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     samples = []
     for _ in range(n):
         torch.cuda.synchronize()
-        busy()
+        for _ in range(max(1, int(queued_ms / 1.5))):  # an 8192^3 bf16 matmul: ~1.4 ms on an H100
+            torch.mm(a, a)
         start = time.perf_counter()
         piece()
         samples.append((time.perf_counter() - start) * 1e3)
