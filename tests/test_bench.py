@@ -171,6 +171,44 @@ def test_flash_sweep_records_oom_rows(monkeypatch):
     assert all(r["status"] == "oom" and "out of memory" in r["note"] for r in rows)
 
 
+def test_llm_shapes_interleaves_the_providers_and_takes_the_median_round(monkeypatch):
+    """The providers of a point take turns, round after round, on the same inputs; a row is the median of its
+    rounds with their spread; a provider that runs out of memory in a later round gives oom rows and the others
+    go on."""
+    calls, times = [], iter([3.0, 30.0, 9.0, 90.0, 1.0, 10.0, 5.0, 50.0, 2.0, 20.0, 7.0, 70.0])
+
+    def fake_bench(fn, device, warmup_ms, rep_ms, grad_to_none=None, min_calls=1):
+        calls.append((fn.__qualname__.split(".")[-1], tuple(id(t) for t in grad_to_none), rep_ms, min_calls))
+        return next(times)
+
+    monkeypatch.setattr(flash_bench, "bench_ms", fake_bench)
+    config = flash_bench.LlmShapesConfig(batch_heads=(2,), seqs=(16,), head_dims=(16,), causal=(True,),
+                                         providers=("naive", "flash_pytorch"), rep_ms=30, rounds=3, device="cpu")
+    rows = [row for rows in flash_bench.llm_shapes(config) for row in rows]
+    assert [c[0] for c in calls] == ["forward", "both"] * 6 and len({c[1] for c in calls}) == 1  # the same q, k, v
+    assert {(c[2], c[3]) for c in calls} == {(10.0, 4)}  # rep_ms and MIN_CALLS shared out over the rounds
+    got = {(r["provider"], r["pass"]): r for r in rows}
+    assert got["naive", "forward"]["median_ms"] == 2.0 and got["naive", "forward"]["spread"] == pytest.approx(1.0)
+    assert got["flash_pytorch", "forward_backward"]["median_ms"] == 70.0
+    assert got["flash_pytorch", "forward_backward"]["spread"] == pytest.approx(40 / 70)
+    assert all(r["rounds"] == 3 and r["min_calls"] == 12 for r in rows)
+
+    calls.clear()
+    times = iter([1.0, 2.0, 3.0, 4.0])
+
+    def oom_in_round_two(fn, device, warmup_ms, rep_ms, grad_to_none=None, min_calls=1):
+        calls.append(fn)
+        if len(calls) == 5:  # the first provider's second round
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return next(times, 5.0)
+
+    monkeypatch.setattr(flash_bench, "bench_ms", oom_in_round_two)
+    rows = [row for rows in flash_bench.llm_shapes(config) for row in rows]
+    got = {(r["provider"], r["pass"]): r for r in rows}
+    assert got["naive", "forward"]["status"] == "oom" and "out of memory" in got["naive", "forward"]["note"]
+    assert got["flash_pytorch", "forward"]["status"] == "ok" and len(calls) == 9  # it ran all three rounds
+
+
 def test_profile_records_an_oom_row(monkeypatch):
     monkeypatch.setattr(profile, "profile_point", _raise_oom)
     rows = profile.profile_rows(profile.ProfileConfig(sizes=("tiny",), context_lengths=(16,), device="cpu",

@@ -178,7 +178,7 @@ def test_clearing_a_launcher_drops_every_plan(plans, kernel_device):
 
 def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, monkeypatch):
     """As on a GPU (fast launch on, no interpreter), with Triton's compiled kernels replaced by recorders: a plan
-    hit hands each of the four binaries (forward; D, dK dV, dQ) the arguments, in order, and the grid that the
+    hit hands each of the three binaries (forward; dQ with D, then dK dV) the arguments, in order, and the grid that the
     FastLauncher's own cached path hands it for the same call, without deriving anything."""
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(flash_triton, "check_kernel_device", lambda t, name: None)  # CPU tensors, in any process
@@ -205,13 +205,13 @@ def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, monkeypat
     q, k, v, do = _inputs((2, 3, 20, 24), "cpu", seed=1)
     out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # plan hits
     flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
-    assert len(plans) == 2 and len(runs) == 4
+    assert len(plans) == 2 and len(runs) == 3
     planned = list(runs)
     runs.clear()
     flash_triton.clear_plans()  # the launchers keep their entries: their cached path, with these inputs
     flash_triton.flash_forward_triton(q, k, v, True)
     flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
-    assert len(plans) == 4 and len(runs) == 4
+    assert len(plans) == 4 and len(runs) == 3
     inputs = {id(t): name for name, t in (("q", q), ("k", k), ("v", v), ("do", do))}
 
     def described(run):  # the call's inputs by name, O, L and fresh outputs by layout, every other value as it is

@@ -27,7 +27,7 @@ NAMED = {
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
         "aten::_scaled_dot_product_cudnn_attention", "aten::_flash_attention_forward"],
     "attention backward": [
-        "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_bwd_delta_kernel", "_flash_bwd_gluon_kernel",
+        "_flash_bwd_dkdv_kernel", "_flash_bwd_dq_kernel", "_flash_bwd_gluon_kernel",
         "_bwd_preprocess_kernel", "cs336_systems::flash_triton_backward", "FlashAttentionTritonBackward",
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128, 8, "
         "2, 4, 2, false, false, cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 8, cutlass::bfloat16_t> >, "

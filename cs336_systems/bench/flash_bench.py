@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -224,7 +225,8 @@ class LlmShapesConfig:
     providers: tuple[str, ...] = ("flash_triton", "flash_triton_compiled", "sdpa_flash", "sdpa_cudnn")
     dtype: str = "bf16"
     warmup_ms: int = 25
-    rep_ms: int = 100
+    rep_ms: int = 100  # per provider and pass, over all rounds
+    rounds: int = 3  # the providers of a point take turns, this many times (llm_shapes)
     device: str = "cuda"
 
     def __post_init__(self):
@@ -236,6 +238,7 @@ class LlmShapesConfig:
         check_positive("sequence length", *self.seqs)
         check_positive("head dim", *self.head_dims)
         check_positive("tokens", self.max_tokens)
+        check_positive("rounds", self.rounds)
         check_positive("warm-up time (ms)", self.warmup_ms)
         check_positive("repetition time (ms)", self.rep_ms)
         resolve_device(self.device)
@@ -254,52 +257,86 @@ class LlmShapesConfig:
 
 
 def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
-    """Each point's rows (forward and forward+backward per provider), or rows that say why it did not run."""
+    """Each point's rows (forward and forward+backward per provider), or rows that say why it did not run.
+
+    The providers of a point are timed in interleaved rounds (A B C D, A B C D, ...) on the same inputs, each round
+    a `do_bench` of `rep_ms / rounds` holding at least `MIN_CALLS / rounds` calls, and a row's `median_ms` is the
+    median of its rounds' medians: a slow stretch of the host or of the GPU's clocks then falls on every provider
+    of the point alike, not on whichever provider it happened to run beside. `spread` is (largest - smallest round
+    median) / median_ms."""
     device = resolve_device(config.device)
     dtype = DTYPES[config.dtype]
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     calls = {provider: provider_fn(provider) for provider in config.providers}
+    rep_ms = config.rep_ms / config.rounds
+    min_calls = -(-MIN_CALLS // config.rounds)
     shapes = config.shapes()
     for i, (batch, heads, seq, head_dim, causal) in enumerate(shapes, 1):
+        shape = {"dtype": config.dtype, "batch": batch, "heads": heads, "seq_len": seq, "head_dim": head_dim,
+                 "causal": causal}
+        failed: dict[str, tuple[str, str]] = {}  # provider -> (status, note): not run, or stopped by its error
         for provider in config.providers:
-            base = {"benchmark": "flash_llm_shapes", "provider": provider, "dtype": config.dtype, "batch": batch,
-                    "heads": heads, "seq_len": seq, "head_dim": head_dim, "causal": causal}
             reason = supported(provider.removesuffix(COMPILED), dtype, seq, device, seq)
             if reason:
-                yield [{**base, "pass": p, "status": reason.split(":")[0], "note": reason}
-                       for p in ("forward", "forward_backward")]
+                failed[provider] = (reason.split(":")[0], reason)
+        rounds: dict[str, dict[str, list[float]]] = {p: {"forward": [], "forward_backward": []}
+                                                     for p in config.providers}
+        try:
+            q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
+                       .requires_grad_() for _ in range(3))
+            do = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
+            for _ in range(config.rounds):
+                for provider in config.providers:
+                    if provider not in failed:
+                        error = _time_round(calls[provider], q, k, v, do, causal, device, config.warmup_ms, rep_ms,
+                                            min_calls, rounds[provider])
+                        if error:
+                            failed[provider] = error
+        except (torch.OutOfMemoryError, RuntimeError) as error:  # the inputs themselves
+            if not is_oom(error):
+                raise
+            failed = {p: failed.get(p, ("oom", oom_message(error))) for p in config.providers}
+        finally:
+            q = k = v = do = None
+        for provider in config.providers:
+            row = {"benchmark": "flash_llm_shapes", "provider": provider, **shape}
+            if provider in failed:
+                status, note = failed[provider]
+                yield [{**row, "pass": p, "status": status, "note": note} for p in ("forward", "forward_backward")]
                 continue
-            fn = calls[provider]
-            try:
-                q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
-                           .requires_grad_() for _ in range(3))
-                do = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
-
-                def forward():
-                    with torch.no_grad():
-                        fn(q, k, v, causal)
-
-                def both():
-                    fn(q, k, v, causal).backward(do)
-
-                times = {p: bench_ms(call, device, config.warmup_ms, config.rep_ms, grad_to_none=[q, k, v],
-                                     min_calls=MIN_CALLS) for p, call in (("forward", forward), ("forward_backward", both))}
-            except (torch.OutOfMemoryError, RuntimeError) as error:
-                if not is_oom(error) and "No available kernel" not in str(error):
-                    raise
-                status = "oom" if is_oom(error) else "unsupported"
-                yield [{**base, "pass": p, "status": status, "note": oom_message(error)}
-                       for p in ("forward", "forward_backward")]
-                continue
-            finally:
-                q = k = v = do = None
+            times = {p: statistics.median(ms) for p, ms in rounds[provider].items()}
             print(f"[{i}/{len(shapes)}] {provider} b{batch} h{heads} n{seq} d{head_dim} causal={causal}: "
                   + " ".join(f"{p}={t:.3f}ms" for p, t in times.items()), file=sys.stderr, flush=True)
-            yield [{**base, "pass": p, "median_ms": ms, "status": "ok", "min_calls": MIN_CALLS,
+            yield [{**row, "pass": p, "median_ms": ms, "status": "ok", "rounds": config.rounds,
+                    "spread": (max(rounds[provider][p]) - min(rounds[provider][p])) / ms,
+                    "min_calls": min_calls * config.rounds,
                     "tflops": tflops(attention_flops("convention", p, batch * heads, seq, head_dim, causal), ms),
                     "executed_tflops": tflops(executed_flops(provider, p, batch * heads, seq, head_dim, causal), ms)}
                    for p, ms in times.items()]
         torch.cuda.empty_cache()
+
+
+def _time_round(fn: AttentionFn, q, k, v, do, causal: bool, device: torch.device, warmup_ms: float, rep_ms: float,
+                min_calls: int, into: dict[str, list[float]]) -> tuple[str, str] | None:
+    """One round of a provider at a point: its forward and forward+backward medians appended to `into`; or
+    (status, note) where it ran out of memory or its SDPA kernel does not take the case."""
+    def forward():
+        with torch.no_grad():
+            fn(q, k, v, causal)
+
+    def both():
+        fn(q, k, v, causal).backward(do)
+
+    try:
+        for name, call in (("forward", forward), ("forward_backward", both)):
+            into[name].append(bench_ms(call, device, warmup_ms, rep_ms, grad_to_none=[q, k, v], min_calls=min_calls))
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not is_oom(error) and "No available kernel" not in str(error):
+            raise
+        for t in (q, k, v):
+            t.grad = None
+        return ("oom" if is_oom(error) else "unsupported"), oom_message(error)
+    return None
 
 
 _FIRST_CALL = """
@@ -410,7 +447,9 @@ def main(argv: list[str] | None = None) -> None:
     ls.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="input dtype")
     ls.add_argument("--warmup-ms", type=positive_int, default=25, help="do_bench warm-up time per pass")
     ls.add_argument("--rep-ms", type=positive_int, default=100,
-                    help="do_bench measuring time per pass (grown to hold 10 calls)")
+                    help="do_bench measuring time per pass, over all rounds (grown to hold 10 calls)")
+    ls.add_argument("--rounds", type=positive_int, default=LlmShapesConfig.rounds,
+                    help="the providers of a point take turns this many times; a row is its rounds' median")
     ls.add_argument("--first-call-out", default=None,
                     help="also write the first call's seconds in a fresh process, cold and warm Triton cache")
     lb = sub.add_parser("leaderboard", help="the handout's leaderboard timing test")
@@ -437,7 +476,7 @@ def main(argv: list[str] | None = None) -> None:
             parser, LlmShapesConfig, batch_heads=tuple(args.batch_heads), seqs=tuple(args.seqs),
             head_dims=tuple(args.head_dims), causal=tuple(c == "on" for c in args.causal), max_tokens=args.max_tokens,
             providers=tuple(args.providers), dtype=args.dtype, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-            device=args.device)
+            rounds=args.rounds, device=args.device)
     else:
         config = config_or_usage_error(
             parser, LeaderboardConfig, providers=tuple(args.providers), heads=args.heads, seq_len=args.seq_len,

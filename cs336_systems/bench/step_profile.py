@@ -61,13 +61,13 @@ WALL = "step (wall)"
 MEMORY = ("peak", "parameters", "gradients", "optimizer state", "activations + workspace")
 
 # Kernel (CUDA) or op (CPU) name -> category, the first match wins; case-insensitive. Sources of the names:
-# our Triton kernels (_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel, _bwd_delta_kernel,
+# our Triton kernels (_flash_fwd_kernel, _flash_bwd_dkdv_kernel, _flash_bwd_dq_kernel,
 # Gluon's _flash_*_gluon_kernel, _ce_kernel, _adamw_kernel) and custom ops (cs336_systems::flash_triton_*,
 # linear_cross_entropy); SDPA's flash (pytorch_flash::flash_fwd_kernel, flash_bwd_*), memory-efficient
 # (fmha_cutlassF/B) and cuDNN (cudnn_generated_..._sdpa_..._fprop/bprop_...) kernels and their aten ops; cuBLAS
 # (sm80_xmma_gemm, cutlass, nvjet_sm90 on Hopper) and ATen's elementwise/reduce/copy kernels.
 PATTERNS: tuple[tuple[str, str], ...] = (
-    ("attention backward", r"FlashAttention\w*Backward|flash_bwd|flash_triton_backward|_bwd_delta_kernel"
+    ("attention backward", r"FlashAttention\w*Backward|flash_bwd|flash_triton_backward"
                            r"|_bwd_preprocess_kernel|fmha_cutlassB"
                            r"|sdpa\w*bprop|attention_backward|scaled_dot_product\w*backward"),
     ("attention forward", r"FlashAttention|flash_fwd|flash_triton_forward|fmha_cutlassF|sdpa\w*fprop"

@@ -5,9 +5,9 @@ streams over key tiles, keeping the running maximum m_i, the running denominator
 unnormalised output `acc` in float32 registers; the exponentials are base 2 with log2(e)/√d folded
 into one scale. It writes O_i = acc / l_i and the natural-log logsumexp L_i = (m_i + log2 l_i)·ln 2.
 
-Backward: D = rowsum(dO ∘ O) first (a small kernel), then two kernels that recompute P = exp(S − L)
-from L and need no atomics: one per key tile accumulates dK_j and dV_j over the query tiles, one per
-query tile accumulates dQ_i over the key tiles.
+Backward: two kernels that recompute P = exp(S − L) from L and need no atomics: first one per query
+tile, which computes D = rowsum(dO ∘ O) for its rows, stores it and accumulates dQ_i over the key
+tiles; then one per key tile, which reads D and accumulates dK_j and dV_j over the query tiles.
 
 Causal masking (query i sees keys 0..i, aligned at the start of both sequences): tiles wholly above
 the diagonal are never visited; tiles wholly below it run without index comparisons; only the tiles
@@ -242,25 +242,6 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, s
     return dq
 
 
-@triton.jit
-def _bwd_delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od,
-                      stride_dob, stride_doh, stride_don, stride_dod, H, N_Q, HEAD_DIM,
-                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """D = rowsum(dO ∘ O) in float32, reading O and dO once in their own dtype and strides (a stride-0
-    dO from `o.sum().backward()` is read as it is, never materialised)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(O + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_on, stride_od, N_Q, HEAD_DIM,
-                   True, True, 0.0)
-    do = _load_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_don, stride_dod, N_Q, HEAD_DIM,
-                    True, True, 0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(DELTA + bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
-
-
 @_tuned("backward_dkdv")
 @triton.jit
 def _flash_bwd_dkdv_kernel(
@@ -313,11 +294,12 @@ def _flash_bwd_dkdv_kernel(
 @_tuned("backward_dq")
 @triton.jit
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, L, DELTA, DQ,
+    Q, K, V, DO, L, O, DELTA, DQ,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_don, stride_dod,
+    stride_ob, stride_oh, stride_on, stride_od,
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     H, N_Q, N_K, HEAD_DIM, SEQ_KEY_Q, SEQ_KEY_K, qk_scale, sm_scale,
     IS_CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -337,7 +319,12 @@ def _flash_bwd_dq_kernel(
     do = _load_tile(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, stride_don, stride_dod, N_Q, HEAD_DIM,
                     not EVEN_M, not EVEN_D, 0.0)
     lse = _load_row(L + bh * N_Q, offs_m, N_Q, not EVEN_M, float("inf")) * 1.4426950408889634
-    delta = _load_row(DELTA + bh * N_Q, offs_m, N_Q, not EVEN_M, 0.0)
+    # D = rowsum(dO ∘ O) in float32, for this tile's rows: computed here, where dO is loaded anyway, and stored
+    # for the dK/dV kernel, launched after this one (rows past the end: O and dO load as zeros, D = 0, not stored).
+    o = _load_tile(O + b * stride_ob + h * stride_oh, offs_m, offs_d, stride_on, stride_od, N_Q, HEAD_DIM,
+                   not EVEN_M, not EVEN_D, 0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -359,8 +346,7 @@ TUNED_KERNELS = {"forward": _flash_fwd_kernel, "backward_dkdv": _flash_bwd_dkdv_
 
 
 # Every kernel through a FastLauncher (launch.py): after the first call per layout, the compiled binary directly.
-LAUNCH = {**{name: FastLauncher(kernel) for name, kernel in TUNED_KERNELS.items()},
-          "delta": FastLauncher(_bwd_delta_kernel)}
+LAUNCH = {name: FastLauncher(kernel) for name, kernel in TUNED_KERNELS.items()}
 
 
 @contextlib.contextmanager
@@ -528,33 +514,27 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
         fresh = True
     else:
         fresh = False
-    plan.run(0, out, grad_out, delta)
+    plan.run(0, q, k, v, grad_out, lse, out, delta, dq)  # writes D, which the dK/dV launch reads
     plan.run(1, q, k, v, grad_out, lse, delta, dk, dv)
-    plan.run(2, q, k, v, grad_out, lse, delta, dq)
     if fresh:  # only once they ran: a call that raised leaves no plan
-        plan.bind(0, out, grad_out, delta)
+        plan.bind(0, q, k, v, grad_out, lse, out, delta, dq)
         plan.bind(1, q, k, v, grad_out, lse, delta, dk, dv)
-        plan.bind(2, q, k, v, grad_out, lse, delta, dq)
         _BACKWARD_PLANS[key] = plan
     return dq, dk, dv
 
 
 def _backward_plan(q, k, v, out, grad_out, dq, dk, dv, is_causal: bool, settings: FlashSettings) -> _Plan:
-    """The backward's three launches: D = rowsum(dO ∘ O), then dK and dV, then dQ."""
+    """The backward's two launches: dQ (which also writes D = rowsum(dO ∘ O)), then dK and dV (which read D)."""
     p = _launch_params(q, k, settings)
     batch_heads = q.shape[0] * p["H"]
-    delta_block = 16 if INTERPRET else 64
     sm_scale = q.shape[-1] ** -0.5
     common = dict(qk_scale=sm_scale * LOG2E, sm_scale=sm_scale, IS_CAUSAL=is_causal, **p)
     strides = (*_strides4(q), *_strides4(k), *_strides4(v), *_strides4(grad_out))
     return _Plan(settings, [
-        ("delta", (cdiv(p["N_Q"], delta_block), batch_heads),
-         (*_strides4(out), *_strides4(grad_out), p["H"], p["N_Q"], p["HEAD_DIM"]),
-         dict(BLOCK_M=delta_block, BLOCK_D=p["BLOCK_D"]), None),
+        ("backward_dq", lambda meta: (cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads),
+         (*strides, *_strides4(out), *_strides4(dq)), common, None),
         ("backward_dkdv", lambda meta: (cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads),
          (*strides, *_strides4(dk), *_strides4(dv)), common, None),
-        ("backward_dq", lambda meta: (cdiv(p["N_Q"], meta["BLOCK_M"]), batch_heads),
-         (*strides, *_strides4(dq)), common, None),
     ])
 
 

@@ -142,8 +142,8 @@ rule flash_llm_shapes:
         "python -m cs336_systems.bench.flash_bench llm-shapes {params.device} --batch-heads {params.batch_heads}"
         " --seqs {params.seqs} --head-dims {params.head_dims} --causal {params.causal}"
         " --max-tokens {params.f[max_tokens]} --providers {params.providers}"
-        " --warmup-ms {params.f[warmup_ms]} --rep-ms {params.f[rep_ms]} {params.first_call}"
-        " --out {output.grid} 2> {log}"
+        " --warmup-ms {params.f[warmup_ms]} --rep-ms {params.f[rep_ms]} --rounds {params.f[rounds]}"
+        " {params.first_call} --out {output.grid} 2> {log}"
 
 
 rule flash_leaderboard:

@@ -113,6 +113,16 @@ def _compiled_paragraph(q: Quotes) -> str:
     return text
 
 
+def _timing(frame: pd.DataFrame) -> str:
+    """How the rows were timed: in one run, and (grids from the interleaved benchmark on) in rounds."""
+    ok = frame[frame["status"] == "ok"]
+    if "rounds" in ok and ok["rounds"].notna().all() and ok["rounds"].nunique() == 1 and ok["rounds"].iloc[0] > 1:
+        rounds = int(ok["rounds"].iloc[0])
+        return (f"timed in one run, taking turns in {rounds} rounds (each row the median of its rounds' medians; on a "
+                "GPU, do_bench windows of at least 10 calls in all)")
+    return "timed in one run (medians; on a GPU, do_bench windows of at least 10 calls)"
+
+
 def render_llm_shapes(ctx: Context) -> Section:
     frame = ctx.frame("flash_llm_shapes")
     table = ctx.numeric("flash_llm_shapes")
@@ -130,7 +140,7 @@ def render_llm_shapes(ctx: Context) -> Section:
              f"seq, dim)), batch × heads {span(bh)}, sequences {span(frame['seq_len'])}, head dim "
              f"{' and '.join(map(str, sorted(set(frame['head_dim']))))}, "
              f"{' and '.join(causal[c] for c in sorted(set(frame['causal']), reverse=True))}; each point's providers "
-             "timed in one run (medians; on a GPU, do_bench windows of at least 10 calls).")
+             + _timing(frame) + ".")
     if frame["git_commit"].nunique() > 1:
         intro += (" The rows name their commit: the points measured again after our launches stopped going through "
                   "Triton's autotuner on every call (kernels/launch.py) carry the later one.")
