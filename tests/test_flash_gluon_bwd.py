@@ -317,14 +317,16 @@ def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch
 def test_dq_is_the_accumulator_scaled_into_qs_dtype_and_layout(monkeypatch, shape, scale):
     """After the main kernel, dQ = its float32 accumulator x scale (default 1/sqrt(d)), rounded once to q's dtype,
     in q's layout (the model's strides; 3-d inputs): the kernel's stand-in writes random values into the
-    accumulator (the dQ descriptor's base), and dQ must equal the float32 product rounded, bit for bit."""
+    accumulator (the dQ descriptor's base, zeroed, with q's strides, so that the scale-and-cast pass runs over
+    matching strides), and dQ must equal the float32 product rounded, bit for bit."""
     _pretend_hopper(monkeypatch)
     written = []
 
     def fill_accumulator(name, args):
         if name == "_flash_bwd_gluon_kernel":
             accumulator = args[6].base  # desc_dq: (batch, head, row, col) float32
-            assert accumulator.dtype == torch.float32 and accumulator.is_contiguous()
+            assert accumulator.dtype == torch.float32 and accumulator.stride() == bwd._as_4d(q).stride()
+            assert not accumulator.any() and list(args[6].strides) == list(accumulator.stride())
             written.append(accumulator.copy_(torch.randn(accumulator.shape) * 100).clone())
 
     _recording_launchers(monkeypatch, fill_accumulator)

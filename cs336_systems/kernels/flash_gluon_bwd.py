@@ -785,31 +785,40 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
         problem = _tma_problem(name, grad) if grad.stride() != t.stride() else None
         if problem:
             raise ValueError(problem)
-    dq_acc = torch.zeros(batch, heads, n_queries, head_dim, dtype=torch.float32, device=q.device)
+    dq4 = _as_4d(dq)
+    dq_acc = _dq_accumulator(dq4)
     args, grid, options = kernel_launch(q4, k4, v4, do4, dk4, dv4, dq_acc, lse2, delta, causal, scale, tile, exact)
     _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
     # dQ = accumulator * scale, rounded to q's dtype into q's layout: one elementwise pass (a separate in-place
     # scale and cast copy read and wrote the float32 accumulator once more, and cost a launch more)
-    torch.mul(dq_acc, scale, out=_as_4d(dq))
+    torch.mul(dq_acc, scale, out=dq4)
     if fast_launch:  # only once it ran: a call that raised leaves no plan
         preprocess = _PREPROCESS.bound(pre_grid, pre_args, pre_options)
         main = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=0)
         if preprocess is not None and main is not None:
             _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[5:], *preprocess[1])), main,
-                                        dq_acc.shape, scale)
+                                        scale)
     return dq, dk, dv
+
+
+def _dq_accumulator(dq4: torch.Tensor) -> torch.Tensor:
+    """The float32 dQ accumulator, zeroed, with dQ's strides (q's layout, a model's (batch, seq, heads, dim) view
+    included): the final scale-and-cast into dQ is then one vectorised pass over matching strides. A contiguous
+    accumulator under a model-layout dQ made it ATen's strided elementwise kernel, at about half the bandwidth
+    (kernels/NOTES.md). The TMA descriptor takes the accumulator's own strides."""
+    return torch.zeros_like(dq4, dtype=torch.float32)
 
 
 class _BackwardPlan:
     """The backward's launches for one call layout (flash_gluon's per-layout plans): whether dO is copied for TMA,
     the preprocessed rows' shape, the preprocess binary with its arguments after the five tensors, the main kernel's
-    DescriptorPlan, the dQ accumulator's shape and the scale."""
+    DescriptorPlan and the scale. (The dQ accumulator follows q's layout, which the plan's key fixes.)"""
 
-    __slots__ = ("copy_do", "rows_shape", "preprocess", "main", "dq_shape", "scale")
+    __slots__ = ("copy_do", "rows_shape", "preprocess", "main", "scale")
 
-    def __init__(self, copy_do: bool, rows_shape, preprocess: tuple, main: DescriptorPlan, dq_shape, scale: float):
+    def __init__(self, copy_do: bool, rows_shape, preprocess: tuple, main: DescriptorPlan, scale: float):
         self.copy_do, self.rows_shape, self.preprocess = copy_do, rows_shape, preprocess
-        self.main, self.dq_shape, self.scale = main, dq_shape, scale
+        self.main, self.scale = main, scale
 
     def run(self, q, k, v, o, do, lse):
         if self.copy_do:
@@ -819,9 +828,10 @@ class _BackwardPlan:
         run, rest = self.preprocess
         run(o, do, lse, lse2, delta, *rest)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dq_acc = torch.zeros(self.dq_shape, dtype=torch.float32, device=q.device)
+        dq4 = _as_4d(dq)
+        dq_acc = _dq_accumulator(dq4)
         self.main.launch((q, k, v, do, dk, dv, dq_acc, lse2, delta))
-        torch.mul(dq_acc, self.scale, out=_as_4d(dq))
+        torch.mul(dq_acc, self.scale, out=dq4)
         return dq, dk, dv
 
 
