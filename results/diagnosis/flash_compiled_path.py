@@ -17,11 +17,10 @@ Writes DIR/compiled_path.txt (and prints it).
 
 import argparse
 import collections
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from flash_short_calls import sync_us  # this folder is on sys.path as a script's
 
 from cs336_systems.kernels import flash_dispatch
 from cs336_systems.model.attention import get_attention
@@ -99,19 +98,13 @@ def report(shape, mode: str, fn, lines: list[str]) -> None:
             kernels[event.name][1] += event.device_time
         elif event.name.startswith("cuda") and any(w in event.name for w in WAITS):
             runtime[event.name] += 1
-    wall = []
-    for _ in range(50):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        both()
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - start) * 1e3)
+    wall_ms = sync_us(both, n=50) / 1e3
     bench = bench_ms(lambda: fn(q, k, v, causal).backward(do), q.device, 25, 100, grad_to_none=[q, k, v],
                      min_calls=10)
     lines.append(f"== {batch}x{heads}x{seq}x{dim} {'causal' if causal else 'not causal'}, {mode}")
     lines.append(f"choices over 10 calls: {dict(choices)}")
     lines.append(f"plans before/after those 10 calls: {before} -> {after}")
-    lines.append(f"sync wall ms (median of 50): {statistics.median(wall):.3f}; do_bench ms: {bench:.3f}")
+    lines.append(f"sync wall ms (median of 50): {wall_ms:.3f}; do_bench ms: {bench:.3f}")
     lines.append("kernels over 10 calls (count, total us):")
     for name, (count, total) in sorted(kernels.items(), key=lambda item: -item[1][1]):
         lines.append(f"  {count:4d} {total:10.1f}  {name[:140]}")

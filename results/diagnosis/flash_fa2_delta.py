@@ -13,11 +13,10 @@ on one machine: the rows of each run carry its label and commit. Per shape (bf16
 """
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from flash_short_calls import sync_us  # this folder is on sys.path as a script's
 
 from cs336_systems.kernels.settings import use_flash_settings
 from cs336_systems.model.attention import get_attention
@@ -66,18 +65,12 @@ def measure(shape) -> dict:
 
     for _ in range(5):  # compile and autotune
         both()
-    wall = []
-    for _ in range(200):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        both()
-        torch.cuda.synchronize()
-        wall.append((time.perf_counter() - start) * 1e6)
+    wall_us = sync_us(both)
     kernel_us, kernels = backward_kernels(backward)
     return {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
             "backward_ms": bench_ms(backward, q.device, 50, 200, grad_to_none=[q, k, v], min_calls=10),
             "fb_ms": bench_ms(both, q.device, 50, 200, grad_to_none=[q, k, v], min_calls=10),
-            "fb_sync_us": statistics.median(wall), "bwd_kernel_us": kernel_us, "bwd_kernels": kernels}
+            "fb_sync_us": wall_us, "bwd_kernel_us": kernel_us, "bwd_kernels": kernels}
 
 
 def main() -> None:
