@@ -13,7 +13,8 @@ Providers are the model's attention backends, by their registry names (cs336_sys
 `llm-shapes`: the shapes a Transformer's training step gives attention: batch x heads from 16 to 512,
 sequences 512 to 32768, head dim 64 and 128, causal and not, bf16, inputs laid out as a model makes
 them ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); our kernel eager and under
-torch.compile beside SDPA's flash and cuDNN backends, forward and forward+backward. `--first-call-out`
+torch.compile beside SDPA's flash and cuDNN backends, forward and forward+backward, the providers of a point
+taking turns in `--rounds` rounds (a row is the median of its rounds). `--first-call-out`
 adds the first call's time at a new shape in a fresh process, with an empty and with a filled Triton
 cache (compile + autotune, then neither).
 
