@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-import triton.language as tl
 
-from cs336_systems.kernels import flash_triton, launch
+from cs336_systems.kernels import flash_gluon_bwd, flash_triton, launch
 from cs336_systems.kernels.settings import (
     ENV_VARS,
     FlashSettings,
@@ -162,45 +161,33 @@ class CompiledStub:
         return lambda *args: self.runs.append((grid, args))
 
 
-@triton.jit
-def _row_sums(O, DO, DELTA, stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh, stride_don,
-              stride_dod, H, N_Q, HEAD_DIM, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A plain JIT kernel (no autotuner) for the launcher tests: D = rowsum(dO ∘ O) of one head's rows."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = (offs_m[:, None] < N_Q) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, mask=rows, other=0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod, mask=rows, other=0.0)
-    tl.store(DELTA + offs_m, tl.sum(o * do, 1), mask=offs_m < N_Q)
-
-
 def test_fast_path_passes_the_arguments_in_signature_order(no_flash_env):
     """After the first call of a layout, the runner gets every argument in the kernel's signature order: the
     positional ones, then the keywords (passed here in another order than the signature's); a new layout (here a
     new dtype) goes through the public path again, and so does every call with fast launch off."""
     no_flash_env.setattr(launch, "INTERPRET", False)
-    kernel = _row_sums  # a plain JIT function: its signature is the arguments' order
+    kernel = flash_gluon_bwd._bwd_preprocess_kernel  # a plain JIT function: its signature is the arguments' order
     launcher = launch.FastLauncher(kernel)
     compiled, public = CompiledStub(), []
     launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
                                           or compiled})()
     names = kernel.arg_names
-    o, do, delta = torch.zeros(2, 3, 8), torch.zeros(2, 3, 8), torch.zeros(2, 3)
-    args = (o, do, delta, 24, 0, 8, 1, 24, 0, 8, 1, 1, 3, 8)
+    o, do, lse, rows = torch.zeros(2, 3, 8, 16), torch.zeros(2, 3, 8, 16), torch.zeros(2, 3, 8), torch.zeros(6, 8)
+    args = (o, do, lse, rows, rows, 384, 128, 16, 1, 384, 128, 16, 1, 3, 8, 8)
     assert len(args) + 2 == len(names)
-    launcher((1, 2), *args, BLOCK_D=16, BLOCK_M=4, fast_launch=True)
-    launcher((1, 2), *args, BLOCK_D=16, BLOCK_M=4, fast_launch=True)  # the same layout: the runner, BLOCK_M first
-    assert len(public) == 1 and compiled.runs == [((1, 2, 1), (*args, 4, 16))]
-    launcher((1, 2), o.double(), *args[1:], BLOCK_D=16, BLOCK_M=4, fast_launch=True)
+    launcher((1, 6), *args, BLOCK=8, HEAD_DIM=16, fast_launch=True)
+    launcher((1, 6), *args, BLOCK=8, HEAD_DIM=16, fast_launch=True)  # the same layout: the runner, HEAD_DIM first
+    assert len(public) == 1 and compiled.runs == [((1, 6, 1), (*args, 16, 8))]
+    launcher((1, 6), o.double(), *args[1:], BLOCK=8, HEAD_DIM=16, fast_launch=True)
     assert len(public) == 2 and len(compiled.runs) == 1
-    launcher((1, 2), *args, BLOCK_D=16, BLOCK_M=4, fast_launch=False)  # fast launch off: the public path
+    launcher((1, 6), *args, BLOCK=8, HEAD_DIM=16, fast_launch=False)  # fast launch off: the public path
     assert len(public) == 3
 
 
 def test_fast_path_is_only_taken_on_a_checked_triton_release(no_flash_env):
     kernel = flash_triton.TUNED_KERNELS["forward"]
     assert launch.fast_path_problem(kernel) is None  # the pinned Triton and its internals as checked
-    assert launch.fast_path_problem(_row_sums) is None  # a plain JIT function too
+    assert launch.fast_path_problem(flash_gluon_bwd._bwd_preprocess_kernel) is None  # a plain JIT function too
     assert launch.fast_path_problem(kernel, version="3.9.0") == (
         "Triton 3.9.0 is not one of the checked releases " + ", ".join(launch.CHECKED_TRITON_VERSIONS))
     no_flash_env.setattr(launch, "INTERPRET", False)
