@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels import flash_triton
 from cs336_systems.kernels.flash_triton import TUNED_KERNELS, pinned_tiles
 from cs336_systems.kernels.flash_tuning import (
     BWD_TILES,
@@ -27,12 +28,13 @@ from cs336_systems.kernels.flash_tuning import (
     FLOAT32_TILES,
     FWD_TILES,
     MAX_FLOAT32_STAGES,
+    TUNING_KEY,
     announcing_prune,
     prune_configs,
     tile_config,
     tile_configs,
 )
-from cs336_systems.kernels.settings import use_flash_settings
+from cs336_systems.kernels.settings import flash_settings, use_flash_settings
 from cs336_systems.model.attention import attention_scores, naive_attention
 from tests.adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
 from tests.kernel_devices import KERNEL_DEVICE
@@ -307,25 +309,43 @@ def test_float32_only_tiles_are_pruned_by_precision():
         assert tiles(precision) == {t for t in FWD_TILES if t[3] <= MAX_FLOAT32_STAGES} | set(FLOAT32_TILES)
 
 
+def test_every_tuning_key_is_an_argument_the_launchers_fill():
+    """Triton's autotuner silently leaves out a key that is not among the kernel's arguments, so each tuned kernel
+    must take every name of TUNING_KEY, and the launchers must fill the bucket from the call: the lengths and
+    batch x heads rounded up to powers of two (3-d inputs are one head per batch entry)."""
+    for name, kernel in TUNED_KERNELS.items():
+        assert set(TUNING_KEY) <= set(kernel.arg_names), name
+        assert list(kernel.keys[:len(TUNING_KEY)]) == TUNING_KEY, name
+    settings = flash_settings()
+    q, k = torch.empty(3, 5, 100, 64), torch.empty(3, 5, 600, 64)
+    params = flash_triton._launch_params(q, k, settings)
+    assert (params["SEQ_KEY_Q"], params["SEQ_KEY_K"], params["BATCH_HEADS_KEY"]) == (128, 1024, 16)
+    params = flash_triton._launch_params(q[0], k[0], settings)  # (batch, n, d): 5 batch entries of one head
+    assert (params["SEQ_KEY_Q"], params["SEQ_KEY_K"], params["BATCH_HEADS_KEY"]) == (128, 1024, 8)
+
+
 def test_autotuning_is_announced_once_per_shape_bucket(capsys):
     """Tuning a new shape bucket takes tens of seconds on a GPU: the pruning step, which Triton runs just
     before it, says on stderr what is tuned, once per bucket and kernel, and prunes as `prune_configs`."""
     prune = announcing_prune("forward")
     configs = tile_configs(FWD_TILES, "BLOCK_M", "BLOCK_N")
     bf16 = {"Q": torch.empty(0, dtype=torch.bfloat16)}
-    bucket = {"SEQ_KEY_Q": 1024, "SEQ_KEY_K": 2048, "BLOCK_D": 64, "IS_CAUSAL": True, "PRECISION": "tf32"}
+    bucket = {"SEQ_KEY_Q": 1024, "SEQ_KEY_K": 2048, "BATCH_HEADS_KEY": 64, "BLOCK_D": 64, "IS_CAUSAL": True,
+              "PRECISION": "tf32"}
     for _ in range(2):
         assert prune(configs, bf16, **bucket) == prune_configs(configs, {}, **bucket)
     captured = capsys.readouterr()
     kept = len(prune_configs(configs, {}, **bucket))
     assert captured.out == "" and captured.err.splitlines() == [
         f"flash_triton: autotuning the forward kernel over {kept} of {len(configs)} tile configs for 513-1024 "
-        "queries, 1025-2048 keys, head dim <= 64, causal, bfloat16 (once per shape bucket)"]
+        "queries, 1025-2048 keys, 33-64 batch x heads, head dim <= 64, causal, bfloat16 (once per shape bucket)"]
     prune(configs, {"Q": torch.empty(0)}, **{**bucket, "PRECISION": "ieee"})  # float32: another bucket
     prune(configs, bf16, **{**bucket, "SEQ_KEY_Q": 1})
+    prune(configs, bf16, **{**bucket, "BATCH_HEADS_KEY": 128})  # more programs: another bucket
     prune(configs, bf16, **bucket)
     new = capsys.readouterr().err.splitlines()
-    assert len(new) == 2 and "float32, ieee dots" in new[0] and "for 1 queries" in new[1]
+    assert len(new) == 3 and "float32, ieee dots" in new[0] and "for 1 queries" in new[1]
+    assert "65-128 batch x heads" in new[2]
 
 
 @pytest.mark.autotuned

@@ -4,9 +4,10 @@ dot precision among them, are in `settings.py`).
 
 A tile is (outer, inner, warps, stages). The outer tile is the one a program keeps (queries in the
 forward and dQ kernels, keys in the dK/dV kernel); the inner one is streamed. Tuning is keyed on the
-head dim, causality, precision and the sequence lengths rounded up to powers of two (a "shape
-bucket"), so a sweep over many lengths tunes once per bucket; the first call in a bucket benchmarks
-every kept config (tens of seconds on a GPU) and says so on stderr. The tables are public for the
+head dim, causality, precision, and the sequence lengths and batch x heads rounded up to powers of two
+(a "shape bucket"), so a sweep over many lengths tunes once per bucket; the first call in a bucket
+benchmarks every kept config (tens of seconds on a GPU where its tiles compile first, under a second
+where another batch x heads compiled them) and says so on stderr. The tables are public for the
 tests and for `bench/kernel_resources.py`, which compiles each config to read its registers and spills.
 """
 
@@ -53,7 +54,11 @@ TILINGS = {"forward": Tiling(FWD_TILES, "BLOCK_M", "BLOCK_N"),
            "backward_dkdv": Tiling(BWD_TILES, "BLOCK_N", "BLOCK_M"),
            "backward_dq": Tiling(BWD_TILES, "BLOCK_M", "BLOCK_N")}
 
-TUNING_KEY = ["SEQ_KEY_Q", "SEQ_KEY_K", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
+# Batch x heads is in the key because the best tile depends on how many programs fill the GPU: tuned at 16 batch x
+# heads only (as before), a bucket's larger calls ran tiles up to 1.23x slower than their own best (dK/dV at 32 x 16
+# x 2048 x 64; forward 1.18x, dQ up to 1.19x at 16 x 32 x 512 x 128: H100, results/diagnosis/flash_fa2_tiles/).
+# Only the benchmarking repeats per batch x heads bucket: the tiles compile once per length bucket.
+TUNING_KEY = ["SEQ_KEY_Q", "SEQ_KEY_K", "BATCH_HEADS_KEY", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
 
 
 def tile_config(tile: tuple[int, int, int, int], outer: str, inner: str) -> triton.Config:
@@ -127,7 +132,8 @@ def describe_bucket(args: dict) -> str:
 
     dtype = str(args["Q"].dtype).removeprefix("torch.")
     dots = f", {args['PRECISION']} dots" if args["PRECISION"] in FLOAT32_DOTS else ""
-    return (f"{lengths(args['SEQ_KEY_Q'])} queries, {lengths(args['SEQ_KEY_K'])} keys, head dim <= {args['BLOCK_D']}, "
+    return (f"{lengths(args['SEQ_KEY_Q'])} queries, {lengths(args['SEQ_KEY_K'])} keys, "
+            f"{lengths(args['BATCH_HEADS_KEY'])} batch x heads, head dim <= {args['BLOCK_D']}, "
             f"{'causal' if args['IS_CAUSAL'] else 'not causal'}, {dtype}{dots}")
 
 
