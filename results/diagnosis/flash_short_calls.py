@@ -1,6 +1,7 @@
 """Why our attention is slower than SDPA flash at short calls (issue #26: "never slower than SDPA flash").
 
     python results/diagnosis/flash_short_calls.py --out-dir DIR [--shapes 1x16x4096x64 2x32x2048x128c ...] [--fa2-too]
+        [--floor]
 
 `flash_llm_shapes` at 69bcc27 (H100) has ours (eager, FA2 path) slower than SDPA flash at 12 forward+backward
 points, all below 2^28 scores, where every provider is host-bound. `flash_host_floor.py` put our eager forward
@@ -15,7 +16,10 @@ forward+backward, in one run:
 - `kernel_us`: the summed duration of the call's kernels, from torch.profiler (mean over 10 calls);
 and the same for ours and SDPA flash with autograd's device threads off (`torch.autograd.set_multithreading_enabled(
 False)`: the backward runs on the calling thread, no hand-off to the engine's CUDA thread). torch.profiler traces of 5 calls each go
-to DIR/traces/ (chrome trace JSON), rows to DIR/short_calls.csv with provenance.
+to DIR/traces/ (chrome trace JSON), rows to DIR/short_calls.csv with provenance. `--floor` adds `host_floor`:
+`HostFloor`, a Python autograd.Function that allocates what ours allocates and launches nothing, the least that any
+attention written as a Python Function costs a host-bound call; where it is not below SDPA flash, no Python path can
+be, and only a C++ autograd node could.
 """
 
 import argparse
@@ -96,6 +100,25 @@ def measure(name: str, call, shape, out_dir: Path, prov: dict, q) -> dict:
     return row
 
 
+class HostFloor(torch.autograd.Function):
+    """What any attention written as a Python autograd.Function pays on the host before its kernels: the Function's
+    forward and backward, saving its tensors, and the allocations ours makes (O and L; dQ, dK, dV and D), with no
+    kernel launched. Its forward+backward time bounds from below every such Function's at host-bound calls."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(lse, q, k, v, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        lse, q, k, v, out = ctx.saved_tensors
+        torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)  # D
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+
+
 def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
     """BxHxNxD with a trailing "c" for causal: "1x16x4096x64c"."""
     causal = text.endswith("c")
@@ -106,20 +129,20 @@ def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
     return batch, heads, seq, dim, causal
 
 
-def rows_for(shape, out_dir: Path, prov: dict, fa2_too: bool = False) -> list[dict]:
+def rows_for(shape, out_dir: Path, prov: dict, fa2_too: bool = False, floor: bool = False) -> list[dict]:
     batch, heads, seq, dim, causal = shape
     q, k, v, do = tensors(batch, heads, seq, dim)
     rows = []
-    for provider in PROVIDERS:
-        fn = get_attention(provider)
+    for provider in (*PROVIDERS, *(["host_floor"] if floor else [])):
+        fn = HostFloor.apply if provider == "host_floor" else get_attention(provider)
 
         def both(fn=fn):
             fn(q, k, v, causal).backward(do)
             q.grad = k.grad = v.grad = None
 
         rows.append(measure(provider, both, shape, out_dir, prov, q))
-    for provider in ("flash_triton", "sdpa_flash"):
-        fn = get_attention(provider)
+    for provider in ("flash_triton", "sdpa_flash", *(["host_floor"] if floor else [])):
+        fn = HostFloor.apply if provider == "host_floor" else get_attention(provider)
 
         def single_thread(fn=fn):
             with torch.autograd.set_multithreading_enabled(False):
@@ -145,13 +168,15 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES,
                         help="BxHxNxD[c] each (default: the six short points of the 69bcc27 grid)")
     parser.add_argument("--fa2-too", action="store_true", help="also ours with both passes forced to FA2")
+    parser.add_argument("--floor", action="store_true",
+                        help="also HostFloor: a Python autograd.Function with ours' allocations and no kernels")
     args = parser.parse_args()
     (args.out_dir / "traces").mkdir(parents=True, exist_ok=True)
     prov = provenance("cuda")
     rows = []
     for shape in args.shapes:
         with contextlib.suppress(torch.OutOfMemoryError):
-            rows += rows_for(shape, args.out_dir, prov, args.fa2_too)
+            rows += rows_for(shape, args.out_dir, prov, args.fa2_too, args.floor)
     write_rows(rows, args.out_dir / "short_calls.csv")
 
 
