@@ -383,11 +383,12 @@ def _strides4(t: torch.Tensor) -> tuple[int, int, int, int]:
 
 def _launch_params(q: torch.Tensor, k: torch.Tensor, settings: FlashSettings) -> dict:
     head_dim = q.shape[-1]
+    heads = q.shape[1] if q.dim() == 4 else 1
     return dict(
-        H=q.shape[1] if q.dim() == 4 else 1,
+        H=heads,
         N_Q=q.shape[-2], N_K=k.shape[-2], HEAD_DIM=head_dim,
         SEQ_KEY_Q=next_power_of_2(q.shape[-2]), SEQ_KEY_K=next_power_of_2(k.shape[-2]),
-        BATCH_HEADS_KEY=next_power_of_2(q.shape[0] * (q.shape[1] if q.dim() == 4 else 1)),
+        BATCH_HEADS_KEY=next_power_of_2(q.shape[0] * heads),
         PRECISION=settings.float32_dot if q.dtype == torch.float32 else "tf32",  # "tf32" is ignored for 16-bit inputs
         BLOCK_D=max(16, next_power_of_2(head_dim)),
     )

@@ -20,18 +20,13 @@ import collections
 from pathlib import Path
 
 import torch
-from flash_short_calls import sync_us  # this folder is on sys.path as a script's
+from flash_short_calls import parse_shape, sync_us  # this folder is on sys.path as a script's
 
 from cs336_systems.kernels import flash_dispatch
 from cs336_systems.model.attention import get_attention
 from cs336_systems.timing import bench_ms
 
 WAITS = ("Memcpy", "Synchronize", "EventSynchronize", "StreamWaitEvent", "Memset")
-
-
-def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
-    batch, heads, seq, dim = (int(part) for part in text.rstrip("c").split("x"))
-    return batch, heads, seq, dim, text.endswith("c")
 
 
 def plan_counts() -> dict[str, int]:

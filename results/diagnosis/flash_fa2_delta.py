@@ -16,7 +16,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from flash_short_calls import sync_us  # this folder is on sys.path as a script's
+from flash_short_calls import parse_shape, sync_us  # this folder is on sys.path as a script's
 
 from cs336_systems.kernels.settings import use_flash_settings
 from cs336_systems.model.attention import get_attention
@@ -26,15 +26,6 @@ from cs336_systems.timing import bench_ms
 
 SHAPES = ["1x16x512x64c", "1x16x1024x128c", "4x16x1024x64c", "16x16x1024x64", "32x16x1024x64c", "32x16x2048x64c",
           "8x32x1024x128"]
-
-
-def parse_shape(text: str) -> tuple[int, int, int, int, bool]:
-    """BxHxNxD with a trailing "c" for causal: "1x16x4096x64c"."""
-    try:
-        batch, heads, seq, dim = (int(part) for part in text.rstrip("c").split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: write BxHxNxD, with a trailing c for causal") from None
-    return batch, heads, seq, dim, text.endswith("c")
 
 
 def backward_kernels(call, n=10) -> tuple[float, float]:

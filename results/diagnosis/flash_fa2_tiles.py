@@ -3,32 +3,29 @@
     python results/diagnosis/flash_fa2_tiles.py --out ROWS.csv [--seqs 512 1024 2048] [--head-dims 64 128]
         [--batch-heads 16 64 256 512]
 
-The FA2 kernels are autotuned once per shape bucket (flash_tuning.TUNING_KEY: the lengths rounded up to powers of
-two, the head dim, causality, precision), and batch x heads is not in the key. `flash_llm_shapes` walks each bucket
+Until f634041 the FA2 kernels were autotuned once per shape bucket (flash_tuning.TUNING_KEY: the lengths rounded up
+to powers of two, the head dim, causality, precision), without batch x heads. `flash_llm_shapes` walks each bucket
 from 16 batch x heads upwards, so the tile tuned at 16 (few programs: 64 to 256 on 132 SMs) is the one every larger
 call of the bucket runs. This asks what that costs. For each shape (bf16, the model's layout, both passes forced to
 FA2) it empties the three kernels' autotuning caches and runs one forward and backward, so that each kernel is tuned
 at this very shape, and records the autotuner's timing of every tile (`configs_timings`: do_bench median, L2
 flushed before each call, so a short kernel's host time hides behind the flush). One row per shape, kernel and tile;
-`chosen` marks the tile tuned at this shape. Then, per shape and kernel, the summary on stderr: the time of the tile
-that the bucket's first (smallest) shape chose, over the best tile's time at this shape.
+`chosen` marks the tile tuned at this shape. Then, per shape and kernel, the summary (stdout; stderr as it goes): the
+time of the tile that the bucket's first (smallest) shape chose, over the best tile's time at this shape. The shapes
+are the grid's own (`LlmShapesConfig.shapes`), in its order.
 """
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
 import torch
 
+from cs336_systems.bench.flash_bench import LlmShapesConfig
 from cs336_systems.kernels import flash_triton
 from cs336_systems.kernels.flash_tuning import TILINGS, tile_of
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
-
-
-def heads_for(head_dim: int) -> int:
-    return 32 if head_dim >= 128 else 16  # flash_llm_shapes' heads per batch entry
 
 
 def tune_at(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> list[dict]:
@@ -82,14 +79,13 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--batch-heads", type=int, nargs="+", default=[16, 64, 256, 512])
     args = parser.parse_args()
+    grid = LlmShapesConfig(batch_heads=tuple(sorted(args.batch_heads)), seqs=tuple(args.seqs),
+                           head_dims=tuple(args.head_dims))
     rows, meta = [], provenance("cuda")
-    for dim, seq, causal in itertools.product(args.head_dims, args.seqs, (True, False)):
-        for batch_heads in sorted(args.batch_heads):  # the grid's order within a bucket
-            heads = min(batch_heads, heads_for(dim))
-            new = tune_at(batch_heads // heads, heads, seq, dim, causal)
-            rows += new
-            print("\n".join(summary(rows)[-3:]), file=sys.stderr, flush=True)
-        write_rows([{**row, **meta} for row in rows], args.out)  # after each bucket: a timeout keeps the rest
+    for shape in grid.shapes():  # within a bucket, batch x heads ascending, as the grid runs them
+        rows += tune_at(*shape)
+        print("\n".join(summary(rows)[-3:]), file=sys.stderr, flush=True)
+        write_rows([{**row, **meta} for row in rows], args.out)  # after each shape: a timeout keeps the rest
     print("\n".join(summary(rows)), flush=True)
 
 
