@@ -18,7 +18,12 @@ three FA2 launches. This times, on a GPU, the host cost of each piece of one cal
 - `ours_forward`, `sdpa_flash_forward`: one forward without autograd (ours' `flash_forward`; SDPA's flash op);
 - `ours_fb`, `sdpa_flash_fb`, `floor_fb`: forward+backward through autograd (`floor_fb`: flash_short_calls'
                       HostFloor), each also with the device threads off (`_no_device_threads`).
-At a shape whose kernels take a few microseconds, issue time is host time. Rows go to --out with provenance.
+At a shape whose kernels take a few microseconds, issue time is host time (column `host_us`). The calls are then
+split (`backward_phases`): the Function's backward is wrapped to note when it starts and ends, and each call's
+`.backward()` splits into `to_backward` (from `.backward()` until our backward starts: the hand-off to the device
+thread, the GIL), `backward_body` (our Python backward, launches included) and `after_backward` (until `.backward()`
+returns: gradient accumulation, the hand-back), each the median over calls, for ours and HostFloor with the device
+threads on and off. Rows go to --out with provenance.
 """
 
 import argparse
@@ -100,6 +105,49 @@ def pieces(shape) -> dict[str, object]:
     return calls
 
 
+def backward_phases(shape, calls: int = 300) -> dict[str, float]:
+    """Medians over `calls` forward+backward calls of the three phases of `.backward()` (us), per Function and
+    device-thread setting: `{"ours_to_backward": ..., "ours_backward_body": ..., ...}`."""
+    batch, heads, seq, dim, causal = shape
+    q, k, v, do = tensors(batch, heads, seq, dim)
+    phases = {}
+    for name, function in (("ours", flash_triton.FlashAttentionTriton), ("floor", HostFloor)):
+        inner = function.backward
+        marks: list[float] = []
+
+        def timed_backward(ctx, *grads, inner=inner, marks=marks):
+            marks.append(time.perf_counter())
+            result = inner(ctx, *grads)
+            marks.append(time.perf_counter())
+            return result
+
+        function.backward = staticmethod(timed_backward)
+        try:
+            for threads in (True, False):
+                samples = {"to_backward": [], "backward_body": [], "after_backward": []}
+                with torch.autograd.set_multithreading_enabled(threads):
+                    for i in range(calls + 10):
+                        out = function.apply(q, k, v, causal)
+                        marks.clear()
+                        start = time.perf_counter()
+                        out.backward(do)
+                        end = time.perf_counter()
+                        q.grad = k.grad = v.grad = None
+                        if i >= 10:  # warm
+                            entered, left = marks
+                            samples["to_backward"].append(entered - start)
+                            samples["backward_body"].append(left - entered)
+                            samples["after_backward"].append(end - left)
+                        if i % 20 == 0:
+                            torch.cuda.synchronize()  # the launch queue never fills
+                suffix = "" if threads else "_no_device_threads"
+                for phase, values in samples.items():
+                    phases[f"{name}_{phase}{suffix}"] = statistics.median(values) * 1e6
+        finally:
+            function.backward = staticmethod(inner)
+    return phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -108,14 +156,15 @@ def main() -> None:
     prov = provenance("cuda")
     rows = []
     for shape in args.shapes:
+        batch, heads, seq, dim, causal = shape
+        name = f"{batch}x{heads}x{seq}x{dim}{'c' if causal else ''}"
         with contextlib.suppress(torch.OutOfMemoryError):
-            for name, call in pieces(shape).items():
-                batch, heads, seq, dim, causal = shape
-                row = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
-                       "piece": name, "issue_us": issue_us(call), **prov}
-                print(f"{batch}x{heads}x{seq}x{dim}{'c' if causal else ''}  {name:32s} {row['issue_us']:8.2f} us",
-                      flush=True)
-                rows.append(row)
+            measured = {piece: issue_us(call) for piece, call in pieces(shape).items()}
+            measured.update(backward_phases(shape))
+            for piece, us in measured.items():
+                print(f"{name}  {piece:40s} {us:8.2f} us", flush=True)
+                rows.append({"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
+                             "piece": piece, "host_us": us, **prov})
     write_rows(rows, args.out)
 
 
