@@ -25,8 +25,8 @@ is as long as a program's query block (BLOCK_N = CONSUMERS * BLOCK_M), so only a
 touch the diagonal or run past the last key: only that one is masked. Lengths that are not tile multiples need
 nothing else: the TMA descriptors are 4-d (batch, head, row, col) with the tensors' own strides, so rows past a
 head's end load as zeros and are clipped on store. Programs are ordered heaviest first (causal: the last query
-tiles), one head after another (`program_order`, mirrored in `_program_tile`; it can interleave groups of heads,
-which measured slower: HEADS_PER_GROUP).
+tiles), one head after another (`program_order`, mirrored in `_program_tile`), or in groups of heads, each rank of the
+group's heads before the next (the persistent causal grid: `heads_per_group`).
 
 Persistent variant (GluonTile.persistent): one program per SM walks a static list of tiles (`persistent_schedule`:
 the same order, list-scheduled as the block scheduler would); every barrier's phase, the K/V ring and the
@@ -75,11 +75,31 @@ CONSUMERS = 2  # consumer warpgroups per program (the kernel's partitions are wr
 _CONSUMERS = gl.constexpr(CONSUMERS)
 _LN2 = gl.constexpr(LN2)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# Heads interleaved in the program order. Measured on an H100 (results/diagnosis/flash_gluon_stage1/run2): one
-# head at a time (its query tiles heaviest first) was fastest or within 2% at all five shapes; groups sized so
-# their K and V fit in 32 MiB of L2 cost up to 21% (4 x 32 x 4096, d=128, causal: 1.21 vs 1.00 ms), all heads
-# at once up to 55% (the 8B shape). Programs of one head read the same key tiles at about the same time.
-HEADS_PER_GROUP = 1
+# Heads interleaved in the program order (`heads_per_group`). The one-tile grid was measured on an H100
+# (results/diagnosis/flash_gluon_stage1/run2): one head at a time was fastest or within 2% at all five shapes; groups
+# whose K and V fit in 32 MiB of L2 cost up to 21% (4 x 32 x 4096, d=128, causal: 1.21 vs 1.00 ms), all heads at once
+# up to 55% (the 8B shape). The persistent grid differs where a call has few tiles per SM: its schedule lists one
+# head's tiles after another, so the last heads' heaviest causal tiles land on nearly full walks, which then end up
+# to 1.27x the mean walk. Four heads per group, rank-major within it, put the heavy tiles of four heads first: the
+# causal forward took 0.81-0.98x the one-head schedule's kernel time at all 16 causal points up to 8192 keys, d 64
+# and 128 (results/diagnosis/flash_gluon_groups/, ae38eff, H100; kernels/NOTES.md, "The persistent forward's
+# schedule"). Where a group's K and V outgrow ~16 MiB it loses L2 reuse (the 8B shape: 1.016x at four heads, 1.001x
+# at two), and non-causal calls, balanced by construction, gained nothing (0.996-1.013x at four heads).
+MAX_HEADS_PER_GROUP = 4
+GROUP_KV_BYTES = 16 * 2**20  # the most K and V bytes of a group's heads
+
+
+def heads_per_group(n_keys: int, head_dim: int, element_size: int, is_causal: bool, persistent: bool) -> int:
+    """Heads per group of the program order (`program_order`): 1 for the one-tile grid and for non-causal calls;
+    causal on the persistent grid, the largest power of two up to MAX_HEADS_PER_GROUP whose heads' K and V take
+    at most GROUP_KV_BYTES (4 at d=128 up to 8192 keys, 2 at 16384, 1 from 32768)."""
+    if not (persistent and is_causal):
+        return 1
+    per_head = 2 * n_keys * head_dim * element_size
+    group = 1
+    while group < MAX_HEADS_PER_GROUP and 2 * group * per_head <= GROUP_KV_BYTES:
+        group *= 2
+    return group
 # The persistent schedule's cost model (persistent_schedule): a tile costs its key tiles plus this many for its
 # prologue and epilogue (Q's load, a first S with no P V beside it, the last P V, O's store). A guess; the balance
 # the schedule reaches at the target shapes moves by < 1% between 0.5 and 2 (kernels/NOTES.md, "Persistent").
@@ -596,14 +616,15 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
                   tile: GluonTile | None = None):
     """The kernel's arguments, grid and launch options for 4-d inputs (and out, lse), without touching a device
     beyond a persistent schedule's first copy, so that `bench.flash_gluon_resources` can compile exactly what a
-    launch would. `group` overrides HEADS_PER_GROUP (for measuring the program order), `tile` the head dim's
+    launch would. `group` overrides `heads_per_group` (for measuring the program order), `tile` the head dim's
     TILES entry (for measuring variants: GluonTile.persistent)."""
     batch, heads, n_queries, head_dim = q.shape
     tile = tile or tile_for(head_dim)
     if tile.head_dim != head_dim:
         raise ValueError(f"flash_gluon: {tile} is for head dim {tile.head_dim}, the inputs have {head_dim}")
     n_q_tiles = cdiv(n_queries, tile.rows)
-    group = min(group or HEADS_PER_GROUP, batch * heads)
+    group = min(group or heads_per_group(k.shape[-2], head_dim, q.element_size(), is_causal, tile.persistent),
+                batch * heads)
     n_tiles = n_q_tiles * batch * heads
     if tile.persistent:
         programs = persistent_grid(n_tiles, sm_count(q.device))

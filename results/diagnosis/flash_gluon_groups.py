@@ -1,17 +1,18 @@
 """The persistent Gluon forward's schedule: heads per group against load balance and L2 (issue #26).
 
-    python results/diagnosis/flash_gluon_groups.py --out FILE.csv [--groups 1 2 4 8 16 32]
+    python results/diagnosis/flash_gluon_groups.py --out FILE.csv [--groups 1 2 4 8 16 32] [--shapes 1x16x16384x128c ...]
 
 `flash_gluon_tile_overhead.py` (2a65729) found the causal forward's time per tile ~2.7 key steps above the
 non-causal one's. The cause it points at is the schedule, not the kernel: `persistent_schedule` list-schedules the
-tiles in `program_order`, one head after another (HEADS_PER_GROUP = 1), heaviest first within the head, so the last
+tiles in `program_order`, one head after another (then HEADS_PER_GROUP = 1), heaviest first within the head, so the last
 head's heaviest tiles are placed when every program is nearly full. With few tiles per SM the walks end unevenly:
 the cost model predicts the longest walk at 1.03-1.37x the mean at the grid's causal points with at most 31 tiles per
 SM (1.11x at 1 x 16 x 8192). Groups of G heads, rank-major within a group, place the heavy tiles of G heads first and
 balance better; they also put G heads' keys and values in flight at once, which the one-tile grid measured as slower
 (kernels/NOTES.md, "Gluon forward"). This measures both at once: per shape and group, the forward kernel's device
 time (torch.profiler, mean of 10 calls), beside the schedule's predicted balance (longest walk / mean walk, from the
-cost model) and cuDNN's kernel at the same inputs. Rows go to --out with provenance.
+cost model) and cuDNN's kernel at the same inputs; `default_group` is what `heads_per_group` gives the shape (the
+rule that came of this run's first version). Rows go to --out with provenance.
 """
 
 import argparse
@@ -24,6 +25,7 @@ from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 
 from flash_gluon_tile_overhead import kernel_ms  # this folder is on sys.path as a script's
+from flash_short_calls import parse_shape
 
 # (batch, heads, seq, head dim, causal): the grid's Gluon points up to 8192 keys, and two long ones as controls
 SHAPES = ([(b, 32, n, 128, True) for b, n in ((8, 1024), (16, 1024), (2, 2048), (8, 2048), (1, 4096), (4, 4096),
@@ -45,14 +47,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES, help="BxHxNxD[c] each")
     args = parser.parse_args()
     prov = provenance("cuda")
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for batch, heads, seq, dim, causal in SHAPES:
+    for batch, heads, seq, dim, causal in args.shapes:
         q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                    for _ in range(3))  # the model's layout
-        shape = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal}
+        shape = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
+                 "default_group": flash_gluon.heads_per_group(seq, dim, 2, causal, flash_gluon.tile_for(dim).persistent)}
         cudnn = kernel_ms(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, False, 0.0, causal, False), "")
         for group in [g for g in args.groups if g <= batch * heads]:
