@@ -30,8 +30,8 @@ from cs336_systems.kernels.flash_dispatch import (BACKWARD_ENV, FORWARD_ENV, GLU
 from cs336_systems.kernels.flash_gluon import (
     TILES,
     GluonTile,
-    GROUP_KV_BYTES,
-    MAX_HEADS_PER_GROUP,
+    HEADS_PER_GROUP,
+    MAX_GROUPED_KEYS,
     gluon_supported,
     heads_per_group,
     key_tiles,
@@ -148,20 +148,12 @@ def test_persistent_schedule_balances_causal_work_better_than_round_robin():
 
 
 def test_heads_per_group_rule():
-    """Causal calls on the persistent grid take the largest power-of-two group, up to MAX_HEADS_PER_GROUP, whose
-    heads' K and V fit GROUP_KV_BYTES; the one-tile grid and non-causal calls take one head at a time."""
-    assert heads_per_group(8192, 128, 2, True, True) == 4
-    assert heads_per_group(16384, 128, 2, True, True) == 2
-    assert heads_per_group(32768, 128, 2, True, True) == 1  # the 8B shape
-    assert heads_per_group(32768, 64, 2, True, True) == 2
-    assert heads_per_group(1000, 64, 2, False, True) == heads_per_group(1000, 64, 2, True, False) == 1
-    for n_keys in (1, 100, 1024, 5000, 8192, 12345, 16384, 32768, 65536, 131072):
-        for head_dim in (64, 128):
-            group = heads_per_group(n_keys, head_dim, 2, True, True)
-            kv_bytes = 2 * n_keys * head_dim * 2
-            assert group in (1, 2, 4) and group <= MAX_HEADS_PER_GROUP
-            assert group == 1 or group * kv_bytes <= GROUP_KV_BYTES
-            assert group == MAX_HEADS_PER_GROUP or 2 * group * kv_bytes > GROUP_KV_BYTES  # the largest that fits
+    """Causal calls on the persistent grid with at most MAX_GROUPED_KEYS keys take HEADS_PER_GROUP heads per group;
+    the one-tile grid, non-causal calls and longer sequences one head at a time."""
+    assert HEADS_PER_GROUP == 4 and MAX_GROUPED_KEYS == 8192
+    assert heads_per_group(8192, True, True) == heads_per_group(1, True, True) == 4
+    assert heads_per_group(8193, True, True) == heads_per_group(32768, True, True) == 1  # the 8B shape: 32768
+    assert heads_per_group(1000, False, True) == heads_per_group(1000, True, False) == 1
 
 
 def test_grouped_schedule_balances_few_tiles_per_sm():
@@ -177,11 +169,11 @@ def test_grouped_schedule_balances_few_tiles_per_sm():
 
 
 def test_kernel_launch_passes_the_group_rule():
-    for n, causal, expected in ((1000, True, 4), (1000, False, 1), (12000, True, 2), (20000, True, 1)):
+    for n, causal, expected in ((1000, True, 4), (1000, False, 1), (8192, True, 4), (8200, True, 1)):
         q = torch.empty(1, 6, n, 128, dtype=torch.bfloat16)
         lse = torch.empty(1, 6, n)
         args, _, _ = flash_gluon.kernel_launch(q, q, q, q, lse, causal)
-        assert args[11] == expected == heads_per_group(n, 128, 2, causal, TILES[128].persistent)
+        assert args[11] == expected == heads_per_group(n, causal, TILES[128].persistent)
     q = torch.empty(1, 3, 1000, 128, dtype=torch.bfloat16)  # fewer heads than the group
     assert flash_gluon.kernel_launch(q, q, q, q, torch.empty(1, 3, 1000), True)[0][11] == 3
 

@@ -79,27 +79,23 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # (results/diagnosis/flash_gluon_stage1/run2): one head at a time was fastest or within 2% at all five shapes; groups
 # whose K and V fit in 32 MiB of L2 cost up to 21% (4 x 32 x 4096, d=128, causal: 1.21 vs 1.00 ms), all heads at once
 # up to 55% (the 8B shape). The persistent grid differs where a call has few tiles per SM: its schedule lists one
-# head's tiles after another, so the last heads' heaviest causal tiles land on nearly full walks, which then end up
-# to 1.27x the mean walk. Four heads per group, rank-major within it, put the heavy tiles of four heads first: the
+# head's tiles after another, so the last heads' heaviest causal tiles land on nearly full walks (the cost model puts
+# the longest walk at up to 1.27x the mean). Four heads per group, rank-major within it, put the heavy tiles of four heads first: the
 # causal forward took 0.81-0.98x the one-head schedule's kernel time at all 16 causal points up to 8192 keys, d 64
 # and 128 (results/diagnosis/flash_gluon_groups/, ae38eff, H100; kernels/NOTES.md, "The persistent forward's
-# schedule"). Where a group's K and V outgrow ~16 MiB it loses L2 reuse (the 8B shape: 1.016x at four heads, 1.001x
-# at two), and non-causal calls, balanced by construction, gained nothing (0.996-1.013x at four heads).
-MAX_HEADS_PER_GROUP = 4
-GROUP_KV_BYTES = 16 * 2**20  # the most K and V bytes of a group's heads
+# schedule"). From 16384 keys every walk holds enough tiles to balance with one head at a time, and groups moved the
+# kernel by -2.9% to +1.7% (the 8B shape: +0.1% at two heads, +1.6% at four); non-causal calls, balanced by
+# construction, gained nothing (0.996-1.013x at four heads).
+HEADS_PER_GROUP = 4
+MAX_GROUPED_KEYS = 8192
 
 
-def heads_per_group(n_keys: int, head_dim: int, element_size: int, is_causal: bool, persistent: bool) -> int:
-    """Heads per group of the program order (`program_order`): 1 for the one-tile grid and for non-causal calls;
-    causal on the persistent grid, the largest power of two up to MAX_HEADS_PER_GROUP whose heads' K and V take
-    at most GROUP_KV_BYTES (4 at d=128 up to 8192 keys, 2 at 16384, 1 from 32768)."""
-    if not (persistent and is_causal):
-        return 1
-    per_head = 2 * n_keys * head_dim * element_size
-    group = 1
-    while group < MAX_HEADS_PER_GROUP and 2 * group * per_head <= GROUP_KV_BYTES:
-        group *= 2
-    return group
+def heads_per_group(n_keys: int, is_causal: bool, persistent: bool) -> int:
+    """Heads per group of the program order (`program_order`): HEADS_PER_GROUP for causal calls on the persistent
+    grid with at most MAX_GROUPED_KEYS keys, else 1 (the one-tile grid, non-causal calls, long sequences)."""
+    return HEADS_PER_GROUP if persistent and is_causal and n_keys <= MAX_GROUPED_KEYS else 1
+
+
 # The persistent schedule's cost model (persistent_schedule): a tile costs its key tiles plus this many for its
 # prologue and epilogue (Q's load, a first S with no P V beside it, the last P V, O's store). A guess; the balance
 # the schedule reaches at the target shapes moves by < 1% between 0.5 and 2 (kernels/NOTES.md, "Persistent").
@@ -623,8 +619,7 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     if tile.head_dim != head_dim:
         raise ValueError(f"flash_gluon: {tile} is for head dim {tile.head_dim}, the inputs have {head_dim}")
     n_q_tiles = cdiv(n_queries, tile.rows)
-    group = min(group or heads_per_group(k.shape[-2], head_dim, q.element_size(), is_causal, tile.persistent),
-                batch * heads)
+    group = min(group or heads_per_group(k.shape[-2], is_causal, tile.persistent), batch * heads)
     n_tiles = n_q_tiles * batch * heads
     if tile.persistent:
         programs = persistent_grid(n_tiles, sm_count(q.device))

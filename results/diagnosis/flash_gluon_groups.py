@@ -56,7 +56,7 @@ def main() -> None:
         q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                    for _ in range(3))  # the model's layout
         shape = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
-                 "default_group": flash_gluon.heads_per_group(seq, dim, 2, causal, flash_gluon.tile_for(dim).persistent)}
+                 "default_group": flash_gluon.heads_per_group(seq, causal, flash_gluon.tile_for(dim).persistent)}
         cudnn = kernel_ms(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, False, 0.0, causal, False), "")
         for group in [g for g in args.groups if g <= batch * heads]:

@@ -136,7 +136,7 @@ def time_rows(with_triton: bool, groups: list[int]):
         ref = sampled_reference(q, k, v, causal, sample)
         flops = 4.0 * batch * heads * n * n * d / (2 if causal else 1)
         times = {}
-        default_group = flash_gluon.heads_per_group(n, d, 2, causal, flash_gluon.tile_for(d).persistent)
+        default_group = flash_gluon.heads_per_group(n, causal, flash_gluon.tile_for(d).persistent)
         for provider, fn in providers.items():
             row = {"section": "timing", "case": name, "default_group": default_group, "batch": batch, "heads": heads, "seq": n, "head_dim": d,
                    "causal": causal, "dtype": "bfloat16", "provider": provider}
