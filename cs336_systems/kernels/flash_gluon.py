@@ -80,12 +80,12 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # whose K and V fit in 32 MiB of L2 cost up to 21% (4 x 32 x 4096, d=128, causal: 1.21 vs 1.00 ms), all heads at once
 # up to 55% (the 8B shape). The persistent grid differs where a call has few tiles per SM: its schedule lists one
 # head's tiles after another, so the last heads' heaviest causal tiles land on nearly full walks (the cost model puts
-# the longest walk at up to 1.27x the mean). Four heads per group, rank-major within it, put the heavy tiles of four heads first: the
-# causal forward took 0.81-0.98x the one-head schedule's kernel time at all 17 causal points up to 8192 keys, d 64
-# and 128 (results/diagnosis/flash_gluon_groups/, H100; kernels/NOTES.md, "The persistent forward's schedule"). From
-# 16384 keys every walk holds enough tiles to balance with one head at a time, and groups moved the kernel by -2.9%
-# to +1.7% (the 8B shape: +0.1% at two heads, +1.6% at four); non-causal calls, balanced by construction, gained
-# nothing (0.996-1.030x at four heads).
+# the longest walk at up to 1.27x the mean). Four heads per group, rank-major within it, put the heavy tiles of four
+# heads first: the causal forward took 0.81-0.98x the one-head schedule's kernel time at all 17 causal points up to
+# 8192 keys, d 64 and 128 (results/diagnosis/flash_gluon_groups/, H100; kernels/NOTES.md, "The persistent forward's
+# schedule"). From 16384 keys every walk holds enough tiles to balance with one head at a time, and groups moved the
+# kernel by -2.9% to +1.7% (the 8B shape: +0.1% at two heads, +1.6% at four); non-causal calls, balanced by
+# construction, gained nothing (0.996-1.030x at four heads).
 HEADS_PER_GROUP = 4
 MAX_GROUPED_KEYS = 8192
 

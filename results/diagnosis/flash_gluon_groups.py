@@ -1,6 +1,6 @@
 """The persistent Gluon forward's schedule: heads per group against load balance and L2 (issue #26).
 
-    python results/diagnosis/flash_gluon_groups.py --out FILE.csv [--groups 1 2 4 8 16 32] [--shapes 1x16x16384x128c ...]
+    python results/diagnosis/flash_gluon_groups.py --out FILE.csv [--groups 1 2 4 ...] [--shapes 1x16x16384x128c ...]
 
 `flash_gluon_tile_overhead.py` (2a65729) found the causal forward's time per tile ~2.7 key steps above the
 non-causal one's. The cause it points at is the schedule, not the kernel: `persistent_schedule` list-schedules the
