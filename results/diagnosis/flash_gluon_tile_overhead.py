@@ -52,8 +52,8 @@ def kernel_ms(call, name: str, n: int = 10) -> float:
     return sum(e.device_time for e in events) / n / 1e3
 
 
-def steps_and_tiles(batch, heads, n_q, n_k, causal) -> tuple[int, int]:
-    tile = flash_gluon.tile_for(128)
+def steps_and_tiles(batch, heads, n_q, n_k, head_dim, causal) -> tuple[int, int]:
+    tile = flash_gluon.tile_for(head_dim)
     n_q_tiles = -(-n_q // tile.rows)
     steps = sum(flash_gluon.key_tiles(t, n_q, n_k, tile, causal) for t in range(n_q_tiles)) * batch * heads
     return steps, n_q_tiles * batch * heads
@@ -82,7 +82,7 @@ def main() -> None:
     for family, batch, heads, n_q, n_k, causal in SHAPES:
         q = torch.randn(batch, heads, n_q, args.head_dim, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(batch, heads, n_k, args.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        steps, tiles = steps_and_tiles(batch, heads, n_q, n_k, causal)
+        steps, tiles = steps_and_tiles(batch, heads, n_q, n_k, args.head_dim, causal)
         calls = {
             "gluon": (lambda: flash_gluon.flash_attention_gluon_forward(q, k, v, causal), "flash_fwd_gluon"),
             "sdpa_cudnn": (lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(

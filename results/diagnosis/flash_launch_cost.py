@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from flash_short_calls import HostFloor, parse_shape, tensors  # this folder is on sys.path as a script's
+from flash_host_floor import host_us  # this folder is on sys.path as a script's
+from flash_short_calls import HostFloor, parse_shape, tensors
 
 from cs336_systems.kernels import flash_triton
 from cs336_systems.kernels.launch import layout
@@ -46,18 +47,10 @@ SHAPES = [(1, 2, 128, 64, False), (1, 16, 1024, 64, True)]
 
 
 def issue_us(call, calls: int = 50, repeats: int = 15) -> float:
-    """Median over `repeats` of the mean host time per call over `calls` back-to-back calls."""
+    """Median over `repeats` of `flash_host_floor.host_us`'s issue time per call over `calls` back-to-back calls."""
     for _ in range(10):
         call()
-    samples = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    return statistics.median(host_us(call, calls)[0] for _ in range(repeats))
 
 
 def forward_runner(q, k, v, causal):
