@@ -1,0 +1,177 @@
+"""Where the d=128 Gluon forward's time goes, by the hardware counters: tensor pipe, L2, DRAM (issue #26: d=128
+forward at or below 0.9x cuDNN).
+
+    python results/diagnosis/flash_gluon_ncu.py --out FILE.csv [--shapes 1x16x16384x128c ...]
+
+The persistent forward runs a key step (a 128 x 128 tile of S and of P V per 128 query rows) in ~1.5-1.6 us per SM
+(flash_gluon_tile_overhead.py), where the tensor cores' datasheet rate would take ~1.1-1.2 us. Each step also reads
+64 KB of K and V (d=128, bf16) into shared memory: at that rate 132 SMs pull ~5.5 TB/s through L2, which may be
+the ceiling instead of the tensor cores. If it is, the lever is fewer bytes per step (K and V multicast to a cluster
+of CTAs, or more query rows per CTA), not a better pipeline.
+
+For each shape this runs Nsight Compute (`--clock-control none`) on one call of ours' forward kernel and of
+cuDNN's, in child processes, and records the counters below that this ncu knows. Beside them, two plain read
+kernels give the ceilings on this machine: one re-reads a 16 MB buffer (held in L2) from every SM, the other
+streams 2 GB (DRAM); their bytes over their do_bench time and their own counters say what "full" looks like.
+Rows go to --out with provenance; ncu's raw CSV of each call goes beside it.
+"""
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from cs336_systems.provenance import provenance
+from cs336_systems.results import write_rows
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from flash_short_calls import parse_shape  # noqa: E402
+
+SHAPES = ["1x16x16384x128c", "1x16x16384x128", "2x32x32768x128c", "2x32x4096x128c", "1x16x16384x64c"]
+WISHLIST = [
+    "gpu__time_duration.sum",
+    "sm__cycles_elapsed.avg.per_second",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_elapsed",
+    "lts__throughput.avg.pct_of_peak_sustained_elapsed",
+    "lts__t_bytes.sum",
+    "lts__t_bytes.sum.per_second",
+    "lts__t_sector_hit_rate.pct",
+    "l1tex__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes_read.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+]
+KERNEL = {"ours": "regex:flash_fwd_gluon", "cudnn": "regex:sdpa|fprop|fmha", "l2_read": "regex:read_kernel",
+          "dram_read": "regex:read_kernel"}
+L2_BYTES, DRAM_BYTES = 16 << 20, 2 << 30
+
+
+@triton.jit
+def read_kernel(x_ptr, out_ptr, n_elems, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+    """Each program reads ITERS blocks, striding over x (wrapping), and writes one block of sums."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(ITERS):
+        start = ((pid + i * tl.num_programs(0)) * BLOCK) % n_elems
+        acc += tl.load(x_ptr + start + offs, cache_modifier=".cg").to(tl.float32)
+    tl.store(out_ptr + pid * BLOCK + offs, acc)
+
+
+def read_call(buffer_bytes: int):
+    """A call that reads ~2 GB in all (from a buffer of buffer_bytes), and the bytes it reads."""
+    block, sms = 4096, torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.ones(buffer_bytes // 2, device="cuda", dtype=torch.bfloat16)
+    grid = 4 * sms
+    iters = max(1, (2 << 30) // (grid * block * 2))
+    out = torch.empty(grid * block, device="cuda", dtype=torch.float32)
+
+    def call():
+        read_kernel[(grid, )](x, out, x.numel(), ITERS=iters, BLOCK=block, num_warps=8, num_stages=4)
+    return call, grid * iters * block * 2
+
+
+def attention_call(shape, provider: str):
+    from cs336_systems.kernels import flash_gluon
+
+    batch, heads, seq, dim, causal = shape
+    q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               for _ in range(3))  # the model's layout
+    if provider == "ours":
+        return lambda: flash_gluon._forward(q, k, v, causal)
+    return lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, causal, False)
+
+
+def one(shape_text: str, provider: str) -> None:
+    """Child under ncu: two warm calls outside the profiled range, one inside it."""
+    if provider == "l2_read":
+        call, _ = read_call(L2_BYTES)
+    elif provider == "dram_read":
+        call, _ = read_call(DRAM_BYTES)
+    else:
+        call = attention_call(parse_shape(shape_text), provider)
+    call(), call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    call()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def known_metrics(ncu: str, out_dir: Path) -> list[str]:
+    listing = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout
+    (out_dir / "query_metrics.txt").write_text(listing)
+    bases = {line.split()[0] for line in listing.splitlines() if line.strip() and "__" in line.split()[0]}
+    return [m for m in WISHLIST if m.split(".")[0] in bases]
+
+
+def profile(ncu: str, metrics: list[str], shape_text: str, provider: str, raw_path: Path) -> dict:
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "-k", KERNEL[provider], "-c", "1",
+           "--metrics", ",".join(metrics), "--csv", "--page", "raw",
+           sys.executable, __file__, "--one", shape_text, provider]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    raw_path.write_text(done.stdout + "\n# stderr\n" + done.stderr)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('"')]
+    if done.returncode != 0 or len(lines) < 3:
+        return {"status": f"ncu exit {done.returncode}: {done.stderr.strip()[-300:]}"}
+    header, units, values = list(csv.reader(io.StringIO("\n".join(lines[:2] + lines[-1:]))))
+    row = {"status": "ok", "kernel": values[header.index("Kernel Name")][:120]}
+    for metric in metrics:
+        if metric in header:
+            i = header.index(metric)
+            row[metric] = float(values[i].replace(",", "")) if values[i] else None
+            row[metric + ".unit"] = units[i]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="BxHxNxD[c] each")
+    parser.add_argument("--ncu", default="ncu")
+    parser.add_argument("--one", nargs=2, metavar=("SHAPE", "PROVIDER"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        one(*args.one)
+        return
+    if args.out is None:
+        parser.error("--out is required")
+    for text in args.shapes:
+        parse_shape(text)  # bad shapes fail before any profiling
+    raw_dir = args.out.with_suffix("")
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    prov = provenance("cuda")
+    metrics = known_metrics(args.ncu, raw_dir)
+    print("metrics:", metrics, flush=True)
+    rows = []
+    for provider, size in (("l2_read", L2_BYTES), ("dram_read", DRAM_BYTES)):
+        call, nbytes = read_call(size)
+        ms = triton.testing.do_bench(call, warmup=50, rep=300)
+        row = {"shape": f"{size >> 20} MB buffer", "provider": provider, "do_bench_ms": ms,
+               "read_tb_per_s": nbytes / ms / 1e9,
+               **profile(args.ncu, metrics, "-", provider, raw_dir / f"{provider}.csv"), **prov}
+        print(row, flush=True)
+        rows.append(row)
+        del call
+    for text in args.shapes:
+        for provider in ("ours", "cudnn"):
+            row = {"shape": text, "provider": provider,
+                   **profile(args.ncu, metrics, text, provider, raw_dir / f"{text}_{provider}.csv"), **prov}
+            print(row, flush=True)
+            rows.append(row)
+    write_rows(rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
