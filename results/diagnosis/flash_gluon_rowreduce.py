@@ -40,6 +40,7 @@ SHAPES = ["1x16x16384x128", "1x16x16384x128c", "2x32x32768x128c", "2x32x8192x128
 def load_base(path: Path):
     spec = importlib.util.spec_from_file_location("flash_gluon_base", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
