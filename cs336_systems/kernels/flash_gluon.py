@@ -343,47 +343,18 @@ def _mask_scores(s, offs_m, start_n, n_keys, IS_CAUSAL: gl.constexpr, FILL: gl.c
 
 
 @gluon.jit
-def _halve_columns(x, IS_MAX: gl.constexpr):
-    """x's columns folded in half: column c combined with column c + n/2 (max or sum), elementwise. In the wgmma
-    accumulator's layout both lie in the same thread's registers, so this is n/2 independent instructions."""
-    BM: gl.constexpr = x.shape[0]
-    HALF: gl.constexpr = x.shape[1] // 2
-    if IS_MAX:
-        return gl.max(gl.reshape(x, [BM, 2, HALF]), axis=1)
-    else:
-        return gl.sum(gl.reshape(x, [BM, 2, HALF]), axis=1)
-
-
-@gluon.jit
-def _row_reduce(x, IS_MAX: gl.constexpr):
-    """Row max or sum of a score tile, as a tree. gl.max and gl.sum alone reduce a thread's 32 values of a row in
-    one dependent chain, 32 instructions deep, on the softmax's critical path. Folding the tile in half four times
-    first (each fold independent instructions) leaves 2 values per row per thread, then the usual reduction over
-    that pair and the four lanes of a row."""
-    row: gl.constexpr = gl.SliceLayout(1, x.type.layout)
-    x = _halve_columns(x, IS_MAX)
-    x = _halve_columns(x, IS_MAX)
-    x = _halve_columns(x, IS_MAX)
-    x = _halve_columns(x, IS_MAX)
-    if IS_MAX:
-        return gl.convert_layout(gl.max(x, axis=1), row, assert_trivial=True)
-    else:
-        return gl.convert_layout(gl.sum(x, axis=1), row, assert_trivial=True)
-
-
-@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
     """Online softmax of one score tile: P, the new running max and sum, and alpha, the factor that brings O to
     the new max. The max is kept in the log2 domain (scaled by qk_scale)."""
     if EXACT:  # integer arithmetic only; alpha is 1 at run time but not foldable, like the real rescale
         p = s - gl.floor(s * 0.125) * 8.0
-        m_new = gl.maximum(m_i, _row_reduce(p, True))
+        m_new = gl.maximum(m_i, gl.max(p, axis=1))
         alpha = gl.where(m_new > 1.0e30, 0.5, 1.0)
     else:
-        m_new = gl.maximum(m_i, _row_reduce(s, True) * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - m_new[:, None])
-    return p, m_new, l_i * alpha + _row_reduce(p, False), alpha
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit
@@ -411,6 +382,8 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
         mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+    pin = gl.allocate_shared_memory(gl.float32, [l_i.shape[0]], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    pin.store(l_i)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
