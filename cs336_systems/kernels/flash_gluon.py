@@ -372,6 +372,7 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     mbarrier.wait(turn.index(CID), turn_phase)
     mbarrier.wait(k_ready.index(nidx), nphase)
     s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
     mbarrier.arrive(turn.index(1 - CID), count=1)
@@ -383,7 +384,6 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
-    acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j's max before P(j) V(j) adds
     p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
     return acc, p_op, m_i, l_i, alpha, nidx, nphase, turn_phase ^ 1
 
@@ -438,7 +438,8 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
             q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
             phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
-    # the last P V (O is at the last max already; with one key tile, O is still zero)
+    # the last P V
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))

@@ -13,7 +13,20 @@ For each shape this runs Nsight Compute (`--clock-control none`) on one call of 
 cuDNN's, in child processes, and records the counters below that this ncu knows. Beside them, two plain read
 kernels give the ceilings on this machine: one re-reads a 16 MB buffer (held in L2) from every SM, the other
 streams 2 GB (DRAM); their bytes over their do_bench time and their own counters say what "full" looks like.
-Rows go to --out with provenance; ncu's raw CSV of each call goes beside it.
+Rows go to --out with provenance; ncu's raw CSV of each call goes beside it. (The two read kernels reached 1.8 TB/s
+and 27% / 57% of ncu's L2 / DRAM peak at 996f91e: not ceilings. Read the attention kernels' percentages of ncu's own
+peaks instead.)
+
+Where a consumer warpgroup's time goes inside the key loop comes from ncu's warp-state sampling, one call per shape:
+
+    ncu --clock-control none --profile-from-start off -k regex:flash_fwd_gluon -c 1 --section WarpStateStats \
+        --section SourceCounters --section SchedulerStats -o REPORT \
+        python3 flash_gluon_ncu.py --one 1x16x16384x128 ours
+    ncu --import REPORT.ncu-rep --page source --csv --print-source sass > SASS.csv
+
+and `--summarise-sampling SASS.csv[.gz] ... --out FILE.csv` splits each consumer's loop body (the instructions run
+once per key step, found by the execution count of its HGMMAs) into the phases of a key step and gives each phase's
+share of the warp's samples, with the shares of the busiest opcodes.
 """
 
 import argparse
@@ -135,18 +148,62 @@ def profile(ncu: str, metrics: list[str], shape_text: str, provider: str, raw_pa
     return row
 
 
+def sampling_phases(path: Path) -> list[dict]:
+    """Per consumer loop body in ncu's source page (SASS, with warp-state samples): the share of the body's samples in
+    each phase of a key step, from the turn wait to the end of the softmax, and in each busy opcode."""
+    import pandas as pd
+
+    sass = pd.read_csv(path, skiprows=1)
+    samples, executed = "Warp Stall Sampling (All Samples)", "Instructions Executed"
+    text = sass["Source"].str.strip()
+    hgmma = sass[text.str.contains("HGMMA", regex=False)]
+    per_step = hgmma[executed].max()  # the key loop's HGMMAs run most often: once per key step
+    loop = sass.index[sass[executed] == per_step]
+    bodies, start = [], loop[0]
+    for prev, cur in zip(loop[:-1], loop[1:]):
+        if cur != prev + 1:
+            bodies.append((start, prev))
+            start = cur
+    bodies.append((start, loop[-1]))
+    rows = []
+    for first, last in (b for b in bodies if b[1] - b[0] > 100):
+        body = sass.loc[first:last]
+        src = text.loc[first:last]
+        total = body[samples].sum()
+        gemms = body.index[src.str.contains("HGMMA", regex=False)]
+        waits = body.index[src.str.contains("WARPGROUP.DEPBAR", regex=False)]
+        phases = {"turn and K waits (loop top to the first HGMMA)": (first, gemms[0] - 1),
+                  "S and P V issue (first to last HGMMA)": (gemms[0], gemms[-1]),
+                  "turn arrive (last HGMMA to the S wait)": (gemms[-1] + 1, waits[0]),
+                  "row max (S wait to the P V wait)": (waits[0] + 1, waits[1] - 1),
+                  "P V wait": (waits[1], waits[1]),
+                  "rest of the softmax (after the P V wait)": (waits[1] + 1, last)}
+        row = {"file": Path(path).name, "body_first_address": sass.loc[first, "Address"], "samples": int(total)}
+        row.update({name: body.loc[a:b, samples].sum() / total for name, (a, b) in phases.items()})
+        opcode = src.str.split().map(lambda parts: (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0])
+        row.update({f"opcode {op}": share for op, share in
+                    (body.groupby(opcode)[samples].sum() / total).sort_values(ascending=False).head(10).items()})
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="BxHxNxD[c] each")
     parser.add_argument("--ncu", default="ncu")
     parser.add_argument("--one", nargs=2, metavar=("SHAPE", "PROVIDER"), help=argparse.SUPPRESS)
+    parser.add_argument("--summarise-sampling", nargs="+", type=Path, metavar="SASS_CSV",
+                        help="ncu source pages (see above) to split into key-step phases; no GPU needed")
     args = parser.parse_args()
     if args.one:
         one(*args.one)
         return
     if args.out is None:
         parser.error("--out is required")
+    if args.summarise_sampling:
+        write_rows([row for path in args.summarise_sampling for row in sampling_phases(path)], args.out)
+        return
     for text in args.shapes:
         parse_shape(text)  # bad shapes fail before any profiling
     raw_dir = args.out.with_suffix("")

@@ -1,20 +1,17 @@
-"""The Gluon forward's row max and row sum as trees, against the chains they were (issue #26: d=128 forward at or
-below 0.9x cuDNN).
+"""The Gluon forward kernel against itself as it was at an earlier commit, kernel time beside cuDNN's (issue #26:
+d=128 forward at or below 0.9x cuDNN).
 
-    git show BASE:cs336_systems/kernels/flash_gluon.py > BASE_FILE
-    python results/diagnosis/flash_gluon_rowreduce.py --base-file BASE_FILE --out FILE.csv [--shapes ...]
+    git show BASE:cs336_systems/kernels/flash_gluon.py > BASE_FILE   # on this machine: the device's .git has no history
+    python results/diagnosis/flash_gluon_forward_ab.py --base-file BASE_FILE --out FILE.csv [--shapes ...]
 
-Nsight Compute's warp-state sampling of the d=128 forward (`flash_gluon_ncu/`, 996f91e) put a consumer
-warpgroup's key step at ~2,560 cycles, of which the softmax after the P V wait took ~1,000-1,200 and the row maxes
-(FMNMX) 12-18%: `gl.max` and `gl.sum` reduce a thread's 32 values of a row as one dependent chain. Under
-ping-pong a warpgroup's softmax must fit inside the other warpgroup's GEMMs (~1,024 cycles) for the tensor cores
-not to wait, and the tensor pipe was active 77-80% of the time. `_row_reduce` folds the tile in half four times
-first (independent instructions in the wgmma layout's registers), so each chain is 2 deep.
+This loads BASE_FILE as a second module beside the current `flash_gluon` and times both forward kernels
+(torch.profiler device time, mean of 10 calls) in alternating rounds at each shape, with cuDNN's forward kernel; a
+row's times are the medians of its rounds. It first checks, on two awkward lengths, that the two kernels' O agree
+and that the current one is as close to float64 as the base. Rows go to --out with provenance.
 
-This loads the kernel module as it was at BASE (BASE_FILE) beside the current one and times both forward kernels
-(torch.profiler device time, mean of 10 calls) in alternating rounds at each shape, with cuDNN's forward kernel,
-and checks that the two kernels' O agree and that the current one matches float64 as closely as the base. Rows go
-to --out with provenance.
+Run for three changes to the softmax of the key loop, each against 996f91e (`flash_gluon_forward_ab/`; none shipped):
+row max and row sum as trees (6b57650), the row sums stored to shared memory before the P V wait (d62cce1), and O's
+rescale moved after the P V wait (457fc5a). kernels/NOTES.md, "Where the d=128 forward's time goes", has the results.
 """
 
 import argparse
