@@ -120,17 +120,14 @@ class GluonTile:
     producer_registers: int = 24
     maxnreg: int = 168
     persistent: bool = False
-    consumers: int = CONSUMERS
 
     def __post_init__(self):
-        if self.consumers not in (2, 3):
-            raise ValueError(f"{self}: consumers must be 2 or 3")
-        if self.consumers == 2 and self.block_n != 2 * self.block_m:
-            raise ValueError(f"{self}: block_n must be 2 x block_m (only the last key tile is masked)")
+        if self.block_n != CONSUMERS * self.block_m:
+            raise ValueError(f"{self}: block_n must be {CONSUMERS} x block_m (only the last key tile is masked)")
 
     @property
     def rows(self) -> int:
-        return self.consumers * self.block_m
+        return CONSUMERS * self.block_m
 
     def shared_bytes(self, element_size: int = 2) -> int:
         """Tiles only (the barriers add a few hundred bytes): Q, (persistent) O, and the K/V ring."""
@@ -294,10 +291,9 @@ def _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty,
     NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
-    NC: gl.constexpr = q_smem.shape[0]
     mbarrier.wait(q_empty, q_phase)
-    mbarrier.expect(q_ready, NC * desc_q.block_type.nbytes)
-    for c in gl.static_range(NC):
+    mbarrier.expect(q_ready, _CONSUMERS * desc_q.block_type.nbytes)
+    for c in gl.static_range(_CONSUMERS):
         tma.async_copy_global_to_shared(desc_q, [b, h, q_row + c * BM, 0], q_ready, q_smem.index(c))
     for j in range(n_blk):
         mbarrier.wait(k_empty.index(idx), phase)
@@ -314,7 +310,7 @@ def _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty,
 def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group,
               IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
-    ROWS: gl.constexpr = q_smem.shape[0] * desc_q.block_type.shape[2]
+    ROWS: gl.constexpr = _CONSUMERS * desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     # the slots and Q start out free: a fresh mbarrier passes a wait on parity 1 (run-time values, as _consumer's)
     idx = gl.to_tensor(0)
@@ -364,7 +360,7 @@ def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
 @gluon.jit
 def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
               phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              EXACT: gl.constexpr, LAST: gl.constexpr, MASKED: gl.constexpr = False, is_last=False):
+              EXACT: gl.constexpr, LAST: gl.constexpr):
     """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
     Slot idx holds tile j-1 (its V is read here), the next slot tile j. LAST: the tile's last key tile, masked,
     whose S is the last read of Q (released here, so the producer can load the next tile's while P V runs)."""
@@ -379,14 +375,11 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
-    mbarrier.arrive(turn.index((CID + 1) % turn.shape[0]), count=1)
+    mbarrier.arrive(turn.index(1 - CID), count=1)
     s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
     mbarrier.arrive(k_empty.index(nidx), count=1)
     if LAST:
         mbarrier.arrive(q_empty, count=1)
-        s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
-    if MASKED:  # one of several masked key tiles (more query rows than keys per tile): Q's release on the last
-        mbarrier.arrive(q_empty, count=1, pred=is_last)
         s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -411,12 +404,6 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
-    # the key tiles before n_unmasked need no mask; with as many keys per tile as query rows (ONE_MASKED) that is
-    # all but the last, else (causal) those that end before the tile's first query
-    ONE_MASKED: gl.constexpr = q_smem.shape[0] * BM == BN
-    n_unmasked = n_blk - 1
-    if not ONE_MASKED and IS_CAUSAL:
-        n_unmasked = gl.minimum((q_row + 1) // BN, n_unmasked)
 
     q = _as_2d(q_smem, CID)
     row0 = q_row + CID * BM
@@ -432,37 +419,24 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     mbarrier.wait(turn.index(CID), turn_phase)
     mbarrier.wait(k_ready.index(idx), phase)
     s = warpgroup_mma(q, _as_2d(k_ring, idx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index((CID + 1) % turn.shape[0]), count=1)
+    mbarrier.arrive(turn.index(1 - CID), count=1)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(idx), count=1)
-    if ONE_MASKED:
-        if n_blk == 1:  # the only key tile: its S was the last read of Q
-            mbarrier.arrive(q_empty, count=1)
-            s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
-    else:
-        if n_blk == 1:
-            mbarrier.arrive(q_empty, count=1)
-        if n_unmasked == 0:
-            s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
+    if n_blk == 1:  # the only key tile: its S was the last read of Q
+        mbarrier.arrive(q_empty, count=1)
+        s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     turn_phase ^= 1
 
-    for j in range(1, n_unmasked):  # the unmasked tiles
+    for j in range(1, n_blk - 1):  # the unmasked tiles
         acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
             q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
             phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
-    if ONE_MASKED:
-        if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
-            acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-                q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha,
-                idx, phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
-    else:
-        for j in range(gl.maximum(n_unmasked, 1), n_blk):  # the masked tiles
-            acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-                q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha,
-                idx, phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False, True,
-                j == n_blk - 1)
+    if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -488,7 +462,7 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
               sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
               CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
-    ROWS: gl.constexpr = q_smem.shape[0] * q_smem.shape[3]
+    ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
     # the state before the first tile: "the last key tile read" is the slot before 0, so the first is slot 0 at
     # parity 0; consumer 0's turn barrier was pre-arrived, so both first waits are on parity 0 (run-time values:
@@ -519,15 +493,14 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
 @gluon.jit(do_not_specialize=["H", "batch_heads", "n_queries", "n_keys", "n_q_tiles", "group"])
 def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
                             group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
-                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            NC: gl.constexpr):
+                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NC, 1, 1, BM, D], desc_q.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_q.layout)
     if PERSISTENT:  # O gets its own buffers, so the next tile's Q can land while O is stored
-        o_smem = gl.allocate_shared_memory(dtype, [NC, 1, 1, BM, D], desc_o.layout)
+        o_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_o.layout)
     else:
         o_smem = q_smem
     k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_k.layout)
@@ -538,44 +511,28 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NC, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=NC)
+    mbarrier.init(q_empty, count=_CONSUMERS)
     for i in gl.static_range(NUM_SLOTS):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=NC)
-        mbarrier.init(v_empty.index(i), count=NC)
-    for c in gl.static_range(NC):
+        mbarrier.init(k_empty.index(i), count=_CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=_CONSUMERS)
+    for c in gl.static_range(_CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
     # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
-    if NC == 2:
-        gl.warp_specialize([
-            (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
-                         EXACT, PERSISTENT)),
-            (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                         turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
-                         EXACT, PERSISTENT)),
-            (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
-        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0,
-                         IS_CAUSAL, EXACT, PERSISTENT)),
-            (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1,
-                         IS_CAUSAL, EXACT, PERSISTENT)),
-            (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                         v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 2,
-                         IS_CAUSAL, EXACT, PERSISTENT)),
-            (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready,
-                         k_empty, v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL,
-                         PERSISTENT)),
-        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
+                     EXACT, PERSISTENT)),
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
+                     EXACT, PERSISTENT)),
+        (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -672,7 +629,7 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
             _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
             group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
-            tile.consumer_registers, tile.producer_registers, tile.consumers)
+            tile.consumer_registers, tile.producer_registers)
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
