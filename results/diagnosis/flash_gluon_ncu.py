@@ -66,7 +66,8 @@ WISHLIST = [
     "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
 ]
 KERNEL = {"ours": "regex:flash_fwd_gluon", "cudnn": "regex:sdpa|fprop|fmha", "l2_read": "regex:read_kernel",
-          "dram_read": "regex:read_kernel"}
+          "dram_read": "regex:read_kernel", "ours_bwd": "regex:.", "cudnn_bwd": "regex:."}
+BACKWARD = {"ours_bwd": "flash_triton", "cudnn_bwd": "sdpa_cudnn"}  # every kernel of one backward pass
 L2_BYTES, DRAM_BYTES = 16 << 20, 2 << 30
 
 
@@ -106,8 +107,30 @@ def attention_call(shape, provider: str):
     return lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, causal, False)
 
 
+def backward_call(shape, provider: str):
+    """A call of the backward pass alone: the forward runs outside the profiled range (`prepare`)."""
+    from cs336_systems.model.attention import get_attention
+
+    batch, heads, seq, dim, causal = shape
+    fn = get_attention(BACKWARD[provider])
+    q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+               .requires_grad_() for _ in range(3))
+    grad = torch.randn_like(q)
+    return lambda: fn(q, k, v, causal), lambda out: torch.autograd.grad(out, (q, k, v), grad)
+
+
 def one(shape_text: str, provider: str) -> None:
     """Child under ncu: two warm calls outside the profiled range, one inside it."""
+    if provider in BACKWARD:
+        prepare, backward = backward_call(parse_shape(shape_text), provider)
+        backward(prepare()), backward(prepare())
+        out = prepare()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        backward(out)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        return
     if provider == "l2_read":
         call, _ = read_call(L2_BYTES)
     elif provider == "dram_read":
@@ -130,7 +153,8 @@ def known_metrics(ncu: str, out_dir: Path) -> list[str]:
 
 
 def profile(ncu: str, metrics: list[str], shape_text: str, provider: str, raw_path: Path) -> dict:
-    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "-k", KERNEL[provider], "-c", "1",
+    cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "-k", KERNEL[provider],
+           "-c", "20" if provider in BACKWARD else "1",
            "--metrics", ",".join(metrics), "--csv", "--page", "raw",
            sys.executable, __file__, "--one", shape_text, provider]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -138,12 +162,17 @@ def profile(ncu: str, metrics: list[str], shape_text: str, provider: str, raw_pa
     lines = [line for line in done.stdout.splitlines() if line.startswith('"')]
     if done.returncode != 0 or len(lines) < 3:
         return {"status": f"ncu exit {done.returncode}: {done.stderr.strip()[-300:]}"}
-    header, units, values = list(csv.reader(io.StringIO("\n".join(lines[:2] + lines[-1:]))))
-    row = {"status": "ok", "kernel": values[header.index("Kernel Name")][:120]}
-    for metric in metrics:
+    header, units, *kernels = list(csv.reader(io.StringIO("\n".join(lines))))
+    duration = header.index("gpu__time_duration.sum")
+    times = [float(k[duration].replace(",", "")) for k in kernels]
+    row = {"status": "ok", "kernel": "; ".join(f"{k[header.index('Kernel Name')][:80]} ({t / 1e3:.1f} us)"
+                                              for k, t in zip(kernels, times))}
+    for metric in metrics:  # several kernels (a backward pass): durations and bytes add, rates weigh by duration
         if metric in header:
             i = header.index(metric)
-            row[metric] = float(values[i].replace(",", "")) if values[i] else None
+            values = [float(k[i].replace(",", "")) if k[i] else 0.0 for k in kernels]
+            additive = metric.endswith(".sum") and not units[i].endswith("/s")
+            row[metric] = sum(values) if additive else sum(v * t for v, t in zip(values, times)) / sum(times)
             row[metric + ".unit"] = units[i]
     return row
 
@@ -192,6 +221,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="BxHxNxD[c] each")
     parser.add_argument("--ncu", default="ncu")
+    parser.add_argument("--providers", nargs="+", default=["ours", "cudnn"], choices=["ours", "cudnn", *BACKWARD],
+                        help="ours / cudnn: the forward kernels; ours_bwd / cudnn_bwd: every kernel of a backward")
+    parser.add_argument("--no-ceilings", action="store_true", help="skip the two read kernels")
     parser.add_argument("--one", nargs=2, metavar=("SHAPE", "PROVIDER"), help=argparse.SUPPRESS)
     parser.add_argument("--summarise-sampling", nargs="+", type=Path, metavar="SASS_CSV",
                         help="ncu source pages (see above) to split into key-step phases; no GPU needed")
@@ -212,7 +244,7 @@ def main() -> None:
     metrics = known_metrics(args.ncu, raw_dir)
     print("metrics:", metrics, flush=True)
     rows = []
-    for provider, size in (("l2_read", L2_BYTES), ("dram_read", DRAM_BYTES)):
+    for provider, size in () if args.no_ceilings else (("l2_read", L2_BYTES), ("dram_read", DRAM_BYTES)):
         call, nbytes = read_call(size)
         ms = triton.testing.do_bench(call, warmup=50, rep=300)
         row = {"shape": f"{size >> 20} MB buffer", "provider": provider, "do_bench_ms": ms,
@@ -222,7 +254,7 @@ def main() -> None:
         rows.append(row)
         del call
     for text in args.shapes:
-        for provider in ("ours", "cudnn"):
+        for provider in args.providers:
             row = {"shape": text, "provider": provider,
                    **profile(args.ncu, metrics, text, provider, raw_dir / f"{text}_{provider}.csv"), **prov}
             print(row, flush=True)
