@@ -5,12 +5,13 @@ forward at or below 0.9x cuDNN).
 
 The persistent forward runs a key step (a 128 x 128 tile of S and of P V per 128 query rows) in ~1.5-1.6 us per SM
 (flash_gluon_tile_overhead.py), where the tensor cores' datasheet rate would take ~1.1-1.2 us. Each step also reads
-64 KB of K and V (d=128, bf16) into shared memory: at that rate 132 SMs pull ~5.5 TB/s through L2, which may be
-the ceiling instead of the tensor cores. If it is, the lever is fewer bytes per step (K and V multicast to a cluster
-of CTAs, or more query rows per CTA), not a better pipeline.
+64 KB of K and V (d=128, bf16) into shared memory: at that rate 132 SMs pull ~5.5 TB/s through L2, which might
+be the ceiling instead of the tensor cores. (It is not: L2 ran at 48-60% of its peak, the tensor pipe at 77-80%;
+kernels/NOTES.md, "Where the d=128 forward's time goes".)
 
 For each shape this runs Nsight Compute (`--clock-control none`) on one call of ours' forward kernel and of
-cuDNN's, in child processes, and records the counters below that this ncu knows. Beside them, two plain read
+cuDNN's (`--providers ours cudnn`, the default), or on every kernel of one backward pass of each (`ours_bwd
+cudnn_bwd`), in child processes, and records the counters below that this ncu knows. Beside them, two plain read
 kernels give the ceilings on this machine: one re-reads a 16 MB buffer (held in L2) from every SM, the other
 streams 2 GB (DRAM); their bytes over their do_bench time and their own counters say what "full" looks like.
 Rows go to --out with provenance; ncu's raw CSV of each call goes beside it. (The two read kernels reached 1.8 TB/s
