@@ -27,7 +27,9 @@ Where a consumer warpgroup's time goes inside the key loop comes from ncu's warp
 
 and `--summarise-sampling SASS.csv[.gz] ... --out FILE.csv` splits each consumer's loop body (the instructions run
 once per key step, found by the execution count of its HGMMAs) into the phases of a key step and gives each phase's
-share of the warp's samples, with the shares of the busiest opcodes.
+share of the warp's samples, with the shares of the busiest opcodes. The backward's kernel was sampled the same way
+(`-k regex:flash_bwd_gluon`, `--one SHAPE ours_bwd`, with `--section MemoryWorkloadAnalysis_Tables` too);
+`--summarise-opcodes` gives any kernel's busiest opcodes.
 """
 
 import argparse
@@ -217,6 +219,19 @@ def sampling_phases(path: Path) -> list[dict]:
     return rows
 
 
+def sampling_opcodes(path: Path, top: int = 16) -> list[dict]:
+    """Any kernel's ncu source page (SASS, with warp-state samples): each of the `top` busiest opcodes' share of all
+    samples (idle warps' NOPs included: divide by the working warps' share to read it per working warp)."""
+    import pandas as pd
+
+    sass = pd.read_csv(path, skiprows=1)
+    samples = sass["Warp Stall Sampling (All Samples)"]
+    opcode = sass["Source"].str.strip().str.split().map(
+        lambda parts: (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0])
+    shares = (samples.groupby(opcode).sum() / samples.sum()).sort_values(ascending=False).head(top)
+    return [{"file": Path(path).name, "opcode": op, "share": share} for op, share in shares.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -228,6 +243,8 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("SHAPE", "PROVIDER"), help=argparse.SUPPRESS)
     parser.add_argument("--summarise-sampling", nargs="+", type=Path, metavar="SASS_CSV",
                         help="ncu source pages (see above) to split into key-step phases; no GPU needed")
+    parser.add_argument("--summarise-opcodes", nargs="+", type=Path, metavar="SASS_CSV",
+                        help="ncu source pages of any kernel: the busiest opcodes' shares of the samples")
     args = parser.parse_args()
     if args.one:
         one(*args.one)
@@ -236,6 +253,9 @@ def main() -> None:
         parser.error("--out is required")
     if args.summarise_sampling:
         write_rows([row for path in args.summarise_sampling for row in sampling_phases(path)], args.out)
+        return
+    if args.summarise_opcodes:
+        write_rows([row for path in args.summarise_opcodes for row in sampling_opcodes(path)], args.out)
         return
     for text in args.shapes:
         parse_shape(text)  # bad shapes fail before any profiling
