@@ -1,17 +1,19 @@
-"""The Gluon forward kernel against itself as it was at an earlier commit, kernel time beside cuDNN's (issue #26:
-d=128 forward at or below 0.9x cuDNN).
+"""A Gluon attention kernel against itself as it was at an earlier commit, kernel time beside cuDNN's (issue #26).
 
     git show BASE:cs336_systems/kernels/flash_gluon.py > BASE_FILE   # on this machine: the device's .git has no history
     python results/diagnosis/flash_gluon_forward_ab.py --base-file BASE_FILE --out FILE.csv [--shapes ...]
+    (--kernel backward with BASE:cs336_systems/kernels/flash_gluon_bwd.py: the backward kernel instead)
 
-This loads BASE_FILE as a second module beside the current `flash_gluon` and times both forward kernels
-(torch.profiler device time, mean of 10 calls) in alternating rounds at each shape, with cuDNN's forward kernel; a
-row's times are the medians of its rounds. It first checks, on two awkward lengths, that the two kernels' O agree
-and that the current one is as close to float64 as the base. Rows go to --out with provenance.
+This loads BASE_FILE as a second module beside the current `flash_gluon` (or `flash_gluon_bwd`) and times both
+kernels (torch.profiler device time, mean of 10 calls) in alternating rounds at each shape, with cuDNN's forward
+kernel (backward: its main backward kernel, `flash_bprop`, against our main kernel); a row's times are the medians
+of its rounds. It first checks, on two awkward lengths, that the two kernels' outputs agree and that the current
+one is as close to float64 as the base. Rows go to --out with provenance.
 
 Run for three changes to the softmax of the key loop, each against 996f91e (`flash_gluon_forward_ab/`; none shipped):
 row max and row sum as trees (6b57650), the row sums stored to shared memory before the P V wait (d62cce1), and O's
 rescale moved after the P V wait (457fc5a). kernels/NOTES.md, "Where the d=128 forward's time goes", has the results.
+With --kernel backward: the backward's L2 row read before S^T's wait, against 8c39ab4.
 """
 
 import argparse
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems.kernels import flash_gluon
+from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 
@@ -34,21 +36,50 @@ SHAPES = ["1x16x16384x128", "1x16x16384x128c", "2x32x32768x128c", "2x32x8192x128
           "8x32x1024x128c", "1x16x16384x64c", "4x16x8192x64", "8x16x2048x64"]
 
 
-def load_base(path: Path):
-    spec = importlib.util.spec_from_file_location("flash_gluon_base", path)
+def load_base(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-def errors(base, q, k, v, causal: bool) -> dict:
-    """Max |O - O_float64| of both kernels, and max |O_new - O_base|, on these inputs."""
-    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-    new, _ = flash_gluon._forward(q, k, v, causal)
-    old, _ = base._forward(q, k, v, causal)
-    return {"err_new": (new.double() - ref).abs().max().item(), "err_base": (old.double() - ref).abs().max().item(),
-            "new_vs_base": (new.float() - old.float()).abs().max().item()}
+def errors(base, q, k, v, causal: bool, backward: bool) -> dict:
+    """Max |out - out_float64| of both kernels, and max |out_new - out_base|, on these inputs (backward: over dQ,
+    dK and dV, from our forward's O and L)."""
+    if not backward:
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+        new, old = flash_gluon._forward(q, k, v, causal)[:1], base._forward(q, k, v, causal)[:1]
+        refs = (ref, )
+    else:
+        o, lse = flash_gluon._forward(q, k, v, causal)
+        do = torch.randn_like(q)
+        leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal).backward(do.double())
+        refs = tuple(t.grad for t in leaves)
+        new = flash_gluon_bwd._backward(q, k, v, o, do, lse, causal)
+        old = base._backward(q, k, v, o, do, lse, causal)
+    return {"err_new": max((n.double() - r).abs().max().item() for n, r in zip(new, refs)),
+            "err_base": max((b.double() - r).abs().max().item() for b, r in zip(old, refs)),
+            "new_vs_base": max((n.float() - b.float()).abs().max().item() for n, b in zip(new, old))}
+
+
+def calls(new, base, q, k, v, causal: bool, backward: bool):
+    """The timed calls of the two modules (this tree's and the base's) on the same inputs, and cuDNN's counterpart,
+    with the kernel names to time."""
+    if not backward:
+        return (lambda: new._forward(q, k, v, causal), lambda: base._forward(q, k, v, causal), "flash_fwd_gluon",
+                lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, causal, False),
+                "")
+    o, lse = flash_gluon._forward(q, k, v, causal)
+    do = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def cudnn():
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(*leaves, None, True, 0.0, causal, False)[0]
+        torch.autograd.grad(out, leaves, do)
+    return (lambda: new._backward(q, k, v, o, do, lse, causal), lambda: base._backward(q, k, v, o, do, lse, causal),
+            "flash_bwd_gluon", cudnn, "flash_bprop")
 
 
 def main() -> None:
@@ -57,8 +88,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in SHAPES])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--kernel", choices=("forward", "backward"), default="forward")
     args = parser.parse_args()
-    base = load_base(args.base_file)
+    backward = args.kernel == "backward"
+    base = load_base(args.base_file, "flash_gluon_bwd_base" if backward else "flash_gluon_base")
     prov = provenance("cuda")
     rows = []
     torch.manual_seed(0)
@@ -66,19 +99,21 @@ def main() -> None:
     for batch, heads, seq, dim, causal in small:  # accuracy on awkward lengths first
         q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         row = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal, "kind": "check",
-               **errors(base, q, k, v, causal), **prov}
+               "kernel": args.kernel, **errors(base, q, k, v, causal, backward), **prov}
         print(row, flush=True)
         rows.append(row)
     for batch, heads, seq, dim, causal in args.shapes:
         q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                    for _ in range(3))  # the model's layout
-        shape = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal}
+        shape = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
+                 "kernel": args.kernel}
         times = {"new": [], "base": [], "cudnn": []}
+        new_call, base_call, name, cudnn_call, cudnn_name = calls(flash_gluon_bwd if backward else flash_gluon, base,
+                                                                  q, k, v, causal, backward)
         for _ in range(args.rounds):
-            times["base"].append(kernel_ms(lambda: base._forward(q, k, v, causal), "flash_fwd_gluon"))
-            times["new"].append(kernel_ms(lambda: flash_gluon._forward(q, k, v, causal), "flash_fwd_gluon"))
-            times["cudnn"].append(kernel_ms(lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, False, 0.0, causal, False), ""))
+            times["base"].append(kernel_ms(base_call, name))
+            times["new"].append(kernel_ms(new_call, name))
+            times["cudnn"].append(kernel_ms(cudnn_call, cudnn_name))
         med = {name: statistics.median(values) for name, values in times.items()}
         row = {**shape, "kind": "time", "new_ms": med["new"], "base_ms": med["base"], "cudnn_ms": med["cudnn"],
                "new_over_base": med["new"] / med["base"], "new_over_cudnn": med["new"] / med["cudnn"],
