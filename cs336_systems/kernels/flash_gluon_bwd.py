@@ -345,16 +345,13 @@ def _grads_of_step(s_t, dp_t, q_s, do_s, l2_row, delta_row, ds_buf, dk, dv, q_ro
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
-    # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more. L2 is read
-    # before S^T's wait, so its latency runs under the wgmma
-    if not EXACT:
-        l2 = l2_row.load(s_layout)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # S^T retired; dP^T may still run
+    # L2 and D as (1, BM) rows in S^T's layout, read from shared memory just before use: held in registers they
+    # cost 16 each per thread (a row spread over the columns), which at d=128 made the loop spill more
     if EXACT:  # tests only: integer arithmetic, every value exact (see the module docstring)
         p_t = s_t - gl.floor(s_t * 0.125) * 8.0
     else:
-        p_t = gl.exp2(s_t * qk_scale - l2)  # padded queries: L2 = +inf, P = 0
+        p_t = gl.exp2(s_t * qk_scale - l2_row.load(s_layout))  # padded queries: L2 = +inf, P = 0
     if masked:  # a runtime branch: only the diagonal's tiles pay for the mask
         offs_m = q_row + gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
         p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
