@@ -363,9 +363,9 @@ def _grads_of_step(s_t, dp_t, q_s, do_s, l2_row, delta_row, ds_buf, dk, dv, q_ro
     dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
     # dS^T to shared memory for dQ (the caller knows the buffer's last reader retired)
     ds_buf.slice(CID * BNC, BNC).store(ds_t)
+    fence_async_shared()
     # dV and dK retire before dQ's accumulator is live: P^T, dS^T (kept alive to here) and dQ never share registers
     dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
-    fence_async_shared()  # after the wait, by which the stores have drained (the dQ wgmma reads them after a barrier)
     return dk, dv
 
 
