@@ -49,7 +49,7 @@ from cs336_systems.results import write_rows
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from flash_short_calls import parse_shape  # noqa: E402
+from flash_short_calls import parse_shape, tensors  # noqa: E402
 
 SHAPES = ["1x16x16384x128c", "1x16x16384x128", "2x32x32768x128c", "2x32x4096x128c", "1x16x16384x64c"]
 WISHLIST = [
@@ -114,11 +114,9 @@ def backward_call(shape, provider: str):
     """A call of the backward pass alone: the forward runs outside the profiled range (`prepare`)."""
     from cs336_systems.model.attention import get_attention
 
-    batch, heads, seq, dim, causal = shape
+    *sizes, causal = shape
     fn = get_attention(BACKWARD[provider])
-    q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-               .requires_grad_() for _ in range(3))
-    grad = torch.randn_like(q)
+    q, k, v, grad = tensors(*sizes)  # the model's layout, q, k and v requiring grad
     return lambda: fn(q, k, v, causal), lambda out: torch.autograd.grad(out, (q, k, v), grad)
 
 
@@ -180,6 +178,12 @@ def profile(ncu: str, metrics: list[str], shape_text: str, provider: str, raw_pa
     return row
 
 
+def opcodes(source):
+    """The opcode of each SASS line of ncu's Source column (a predicate and the modifiers dropped)."""
+    return source.str.strip().str.split().map(
+        lambda parts: (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0])
+
+
 def sampling_phases(path: Path) -> list[dict]:
     """Per consumer loop body in ncu's source page (SASS, with warp-state samples): the share of the body's samples in
     each phase of a key step, from the turn wait to the end of the softmax, and in each busy opcode."""
@@ -212,9 +216,8 @@ def sampling_phases(path: Path) -> list[dict]:
                   "rest of the softmax (after the P V wait)": (waits[1] + 1, last)}
         row = {"file": Path(path).name, "body_first_address": sass.loc[first, "Address"], "samples": int(total)}
         row.update({name: body.loc[a:b, samples].sum() / total for name, (a, b) in phases.items()})
-        opcode = src.str.split().map(lambda parts: (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0])
         row.update({f"opcode {op}": share for op, share in
-                    (body.groupby(opcode)[samples].sum() / total).sort_values(ascending=False).head(10).items()})
+                    (body.groupby(opcodes(src))[samples].sum() / total).sort_values(ascending=False).head(10).items()})
         rows.append(row)
     return rows
 
@@ -226,9 +229,7 @@ def sampling_opcodes(path: Path, top: int = 16) -> list[dict]:
 
     sass = pd.read_csv(path, skiprows=1)
     samples = sass["Warp Stall Sampling (All Samples)"]
-    opcode = sass["Source"].str.strip().str.split().map(
-        lambda parts: (parts[1] if parts[0].startswith("@") else parts[0]).split(".")[0])
-    shares = (samples.groupby(opcode).sum() / samples.sum()).sort_values(ascending=False).head(top)
+    shares = (samples.groupby(opcodes(sass["Source"])).sum() / samples.sum()).sort_values(ascending=False).head(top)
     return [{"file": Path(path).name, "opcode": op, "share": share} for op, share in shares.items()]
 
 
