@@ -1,7 +1,7 @@
 """A Gluon attention kernel against itself as it was at an earlier commit, kernel time beside cuDNN's (issue #26).
 
     git show BASE:cs336_systems/kernels/flash_gluon.py > BASE_FILE   # on this machine: the device's .git has no history
-    python results/diagnosis/flash_gluon_forward_ab.py --base-file BASE_FILE --out FILE.csv [--shapes ...]
+    python results/diagnosis/flash_gluon_ab.py --base-file BASE_FILE --out FILE.csv [--shapes ...]
     (--kernel backward with BASE:cs336_systems/kernels/flash_gluon_bwd.py: the backward kernel instead)
 
 This loads BASE_FILE as a second module beside the current `flash_gluon` (or `flash_gluon_bwd`) and times both
@@ -10,10 +10,11 @@ kernel (backward: its main backward kernel, `flash_bprop`, against our main kern
 of its rounds. It first checks, on two awkward lengths, that the two kernels' outputs agree and that the current
 one is as close to float64 as the base. Rows go to --out with provenance.
 
-Run for three changes to the softmax of the key loop, each against 996f91e (`flash_gluon_forward_ab/`; none shipped):
+Run for three changes to the softmax of the key loop, each against 996f91e (`flash_gluon_ab/`; none shipped):
 row max and row sum as trees (6b57650), the row sums stored to shared memory before the P V wait (d62cce1), and O's
 rescale moved after the P V wait (457fc5a). kernels/NOTES.md, "Where the d=128 forward's time goes", has the results.
-With --kernel backward: the backward's L2 row read before S^T's wait, against 8c39ab4.
+With --kernel backward: the backward's L2 row read before S^T's wait (933b23b) against 8c39ab4, and dS^T's fence
+after the step's last wait (9ccfe02) against 6f07913.
 """
 
 import argparse
@@ -84,7 +85,8 @@ def calls(new, base, q, k, v, causal: bool, backward: bool):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-file", type=Path, required=True, help="flash_gluon.py as it was before the change")
+    parser.add_argument("--base-file", type=Path, required=True,
+                        help="flash_gluon.py (--kernel backward: flash_gluon_bwd.py) as it was before the change")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in SHAPES])
     parser.add_argument("--rounds", type=int, default=3)
@@ -114,7 +116,7 @@ def main() -> None:
             times["base"].append(kernel_ms(base_call, name))
             times["new"].append(kernel_ms(new_call, name))
             times["cudnn"].append(kernel_ms(cudnn_call, cudnn_name))
-        med = {name: statistics.median(values) for name, values in times.items()}
+        med = {who: statistics.median(values) for who, values in times.items()}
         row = {**shape, "kind": "time", "new_ms": med["new"], "base_ms": med["base"], "cudnn_ms": med["cudnn"],
                "new_over_base": med["new"] / med["base"], "new_over_cudnn": med["new"] / med["cudnn"],
                "base_over_cudnn": med["base"] / med["cudnn"],
