@@ -87,44 +87,6 @@ DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # kernel by -2.9% to +1.7% (the 8B shape: +0.1% at two heads, +1.6% at four); non-causal calls, balanced by
 # construction, gained nothing (0.996-1.030x at four heads).
 HEADS_PER_GROUP = 4
-
-# exp2 partly on the FMA pipes. The MUFU unit takes 8 cycles per warp for an exp2, and a consumer's softmax is
-# bound by it (kernels/NOTES.md, "Where the d=128 forward's time goes"), so every EX2_PACK-th... of the scores'
-# exp2 run as 2^x = 2^j * 2^f instead: j = round(x) (by adding 1.5 * 2^23), f = x - j in [-0.5, 0.5], 2^f by a
-# cubic 1 + c1 f + c2 f^2 + c3 f^3 fitted here to the least maximum relative error on that range (1.0e-4; bf16's
-# rounding is 3.9e-3), and j added to the result's exponent bits. x is first clamped to -127, where f = 0, the
-# cubic is exactly 1.0 and the sum of the bits is exactly 0, so a masked score (-inf) still gives P = 0. The idea
-# of a polynomial exp2 beside the MUFU's is FlashAttention-4's (Zadouri, Dao et al., 2025); the code is ours.
-EX2_CUBIC = (0x3F317AFD, 0x3E780629, 0x3D615106)  # c1, c2, c3 as float32 bits
-EX2_PACK = 4  # exp2 per inline-asm call; the last EX2_EMULATED of them are emulated (0: gl.exp2 throughout)
-EX2_EMULATED = 1
-
-
-def ex2_asm(pack: int, emulated: int) -> str:
-    """PTX for `gl.inline_asm_elementwise(..., pack=pack)`: outputs $0..$(pack-1), inputs $pack..$(2 pack-1); the
-    first pack - emulated by MUFU (ex2.approx.ftz.f32), the rest by the cubic."""
-    if not 0 < emulated <= pack:
-        raise ValueError(f"ex2_asm: emulated={emulated} must be in 1..pack={pack}")
-    c1, c2, c3 = (f"0f{c:08X}" for c in EX2_CUBIC)
-    lines = [f"ex2.approx.ftz.f32 ${i}, ${pack + i};" for i in range(pack - emulated)]
-    for i in range(pack - emulated, pack):
-        lines.append(
-            "{ .reg .f32 x, t, j, f, p; .reg .b32 e, b;\n"
-            f"max.ftz.f32 x, ${pack + i}, 0fC2FE0000;\n"  # -127
-            "add.rn.ftz.f32 t, x, 0f4B400000;\n"  # 1.5 * 2^23: round(x) in t's low mantissa bits
-            "sub.rn.ftz.f32 j, t, 0f4B400000;\n"
-            "sub.rn.ftz.f32 f, x, j;\n"
-            f"fma.rn.ftz.f32 p, f, {c3}, {c2};\n"
-            f"fma.rn.ftz.f32 p, p, f, {c1};\n"
-            "fma.rn.ftz.f32 p, p, f, 0f3F800000;\n"
-            "mov.b32 e, t;\nshl.b32 e, e, 23;\nmov.b32 b, p;\n"
-            f"add.s32 ${i}, b, e; }}")
-    return "\n".join(lines)
-
-
-_EX2_ASM = gl.constexpr(ex2_asm(EX2_PACK, EX2_EMULATED) if EX2_EMULATED else "")
-_EX2_CONSTRAINTS = gl.constexpr(",".join(["=r"] * EX2_PACK + ["r"] * EX2_PACK))
-_EX2_PACK = gl.constexpr(EX2_PACK)
 MAX_GROUPED_KEYS = 8192
 
 
@@ -381,16 +343,6 @@ def _mask_scores(s, offs_m, start_n, n_keys, IS_CAUSAL: gl.constexpr, FILL: gl.c
 
 
 @gluon.jit
-def _exp2_scores(x):
-    """exp2 of a score tile, every EX2_PACK-th... see EX2_CUBIC."""
-    if _EX2_ASM == "":
-        return gl.exp2(x)
-    else:
-        return gl.inline_asm_elementwise(_EX2_ASM, _EX2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
-                                         pack=_EX2_PACK)
-
-
-@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
     """Online softmax of one score tile: P, the new running max and sum, and alpha, the factor that brings O to
     the new max. The max is kept in the log2 domain (scaled by qk_scale)."""
@@ -401,7 +353,7 @@ def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        p = _exp2_scores(s * qk_scale - m_new[:, None])
+        p = gl.exp2(s * qk_scale - m_new[:, None])
     return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
