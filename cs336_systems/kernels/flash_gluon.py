@@ -74,10 +74,6 @@ CONSUMERS = 2  # consumer warpgroups per program (the kernel's partitions are wr
 # the same, as the kernels read them (a jit function sees only constexpr globals)
 _CONSUMERS = gl.constexpr(CONSUMERS)
 _LN2 = gl.constexpr(LN2)
-# The running max moves (and O is rescaled) only when a row's max grows by more than this, in log2 units; till
-# then P is taken against the stale max, so P <= 2^8 (fp32 and bf16 alike hold it). A warpgroup skips O's rescale
-# in the steps where none of its rows moved. FlashAttention-4's conditional rescaling (Zadouri, Dao et al., 2025).
-_RESCALE_THRESHOLD = gl.constexpr(8.0)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # Heads interleaved in the program order (`heads_per_group`). The one-tile grid was measured on an H100
 # (results/diagnosis/flash_gluon_stage1/run2): one head at a time was fastest or within 2% at all five shapes; groups
@@ -348,26 +344,23 @@ def _mask_scores(s, offs_m, start_n, n_keys, IS_CAUSAL: gl.constexpr, FILL: gl.c
 
 @gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
-    """Online softmax of one score tile: P, the new running max and sum, alpha, the factor that brings O to the new
-    max, and whether any row's alpha is not 1. The max is kept in the log2 domain (scaled by qk_scale) and moves
-    only by more than _RESCALE_THRESHOLD."""
+    """Online softmax of one score tile: P, the new running max and sum, and alpha, the factor that brings O to
+    the new max. The max is kept in the log2 domain (scaled by qk_scale)."""
     if EXACT:  # integer arithmetic only; alpha is 1 at run time but not foldable, like the real rescale
         p = s - gl.floor(s * 0.125) * 8.0
         m_new = gl.maximum(m_i, gl.max(p, axis=1))
         alpha = gl.where(m_new > 1.0e30, 0.5, 1.0)
     else:
-        m_top = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-        m_new = gl.where(m_top > m_i + _RESCALE_THRESHOLD, m_top, m_i)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - m_new[:, None])
-    rescale = gl.max(gl.where(alpha < 1.0, 1, 0), axis=0)  # any row's max moved: O must follow
-    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha, rescale
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit
-def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha,
-              rescale, idx, phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, LAST: gl.constexpr):
+def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+              phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              EXACT: gl.constexpr, LAST: gl.constexpr):
     """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
     Slot idx holds tile j-1 (its V is read here), the next slot tile j. LAST: the tile's last key tile, masked,
     whose S is the last read of Q (released here, so the producer can load the next tile's while P V runs)."""
@@ -379,8 +372,7 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     mbarrier.wait(turn.index(CID), turn_phase)
     mbarrier.wait(k_ready.index(nidx), nphase)
     s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    if rescale:  # O to step j-1's max before P(j-1) V(j-1) adds
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
     mbarrier.arrive(turn.index(1 - CID), count=1)
@@ -389,11 +381,11 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     if LAST:
         mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
-    p, m_i, l_i, alpha, rescale = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
-    return acc, p_op, m_i, l_i, alpha, rescale, nidx, nphase, turn_phase ^ 1
+    return acc, p_op, m_i, l_i, alpha, nidx, nphase, turn_phase ^ 1
 
 
 @gluon.jit
@@ -433,22 +425,21 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     if n_blk == 1:  # the only key tile: its S was the last read of Q
         mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
-    p, m_i, l_i, alpha, rescale = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     turn_phase ^= 1
 
     for j in range(1, n_blk - 1):  # the unmasked tiles
-        acc, p_op, m_i, l_i, alpha, rescale, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, rescale,
-            idx, phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
     if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
-        acc, p_op, m_i, l_i, alpha, rescale, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, rescale,
-            idx, phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
     # the last P V
-    if rescale:
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
