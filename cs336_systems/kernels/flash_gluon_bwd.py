@@ -666,11 +666,18 @@ def _float32_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.float32)
 
 
-def _float32_descriptor(t: torch.Tensor, block: list[int]):
+def _float32_descriptor(t: torch.Tensor, block: list[int], layout: gl.NVMMASharedLayout | None = None):
     """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, row, col) in
     (1, 1, block_m, d) boxes, the preprocessed rows (batch·head, padded query) in (1, block_m) boxes (unswizzled:
     one row)."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _float32_layout(tuple(block)))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout or _float32_layout(tuple(block)))
+
+
+# The dQ tile's shared layout: 32-byte swizzle, so that a warp's store of its wgmma accumulator (each quarter-warp a
+# row's 32 contiguous bytes, rows r..r+3 in one 64-bit store's half-warp) fills one 128-byte line per half-warp. The
+# default 128-byte swizzle put rows r and r + 1 of a half-warp on the same banks: two wavefronts where one does
+# (ncu's shared-memory wavefronts, results/diagnosis/flash_gluon_ncu/, 8B shape: 4 per STS.64 against 2 ideal).
+DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=4)
 
 
 def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float,
@@ -684,7 +691,7 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     bnc = tile.keys_per_consumer
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
             _descriptor(dk, bnc), _descriptor(dv, bnc),
-            _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns]),
+            _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns], DQ_LAYOUT),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
             tile.split_dq, tile.defer_dq, tile.pingpong, exact, tile.num_slots, tile.dq_buffers,
