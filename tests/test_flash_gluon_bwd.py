@@ -90,6 +90,20 @@ def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
         BwdTile(64, num_slots=3, dq_buffers=2)
     with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):  # per-consumer dQ, two (64, 128) buffers
         BwdTile(128, split_dq=False, dq_buffers=2)
+
+
+def test_dq_swizzle_is_checked_and_reaches_the_dq_descriptor():
+    with pytest.raises(ValueError, match="dq_swizzle must be 32, 64 or 128 \\(bytes\\), got 16"):
+        BwdTile(64, dq_swizzle=16)
+    for swizzle in (32, 128):
+        tile = BwdTile(64, block_m=128, dq_swizzle=swizzle)
+        q, k, v, do, dk, dv = (torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(6))
+        dq_acc = torch.zeros(1, 2, 256, 64)
+        rows = torch.zeros(2, 256)
+        args, _, _ = bwd.kernel_launch(q, k, v, do, dk, dv, dq_acc, rows, rows, True, 0.125, tile=tile)
+        dq_desc = args[6]
+        assert dq_desc.block_shape == [1, 1, 128, 32]
+        assert dq_desc.layout.swizzle_byte_width == swizzle
     with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):
         BwdTile(128, num_slots=4)
 

@@ -103,7 +103,11 @@ class BwdTile:
     for and reduced at the end of its own step); dq_buffers: float32 dQ buffers per consumer, 1, or 2 by step
     parity so that writing one waits only for the reduce-add of two steps ago; pingpong (with defer_dq): the
     consumers need not meet every step (dQ two steps late, 4 dS^T buffers) and start a fraction of a step apart;
-    registers as in flash_gluon.GluonTile."""
+    dq_swizzle: the float32 dQ tile's shared-memory swizzle in bytes (TMA's 32, 64 or 128). A consumer stores its
+    dQ accumulator with 64-bit stores, each half-warp writing 32 contiguous bytes of each of 4 consecutive rows: the
+    128-byte swizzle puts two of those rows on the same banks (two wavefronts a half-warp where one would do; ncu
+    counted 4 per store against 2 ideal), the 32-byte one puts the 4 rows in one 128-byte line, at the price of
+    4x as many TMA reduce-adds, each 32 bytes wide; registers as in flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
@@ -113,6 +117,7 @@ class BwdTile:
     defer_dq: bool = False
     dq_buffers: int = 1
     pingpong: bool = False
+    dq_swizzle: int = 128
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
@@ -121,6 +126,8 @@ class BwdTile:
         for name in ("split_dq", "defer_dq", "pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{self}: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.dq_swizzle not in (32, 64, 128):
+            raise ValueError(f"{self}: dq_swizzle must be 32, 64 or 128 (bytes), got {self.dq_swizzle!r}")
         if self.dq_buffers not in (1, 2):
             raise ValueError(f"{self}: dq_buffers must be 1 or 2, got {self.dq_buffers!r}")
         if self.dq_buffers == 2 and self.num_slots % 2:
@@ -186,7 +193,10 @@ SCHEDULES = {
 # dP^T of 64 x 128 beside dK and dV), and it is still the fastest measured: in the d=64 tile search's second run
 # (results/diagnosis/flash_gluon_d64/run2/, H100, f63684a) 0.91-0.99x the time of the 64-query tile shipped before at
 # its five shapes, 0.937x their geometric mean, the best of the block_m 128 tiles (per-consumer, deferred dQ).
-TILES = {64: BwdTile(64, block_m=128, num_slots=2),
+# d=64 stores dQ through a 32-byte swizzle (BwdTile.dq_swizzle; spills 12-84 B instead of 48-124 B): 0.971-0.978x
+# the 128-byte swizzle's main-kernel time at three d=64 points, where d=128 took 1.013-1.088x at five
+# (results/diagnosis/flash_gluon_ab/backward_dq_swizzle32_a944835.csv, H100).
+TILES = {64: BwdTile(64, block_m=128, num_slots=2, dq_swizzle=32),
          128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
 
 
@@ -673,11 +683,10 @@ def _float32_descriptor(t: torch.Tensor, block: list[int], layout: gl.NVMMAShare
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout or _float32_layout(tuple(block)))
 
 
-# The dQ tile's shared layout: 32-byte swizzle, so that a warp's store of its wgmma accumulator (each quarter-warp a
-# row's 32 contiguous bytes, rows r..r+3 in one 64-bit store's half-warp) fills one 128-byte line per half-warp. The
-# default 128-byte swizzle put rows r and r + 1 of a half-warp on the same banks: two wavefronts where one does
-# (ncu's shared-memory wavefronts, results/diagnosis/flash_gluon_ncu/, 8B shape: 4 per STS.64 against 2 ideal).
-DQ_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=32, rank=4)
+@functools.lru_cache(maxsize=None)
+def _dq_layout(swizzle: int) -> gl.NVMMASharedLayout:
+    """The shared layout of the float32 dQ tile (BwdTile.dq_swizzle)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=4)
 
 
 def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float,
@@ -691,7 +700,7 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     bnc = tile.keys_per_consumer
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
             _descriptor(dk, bnc), _descriptor(dv, bnc),
-            _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns], DQ_LAYOUT),
+            _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns], _dq_layout(tile.dq_swizzle)),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
             tile.split_dq, tile.defer_dq, tile.pingpong, exact, tile.num_slots, tile.dq_buffers,
