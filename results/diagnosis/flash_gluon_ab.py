@@ -14,7 +14,8 @@ Run for three changes to the softmax of the key loop, each against 996f91e (`fla
 row max and row sum as trees (6b57650), the row sums stored to shared memory before the P V wait (d62cce1), and O's
 rescale moved after the P V wait (457fc5a). kernels/NOTES.md, "Where the d=128 forward's time goes", has the results.
 With --kernel backward: the backward's L2 row read before S^T's wait (933b23b) against 8c39ab4, and dS^T's fence
-after the step's last wait (9ccfe02) against 6f07913.
+after the step's last wait (9ccfe02) against 6f07913. Against db70247: the forward's exp2 partly by a cubic (8f42831),
+its conditional rescale (fbb22b5), and the backward's dQ tile in a 32-byte swizzle (a944835, 89e4101; shipped at d=64).
 """
 
 import argparse
