@@ -194,8 +194,9 @@ SCHEDULES = {
 # (results/diagnosis/flash_gluon_d64/run2/, H100, f63684a) 0.91-0.99x the time of the 64-query tile shipped before at
 # its five shapes, 0.937x their geometric mean, the best of the block_m 128 tiles (per-consumer, deferred dQ).
 # d=64 stores dQ through a 32-byte swizzle (BwdTile.dq_swizzle; spills 12-84 B instead of 48-124 B): 0.971-0.978x
-# the 128-byte swizzle's main-kernel time at three d=64 points, where d=128 took 1.013-1.088x at five
-# (results/diagnosis/flash_gluon_ab/backward_dq_swizzle32_a944835.csv, H100).
+# the 128-byte swizzle's main-kernel time at three d=64 points, where d=128 took 1.013-1.088x at five, and in a second
+# run 0.937-1.026x at seven d=64 points, median 0.986 (results/diagnosis/flash_gluon_ab/backward_dq_swizzle32_*.csv,
+# H100; kernels/NOTES.md, "Two softmax changes and the dQ tile's swizzle": its 32-byte reduce-adds load L2 more).
 TILES = {64: BwdTile(64, block_m=128, num_slots=2, dq_swizzle=32),
          128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
 
