@@ -60,7 +60,9 @@ rule e2e_warmup:
 
 rule compile_timing_size:
     output:
-        temp(f"{R}/raw/compile/{{size}}.csv"),
+        # kept, not temp(): the sizes' files are committed (results/raw/compile/) so that one size can be measured
+        # again and merged with the others; as temp() a rebuild of the report deleted them after merging
+        f"{R}/raw/compile/{{size}}.csv",
     log:
         f"{LOGS}/compile/{{size}}.log",
     conda:
