@@ -90,6 +90,8 @@ def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
         BwdTile(64, num_slots=3, dq_buffers=2)
     with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):  # per-consumer dQ, two (64, 128) buffers
         BwdTile(128, split_dq=False, dq_buffers=2)
+    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):
+        BwdTile(128, num_slots=4)
 
 
 def test_dq_swizzle_is_checked_and_reaches_the_dq_descriptor():
@@ -104,8 +106,6 @@ def test_dq_swizzle_is_checked_and_reaches_the_dq_descriptor():
         dq_desc = args[6]
         assert dq_desc.block_shape == [1, 1, 128, 32]
         assert dq_desc.layout.swizzle_byte_width == swizzle
-    with pytest.raises(ValueError, match=r"need \d+ B of shared memory"):
-        BwdTile(128, num_slots=4)
 
 
 def test_pingpong_is_a_deferred_variant_with_four_ds_buffers():
