@@ -29,7 +29,8 @@ and `--summarise-sampling SASS.csv[.gz] ... --out FILE.csv` splits each consumer
 once per key step, found by the execution count of its HGMMAs) into the phases of a key step and gives each phase's
 share of the warp's samples, with the shares of the busiest opcodes. The backward's kernel was sampled the same way
 (`-k regex:flash_bwd_gluon`, `--one SHAPE ours_bwd`, with `--section MemoryWorkloadAnalysis_Tables` too);
-`--summarise-opcodes` gives any kernel's busiest opcodes.
+`--summarise-opcodes` gives any kernel's busiest opcodes, `--summarise-wavefronts` its shared-memory wavefronts
+and bank conflicts per opcode (from the same source page).
 """
 
 import argparse
@@ -233,6 +234,25 @@ def sampling_opcodes(path: Path, top: int = 16) -> list[dict]:
     return [{"file": Path(path).name, "opcode": op, "share": share} for op, share in shares.items()]
 
 
+def shared_wavefronts(path: Path) -> list[dict]:
+    """Any kernel's ncu source page with the shared-memory table (`--section MemoryWorkloadAnalysis_Tables`): per
+    opcode that touches shared memory, its instructions, wavefronts, ideal and excess wavefronts, and the excess as
+    a share of all the kernel's shared wavefronts (bank conflicts, by instruction kind)."""
+    import pandas as pd
+
+    sass = pd.read_csv(path, skiprows=1)
+    columns = {"Instructions Executed": "instructions", "L1 Wavefronts Shared": "wavefronts",
+               "L1 Wavefronts Shared Ideal": "ideal", "L1 Wavefronts Shared Excessive": "excess"}
+    counts = sass[list(columns)].apply(pd.to_numeric, errors="coerce").fillna(0).rename(columns=columns)
+    counts["opcode"] = sass["Source"].str.strip().str.split().map(lambda p: p[1] if p[0].startswith("@") else p[0])
+    per_op = counts[counts["wavefronts"] > 0].groupby("opcode").sum()
+    total = per_op["wavefronts"].sum()
+    return [{"file": Path(path).name, "opcode": op, **row.to_dict(),
+             "wavefronts_per_instruction": row["wavefronts"] / row["instructions"],
+             "excess_share_of_all": row["excess"] / total}
+            for op, row in per_op.sort_values("wavefronts", ascending=False).iterrows()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
@@ -246,6 +266,8 @@ def main() -> None:
                         help="ncu source pages (see above) to split into key-step phases; no GPU needed")
     parser.add_argument("--summarise-opcodes", nargs="+", type=Path, metavar="SASS_CSV",
                         help="ncu source pages of any kernel: the busiest opcodes' shares of the samples")
+    parser.add_argument("--summarise-wavefronts", nargs="+", type=Path, metavar="SASS_CSV",
+                        help="ncu source pages of any kernel: shared-memory wavefronts and bank conflicts per opcode")
     args = parser.parse_args()
     if args.one:
         one(*args.one)
@@ -257,6 +279,9 @@ def main() -> None:
         return
     if args.summarise_opcodes:
         write_rows([row for path in args.summarise_opcodes for row in sampling_opcodes(path)], args.out)
+        return
+    if args.summarise_wavefronts:
+        write_rows([row for path in args.summarise_wavefronts for row in shared_wavefronts(path)], args.out)
         return
     for text in args.shapes:
         parse_shape(text)  # bad shapes fail before any profiling
