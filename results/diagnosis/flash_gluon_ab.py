@@ -16,6 +16,8 @@ rescale moved after the P V wait (457fc5a). kernels/NOTES.md, "Where the d=128 f
 With --kernel backward: the backward's L2 row read before S^T's wait (933b23b) against 8c39ab4, and dS^T's fence
 after the step's last wait (9ccfe02) against 6f07913. Against db70247: the forward's exp2 partly by a cubic (8f42831),
 its conditional rescale (fbb22b5), and the backward's dQ tile in a 32-byte swizzle (a944835, 89e4101; shipped at d=64).
+With --whole, every kernel of the two calls is timed (the backward's preprocessing, main kernel and dQ scale-and-cast),
+for changes outside the main kernel. Against a6350e8: the group-major dQ accumulator (main kernel, and --whole).
 """
 
 import argparse
@@ -92,6 +94,9 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in SHAPES])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kernel", choices=("forward", "backward"), default="forward")
+    parser.add_argument("--whole", action="store_true",
+                        help="time every kernel of our two calls (the backward's preprocessing, main kernel and dQ "
+                             "cast), not only the main kernel; cuDNN is then not timed")
     args = parser.parse_args()
     backward = args.kernel == "backward"
     base = load_base(args.base_file, "flash_gluon_bwd_base" if backward else "flash_gluon_base")
@@ -109,22 +114,23 @@ def main() -> None:
         q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                    for _ in range(3))  # the model's layout
         shape = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
-                 "kernel": args.kernel}
+                 "kernel": args.kernel, "timed": "every kernel" if args.whole else "main kernel"}
         times = {"new": [], "base": [], "cudnn": []}
         new_call, base_call, name, cudnn_call, cudnn_name = calls(flash_gluon_bwd if backward else flash_gluon, base,
                                                                   q, k, v, causal, backward)
+        name = "" if args.whole else name  # "": every kernel the call launches
         for _ in range(args.rounds):
             times["base"].append(kernel_ms(base_call, name))
             times["new"].append(kernel_ms(new_call, name))
-            times["cudnn"].append(kernel_ms(cudnn_call, cudnn_name))
+            times["cudnn"].append(float("nan") if args.whole else kernel_ms(cudnn_call, cudnn_name))
         med = {who: statistics.median(values) for who, values in times.items()}
         row = {**shape, "kind": "time", "new_ms": med["new"], "base_ms": med["base"], "cudnn_ms": med["cudnn"],
                "new_over_base": med["new"] / med["base"], "new_over_cudnn": med["new"] / med["cudnn"],
                "base_over_cudnn": med["base"] / med["cudnn"],
                "rounds": " ".join(f"{n}:{b:.4f}/{c:.4f}" for n, b, c in zip(times["new"], times["base"],
                                                                            times["cudnn"])), **prov}
-        print(f"{batch}x{heads}x{seq}x{dim}{'c' if causal else ''}: new {med['new']:.4f} base {med['base']:.4f} "
-              f"cuDNN {med['cudnn']:.4f} ms; new/base {row['new_over_base']:.3f}, new/cuDNN "
+        print(f"{batch}x{heads}x{seq}x{dim}{'c' if causal else ''} ({shape['timed']}): new {med['new']:.4f} base "
+              f"{med['base']:.4f} cuDNN {med['cudnn']:.4f} ms; new/base {row['new_over_base']:.3f}, new/cuDNN "
               f"{row['new_over_cudnn']:.3f}, base/cuDNN {row['base_over_cudnn']:.3f}", flush=True)
         rows.append(row)
         q = k = v = None
