@@ -95,23 +95,24 @@ def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
 
 
 def test_dq_swizzle_is_checked_and_sets_the_accumulators_groups_and_the_dq_descriptor():
-    """The swizzle's width in floats is the accumulator's column group: (batch, heads, d / g, n, g), and the main
-    kernel's dQ box is a consumer's columns as whole groups of block_m rows; another accumulator is refused."""
+    """The swizzle's width in floats is the accumulator's column group: (batch, heads, query tiles x d / g, block_m,
+    g) (a ragged length padded to whole tiles), and the main kernel's dQ box is a consumer's columns of one query tile,
+    as whole groups; another accumulator is refused."""
     with pytest.raises(ValueError, match="dq_swizzle must be 32, 64 or 128 \\(bytes\\), got 16"):
         BwdTile(64, dq_swizzle=16)
-    q, k, v, do, dk, dv = (torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(6))
+    q, k, v, do, dk, dv = (torch.zeros(1, 2, 250, 64, dtype=torch.bfloat16) for _ in range(6))
     rows = torch.zeros(2, 256)
     for swizzle, split_dq in ((32, True), (64, False), (128, True)):
         tile = BwdTile(64, block_m=128, dq_swizzle=swizzle, split_dq=split_dq)
         group = swizzle // 4
         dq_acc = bwd.dq_accumulator(q, tile)
-        assert dq_acc.shape == (1, 2, 64 // group, 256, group) and dq_acc.is_contiguous()
+        assert dq_acc.shape == (1, 2, 2 * 64 // group, 128, group) and dq_acc.is_contiguous()
         args, _, _ = bwd.kernel_launch(q, k, v, do, dk, dv, dq_acc, rows, rows, True, 0.125, tile=tile)
         dq_desc = args[6]
         assert dq_desc.block_shape == [1, 1, (32 if split_dq else 64) // group, 128, group]
         assert dq_desc.layout.swizzle_byte_width == swizzle and dq_desc.base is dq_acc
-    for wrong in (torch.zeros(1, 2, 256, 64), bwd.dq_accumulator(q, tile).transpose(2, 3).contiguous()):
-        with pytest.raises(ValueError, match="the dQ accumulator must be .*contiguous \\(1, 2, 2, 256, 32\\)"):
+    for wrong in (torch.zeros(1, 2, 250, 64), bwd.dq_accumulator(q, tile).transpose(2, 3).contiguous()):
+        with pytest.raises(ValueError, match="the dQ accumulator must be .*contiguous \\(1, 2, 4, 128, 32\\)"):
             bwd.kernel_launch(q, k, v, do, dk, dv, wrong, rows, rows, True, 0.125, tile=tile)
 
 
@@ -194,7 +195,8 @@ def test_tma_reduce_add_is_available_and_its_absence_is_named(monkeypatch):
 
 def test_preprocess_kernel_matches_torch(kernel_device):
     """L2 = L log2(e) and D = rowsum(dO O) per padded row, +inf and 0 past the last query; O in the model's strides,
-    dO once with stride 0 (what o.sum().backward() gives); the dQ accumulator (NaN before) zeroed, every element."""
+    dO once with stride 0 (what o.sum().backward() gives); the dQ accumulator (NaN before) zeroed, every element
+    (the padded rows too)."""
     batch, heads, n, d = 2, 3, 70, 64
     o = torch.randn(batch, n, heads, d, device=kernel_device).to(torch.bfloat16).transpose(1, 2)
     lse = torch.randn(batch, heads, n, device=kernel_device)
@@ -215,22 +217,25 @@ def test_preprocess_kernel_matches_torch(kernel_device):
         assert (dq_acc == 0).all()
 
 
-@pytest.mark.parametrize("group,d", [(8, 64), (32, 64), (16, 128)])
+@pytest.mark.parametrize("group,d,block", [(8, 64, 128), (32, 64, 64), (16, 128, 64)])
 @pytest.mark.parametrize("model_layout", [True, False])
-def test_dq_cast_kernel_reads_the_group_major_accumulator(kernel_device, group, d, model_layout):
-    """dQ = accumulator x scale rounded once to dQ's dtype, element (b, h, row, col) read from the group-major
-    accumulator's (b, h, col // g, row, col % g), written in dQ's strides (the model's or contiguous); a ragged
-    length (rows past it are neither read nor written)."""
+def test_dq_cast_kernel_reads_the_tile_major_accumulator(kernel_device, group, d, block, model_layout):
+    """dQ = accumulator x scale rounded once to dQ's dtype, element (b, h, row, col) read from the tile-major
+    accumulator's (b, h, (row // block) (d / g) + col // g, row % block, col % g), written in dQ's strides (the
+    model's or contiguous); a ragged length (the padded rows are not written)."""
     batch, heads, n = 2, 3, 77
-    acc = torch.randn(batch, heads, d // group, n, group, device=kernel_device) * 100
+    n_pad = cdiv(n, block) * block
+    acc = torch.randn(batch, heads, n_pad // block * (d // group), block, group, device=kernel_device) * 100
     if model_layout:
         dq = torch.full((batch, n, heads, d), 7.0, device=kernel_device, dtype=torch.bfloat16).transpose(1, 2)
     else:
         dq = torch.full((batch, heads, n, d), 7.0, device=kernel_device, dtype=torch.bfloat16)
     scale = 0.3
-    bwd._dq_cast_kernel[(cdiv(n, bwd.CAST_BLOCK), batch * heads)](
-        acc, dq, scale, *dq.stride(), heads, n, HEAD_DIM=d, GROUP=group, BLOCK=bwd.CAST_BLOCK)
-    product = acc.permute(0, 1, 3, 2, 4).reshape(batch, heads, n, d) * scale  # (b, h, row, group, in group)
+    bwd._dq_cast_kernel[(n_pad // block, batch * heads)](
+        acc, dq, scale, *dq.stride(), heads, n, n_pad, HEAD_DIM=d, GROUP=group, BLOCK=block)
+    tiles = acc.reshape(batch, heads, n_pad // block, d // group, block, group)
+    rows_first = tiles.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, n_pad, d)  # (b, h, tile, row, group, in group)
+    product = rows_first[:, :, :n] * scale
     if kernel_device == "cpu":  # Triton's interpreter casts float32 to bf16 by truncation, a GPU to nearest even
         product = (product.view(torch.int32) & -65536).view(torch.float32)
     assert torch.equal(dq, product.to(torch.bfloat16))
@@ -338,10 +343,10 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
     (_, _, pre_grid, pre_args), (_, _, grid, args), (_, _, cast_grid, cast_args) = second
     tile = bwd.tile_for(64)  # the preprocessing runs one program per block_m rows, the main kernel per block_n keys
     assert pre_grid == (cdiv(n, tile.block_m), heads, 1) and grid == (cdiv(n, tile.block_n) * heads, 1, 1)  # (x, y, z)
-    assert cast_grid == (cdiv(n, bwd.CAST_BLOCK), heads, 1)
+    assert cast_grid == pre_grid  # one accumulator tile per program
     assert pre_args[0].data_ptr() == o.data_ptr() and pre_args[1].data_ptr() == do.data_ptr()  # this call's O, dO
     accumulator = pre_args[5]
-    assert accumulator.shape == (1, heads, 64 // tile.dq_group, n, tile.dq_group)
+    assert accumulator.shape == (1, heads, cdiv(n, tile.block_m) * 64 // tile.dq_group, tile.block_m, tile.dq_group)
     assert args[6].base.data_ptr() == accumulator.data_ptr() == cast_args[0].data_ptr()
     assert cast_args[1].data_ptr() == dq.data_ptr() and tuple(cast_args[3:7]) == _as_4d(dq).stride()
     assert len(args) == len(bwd._LAUNCHER.names)  # the whole signature
@@ -374,10 +379,10 @@ def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch
 @pytest.mark.parametrize("shape", [(2, 3, 77, 64), (3, 50, 128)])
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_dq_is_cast_from_the_accumulator_the_main_kernel_adds_to(monkeypatch, shape, scale):
-    """A call's three launches share one fresh group-major float32 accumulator: the preprocessing zeroes it, the
+    """A call's three launches share one fresh tile-major float32 accumulator: the preprocessing zeroes it, the
     main kernel's dQ descriptor adds to it, and the scale-and-cast reads it into the returned dQ (q's dtype and
     layout: the model's strides, 3-d inputs) with the scale (default 1/sqrt(d)); what the cast computes is
-    test_dq_cast_kernel_reads_the_group_major_accumulator's."""
+    test_dq_cast_kernel_reads_the_tile_major_accumulator's."""
     _pretend_hopper(monkeypatch)
     launched = {}
     _recording_launchers(monkeypatch, lambda name, args: launched.update({name: args}))
@@ -389,15 +394,16 @@ def test_dq_is_cast_from_the_accumulator_the_main_kernel_adds_to(monkeypatch, sh
         (batch, n, d), heads = shape, 1  # (batch, seq, dim): one head
     lse = torch.randn(q.shape[:-1])
     dq, _, _ = bwd.flash_backward_gluon(q, q, q, q, q, lse, True, scale)
-    group = bwd.tile_for(d).dq_group
+    tile = bwd.tile_for(d)
     accumulator = launched["_bwd_preprocess_kernel"][5]
-    assert accumulator.dtype == torch.float32 and accumulator.shape == (batch, heads, d // group, n, group)
+    assert accumulator.dtype == torch.float32 and accumulator.shape == (
+        batch, heads, cdiv(n, tile.block_m) * d // tile.dq_group, tile.block_m, tile.dq_group)
     descriptor = launched["_flash_bwd_gluon_kernel"][6]
     assert descriptor.base is accumulator and list(descriptor.strides) == list(accumulator.stride())
     cast = launched["_dq_cast_kernel"]
     assert cast[0] is accumulator and cast[1].data_ptr() == dq.data_ptr()
     assert cast[2] == (d**-0.5 if scale is None else scale)
-    assert tuple(cast[3:7]) == _as_4d(dq).stride() and tuple(cast[7:]) == (heads, n)
+    assert tuple(cast[3:7]) == _as_4d(dq).stride() and tuple(cast[7:]) == (heads, n, padded_queries(n, tile))
     assert dq.dtype == q.dtype and dq.stride() == q.stride()
 
 

@@ -18,9 +18,9 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
        dQ_i += dS_i K: both consumers' dS^T go to shared memory (two buffers, by step parity); once both are
        written, consumer c computes columns [c d/2, (c+1) d/2) of dS_i K over the program's 128 keys (two wgmmas
        reading dS^T transposed) and adds its (64, d/2) float32 part to a float32 dQ accumulator in global memory
-       (group-major: `dq_accumulator`) by a TMA reduce-add (`_tma_reduce_add`). Splitting the head dim, not the keys, halves both the dQ
-       registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False keeps the per-consumer
-       variant, which spills there) and the reduce-add traffic;
+       (tile-major: `dq_accumulator`) by a TMA reduce-add (`_tma_reduce_add`). Splitting the head dim, not the
+       keys, halves both the dQ registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False
+       keeps the per-consumer variant, which spills there) and the reduce-add traffic;
   3. dQ = accumulator * scale, cast to q's dtype into q's layout (plain Triton, `_dq_cast_kernel`).
 Two schedules of a consumer's step (BwdTile.defer_dq; TILES ships it, as ping-pong, at d=128 only, where it was
 measured faster: kernels/NOTES.md): lockstep (`_query_step`) issues, waits for
@@ -107,9 +107,10 @@ class BwdTile:
     dQ accumulator with 64-bit stores, each half-warp writing 32 contiguous bytes of each of 4 consecutive rows: the
     128-byte swizzle puts two of those rows on the same banks (two wavefronts a half-warp where one would do; ncu
     counted 4 per store against 2 ideal), the 32-byte one puts the 4 rows in one 128-byte line. The accumulator
-    in global memory is laid out group-major by the same width (`dq_accumulator`), so that a reduce-add's pieces
-    are whole runs of rows, not a swizzle atom's width of each row (with the 32-byte swizzle over a row-major
-    accumulator, L2 throughput rose from 55.7% to 81.0% of peak at d=64: kernels/NOTES.md); registers as in flash_gluon.GluonTile."""
+    in global memory holds each query tile as the shared tile does, in column groups of the swizzle's width
+    (`dq_accumulator`), so that a reduce-add writes one contiguous block, not a swizzle atom's width of each row
+    (over a row-major accumulator, the 32-byte swizzle raised L2 throughput from 55.7% to 81.0% of peak at d=64:
+    kernels/NOTES.md); registers as in flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
@@ -293,11 +294,14 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 # preprocessing and dQ's scale-and-cast (plain Triton)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _accumulator_offsets(bh, offs_m, offs_d, N_Q, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr):
-    """Offsets of rows offs_m, columns offs_d of (batch·head) bh in the group-major dQ accumulator, contiguous
-    (batch·head, HEAD_DIM // GROUP, N_Q, GROUP): `dq_accumulator`."""
-    return (bh * HEAD_DIM * N_Q + (offs_d[None, :] // GROUP) * (N_Q * GROUP) + offs_m[:, None] * GROUP
-            + offs_d[None, :] % GROUP)
+def _accumulator_tile(ACC, bh, tile, n_tiles, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Pointers to query tile `tile` (BLOCK rows, HEAD_DIM columns) of (batch·head) bh in the tile-major dQ
+    accumulator, contiguous (batch·head, n_tiles, HEAD_DIM // GROUP, BLOCK, GROUP) (`dq_accumulator`'s shape
+    merges the first two dimensions and the second two differently, to the same memory)."""
+    rows = tl.arange(0, BLOCK)[:, None]
+    cols = tl.arange(0, HEAD_DIM)[None, :]
+    start = (bh.to(tl.int64) * n_tiles + tile) * (BLOCK * HEAD_DIM)
+    return ACC + start + (cols // GROUP) * (BLOCK * GROUP) + rows * GROUP + cols % GROUP
 
 
 @triton.jit
@@ -305,16 +309,16 @@ def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, ACC, stride_ob, stride_oh, strid
                            stride_doh, stride_don, stride_dod, H, N_Q, N_PAD, HEAD_DIM: tl.constexpr,
                            GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """L2 = L * log2(e) and D = rowsum(dO * O) into (batch·head, N_PAD) rows; +inf and 0 past N_Q. O and dO are
-    read in their own strides (a stride-0 dO is read as it is). And the dQ accumulator's rows zeroed (one launch
-    fewer than a fill of its own)."""
+    read in their own strides (a stride-0 dO is read as it is). And the dQ accumulator's tile zeroed (one launch
+    fewer than a fill of its own): BLOCK is its tile's rows."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = pid * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     live = offs_m < N_Q
-    tl.store(ACC + _accumulator_offsets(bh, offs_m, offs_d, N_Q, HEAD_DIM, GROUP),
-             tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=live[:, None])
+    tl.store(_accumulator_tile(ACC, bh, pid, N_PAD // BLOCK, HEAD_DIM, GROUP, BLOCK),
+             tl.zeros([BLOCK, HEAD_DIM], tl.float32))
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
                 mask=live[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
@@ -326,17 +330,17 @@ def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, ACC, stride_ob, stride_oh, strid
 
 
 @triton.jit
-def _dq_cast_kernel(ACC, DQ, scale, stride_qb, stride_qh, stride_qn, stride_qd, H, N_Q, HEAD_DIM: tl.constexpr,
-                    GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _dq_cast_kernel(ACC, DQ, scale, stride_qb, stride_qh, stride_qn, stride_qd, H, N_Q, N_PAD,
+                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """dQ = accumulator * scale, rounded to DQ's dtype into DQ's strides (q's layout: the model's (batch, seq,
-    heads, dim) view included), BLOCK rows of one (batch·head) per program."""
+    heads, dim) view included), one accumulator tile (BLOCK rows) of one (batch·head) per program."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = pid * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     live = offs_m[:, None] < N_Q
-    acc = tl.load(ACC + _accumulator_offsets(bh, offs_m, offs_d, N_Q, HEAD_DIM, GROUP), mask=live)
+    acc = tl.load(_accumulator_tile(ACC, bh, pid, N_PAD // BLOCK, HEAD_DIM, GROUP, BLOCK), mask=live)
     tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
              (acc * scale).to(DQ.dtype.element_ty), mask=live)
 
@@ -448,14 +452,16 @@ def _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID: gl.constexpr, SPLIT_
     tma.store_wait(NB - 1)
     dq_c.reshape([BM, DQ]).store(dq)
     fence_async_shared()
-    # the same bytes as the reduce-add's box of the group-major accumulator, (1, 1, DQ / GROUP, BM, GROUP): the tile
-    # is held as DQ / GROUP column groups of BM rows (a swizzle atom is GROUP floats wide), one after another
+    # the same bytes as the reduce-add's box of the tile-major accumulator, (1, 1, DQ / GROUP, BM, GROUP): the
+    # tile is held as DQ / GROUP column groups of BM rows (a swizzle atom is GROUP floats wide), one after another;
+    # the accumulator's third dimension counts the column groups of every query tile (D / GROUP a tile)
     GROUP: gl.constexpr = desc_dq.block_type.shape[4]
+    GROUPS: gl.constexpr = _CONSUMERS * DQ // GROUP if SPLIT_DQ else DQ // GROUP  # a query tile's
     box = dq_c._reinterpret(gl.float32, [1, 1, DQ // GROUP, BM, GROUP], desc_dq.layout)
     if SPLIT_DQ:
-        _tma_reduce_add(desc_dq, [b, h, CID * (DQ // GROUP), q_row, 0], box)
+        _tma_reduce_add(desc_dq, [b, h, (q_row // BM) * GROUPS + CID * (DQ // GROUP), 0, 0], box)
     else:
-        _tma_reduce_add(desc_dq, [b, h, 0, q_row, 0], box)
+        _tma_reduce_add(desc_dq, [b, h, (q_row // BM) * GROUPS, 0, 0], box)
 
 
 @gluon.jit
@@ -720,25 +726,29 @@ def _float32_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
 
 
 def _float32_descriptor(t: torch.Tensor, block: list[int], layout: gl.NVMMASharedLayout | None = None):
-    """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, group, row, column
-    in group) in (1, 1, groups, block_m, group) boxes, the preprocessed rows (batch·head, padded query) in
-    (1, block_m) boxes (unswizzled: one row)."""
+    """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, query tile x column
+    group, row, column in group) in (1, 1, a consumer's groups, block_m, group) boxes, the preprocessed rows
+    (batch·head, padded query) in (1, block_m) boxes (unswizzled: one row)."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout or _float32_layout(tuple(block)))
 
 
 @functools.lru_cache(maxsize=None)
 def _dq_layout(swizzle: int) -> gl.NVMMASharedLayout:
-    """The shared layout of the reduce-add's box of the group-major dQ accumulator (BwdTile.dq_swizzle): its
+    """The shared layout of the reduce-add's box of the tile-major dQ accumulator (BwdTile.dq_swizzle): its
     innermost dimension is one swizzle atom wide."""
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=5)
 
 
 def dq_accumulator(q4: torch.Tensor, tile: BwdTile) -> torch.Tensor:
     """The float32 dQ accumulator of a (batch, heads, n, d) q, uninitialised (the preprocessing kernel zeroes it):
-    group-major, (batch, heads, d / g, n, g) contiguous with g = tile.dq_group, so that the main kernel's reduce-add
-    of a (block_m, g) column group of a dQ tile goes to block_m * g contiguous floats."""
+    tile-major, (batch, heads, query tiles x d / g, block_m, g) contiguous with g = tile.dq_group (the padded rows
+    included), so that a query tile's dQ is one contiguous block, held as the main kernel's shared-memory tile holds
+    it: each consumer's reduce-add goes to contiguous memory, whole lines, and both consumers' to one block. (The
+    tiles and their column groups share a dimension: TMA takes five.)"""
     batch, heads, n, d = q4.shape
-    return torch.empty(batch, heads, d // tile.dq_group, n, tile.dq_group, dtype=torch.float32, device=q4.device)
+    groups = padded_queries(n, tile) // tile.block_m * (d // tile.dq_group)
+    shape = (batch, heads, groups, tile.block_m, tile.dq_group)
+    return torch.empty(shape, dtype=torch.float32, device=q4.device)
 
 
 def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float,
@@ -749,15 +759,16 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     tile = tile or tile_for(q.shape[-1])
     batch, heads, n_queries, head_dim = q.shape
     group = tile.dq_group
-    if tuple(dq_acc.shape) != (batch, heads, head_dim // group, n_queries, group) or not dq_acc.is_contiguous():
+    expected = (batch, heads, cdiv(n_queries, tile.block_m) * (head_dim // group), tile.block_m, group)
+    if tuple(dq_acc.shape) != expected or not dq_acc.is_contiguous():
         raise ValueError(f"flash_gluon_bwd: the dQ accumulator must be dq_accumulator(q, tile)'s, contiguous "
-                         f"{(batch, heads, head_dim // group, n_queries, group)}, got {tuple(dq_acc.shape)} with "
-                         f"strides {dq_acc.stride()}")
+                         f"{expected}, got {tuple(dq_acc.shape)} with strides {dq_acc.stride()}")
     n_kv_tiles = cdiv(k.shape[-2], tile.block_n)
     bnc = tile.keys_per_consumer
-    dq_box = [1, 1, tile.dq_columns // group, tile.block_m, group]
+    dq_box = [1, 1, tile.dq_columns // group, tile.block_m, group]  # one consumer's part of a query tile
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
-            _descriptor(dk, bnc), _descriptor(dv, bnc), _float32_descriptor(dq_acc, dq_box, _dq_layout(tile.dq_swizzle)),
+            _descriptor(dk, bnc), _descriptor(dv, bnc),
+            _float32_descriptor(dq_acc, dq_box, _dq_layout(tile.dq_swizzle)),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
             tile.split_dq, tile.defer_dq, tile.pingpong, exact, tile.num_slots, tile.dq_buffers,
@@ -773,7 +784,6 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
 _PREPROCESS = FastLauncher(_bwd_preprocess_kernel)
 _LAUNCHER = FastLauncher(_flash_bwd_gluon_kernel, key=descriptor_launch_key)
 _CAST = FastLauncher(_dq_cast_kernel)
-CAST_BLOCK = 64  # dQ rows per program of the scale-and-cast
 
 
 def _tma_problem(name: str, t: torch.Tensor) -> str | None:
@@ -865,9 +875,8 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
     args, grid, options = kernel_launch(q4, k4, v4, do4, dk4, dv4, dq_acc, lse2, delta, causal, scale, tile, exact)
     _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
     # dQ = accumulator * scale, rounded to q's dtype into q's layout: one pass over the accumulator
-    cast_grid, cast_args = (cdiv(n_queries, CAST_BLOCK), batch * heads), (dq_acc, dq4, scale, *dq4.stride(), heads,
-                                                                           n_queries)
-    cast_options = {"HEAD_DIM": head_dim, "GROUP": tile.dq_group, "BLOCK": CAST_BLOCK}
+    cast_grid, cast_args = pre_grid, (dq_acc, dq4, scale, *dq4.stride(), heads, n_queries, n_pad)
+    cast_options = pre_options  # one accumulator tile per program, as the preprocessing
     _CAST(cast_grid, *cast_args, fast_launch=fast_launch, **cast_options)
     if fast_launch:  # only once it ran: a call that raised leaves no plan
         preprocess = _PREPROCESS.bound(pre_grid, pre_args, pre_options)
