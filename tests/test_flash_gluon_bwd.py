@@ -94,26 +94,18 @@ def test_dq_buffers_are_checked_against_the_ring_and_shared_memory():
         BwdTile(128, num_slots=4)
 
 
-def test_dq_swizzle_is_checked_and_sets_the_accumulators_groups_and_the_dq_descriptor():
-    """The swizzle's width in floats is the accumulator's column group: (batch, heads, query tiles x d / g, block_m,
-    g) (a ragged length padded to whole tiles), and the main kernel's dQ box is a consumer's columns of one query tile,
-    as whole groups; another accumulator is refused."""
+def test_dq_swizzle_is_checked_and_reaches_the_dq_descriptor():
     with pytest.raises(ValueError, match="dq_swizzle must be 32, 64 or 128 \\(bytes\\), got 16"):
         BwdTile(64, dq_swizzle=16)
-    q, k, v, do, dk, dv = (torch.zeros(1, 2, 250, 64, dtype=torch.bfloat16) for _ in range(6))
-    rows = torch.zeros(2, 256)
-    for swizzle, split_dq in ((32, True), (64, False), (128, True)):
-        tile = BwdTile(64, block_m=128, dq_swizzle=swizzle, split_dq=split_dq)
-        group = swizzle // 4
-        dq_acc = bwd.dq_accumulator(q, tile)
-        assert dq_acc.shape == (1, 2, 2 * 64 // group, 128, group) and dq_acc.is_contiguous()
+    for swizzle in (32, 128):
+        tile = BwdTile(64, block_m=128, dq_swizzle=swizzle)
+        q, k, v, do, dk, dv = (torch.zeros(1, 2, 256, 64, dtype=torch.bfloat16) for _ in range(6))
+        dq_acc = torch.zeros(1, 2, 256, 64)
+        rows = torch.zeros(2, 256)
         args, _, _ = bwd.kernel_launch(q, k, v, do, dk, dv, dq_acc, rows, rows, True, 0.125, tile=tile)
         dq_desc = args[6]
-        assert dq_desc.block_shape == [1, 1, (32 if split_dq else 64) // group, 128, group]
-        assert dq_desc.layout.swizzle_byte_width == swizzle and dq_desc.base is dq_acc
-    for wrong in (torch.zeros(1, 2, 250, 64), bwd.dq_accumulator(q, tile).transpose(2, 3).contiguous()):
-        with pytest.raises(ValueError, match="the dQ accumulator must be .*contiguous \\(1, 2, 4, 128, 32\\)"):
-            bwd.kernel_launch(q, k, v, do, dk, dv, wrong, rows, rows, True, 0.125, tile=tile)
+        assert dq_desc.block_shape == [1, 1, 128, 32]
+        assert dq_desc.layout.swizzle_byte_width == swizzle
 
 
 def test_pingpong_is_a_deferred_variant_with_four_ds_buffers():
@@ -195,50 +187,22 @@ def test_tma_reduce_add_is_available_and_its_absence_is_named(monkeypatch):
 
 def test_preprocess_kernel_matches_torch(kernel_device):
     """L2 = L log2(e) and D = rowsum(dO O) per padded row, +inf and 0 past the last query; O in the model's strides,
-    dO once with stride 0 (what o.sum().backward() gives); the dQ accumulator (NaN before) zeroed, every element
-    (the padded rows too)."""
+    dO once with stride 0 (what o.sum().backward() gives)."""
+    tile = TILES[64]
     batch, heads, n, d = 2, 3, 70, 64
     o = torch.randn(batch, n, heads, d, device=kernel_device).to(torch.bfloat16).transpose(1, 2)
     lse = torch.randn(batch, heads, n, device=kernel_device)
-    for tile, do in ((TILES[64], torch.randn(batch, heads, n, d, device=kernel_device).to(torch.bfloat16)),
-                     (BwdTile(64, dq_swizzle=128),
-                      torch.ones((), device=kernel_device, dtype=torch.bfloat16).expand(batch, heads, n, d))):
-        n_pad = padded_queries(n, tile)
+    n_pad = padded_queries(n, tile)
+    for do in (torch.randn(batch, heads, n, d, device=kernel_device).to(torch.bfloat16),
+               torch.ones((), device=kernel_device, dtype=torch.bfloat16).expand(batch, heads, n, d)):
         l2 = torch.empty(batch * heads, n_pad, device=kernel_device)
         delta = torch.empty_like(l2)
-        dq_acc = bwd.dq_accumulator(o, tile).fill_(float("nan"))
         bwd._bwd_preprocess_kernel[(n_pad // tile.block_m, batch * heads)](
-            o, do, lse, l2, delta, dq_acc, *o.stride(), *do.stride(), heads, n, n_pad, HEAD_DIM=d,
-            GROUP=tile.dq_group, BLOCK=tile.block_m)
+            o, do, lse, l2, delta, *o.stride(), *do.stride(), heads, n, n_pad, HEAD_DIM=d, BLOCK=tile.block_m)
         expected = (o.float() * do.float()).sum(-1).reshape(batch * heads, n)
         torch.testing.assert_close(delta[:, :n], expected, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(l2[:, :n], lse.reshape(batch * heads, n) * LOG2E)
         assert (delta[:, n:] == 0).all() and torch.isposinf(l2[:, n:]).all()
-        assert (dq_acc == 0).all()
-
-
-@pytest.mark.parametrize("group,d,block", [(8, 64, 128), (32, 64, 64), (16, 128, 64)])
-@pytest.mark.parametrize("model_layout", [True, False])
-def test_dq_cast_kernel_reads_the_tile_major_accumulator(kernel_device, group, d, block, model_layout):
-    """dQ = accumulator x scale rounded once to dQ's dtype, element (b, h, row, col) read from the tile-major
-    accumulator's (b, h, (row // block) (d / g) + col // g, row % block, col % g), written in dQ's strides (the
-    model's or contiguous); a ragged length (the padded rows are not written)."""
-    batch, heads, n = 2, 3, 77
-    n_pad = cdiv(n, block) * block
-    acc = torch.randn(batch, heads, n_pad // block * (d // group), block, group, device=kernel_device) * 100
-    if model_layout:
-        dq = torch.full((batch, n, heads, d), 7.0, device=kernel_device, dtype=torch.bfloat16).transpose(1, 2)
-    else:
-        dq = torch.full((batch, heads, n, d), 7.0, device=kernel_device, dtype=torch.bfloat16)
-    scale = 0.3
-    bwd._dq_cast_kernel[(n_pad // block, batch * heads)](
-        acc, dq, scale, *dq.stride(), heads, n, n_pad, HEAD_DIM=d, GROUP=group, BLOCK=block)
-    tiles = acc.reshape(batch, heads, n_pad // block, d // group, block, group)
-    rows_first = tiles.permute(0, 1, 2, 4, 3, 5).reshape(batch, heads, n_pad, d)  # (b, h, tile, row, group, in group)
-    product = rows_first[:, :, :n] * scale
-    if kernel_device == "cpu":  # Triton's interpreter casts float32 to bf16 by truncation, a GPU to nearest even
-        product = (product.view(torch.int32) & -65536).view(torch.float32)
-    assert torch.equal(dq, product.to(torch.bfloat16))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,25 +218,18 @@ class _Indexable:
         return self.at(grid)
 
 
-# the backward's launches in order: (FastLauncher attribute, kernel)
-_LAUNCHERS = (("_PREPROCESS", "_bwd_preprocess_kernel"), ("_LAUNCHER", "_flash_bwd_gluon_kernel"),
-              ("_CAST", "_dq_cast_kernel"))
-_KERNELS = [name for _, name in _LAUNCHERS]
-
-
 def _recording_launchers(monkeypatch, on_launch=lambda name, args: None) -> list:
-    """Swap the backward's three FastLaunchers for fresh ones around the same kernels (and key), built as on a GPU
+    """Swap the backward's two FastLaunchers for fresh ones around the same kernels (and key), built as on a GPU
     (the fast path on), whose Triton side records: the public path `kernel[grid](...)` appends ("public", name) and
     returns a compiled kernel whose runner, the fast path, appends ("run", name, grid, args); both call
     `on_launch(name, args)`. The kernels themselves fail the test if launched, so a launch around the launchers
     shows. Returns the list of records."""
-    for attribute, name in _LAUNCHERS:
-        assert getattr(bwd, attribute).kernel is getattr(bwd, name)
+    assert bwd._PREPROCESS.kernel is bwd._bwd_preprocess_kernel and bwd._LAUNCHER.kernel is bwd._flash_bwd_gluon_kernel
     assert bwd._LAUNCHER.key is descriptor_launch_key  # the main kernel's arguments include TMA descriptors
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(bwd, "_PLANS", {})  # plans hold the launchers' binaries: none from another test's
     records = []
-    for attribute, name in _LAUNCHERS:
+    for attribute, name in (("_PREPROCESS", "_bwd_preprocess_kernel"), ("_LAUNCHER", "_flash_bwd_gluon_kernel")):
         launcher = launch.FastLauncher(getattr(bwd, name), key=getattr(bwd, attribute).key)
         assert launcher.problem is None, launcher.problem
 
@@ -317,12 +274,10 @@ _DISPATCHED = [("gluon", 2, 100), ("auto", *gluon_call(GLUON_BACKWARD_RULES[64],
 def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(monkeypatch, setting, heads, n,
                                                                              fast_launch):
     """flash_triton.flash_backward, choosing Gluon (forced, or "auto" at a long shape): its inputs are checked once
-    per call (in the choice, not again in the entry); the three kernels launch through their FastLaunchers with the
+    per call (in the choice, not again in the entry); both kernels launch through their FastLaunchers with the
     setting the pass read (no launcher reads the settings again): the first call of a layout through Triton's
     public path, the next one (fresh tensors) through the layout's plan: the cached runners with that call's own
-    arguments, the descriptors' bases included, one fresh dQ accumulator that the preprocessing zeroes, the main
-    kernel adds to and the scale-and-cast reads into this call's dQ; with fast_launch off, every call takes the
-    public path."""
+    arguments, the descriptors' bases included; with fast_launch off, every call takes the public path."""
     _pretend_hopper(monkeypatch)
     checks, records = _counted_checks(monkeypatch), _recording_launchers(monkeypatch)
     unread = lambda: pytest.fail("the settings were read again below flash_backward")  # noqa: E731
@@ -334,21 +289,16 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
             dq, dk, dv = flash_triton.flash_backward(q, k, v, o, lse, do, True)
         assert len(checks) == call + 1
         assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
-    first, second = records[:3], records[3:]
-    assert first == [("public", name) for name in _KERNELS]
+    first, second = records[:2], records[2:]
+    assert first == [("public", "_bwd_preprocess_kernel"), ("public", "_flash_bwd_gluon_kernel")]
     if not fast_launch:
         assert second == first
         return
-    assert [r[:2] for r in second] == [("run", name) for name in _KERNELS]
-    (_, _, pre_grid, pre_args), (_, _, grid, args), (_, _, cast_grid, cast_args) = second
+    assert [r[:2] for r in second] == [("run", "_bwd_preprocess_kernel"), ("run", "_flash_bwd_gluon_kernel")]
+    (_, _, pre_grid, pre_args), (_, _, grid, args) = second
     tile = bwd.tile_for(64)  # the preprocessing runs one program per block_m rows, the main kernel per block_n keys
     assert pre_grid == (cdiv(n, tile.block_m), heads, 1) and grid == (cdiv(n, tile.block_n) * heads, 1, 1)  # (x, y, z)
-    assert cast_grid == pre_grid  # one accumulator tile per program
     assert pre_args[0].data_ptr() == o.data_ptr() and pre_args[1].data_ptr() == do.data_ptr()  # this call's O, dO
-    accumulator = pre_args[5]
-    assert accumulator.shape == (1, heads, cdiv(n, tile.block_m) * 64 // tile.dq_group, tile.block_m, tile.dq_group)
-    assert args[6].base.data_ptr() == accumulator.data_ptr() == cast_args[0].data_ptr()
-    assert cast_args[1].data_ptr() == dq.data_ptr() and tuple(cast_args[3:7]) == _as_4d(dq).stride()
     assert len(args) == len(bwd._LAUNCHER.names)  # the whole signature
     for descriptor, t in zip(args, (q, k, v, do, dk, dv)):  # this call's tensors, not the first call's, in the
         assert descriptor.base.data_ptr() == t.data_ptr()  # geometry the launcher encodes (the plan's HostDescriptor)
@@ -370,41 +320,40 @@ def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch
             bwd.flash_backward_gluon(*inputs, True)
     assert len(checks) == 3 and records == []
     bwd.flash_backward_gluon(q, k, v, o, do, lse, True)
-    assert len(checks) == 4 and len(records) == 3
+    assert len(checks) == 4 and len(records) == 2
     bwd.flash_backward_gluon(q, k, v, o, do, lse, True, checked=True)
     flash_dispatch.gluon_backward(q, k, v, o, lse, do, True, chosen=True)
-    assert len(checks) == 4 and len(records) == 9
+    assert len(checks) == 4 and len(records) == 6
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 77, 64), (3, 50, 128)])
 @pytest.mark.parametrize("scale", [None, 0.3])
-def test_dq_is_cast_from_the_accumulator_the_main_kernel_adds_to(monkeypatch, shape, scale):
-    """A call's three launches share one fresh tile-major float32 accumulator: the preprocessing zeroes it, the
-    main kernel's dQ descriptor adds to it, and the scale-and-cast reads it into the returned dQ (q's dtype and
-    layout: the model's strides, 3-d inputs) with the scale (default 1/sqrt(d)); what the cast computes is
-    test_dq_cast_kernel_reads_the_tile_major_accumulator's."""
+def test_dq_is_the_accumulator_scaled_into_qs_dtype_and_layout(monkeypatch, shape, scale):
+    """After the main kernel, dQ = its float32 accumulator x scale (default 1/sqrt(d)), rounded once to q's dtype,
+    in q's layout (the model's strides; 3-d inputs): the kernel's stand-in writes random values into the
+    accumulator (the dQ descriptor's base, zeroed, with q's strides, so that the scale-and-cast pass runs over
+    matching strides), and dQ must equal the float32 product rounded, bit for bit."""
     _pretend_hopper(monkeypatch)
-    launched = {}
-    _recording_launchers(monkeypatch, lambda name, args: launched.update({name: args}))
+    written = []
+
+    def fill_accumulator(name, args):
+        if name == "_flash_bwd_gluon_kernel":
+            accumulator = args[6].base  # desc_dq: (batch, head, row, col) float32
+            assert accumulator.dtype == torch.float32 and accumulator.stride() == bwd._as_4d(q).stride()
+            assert not accumulator.any() and list(args[6].strides) == list(accumulator.stride())
+            written.append(accumulator.copy_(torch.randn(accumulator.shape) * 100).clone())
+
+    _recording_launchers(monkeypatch, fill_accumulator)
     if len(shape) == 4:  # the model's layout
         batch, heads, n, d = shape
         q = torch.randn(batch, n, heads, d).to(torch.bfloat16).transpose(1, 2)
     else:
         q = torch.randn(shape).to(torch.bfloat16)
-        (batch, n, d), heads = shape, 1  # (batch, seq, dim): one head
     lse = torch.randn(q.shape[:-1])
     dq, _, _ = bwd.flash_backward_gluon(q, q, q, q, q, lse, True, scale)
-    tile = bwd.tile_for(d)
-    accumulator = launched["_bwd_preprocess_kernel"][5]
-    assert accumulator.dtype == torch.float32 and accumulator.shape == (
-        batch, heads, cdiv(n, tile.block_m) * d // tile.dq_group, tile.block_m, tile.dq_group)
-    descriptor = launched["_flash_bwd_gluon_kernel"][6]
-    assert descriptor.base is accumulator and list(descriptor.strides) == list(accumulator.stride())
-    cast = launched["_dq_cast_kernel"]
-    assert cast[0] is accumulator and cast[1].data_ptr() == dq.data_ptr()
-    assert cast[2] == (d**-0.5 if scale is None else scale)
-    assert tuple(cast[3:7]) == _as_4d(dq).stride() and tuple(cast[7:]) == (heads, n, padded_queries(n, tile))
+    expected = (written[0] * (shape[-1] ** -0.5 if scale is None else scale)).to(q.dtype)
     assert dq.dtype == q.dtype and dq.stride() == q.stride()
+    assert torch.equal(dq if dq.dim() == 4 else dq.unsqueeze(1), expected)
 
 
 @pytest.mark.parametrize("causal", [True, False])

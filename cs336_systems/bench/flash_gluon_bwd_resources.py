@@ -109,7 +109,7 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "s
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     tile = variant_tile(head_dim, variant)
     q = torch.empty(2, n, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
-    dq_acc = bwd.dq_accumulator(q, tile)
+    dq_acc = torch.empty(2, 4, n, head_dim, dtype=torch.float32)
     rows = torch.empty(8, bwd.padded_queries(n, tile), dtype=torch.float32)
     args, grid, options = bwd.kernel_launch(q, q, q, q, q, q, dq_acc, rows, rows, is_causal, head_dim**-0.5,
                                             tile, VARIANTS[variant][1])

@@ -4,7 +4,7 @@ Inputs are what the forwards write (`flash_gluon` and `flash_triton` alike): Q, 
 logsumexp (float32, contiguous q.shape[:-1]). Three launches:
   1. preprocessing (plain Triton): L2 = L * log2(e) and D = rowsum(dO * O), both float32, one row per (batch·head)
      padded to a whole number of query tiles (L2 = +inf and D = 0 past the last query, so padded queries give
-     P = 0 and need no mask in the main loop); and the float32 dQ accumulator zeroed;
+     P = 0 and need no mask in the main loop);
   2. the main kernel, one program (CTA) per key tile of BLOCK_N = 128 keys of one (batch, head), in three
      partitions (Shah et al., FlashAttention-3, 2024, section 3.3, as we read it; the code is ours):
        consumer c = 0, 1 (one warpgroup each)  keys [64 c, 64 c + 64) of the tile: dK_c and dV_c in float32
@@ -18,10 +18,10 @@ logsumexp (float32, contiguous q.shape[:-1]). Three launches:
        dQ_i += dS_i K: both consumers' dS^T go to shared memory (two buffers, by step parity); once both are
        written, consumer c computes columns [c d/2, (c+1) d/2) of dS_i K over the program's 128 keys (two wgmmas
        reading dS^T transposed) and adds its (64, d/2) float32 part to a float32 dQ accumulator in global memory
-       (tile-major: `dq_accumulator`) by a TMA reduce-add (`_tma_reduce_add`). Splitting the head dim, not the
-       keys, halves both the dQ registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False
-       keeps the per-consumer variant, which spills there) and the reduce-add traffic;
-  3. dQ = accumulator * scale, cast to q's dtype into q's layout (plain Triton, `_dq_cast_kernel`).
+       by a TMA reduce-add (`_tma_reduce_add`). Splitting the head dim, not the keys, halves both the dQ
+       registers (d=128 did not fit 240 registers otherwise: BwdTile.split_dq=False keeps the per-consumer
+       variant, which spills there) and the reduce-add traffic;
+  3. dQ = accumulator * scale, cast to q's dtype into q's layout (one torch multiply).
 Two schedules of a consumer's step (BwdTile.defer_dq; TILES ships it, as ping-pong, at d=128 only, where it was
 measured faster: kernels/NOTES.md): lockstep (`_query_step`) issues, waits for
 and reduces step i's dQ at the end of step i; deferred (`_deferred_step`) issues step i's dQ wgmmas at the start of
@@ -106,11 +106,8 @@ class BwdTile:
     dq_swizzle: the float32 dQ tile's shared-memory swizzle in bytes (TMA's 32, 64 or 128). A consumer stores its
     dQ accumulator with 64-bit stores, each half-warp writing 32 contiguous bytes of each of 4 consecutive rows: the
     128-byte swizzle puts two of those rows on the same banks (two wavefronts a half-warp where one would do; ncu
-    counted 4 per store against 2 ideal), the 32-byte one puts the 4 rows in one 128-byte line. The accumulator
-    in global memory holds each query tile as the shared tile does, in column groups of the swizzle's width
-    (`dq_accumulator`), so that a reduce-add writes one contiguous block, not a swizzle atom's width of each row
-    (over a row-major accumulator, the 32-byte swizzle raised L2 throughput from 55.7% to 81.0% of peak at d=64:
-    kernels/NOTES.md); registers as in flash_gluon.GluonTile."""
+    counted 4 per store against 2 ideal), the 32-byte one puts the 4 rows in one 128-byte line, at the price of
+    4x as many TMA reduce-adds, each 32 bytes wide; registers as in flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
@@ -164,11 +161,6 @@ class BwdTile:
     def dq_columns(self) -> int:
         """The dQ columns one consumer computes and reduces per step."""
         return self.head_dim // CONSUMERS if self.split_dq else self.head_dim
-
-    @property
-    def dq_group(self) -> int:
-        """The float32 dQ accumulator's column group (`dq_accumulator`): one swizzle atom's width, in floats."""
-        return self.dq_swizzle // 4
 
     def shared_bytes(self, element_size: int = 2) -> int:
         """Tiles only (the barriers add a few hundred bytes): K and V, the Q/dO ring with its L2 and D rows, dS^T
@@ -291,34 +283,19 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# preprocessing and dQ's scale-and-cast (plain Triton)
+# preprocessing (plain Triton)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _accumulator_tile(ACC, bh, tile, n_tiles, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """Pointers to query tile `tile` (BLOCK rows, HEAD_DIM columns) of (batch·head) bh in the tile-major dQ
-    accumulator, contiguous (batch·head, n_tiles, HEAD_DIM // GROUP, BLOCK, GROUP) (`dq_accumulator`'s shape
-    merges the first two dimensions and the second two differently, to the same memory)."""
-    rows = tl.arange(0, BLOCK)[:, None]
-    cols = tl.arange(0, HEAD_DIM)[None, :]
-    start = (bh.to(tl.int64) * n_tiles + tile) * (BLOCK * HEAD_DIM)
-    return ACC + start + (cols // GROUP) * (BLOCK * GROUP) + rows * GROUP + cols % GROUP
-
-
-@triton.jit
-def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, ACC, stride_ob, stride_oh, stride_on, stride_od, stride_dob,
-                           stride_doh, stride_don, stride_dod, H, N_Q, N_PAD, HEAD_DIM: tl.constexpr,
-                           GROUP: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh,
+                           stride_don, stride_dod, H, N_Q, N_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """L2 = L * log2(e) and D = rowsum(dO * O) into (batch·head, N_PAD) rows; +inf and 0 past N_Q. O and dO are
-    read in their own strides (a stride-0 dO is read as it is). And the dQ accumulator's tile zeroed (one launch
-    fewer than a fill of its own): BLOCK is its tile's rows."""
+    read in their own strides (a stride-0 dO is read as it is)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = pid * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     live = offs_m < N_Q
-    tl.store(_accumulator_tile(ACC, bh, pid, N_PAD // BLOCK, HEAD_DIM, GROUP, BLOCK),
-             tl.zeros([BLOCK, HEAD_DIM], tl.float32))
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
                 mask=live[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
@@ -327,22 +304,6 @@ def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, ACC, stride_ob, stride_oh, strid
     lse = tl.load(L + bh * N_Q + offs_m, mask=live, other=float("inf")) * 1.4426950408889634
     tl.store(L2 + bh * N_PAD + offs_m, lse)
     tl.store(DELTA + bh * N_PAD + offs_m, delta)
-
-
-@triton.jit
-def _dq_cast_kernel(ACC, DQ, scale, stride_qb, stride_qh, stride_qn, stride_qd, H, N_Q, N_PAD,
-                    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """dQ = accumulator * scale, rounded to DQ's dtype into DQ's strides (q's layout: the model's (batch, seq,
-    heads, dim) view included), one accumulator tile (BLOCK rows) of one (batch·head) per program."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b, h = bh // H, bh % H
-    offs_m = pid * BLOCK + tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    live = offs_m[:, None] < N_Q
-    acc = tl.load(_accumulator_tile(ACC, bh, pid, N_PAD // BLOCK, HEAD_DIM, GROUP, BLOCK), mask=live)
-    tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd,
-             (acc * scale).to(DQ.dtype.element_ty), mask=live)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,16 +413,10 @@ def _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID: gl.constexpr, SPLIT_
     tma.store_wait(NB - 1)
     dq_c.reshape([BM, DQ]).store(dq)
     fence_async_shared()
-    # the same bytes as the reduce-add's box of the tile-major accumulator, (1, 1, DQ / GROUP, BM, GROUP): the
-    # tile is held as DQ / GROUP column groups of BM rows (a swizzle atom is GROUP floats wide), one after another;
-    # the accumulator's third dimension counts the column groups of every query tile (D / GROUP a tile)
-    GROUP: gl.constexpr = desc_dq.block_type.shape[4]
-    GROUPS: gl.constexpr = _CONSUMERS * DQ // GROUP if SPLIT_DQ else DQ // GROUP  # a query tile's
-    box = dq_c._reinterpret(gl.float32, [1, 1, DQ // GROUP, BM, GROUP], desc_dq.layout)
     if SPLIT_DQ:
-        _tma_reduce_add(desc_dq, [b, h, (q_row // BM) * GROUPS + CID * (DQ // GROUP), 0, 0], box)
+        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
     else:
-        _tma_reduce_add(desc_dq, [b, h, (q_row // BM) * GROUPS, 0, 0], box)
+        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
 
 
 @gluon.jit
@@ -659,7 +614,7 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BNC: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
-    DQ: gl.constexpr = desc_dq.block_type.shape[2] * desc_dq.block_type.shape[4]
+    DQ: gl.constexpr = desc_dq.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     DS_BUFFERS: gl.constexpr = (4 if PINGPONG else 2) if SPLIT_DQ else 1
     k_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BNC, D], desc_k.layout)
@@ -668,10 +623,7 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     do_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_do.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, _CONSUMERS * BNC, BM],
                                         gl.NVMMASharedLayout.get_default_for([_CONSUMERS * BNC, BM], dtype))
-    # dQ tiles as a consumer's registers store them, (BM, DQ), in the reduce-add box's swizzle (_dq_drain)
-    dq_tile_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=desc_dq.layout.swizzle_byte_width,
-                                                        element_bitwidth=32, rank=4)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS * DQ_BUFFERS, 1, 1, BM, DQ], dq_tile_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS * DQ_BUFFERS, 1, 1, BM, DQ], desc_dq.layout)
     l2_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_l2.layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_delta.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -726,29 +678,16 @@ def _float32_layout(block: tuple[int, ...]) -> gl.NVMMASharedLayout:
 
 
 def _float32_descriptor(t: torch.Tensor, block: list[int], layout: gl.NVMMASharedLayout | None = None):
-    """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, query tile x column
-    group, row, column in group) in (1, 1, a consumer's groups, block_m, group) boxes, the preprocessed rows
-    (batch·head, padded query) in (1, block_m) boxes (unswizzled: one row)."""
+    """A TMA descriptor of a float32 tensor with t's strides: the dQ accumulator (batch, head, row, col) in
+    (1, 1, block_m, d) boxes, the preprocessed rows (batch·head, padded query) in (1, block_m) boxes (unswizzled:
+    one row)."""
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout or _float32_layout(tuple(block)))
 
 
 @functools.lru_cache(maxsize=None)
 def _dq_layout(swizzle: int) -> gl.NVMMASharedLayout:
-    """The shared layout of the reduce-add's box of the tile-major dQ accumulator (BwdTile.dq_swizzle): its
-    innermost dimension is one swizzle atom wide."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=5)
-
-
-def dq_accumulator(q4: torch.Tensor, tile: BwdTile) -> torch.Tensor:
-    """The float32 dQ accumulator of a (batch, heads, n, d) q, uninitialised (the preprocessing kernel zeroes it):
-    tile-major, (batch, heads, query tiles x d / g, block_m, g) contiguous with g = tile.dq_group (the padded rows
-    included), so that a query tile's dQ is one contiguous block, held as the main kernel's shared-memory tile holds
-    it: each consumer's reduce-add goes to contiguous memory, whole lines, and both consumers' to one block. (The
-    tiles and their column groups share a dimension: TMA takes five.)"""
-    batch, heads, n, d = q4.shape
-    groups = padded_queries(n, tile) // tile.block_m * (d // tile.dq_group)
-    shape = (batch, heads, groups, tile.block_m, tile.dq_group)
-    return torch.empty(shape, dtype=torch.float32, device=q4.device)
+    """The shared layout of the float32 dQ tile (BwdTile.dq_swizzle)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=4)
 
 
 def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, scale: float,
@@ -757,18 +696,12 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     `bench.flash_gluon_bwd_resources` compiles exactly what a launch would). `tile` overrides TILES (to measure
     an alternative)."""
     tile = tile or tile_for(q.shape[-1])
-    batch, heads, n_queries, head_dim = q.shape
-    group = tile.dq_group
-    expected = (batch, heads, cdiv(n_queries, tile.block_m) * (head_dim // group), tile.block_m, group)
-    if tuple(dq_acc.shape) != expected or not dq_acc.is_contiguous():
-        raise ValueError(f"flash_gluon_bwd: the dQ accumulator must be dq_accumulator(q, tile)'s, contiguous "
-                         f"{expected}, got {tuple(dq_acc.shape)} with strides {dq_acc.stride()}")
+    batch, heads, n_queries, _ = q.shape
     n_kv_tiles = cdiv(k.shape[-2], tile.block_n)
     bnc = tile.keys_per_consumer
-    dq_box = [1, 1, tile.dq_columns // group, tile.block_m, group]  # one consumer's part of a query tile
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
             _descriptor(dk, bnc), _descriptor(dv, bnc),
-            _float32_descriptor(dq_acc, dq_box, _dq_layout(tile.dq_swizzle)),
+            _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns], _dq_layout(tile.dq_swizzle)),
             _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
             heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
             tile.split_dq, tile.defer_dq, tile.pingpong, exact, tile.num_slots, tile.dq_buffers,
@@ -783,7 +716,6 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
 # the forward's key function keys by their base tensor's layout and their box.
 _PREPROCESS = FastLauncher(_bwd_preprocess_kernel)
 _LAUNCHER = FastLauncher(_flash_bwd_gluon_kernel, key=descriptor_launch_key)
-_CAST = FastLauncher(_dq_cast_kernel)
 
 
 def _tma_problem(name: str, t: torch.Tensor) -> str | None:
@@ -858,10 +790,9 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
     n_pad = padded_queries(n_queries, tile)
     lse2 = torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device)
     delta = torch.empty_like(lse2)
-    dq_acc = dq_accumulator(q4, tile)
-    pre_grid, pre_args = (n_pad // tile.block_m, batch * heads), (o4, do4, lse, lse2, delta, dq_acc, *o4.stride(),
+    pre_grid, pre_args = (n_pad // tile.block_m, batch * heads), (o4, do4, lse, lse2, delta, *o4.stride(),
                                                                    *do4.stride(), heads, n_queries, n_pad)
-    pre_options = {"HEAD_DIM": head_dim, "GROUP": tile.dq_group, "BLOCK": tile.block_m}
+    pre_options = {"HEAD_DIM": head_dim, "BLOCK": tile.block_m}
     _PREPROCESS(pre_grid, *pre_args, fast_launch=fast_launch, **pre_options)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dk4, dv4 = _as_4d(dk), _as_4d(dv)
@@ -872,48 +803,52 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
         if problem:
             raise ValueError(problem)
     dq4 = _as_4d(dq)
+    dq_acc = _dq_accumulator(dq4)
     args, grid, options = kernel_launch(q4, k4, v4, do4, dk4, dv4, dq_acc, lse2, delta, causal, scale, tile, exact)
     _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
-    # dQ = accumulator * scale, rounded to q's dtype into q's layout: one pass over the accumulator
-    cast_grid, cast_args = pre_grid, (dq_acc, dq4, scale, *dq4.stride(), heads, n_queries, n_pad)
-    cast_options = pre_options  # one accumulator tile per program, as the preprocessing
-    _CAST(cast_grid, *cast_args, fast_launch=fast_launch, **cast_options)
+    # dQ = accumulator * scale, rounded to q's dtype into q's layout: one elementwise pass (a separate in-place
+    # scale and cast copy read and wrote the float32 accumulator once more, and cost a launch more)
+    torch.mul(dq_acc, scale, out=dq4)
     if fast_launch:  # only once it ran: a call that raised leaves no plan
         preprocess = _PREPROCESS.bound(pre_grid, pre_args, pre_options)
         main = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=0)
-        cast = _CAST.bound(cast_grid, cast_args, cast_options)
-        if preprocess is not None and main is not None and cast is not None:
-            _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, dq_acc.shape,
-                                        (preprocess[0], (*pre_args[6:], *preprocess[1])), main,
-                                        (cast[0], (*cast_args[2:], *cast[1])))
+        if preprocess is not None and main is not None:
+            _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[5:], *preprocess[1])), main,
+                                        scale)
     return dq, dk, dv
+
+
+def _dq_accumulator(dq4: torch.Tensor) -> torch.Tensor:
+    """The float32 dQ accumulator, zeroed, with dQ's strides (q's layout, a model's (batch, seq, heads, dim) view
+    included): the final scale-and-cast into dQ is then one vectorised pass over matching strides. A contiguous
+    accumulator under a model-layout dQ made it ATen's strided elementwise kernel, at about half the bandwidth
+    (kernels/NOTES.md). The TMA descriptor takes the accumulator's own strides."""
+    return torch.zeros_like(dq4, dtype=torch.float32)
 
 
 class _BackwardPlan:
     """The backward's launches for one call layout (flash_gluon's per-layout plans): whether dO is copied for TMA,
-    the preprocessed rows' and the dQ accumulator's shapes, and the three launches: the preprocess binary with its
-    arguments after the six tensors, the main kernel's DescriptorPlan, the scale-and-cast binary with its arguments
-    after its two tensors (the scale, dQ's strides, the sizes: q's layout, which the plan's key fixes)."""
+    the preprocessed rows' shape, the preprocess binary with its arguments after the five tensors, the main kernel's
+    DescriptorPlan and the scale. (The dQ accumulator follows q's layout, which the plan's key fixes.)"""
 
-    __slots__ = ("copy_do", "rows_shape", "accumulator_shape", "preprocess", "main", "cast")
+    __slots__ = ("copy_do", "rows_shape", "preprocess", "main", "scale")
 
-    def __init__(self, copy_do: bool, rows_shape, accumulator_shape, preprocess: tuple, main: DescriptorPlan,
-                 cast: tuple):
-        self.copy_do, self.rows_shape, self.accumulator_shape = copy_do, rows_shape, accumulator_shape
-        self.preprocess, self.main, self.cast = preprocess, main, cast
+    def __init__(self, copy_do: bool, rows_shape, preprocess: tuple, main: DescriptorPlan, scale: float):
+        self.copy_do, self.rows_shape, self.preprocess = copy_do, rows_shape, preprocess
+        self.main, self.scale = main, scale
 
     def run(self, q, k, v, o, do, lse):
         if self.copy_do:
             do = do.contiguous()
         lse2 = torch.empty(self.rows_shape, dtype=torch.float32, device=q.device)
         delta = torch.empty_like(lse2)
-        dq_acc = torch.empty(self.accumulator_shape, dtype=torch.float32, device=q.device)
         run, rest = self.preprocess
-        run(o, do, lse, lse2, delta, dq_acc, *rest)
+        run(o, do, lse, lse2, delta, *rest)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq4 = _as_4d(dq)
+        dq_acc = _dq_accumulator(dq4)
         self.main.launch((q, k, v, do, dk, dv, dq_acc, lse2, delta))
-        run, rest = self.cast
-        run(dq_acc, _as_4d(dq), *rest)
+        torch.mul(dq_acc, self.scale, out=dq4)
         return dq, dk, dv
 
 

@@ -17,7 +17,7 @@ and the torch calls around the launches (allocations, the dQ scaling), not Trito
 - entry_checked:    (where the entry takes them) the entry with checked=True and fast_launch given, as the dispatch
                     calls it.
 Shape: 1 x 2 x 64, d=128, bf16, causal, the model's layout: small, so that the CPU's own work in the torch calls
-(allocations, zeroing dQ's accumulator where a torch call does it) stays a few us, as their host cost on a GPU is. Each row is one run's median
+(zeroing dQ's accumulator, the scaling) stays a few us, as their host cost on a GPU is. Each row is one run's median
 over repeats of timeit's per-call us; the printout, each piece's median over the runs. Run it with the package of
 the commit to measure on PYTHONPATH (a copy without .git: set CS336_GIT_COMMIT); kernels/NOTES.md, "Host floor".
 """
@@ -47,9 +47,9 @@ torch.set_num_threads(1)
 def stub_launches():
     """Both launches of the backward do nothing, whichever way the module launches them (the kernels themselves,
     or FastLaunchers holding them); the device check lets CPU tensors through."""
-    for name in ("_flash_bwd_gluon_kernel", "_bwd_preprocess_kernel", "_dq_cast_kernel"):
+    for name in ("_flash_bwd_gluon_kernel", "_bwd_preprocess_kernel"):
         setattr(bwd, name, _NoOpKernel())
-    for name in ("_LAUNCHER", "_PREPROCESS", "_CAST"):
+    for name in ("_LAUNCHER", "_PREPROCESS"):
         if hasattr(bwd, name):
             getattr(bwd, name).kernel = _NoOpKernel()
     bwd.device_problem = lambda q: None
@@ -65,11 +65,7 @@ def inputs():
 def pieces() -> dict[str, float]:
     stub_launches()
     q, k, v, o, do, lse = inputs()
-    lse2 = torch.empty(q.shape[0] * q.shape[1], 64)
-    if hasattr(bwd, "dq_accumulator"):  # group-major (since the dQ scale-and-cast kernel)
-        dq_acc = bwd.dq_accumulator(q, bwd.tile_for(q.shape[-1])).zero_()
-    else:
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32)
+    dq_acc, lse2 = torch.zeros(q.shape, dtype=torch.float32), torch.empty(q.shape[0] * q.shape[1], 64)
     rows = {"f32_descriptor": per_call_us(lambda: bwd._float32_descriptor(lse2, [1, 64]), 5000)}
     rows["kernel_launch"] = per_call_us(
         lambda: bwd.kernel_launch(q, k, v, do, k, v, dq_acc, lse2, lse2, True, 0.1), 2000)
@@ -77,13 +73,9 @@ def pieces() -> dict[str, float]:
     if hasattr(bwd, "_LAUNCHER"):
         args, grid, options = bwd.kernel_launch(q, k, v, do, k, v, dq_acc, lse2, lse2, True, 0.1)
         rows["launch_main"] = per_call_us(lambda: bwd._LAUNCHER(grid, *args, fast_launch=True, **options), 2000)
-        if hasattr(bwd, "dq_accumulator"):  # the preprocessing zeroes the accumulator
-            pre = (o, do, lse, lse2, lse2, dq_acc, *o.stride(), *do.stride(), SHAPE[1], SHAPE[2], 64)
-            group = {"GROUP": bwd.tile_for(SHAPE[3]).dq_group}
-        else:
-            pre, group = (o, do, lse, lse2, lse2, *o.stride(), *do.stride(), SHAPE[1], SHAPE[2], 64), {}
+        pre = (o, do, lse, lse2, lse2, *o.stride(), *do.stride(), SHAPE[1], SHAPE[2], 64)
         rows["launch_preprocess"] = per_call_us(
-            lambda: bwd._PREPROCESS((1, 2), *pre, HEAD_DIM=SHAPE[3], BLOCK=64, fast_launch=True, **group), 2000)
+            lambda: bwd._PREPROCESS((1, 2), *pre, HEAD_DIM=SHAPE[3], BLOCK=64, fast_launch=True), 2000)
     rows["entry"] = per_call_us(lambda: bwd.flash_backward_gluon(q, k, v, o, do, lse, True), 1000)
     if hasattr(bwd, "_LAUNCHER"):
         rows["entry_checked"] = per_call_us(

@@ -66,7 +66,7 @@ def pieces(q, k, v, do, causal):
     batch, heads, n_queries, dim = q4.shape
     n_pad = flash_gluon_bwd.padded_queries(n_queries, tile)
     lse2, delta = (torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device) for _ in range(2))
-    dq_acc = flash_gluon_bwd.dq_accumulator(q4, tile).zero_()
+    dq_acc = torch.zeros(batch, heads, n_queries, dim, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k4), torch.empty_like(v4)
     scale = dim**-0.5
     bwd_args, bwd_grid, bwd_options = flash_gluon_bwd.kernel_launch(q4, k4, v4, do4, dk, dv, dq_acc, lse2, delta,
@@ -81,7 +81,8 @@ def pieces(q, k, v, do, causal):
         "gluon_backward_kernel_launch": lambda: flash_gluon_bwd.kernel_launch(q4, k4, v4, do4, dk, dv, dq_acc, lse2,
                                                                               delta, causal, scale),
         "gluon_backward_launch": lambda: flash_gluon_bwd._LAUNCHER(bwd_grid, *bwd_args, **bwd_options),
-        "gluon_backward_dq_accumulator": lambda: flash_gluon_bwd.dq_accumulator(q4, tile),
+        "gluon_backward_dq_zeros": lambda: torch.zeros(batch, heads, n_queries, dim, dtype=torch.float32,
+                                                       device=q.device),
         "fa2_forward": lambda: flash_forward_triton(qd, kd, vd, causal),
         "fa2_backward": lambda: flash_backward_triton(qd, kd, vd, o, lse, dod, causal),
     }
