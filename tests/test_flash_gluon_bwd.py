@@ -187,7 +187,8 @@ def test_tma_reduce_add_is_available_and_its_absence_is_named(monkeypatch):
 
 def test_preprocess_kernel_matches_torch(kernel_device):
     """L2 = L log2(e) and D = rowsum(dO O) per padded row, +inf and 0 past the last query; O in the model's strides,
-    dO once with stride 0 (what o.sum().backward() gives)."""
+    dO once with stride 0 (what o.sum().backward() gives); the dQ accumulator (NaN before; the model's strides, then
+    contiguous) zeroed, every element."""
     tile = TILES[64]
     batch, heads, n, d = 2, 3, 70, 64
     o = torch.randn(batch, n, heads, d, device=kernel_device).to(torch.bfloat16).transpose(1, 2)
@@ -197,8 +198,11 @@ def test_preprocess_kernel_matches_torch(kernel_device):
                torch.ones((), device=kernel_device, dtype=torch.bfloat16).expand(batch, heads, n, d)):
         l2 = torch.empty(batch * heads, n_pad, device=kernel_device)
         delta = torch.empty_like(l2)
+        acc = torch.full_like(o if do.stride(-1) else do, float("nan"), dtype=torch.float32)
         bwd._bwd_preprocess_kernel[(n_pad // tile.block_m, batch * heads)](
-            o, do, lse, l2, delta, *o.stride(), *do.stride(), heads, n, n_pad, HEAD_DIM=d, BLOCK=tile.block_m)
+            o, do, lse, l2, delta, acc, *o.stride(), *do.stride(), *acc.stride(), heads, n, n_pad, HEAD_DIM=d,
+            BLOCK=tile.block_m)
+        assert (acc == 0).all()
         expected = (o.float() * do.float()).sum(-1).reshape(batch * heads, n)
         torch.testing.assert_close(delta[:, :n], expected, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(l2[:, :n], lse.reshape(batch * heads, n) * LOG2E)
@@ -330,17 +334,21 @@ def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_dq_is_the_accumulator_scaled_into_qs_dtype_and_layout(monkeypatch, shape, scale):
     """After the main kernel, dQ = its float32 accumulator x scale (default 1/sqrt(d)), rounded once to q's dtype,
-    in q's layout (the model's strides; 3-d inputs): the kernel's stand-in writes random values into the
-    accumulator (the dQ descriptor's base, zeroed, with q's strides, so that the scale-and-cast pass runs over
-    matching strides), and dQ must equal the float32 product rounded, bit for bit."""
+    in q's layout (the model's strides; 3-d inputs): the accumulator is the one the preprocessing zeroes (its
+    sixth argument, with its strides), the dQ descriptor's base, with q's strides (so that the scale-and-cast pass
+    runs over matching strides); the main kernel's stand-in writes random values into it, and dQ must equal the
+    float32 product rounded, bit for bit."""
     _pretend_hopper(monkeypatch)
-    written = []
+    written, zeroed = [], []
 
     def fill_accumulator(name, args):
+        if name == "_bwd_preprocess_kernel":
+            zeroed.append(args[5])
+            assert args[14:18] == args[5].stride()  # the accumulator's own strides, after O's and dO's
         if name == "_flash_bwd_gluon_kernel":
             accumulator = args[6].base  # desc_dq: (batch, head, row, col) float32
             assert accumulator.dtype == torch.float32 and accumulator.stride() == bwd._as_4d(q).stride()
-            assert not accumulator.any() and list(args[6].strides) == list(accumulator.stride())
+            assert accumulator is zeroed[0] and list(args[6].strides) == list(accumulator.stride())
             written.append(accumulator.copy_(torch.randn(accumulator.shape) * 100).clone())
 
     _recording_launchers(monkeypatch, fill_accumulator)

@@ -4,7 +4,7 @@ Inputs are what the forwards write (`flash_gluon` and `flash_triton` alike): Q, 
 logsumexp (float32, contiguous q.shape[:-1]). Three launches:
   1. preprocessing (plain Triton): L2 = L * log2(e) and D = rowsum(dO * O), both float32, one row per (batch·head)
      padded to a whole number of query tiles (L2 = +inf and D = 0 past the last query, so padded queries give
-     P = 0 and need no mask in the main loop);
+     P = 0 and need no mask in the main loop); and the float32 dQ accumulator zeroed;
   2. the main kernel, one program (CTA) per key tile of BLOCK_N = 128 keys of one (batch, head), in three
      partitions (Shah et al., FlashAttention-3, 2024, section 3.3, as we read it; the code is ours):
        consumer c = 0, 1 (one warpgroup each)  keys [64 c, 64 c + 64) of the tile: dK_c and dV_c in float32
@@ -286,16 +286,20 @@ def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 # preprocessing (plain Triton)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, stride_ob, stride_oh, stride_on, stride_od, stride_dob, stride_doh,
-                           stride_don, stride_dod, H, N_Q, N_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_preprocess_kernel(O, DO, L, L2, DELTA, ACC, stride_ob, stride_oh, stride_on, stride_od, stride_dob,
+                           stride_doh, stride_don, stride_dod, stride_ab, stride_ah, stride_an, stride_ad, H, N_Q,
+                           N_PAD, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """L2 = L * log2(e) and D = rowsum(dO * O) into (batch·head, N_PAD) rows; +inf and 0 past N_Q. O and dO are
-    read in their own strides (a stride-0 dO is read as it is)."""
+    read in their own strides (a stride-0 dO is read as it is). And the float32 dQ accumulator's rows zeroed, in
+    its strides: one launch fewer than a fill of its own."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     offs_m = pid * BLOCK + tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     live = offs_m < N_Q
+    tl.store(ACC + b * stride_ab + h * stride_ah + offs_m[:, None] * stride_an + offs_d[None, :] * stride_ad,
+             tl.zeros([BLOCK, HEAD_DIM], tl.float32), mask=live[:, None])
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od,
                 mask=live[:, None], other=0.0)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :] * stride_dod,
@@ -788,12 +792,6 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
         do4 = do4.contiguous()  # e.g. the stride-0 dO of o.sum().backward()
     batch, heads, n_queries, head_dim = q4.shape
     n_pad = padded_queries(n_queries, tile)
-    lse2 = torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device)
-    delta = torch.empty_like(lse2)
-    pre_grid, pre_args = (n_pad // tile.block_m, batch * heads), (o4, do4, lse, lse2, delta, *o4.stride(),
-                                                                   *do4.stride(), heads, n_queries, n_pad)
-    pre_options = {"HEAD_DIM": head_dim, "BLOCK": tile.block_m}
-    _PREPROCESS(pre_grid, *pre_args, fast_launch=fast_launch, **pre_options)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dk4, dv4 = _as_4d(dk), _as_4d(dv)
     for name, grad, t in (("dk", dk4, k4), ("dv", dv4, v4)):
@@ -804,6 +802,13 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
             raise ValueError(problem)
     dq4 = _as_4d(dq)
     dq_acc = _dq_accumulator(dq4)
+    lse2 = torch.empty(batch * heads, n_pad, dtype=torch.float32, device=q.device)
+    delta = torch.empty_like(lse2)
+    pre_grid = (n_pad // tile.block_m, batch * heads)
+    pre_args = (o4, do4, lse, lse2, delta, dq_acc, *o4.stride(), *do4.stride(), *dq_acc.stride(), heads, n_queries,
+                n_pad)
+    pre_options = {"HEAD_DIM": head_dim, "BLOCK": tile.block_m}
+    _PREPROCESS(pre_grid, *pre_args, fast_launch=fast_launch, **pre_options)  # zeroes the accumulator too
     args, grid, options = kernel_launch(q4, k4, v4, do4, dk4, dv4, dq_acc, lse2, delta, causal, scale, tile, exact)
     _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
     # dQ = accumulator * scale, rounded to q's dtype into q's layout: one elementwise pass (a separate in-place
@@ -813,22 +818,24 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
         preprocess = _PREPROCESS.bound(pre_grid, pre_args, pre_options)
         main = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=0)
         if preprocess is not None and main is not None:
-            _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[5:], *preprocess[1])), main,
+            _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[6:], *preprocess[1])), main,
                                         scale)
     return dq, dk, dv
 
 
 def _dq_accumulator(dq4: torch.Tensor) -> torch.Tensor:
-    """The float32 dQ accumulator, zeroed, with dQ's strides (q's layout, a model's (batch, seq, heads, dim) view
-    included): the final scale-and-cast into dQ is then one vectorised pass over matching strides. A contiguous
-    accumulator under a model-layout dQ made it ATen's strided elementwise kernel, at about half the bandwidth
-    (kernels/NOTES.md). The TMA descriptor takes the accumulator's own strides."""
-    return torch.zeros_like(dq4, dtype=torch.float32)
+    """The float32 dQ accumulator, uninitialised (the preprocessing kernel zeroes it), with dQ's strides (q's
+    layout, a model's (batch, seq, heads, dim) view included): the final scale-and-cast into dQ is then one
+    vectorised pass over matching strides. A contiguous accumulator under a model-layout dQ made it ATen's strided
+    elementwise kernel, at about half the bandwidth (kernels/NOTES.md). The TMA descriptor takes the accumulator's
+    own strides. (Laid out group- or tile-major instead, as its shared tile is, the main kernel was slower:
+    kernels/NOTES.md, "The dQ accumulator's layout".)"""
+    return torch.empty_like(dq4, dtype=torch.float32)
 
 
 class _BackwardPlan:
     """The backward's launches for one call layout (flash_gluon's per-layout plans): whether dO is copied for TMA,
-    the preprocessed rows' shape, the preprocess binary with its arguments after the five tensors, the main kernel's
+    the preprocessed rows' shape, the preprocess binary with its arguments after the six tensors, the main kernel's
     DescriptorPlan and the scale. (The dQ accumulator follows q's layout, which the plan's key fixes.)"""
 
     __slots__ = ("copy_do", "rows_shape", "preprocess", "main", "scale")
@@ -840,13 +847,13 @@ class _BackwardPlan:
     def run(self, q, k, v, o, do, lse):
         if self.copy_do:
             do = do.contiguous()
-        lse2 = torch.empty(self.rows_shape, dtype=torch.float32, device=q.device)
-        delta = torch.empty_like(lse2)
-        run, rest = self.preprocess
-        run(o, do, lse, lse2, delta, *rest)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         dq4 = _as_4d(dq)
         dq_acc = _dq_accumulator(dq4)
+        lse2 = torch.empty(self.rows_shape, dtype=torch.float32, device=q.device)
+        delta = torch.empty_like(lse2)
+        run, rest = self.preprocess
+        run(o, do, lse, lse2, delta, dq_acc, *rest)
         self.main.launch((q, k, v, do, dk, dv, dq_acc, lse2, delta))
         torch.mul(dq_acc, self.scale, out=dq4)
         return dq, dk, dv

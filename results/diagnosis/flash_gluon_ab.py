@@ -17,7 +17,9 @@ With --kernel backward: the backward's L2 row read before S^T's wait (933b23b) a
 after the step's last wait (9ccfe02) against 6f07913. Against db70247: the forward's exp2 partly by a cubic (8f42831),
 its conditional rescale (fbb22b5), and the backward's dQ tile in a 32-byte swizzle (a944835, 89e4101; shipped at d=64).
 With --whole, every kernel of the two calls is timed (the backward's preprocessing, main kernel and dQ scale-and-cast),
-for changes outside the main kernel. Against a6350e8: the group-major dQ accumulator (main kernel, and --whole).
+for changes outside the main kernel; with --wall, do_bench's time of each call (the grid's statistic: host time
+included), for host changes. Against a6350e8: the group-major and tile-major dQ accumulators (d9d4469, 2459b6e; main
+kernel, and --whole), and the dQ accumulator's zero fill moved into the preprocessing (--whole and --wall).
 """
 
 import argparse
@@ -31,6 +33,7 @@ import torch
 from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
+from cs336_systems.timing import bench_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flash_gluon_tile_overhead import kernel_ms  # noqa: E402
@@ -97,6 +100,9 @@ def main() -> None:
     parser.add_argument("--whole", action="store_true",
                         help="time every kernel of our two calls (the backward's preprocessing, main kernel and dQ "
                              "cast), not only the main kernel; cuDNN is then not timed")
+    parser.add_argument("--wall", action="store_true",
+                        help="time our two calls as the grid does (do_bench: the host's share included), for host "
+                             "changes at short calls; cuDNN is then not timed")
     args = parser.parse_args()
     backward = args.kernel == "backward"
     base = load_base(args.base_file, "flash_gluon_bwd_base" if backward else "flash_gluon_base")
@@ -114,15 +120,21 @@ def main() -> None:
         q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                    for _ in range(3))  # the model's layout
         shape = {"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
-                 "kernel": args.kernel, "timed": "every kernel" if args.whole else "main kernel"}
+                 "kernel": args.kernel,
+                 "timed": "do_bench" if args.wall else "every kernel" if args.whole else "main kernel"}
         times = {"new": [], "base": [], "cudnn": []}
         new_call, base_call, name, cudnn_call, cudnn_name = calls(flash_gluon_bwd if backward else flash_gluon, base,
                                                                   q, k, v, causal, backward)
         name = "" if args.whole else name  # "": every kernel the call launches
+        if args.wall:
+            def timer(call, name):
+                return bench_ms(call, q.device, 25, 100, min_calls=10)
+        else:
+            timer = kernel_ms
         for _ in range(args.rounds):
-            times["base"].append(kernel_ms(base_call, name))
-            times["new"].append(kernel_ms(new_call, name))
-            times["cudnn"].append(float("nan") if args.whole else kernel_ms(cudnn_call, cudnn_name))
+            times["base"].append(timer(base_call, name))
+            times["new"].append(timer(new_call, name))
+            times["cudnn"].append(float("nan") if args.whole or args.wall else kernel_ms(cudnn_call, cudnn_name))
         med = {who: statistics.median(values) for who, values in times.items()}
         row = {**shape, "kind": "time", "new_ms": med["new"], "base_ms": med["base"], "cudnn_ms": med["cudnn"],
                "new_over_base": med["new"] / med["base"], "new_over_cudnn": med["new"] / med["cudnn"],
