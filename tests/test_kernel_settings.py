@@ -173,7 +173,7 @@ def test_fast_path_passes_the_arguments_in_signature_order(no_flash_env):
                                           or compiled})()
     names = kernel.arg_names
     o, do, lse, rows = torch.zeros(2, 3, 8, 16), torch.zeros(2, 3, 8, 16), torch.zeros(2, 3, 8), torch.zeros(6, 8)
-    args = (o, do, lse, rows, rows, 384, 128, 16, 1, 384, 128, 16, 1, 3, 8, 8)
+    args = (o, do, lse, rows, rows, torch.zeros(2, 3, 8, 16), *[384, 128, 16, 1] * 3, 3, 8, 8)
     assert len(args) + 2 == len(names)
     launcher((1, 6), *args, BLOCK=8, HEAD_DIM=16, fast_launch=True)
     launcher((1, 6), *args, BLOCK=8, HEAD_DIM=16, fast_launch=True)  # the same layout: the runner, HEAD_DIM first
