@@ -81,7 +81,7 @@ def pieces(q, k, v, do, causal):
         "gluon_backward_kernel_launch": lambda: flash_gluon_bwd.kernel_launch(q4, k4, v4, do4, dk, dv, dq_acc, lse2,
                                                                               delta, causal, scale),
         "gluon_backward_launch": lambda: flash_gluon_bwd._LAUNCHER(bwd_grid, *bwd_args, **bwd_options),
-        "gluon_backward_dq_accumulator": lambda: flash_gluon_bwd._dq_accumulator(do4),
+        "gluon_backward_dq_accumulator": lambda: flash_gluon_bwd._dq_accumulator(q4),
         "fa2_forward": lambda: flash_forward_triton(qd, kd, vd, causal),
         "fa2_backward": lambda: flash_backward_triton(qd, kd, vd, o, lse, dod, causal),
     }
