@@ -194,11 +194,12 @@ def test_preprocess_kernel_matches_torch(kernel_device):
     o = torch.randn(batch, n, heads, d, device=kernel_device).to(torch.bfloat16).transpose(1, 2)
     lse = torch.randn(batch, heads, n, device=kernel_device)
     n_pad = padded_queries(n, tile)
-    for do in (torch.randn(batch, heads, n, d, device=kernel_device).to(torch.bfloat16),
-               torch.ones((), device=kernel_device, dtype=torch.bfloat16).expand(batch, heads, n, d)):
+    model_layout_nan = torch.full((batch, n, heads, d), float("nan"), device=kernel_device).transpose(1, 2)
+    for do, acc in ((torch.randn(batch, heads, n, d, device=kernel_device).to(torch.bfloat16), model_layout_nan),
+                    (torch.ones((), device=kernel_device, dtype=torch.bfloat16).expand(batch, heads, n, d),
+                     torch.full((batch, heads, n, d), float("nan"), device=kernel_device))):
         l2 = torch.empty(batch * heads, n_pad, device=kernel_device)
         delta = torch.empty_like(l2)
-        acc = torch.full_like(o if do.stride(-1) else do, float("nan"), dtype=torch.float32)
         bwd._bwd_preprocess_kernel[(n_pad // tile.block_m, batch * heads)](
             o, do, lse, l2, delta, acc, *o.stride(), *do.stride(), *acc.stride(), heads, n, n_pad, HEAD_DIM=d,
             BLOCK=tile.block_m)

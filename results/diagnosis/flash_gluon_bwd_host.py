@@ -17,8 +17,9 @@ and the torch calls around the launches (allocations, the dQ scaling), not Trito
 - entry_checked:    (where the entry takes them) the entry with checked=True and fast_launch given, as the dispatch
                     calls it.
 Shape: 1 x 2 x 64, d=128, bf16, causal, the model's layout: small, so that the CPU's own work in the torch calls
-(allocations, zeroing dQ's accumulator where a torch call does it, the scaling) stays a few us, as their host cost on a GPU is. Each row is one run's median
-over repeats of timeit's per-call us; the printout, each piece's median over the runs. Run it with the package of
+(allocations, zeroing dQ's accumulator where a torch call does it, the scaling) stays a few us, as their host cost
+on a GPU is. Each row is one run's median over repeats of timeit's per-call us; the printout, each piece's median
+over the runs. Run it with the package of
 the commit to measure on PYTHONPATH (a copy without .git: set CS336_GIT_COMMIT); kernels/NOTES.md, "Host floor".
 """
 
@@ -74,7 +75,7 @@ def pieces() -> dict[str, float]:
         args, grid, options = bwd.kernel_launch(q, k, v, do, k, v, dq_acc, lse2, lse2, True, 0.1)
         rows["launch_main"] = per_call_us(lambda: bwd._LAUNCHER(grid, *args, fast_launch=True, **options), 2000)
         pre = (o, do, lse, lse2, lse2, *o.stride(), *do.stride(), SHAPE[1], SHAPE[2], 64)
-        if "ACC" in bwd._PREPROCESS.names:  # the preprocessing zeroes dQ's accumulator (since b53beba)
+        if "ACC" in bwd._PREPROCESS.names:  # the preprocessing zeroes dQ's accumulator (since 20d5a66)
             pre = (*pre[:5], dq_acc, *pre[5:13], *dq_acc.stride(), *pre[13:])
         rows["launch_preprocess"] = per_call_us(
             lambda: bwd._PREPROCESS((1, 2), *pre, HEAD_DIM=SHAPE[3], BLOCK=64, fast_launch=True), 2000)
