@@ -103,20 +103,14 @@ TILE_OVERHEAD_STEPS = 1
 H100_SMS = 132  # an H100 SXM's SMs: the persistent grid of a compile without a GPU (bench.flash_gluon_resources)
 
 
-# Widths of the second S GEMM of a step (GluonTile.key_tail): powers of two, as a Gluon tensor's shape must be.
-KEY_TAILS = (16, 32, 64)
-
-
 @dataclass(frozen=True)
 class GluonTile:
     """One program's shape and resources. block_m: query rows per consumer warpgroup (128 spills, as the probe
-    found); block_n: keys per step, = CONSUMERS * block_m (the rows: the causal masking relies on it) or the rows
-    plus a tail of KEY_TAILS keys, whose scores a second, narrower S GEMM computes in the same step (non-causal only:
-    FlashAttention-3 steps 176 keys at d=128 non-causal); num_slots: K/V ring depth (shared memory: 2 Q sub-tiles
-    plus 2 x num_slots key steps); registers: per consumer thread and per producer thread after setmaxnreg, with
-    maxnreg the kernel-wide cap they are carved from. persistent: one program per SM walking a static schedule of
-    tiles (persistent_schedule), O stored from buffers of its own so the next tile's Q loads under this one's last
-    P V and epilogue; else one program per tile."""
+    found); block_n: keys per step (= CONSUMERS * block_m, which the causal masking relies on); num_slots: K/V
+    ring depth (shared memory: 2 Q sub-tiles plus 2 x num_slots key tiles); registers: per consumer thread and
+    per producer thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from. persistent: one
+    program per SM walking a static schedule of tiles (persistent_schedule), O stored from buffers of its own so
+    the next tile's Q loads under this one's last P V and epilogue; else one program per tile."""
 
     head_dim: int
     block_m: int = 64
@@ -128,24 +122,12 @@ class GluonTile:
     persistent: bool = False
 
     def __post_init__(self):
-        if self.key_tail not in (0, *KEY_TAILS):
-            raise ValueError(f"{self}: block_n must be {CONSUMERS} x block_m (only the last key tile is masked), "
-                             f"or that plus one of {KEY_TAILS} keys (non-causal only)")
+        if self.block_n != CONSUMERS * self.block_m:
+            raise ValueError(f"{self}: block_n must be {CONSUMERS} x block_m (only the last key tile is masked)")
 
     @property
     def rows(self) -> int:
         return CONSUMERS * self.block_m
-
-    @property
-    def key_tail(self) -> int:
-        """Keys per step beyond the rows: the second S GEMM's width (0: none)."""
-        return self.block_n - self.rows
-
-    @property
-    def key_box(self) -> int:
-        """Rows of K's and V's TMA box: a whole step, or (a step with a tail) the tail, block_n / key_tail times
-        (a box's shape must be a power of two)."""
-        return self.key_tail or self.block_n
 
     def shared_bytes(self, element_size: int = 2) -> int:
         """Tiles only (the barriers add a few hundred bytes): Q, (persistent) O, and the K/V ring."""
@@ -301,58 +283,35 @@ def _walk(sched):
     return gl.load(sched + pid), gl.load(sched + pid + 1), sched + gl.num_programs(0) + 1
 
 
-@gluon.constexpr_function
-def _key_tail(ring_rows, tail_ring_rows):
-    """Keys per step beyond the first S GEMM's (GluonTile.key_tail) from the two rings' rows: the tail ring's, or 0
-    where there is no tail ring (it is the main ring, and a tail is always shorter than the rows)."""
-    return tail_ring_rows if tail_ring_rows < ring_rows else 0
-
-
 @gluon.jit
-def _load_keys(desc, b, h, row, bar, slot, tslot, TAIL: gl.constexpr):
-    """One key step's rows of K or V, from `row` on, into a ring slot (and, TAIL > 0, the tail ring's slot): one
-    TMA box, or (with a tail, whose box the descriptor's is) one box per slice of the slot and one for the tail."""
-    BA: gl.constexpr = slot.shape[2]
-    if TAIL == 0:
-        tma.async_copy_global_to_shared(desc, [b, h, row, 0], bar, slot)
-    else:
-        for c in gl.static_range(BA // TAIL):
-            tma.async_copy_global_to_shared(desc, [b, h, row + c * TAIL, 0], bar, slot.slice(c * TAIL, TAIL, dim=2))
-        tma.async_copy_global_to_shared(desc, [b, h, row + BA, 0], bar, tslot)
-
-
-@gluon.jit
-def _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready,
-               k_empty, v_empty, b, h, q_row, n_blk, idx, phase, q_phase):
+def _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+               b, h, q_row, n_blk, idx, phase, q_phase):
     """The producer's loads of one tile: its two Q sub-tiles once both consumers released the last ones (a fresh
     barrier passes the first wait), then its key tiles into the ring, which continues from the last tile's slot."""
     NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = desc_q.block_type.shape[2]
-    TAIL: gl.constexpr = _key_tail(k_ring.shape[3], kt_ring.shape[3])
-    BN: gl.constexpr = k_ring.shape[3] + TAIL
-    BOXES: gl.constexpr = BN // desc_k.block_type.shape[2]  # TMA boxes a key step takes
+    BN: gl.constexpr = desc_k.block_type.shape[2]
     mbarrier.wait(q_empty, q_phase)
     mbarrier.expect(q_ready, _CONSUMERS * desc_q.block_type.nbytes)
     for c in gl.static_range(_CONSUMERS):
         tma.async_copy_global_to_shared(desc_q, [b, h, q_row + c * BM, 0], q_ready, q_smem.index(c))
     for j in range(n_blk):
         mbarrier.wait(k_empty.index(idx), phase)
-        # a box past the end still counts whole
-        mbarrier.expect(k_ready.index(idx), BOXES * desc_k.block_type.nbytes)
-        _load_keys(desc_k, b, h, j * BN, k_ready.index(idx), k_ring.index(idx), kt_ring.index(idx), TAIL)
+        mbarrier.expect(k_ready.index(idx), desc_k.block_type.nbytes)  # a box past the end still counts whole
+        tma.async_copy_global_to_shared(desc_k, [b, h, j * BN, 0], k_ready.index(idx), k_ring.index(idx))
         mbarrier.wait(v_empty.index(idx), phase)
-        mbarrier.expect(v_ready.index(idx), BOXES * desc_v.block_type.nbytes)
-        _load_keys(desc_v, b, h, j * BN, v_ready.index(idx), v_ring.index(idx), vt_ring.index(idx), TAIL)
+        mbarrier.expect(v_ready.index(idx), desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_v, [b, h, j * BN, 0], v_ready.index(idx), v_ring.index(idx))
         idx, phase = _next_slot(idx, phase, NUM)
     return idx, phase, q_phase ^ 1
 
 
 @gluon.jit
-def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready,
-              k_empty, v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL: gl.constexpr,
-              PERSISTENT: gl.constexpr):
+def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group,
+              IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
     ROWS: gl.constexpr = _CONSUMERS * desc_q.block_type.shape[2]
-    BN: gl.constexpr = k_ring.shape[3] + _key_tail(k_ring.shape[3], kt_ring.shape[3])
+    BN: gl.constexpr = desc_k.block_type.shape[2]
     # the slots and Q start out free: a fresh mbarrier passes a wait on parity 1 (run-time values, as _consumer's)
     idx = gl.to_tensor(0)
     phase = gl.to_tensor(1)
@@ -362,14 +321,14 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, kt_ring, vt_ring, 
         for i in range(first, last):
             b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
                                               group, ROWS, BN, IS_CAUSAL)
-            idx, phase, q_phase = _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready,
-                                             q_empty, k_ready, v_ready, k_empty, v_empty, b, h, q_row, n_blk, idx,
-                                             phase, q_phase)
+            idx, phase, q_phase = _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty,
+                                             k_ready, v_ready, k_empty, v_empty, b, h, q_row, n_blk, idx, phase,
+                                             q_phase)
     else:
         b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
                                           ROWS, BN, IS_CAUSAL)
-        _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready,
-                   k_empty, v_empty, b, h, q_row, n_blk, idx, phase, q_phase)
+        _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                   v_empty, b, h, q_row, n_blk, idx, phase, q_phase)
 
 
 @gluon.jit
@@ -384,137 +343,63 @@ def _mask_scores(s, offs_m, start_n, n_keys, IS_CAUSAL: gl.constexpr, FILL: gl.c
 
 
 @gluon.jit
-def _row_to(x, like):
-    """A per-row vector of one NVMMA accumulator in the row layout of another (`like`): the same threads hold the
-    same rows whatever the instruction's width, so this moves no data."""
-    return gl.convert_layout(x, gl.SliceLayout(1, like.type.layout))
-
-
-@gluon.jit
-def _softmax_step(s, st, m_i, l_i, qk_scale, EXACT: gl.constexpr, TAIL: gl.constexpr):
-    """Online softmax of one step's scores, s (and, TAIL > 0, st: the step's last TAIL keys; else st is s and
-    unused): P (and the tail's P), the new running max and sum, and alpha, the factor that brings O to the new max.
-    The max is kept in the log2 domain (scaled by qk_scale)."""
+def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
+    """Online softmax of one score tile: P, the new running max and sum, and alpha, the factor that brings O to
+    the new max. The max is kept in the log2 domain (scaled by qk_scale)."""
     if EXACT:  # integer arithmetic only; alpha is 1 at run time but not foldable, like the real rescale
         p = s - gl.floor(s * 0.125) * 8.0
-        row_max = gl.max(p, axis=1)
-        if TAIL > 0:
-            pt = st - gl.floor(st * 0.125) * 8.0
-            row_max = gl.maximum(row_max, _row_to(gl.max(pt, axis=1), s))
-        m_new = gl.maximum(m_i, row_max)
+        m_new = gl.maximum(m_i, gl.max(p, axis=1))
         alpha = gl.where(m_new > 1.0e30, 0.5, 1.0)
     else:
-        row_max = gl.max(s, axis=1)
-        if TAIL > 0:
-            row_max = gl.maximum(row_max, _row_to(gl.max(st, axis=1), s))
-        m_new = gl.maximum(m_i, row_max * qk_scale)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - m_new[:, None])
-        if TAIL > 0:
-            pt = gl.exp2(st * qk_scale - _row_to(m_new, st)[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    if TAIL > 0:
-        l_i += _row_to(gl.sum(pt, axis=1), s)
-    else:
-        pt = p
-    return p, pt, m_new, l_i, alpha
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit
-def _issue_scores(q, slot, tslot, s_shape, t_shape, TAIL: gl.constexpr):
-    """S = Q K^T of one key slot, async: one wgmma, and (TAIL > 0) a second, narrower one over the tail ring's slot.
-    Returns (S, the tail's S, or S again)."""
-    s = warpgroup_mma(q, slot.permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    if TAIL > 0:
-        st = warpgroup_mma(q, tslot.permute((1, 0)), t_shape, use_acc=False, is_async=True)
-    else:
-        st = s
-    return s, st
-
-
-@gluon.jit
-def _issue_pv(p_op, pt_op, slot, tslot, acc, TAIL: gl.constexpr):
-    """acc += P V of one value slot, async, and (TAIL > 0) the tail's P times the tail ring's slot."""
-    acc = warpgroup_mma(p_op, slot, acc, is_async=True)
-    if TAIL > 0:
-        acc = warpgroup_mma(pt_op, tslot, acc, is_async=True)
-    return acc
-
-
-@gluon.jit
-def _wait_scores(s, st, PENDING: gl.constexpr, TAIL: gl.constexpr):
-    """S (and the tail's) retired, with PENDING later wgmmas (P V's: one, or two with a tail) still allowed to run."""
-    if TAIL > 0:
-        s, st = warpgroup_mma_wait(2 * PENDING, deps=(s, st))
-    else:
-        s = warpgroup_mma_wait(PENDING, deps=(s, ))
-        st = s
-    return s, st
-
-
-@gluon.jit
-def _to_operands(p, pt, p_layout: gl.constexpr, dtype: gl.constexpr, TAIL: gl.constexpr):
-    """P (and the tail's) in 16 bits as the register A operands of P V."""
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    if TAIL > 0:
-        pt_op = gl.convert_layout(pt.to(dtype), p_layout)
-    else:
-        pt_op = p_op
-    return p_op, pt_op
-
-
-@gluon.jit
-def _key_step(q, k_ring, v_ring, kt_ring, vt_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, pt_op,
-              m_i, l_i, alpha, idx, phase, turn_phase, s_shape, t_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, LAST: gl.constexpr):
+def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+              phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              EXACT: gl.constexpr, LAST: gl.constexpr):
     """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
     Slot idx holds tile j-1 (its V is read here), the next slot tile j. LAST: the tile's last key tile, masked,
     whose S is the last read of Q (released here, so the producer can load the next tile's while P V runs)."""
     NUM: gl.constexpr = k_ring.shape[0]
-    BA: gl.constexpr = k_ring.shape[3]
-    TAIL: gl.constexpr = _key_tail(k_ring.shape[3], kt_ring.shape[3])
-    BN: gl.constexpr = BA + TAIL
+    BN: gl.constexpr = k_ring.shape[3]
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     nidx, nphase = _next_slot(idx, phase, NUM)
     mbarrier.wait(turn.index(CID), turn_phase)
     mbarrier.wait(k_ready.index(nidx), nphase)
-    s, st = _issue_scores(q, _as_2d(k_ring, nidx), _as_2d(kt_ring, nidx), s_shape, t_shape, TAIL)
+    s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
-    acc = _issue_pv(p_op, pt_op, _as_2d(v_ring, idx), _as_2d(vt_ring, idx), acc, TAIL)
+    acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
     mbarrier.arrive(turn.index(1 - CID), count=1)
-    s, st = _wait_scores(s, st, 1, TAIL)  # S(j) retired; P V may still run
+    s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
     mbarrier.arrive(k_empty.index(nidx), count=1)
     if LAST:
         mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
-        if TAIL > 0:
-            st = _mask_scores(st, _row_to(offs_m, st), j * BN + BA, n_keys, IS_CAUSAL, FILL)
-    p, pt, m_i, l_i, alpha = _softmax_step(s, st, m_i, l_i, qk_scale, EXACT, TAIL)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
-    p_layout: gl.constexpr = p_op.type.layout
-    dtype: gl.constexpr = p_op.dtype
-    p_op, pt_op = _to_operands(p, pt, p_layout, dtype, TAIL)  # only now: the P V that read p_op has retired
-    return acc, p_op, pt_op, m_i, l_i, alpha, nidx, nphase, turn_phase ^ 1
+    p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
+    return acc, p_op, m_i, l_i, alpha, nidx, nphase, turn_phase ^ 1
 
 
 @gluon.jit
-def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                 v_empty, turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
                  CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
     """One consumer's 64 rows of one tile, from Q's arrival to O's store. The barrier state (idx, phase: the
-    ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next.
-    A key step is the program's rows wide (BA keys), or BA + TAIL keys (GluonTile.key_tail, non-causal only)."""
+    ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next."""
     NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = q_smem.shape[3]
-    BA: gl.constexpr = k_ring.shape[3]  # = the rows, _CONSUMERS * BM
-    TAIL: gl.constexpr = _key_tail(k_ring.shape[3], kt_ring.shape[3])
-    gl.static_assert(TAIL == 0 or not IS_CAUSAL, "a key tail (block_n > rows) is non-causal only")
+    BN: gl.constexpr = k_ring.shape[3]
     D: gl.constexpr = q_smem.shape[4]
     dtype: gl.constexpr = desc_o.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BA, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -523,13 +408,7 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_rea
     q = _as_2d(q_smem, CID)
     row0 = q_row + CID * BM
     offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
-    s_shape = gl.zeros([BM, BA], gl.float32, s_layout)  # only gives S its layout (use_acc=False)
-    if TAIL > 0:
-        t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, TAIL, 16])
-        t_shape = gl.zeros([BM, TAIL], gl.float32, t_layout)
-    else:
-        t_shape = s_shape
+    s_shape = gl.zeros([BM, BN], gl.float32, s_layout)  # only gives S its layout (use_acc=False)
     acc = gl.zeros([BM, D], gl.float32, o_layout)
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
@@ -539,34 +418,30 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_rea
     idx, phase = _next_slot(idx, phase, NUM)
     mbarrier.wait(turn.index(CID), turn_phase)
     mbarrier.wait(k_ready.index(idx), phase)
-    s, st = _issue_scores(q, _as_2d(k_ring, idx), _as_2d(kt_ring, idx), s_shape, t_shape, TAIL)
+    s = warpgroup_mma(q, _as_2d(k_ring, idx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
     mbarrier.arrive(turn.index(1 - CID), count=1)
-    s, st = _wait_scores(s, st, 0, TAIL)
+    s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(idx), count=1)
     if n_blk == 1:  # the only key tile: its S was the last read of Q
         mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
-        if TAIL > 0:
-            st = _mask_scores(st, _row_to(offs_m, st), BA, n_keys, IS_CAUSAL, FILL)
-    p, pt, m_i, l_i, alpha = _softmax_step(s, st, m_i, l_i, qk_scale, EXACT, TAIL)
-    p_op, pt_op = _to_operands(p, pt, p_layout, dtype, TAIL)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
     turn_phase ^= 1
 
     for j in range(1, n_blk - 1):  # the unmasked tiles
-        acc, p_op, pt_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, kt_ring, vt_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, pt_op,
-            m_i, l_i, alpha, idx, phase, turn_phase, s_shape, t_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL,
-            EXACT, False)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
     if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
-        acc, p_op, pt_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, kt_ring, vt_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, pt_op,
-            m_i, l_i, alpha, idx, phase, turn_phase, s_shape, t_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID,
-            IS_CAUSAL, EXACT, True)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     mbarrier.wait(v_ready.index(idx), phase)
-    acc = _issue_pv(p_op, pt_op, _as_2d(v_ring, idx), _as_2d(vt_ring, idx), acc, TAIL)
+    acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     if not EXACT:
@@ -583,12 +458,12 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_rea
 
 
 @gluon.jit
-def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-              v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, CID: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
+def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
-    BN: gl.constexpr = k_ring.shape[3] + _key_tail(k_ring.shape[3], kt_ring.shape[3])
+    BN: gl.constexpr = k_ring.shape[3]
     # the state before the first tile: "the last key tile read" is the slot before 0, so the first is slot 0 at
     # parity 0; consumer 0's turn barrier was pre-arrived, so both first waits are on parity 0 (run-time values:
     # _next_slot's branch must not see a constant)
@@ -602,15 +477,15 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready,
             b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
                                               group, ROWS, BN, IS_CAUSAL)
             idx, phase, turn_phase, q_phase = _attend_tile(
-                desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                v_empty, turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
-                CID, IS_CAUSAL, EXACT)
+                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
+                IS_CAUSAL, EXACT)
     else:
         b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
                                           ROWS, BN, IS_CAUSAL)
-        _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase,
-                     turn_phase, q_phase, CID, IS_CAUSAL, EXACT)
+        _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+                     CID, IS_CAUSAL, EXACT)
     tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
 
@@ -618,10 +493,9 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready,
 @gluon.jit(do_not_specialize=["H", "batch_heads", "n_queries", "n_keys", "n_q_tiles", "group"])
 def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
                             group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
-                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            KEY_TAIL: gl.constexpr):
+                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
-    BA: gl.constexpr = _CONSUMERS * BM  # keys per step, KEY_TAIL more in a ring of their own (GluonTile.key_tail)
+    BN: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_q.layout)
@@ -629,15 +503,8 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
         o_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_o.layout)
     else:
         o_smem = q_smem
-    # (desc_k's box is the tail's where there is one; its layout is the 128-byte swizzle either way)
-    k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BA, D], desc_k.layout)
-    v_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BA, D], desc_v.layout)
-    if KEY_TAIL > 0:
-        kt_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, KEY_TAIL, D], desc_k.layout)
-        vt_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, KEY_TAIL, D], desc_v.layout)
-    else:
-        kt_ring = k_ring
-        vt_ring = v_ring
+    k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_k.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -657,15 +524,14 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
     # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
     gl.warp_specialize([
-        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
-                     0, IS_CAUSAL, EXACT, PERSISTENT)),
-        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready, v_ready,
-                     k_empty, v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
-                     1, IS_CAUSAL, EXACT, PERSISTENT)),
-        (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, kt_ring, vt_ring, q_ready, q_empty, k_ready,
-                     v_ready, k_empty, v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL,
-                     PERSISTENT)),
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
+                     EXACT, PERSISTENT)),
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
+                     EXACT, PERSISTENT)),
+        (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
+                     v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -752,9 +618,6 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     tile = tile or tile_for(head_dim)
     if tile.head_dim != head_dim:
         raise ValueError(f"flash_gluon: {tile} is for head dim {tile.head_dim}, the inputs have {head_dim}")
-    if is_causal and tile.key_tail:
-        raise ValueError(f"flash_gluon: {tile} steps {tile.block_n} keys, more than its {tile.rows} rows: causal "
-                         "masking needs block_n == rows (only the last key tile is masked)")
     n_q_tiles = cdiv(n_queries, tile.rows)
     group = min(group or heads_per_group(k.shape[-2], is_causal, tile.persistent), batch * heads)
     n_tiles = n_q_tiles * batch * heads
@@ -763,10 +626,10 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
         sched = _schedule_on(q.device, n_queries, k.shape[-2], batch * heads, group, tile, is_causal, programs)
     else:
         programs, sched = n_tiles, None
-    args = (_descriptor(q, tile.block_m), _descriptor(k, tile.key_box), _descriptor(v, tile.key_box),
+    args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
             _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
             group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
-            tile.consumer_registers, tile.producer_registers, tile.key_tail)
+            tile.consumer_registers, tile.producer_registers)
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
