@@ -25,7 +25,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
 
 from cs336_systems.model.attention import get_attention
 from cs336_systems.provenance import provenance
@@ -33,6 +32,7 @@ from cs336_systems.results import write_rows
 from cs336_systems.timing import bench_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flash_gluon_tile_overhead import kernel_ms  # noqa: E402
 from flash_short_calls import HostFloor, parse_shape, tensors  # noqa: E402
 
 # the 13 points where ours lost to SDPA flash in the f634041 grid (flash_short_calls/lost13/)
@@ -171,21 +171,6 @@ def build():
                        extra_ldflags=["-lcuda"], extra_cflags=["-O2"], verbose=False)
 
 
-def kernel_ms(call, n: int = 10) -> float:
-    """Mean summed device time per call of every kernel (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            call()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / n / 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -208,8 +193,8 @@ def main() -> None:
             return call
 
         calls = {name: both(fn) for name, fn in providers.items()}
-        ours_kernels = kernel_ms(calls["ours"])
-        floor_kernels = kernel_ms(calls["cpp_floor"])
+        ours_kernels = kernel_ms(calls["ours"], "")  # "": every kernel
+        floor_kernels = kernel_ms(calls["cpp_floor"], "")
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
