@@ -25,7 +25,6 @@ import statistics
 import sys
 from pathlib import Path
 
-
 from cs336_systems.model.attention import get_attention
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
