@@ -1,7 +1,9 @@
 """How low a C++ autograd node could take a short attention call (issue #26: "never slower than SDPA flash").
 
     python results/diagnosis/flash_cpp_floor.py --out FILE.csv [--shapes ...] [--rounds N]
-    (needs a C++ compiler, the CUDA headers and ninja: on the GPU machine, pip-install ninja from .whl first)
+    (needs a C++ compiler, the CUDA headers and ninja. The GPU machine has the first two; for ninja, run
+    `pip download ninja` into .whl here (wheels.sh does not fetch it) and carry .whl, then there:
+    `python3 -m pip install -q --no-index --find-links .whl ninja` with the venv's scripts directory on PATH.)
 
 kernels/NOTES.md, "What a short call's host time is made of": at the 13 forward+backward points where ours lost to
 SDPA flash in the f634041 grid, ours' kernels took 0.59-0.78x SDPA flash's device time, but the call's host time
