@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels import flash_dispatch
+from cs336_systems.kernels import flash_dispatch, flash_native
 from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
 from cs336_systems.kernels.launch import FastLauncher, cdiv, layout, next_power_of_2, on_clear
 from cs336_systems.kernels.settings import FlashSettings, flash_settings
@@ -426,9 +426,9 @@ triton.set_allocator(_descriptor_scratch)
 # tile configs: pinned_tiles) drops every plan. Measured in kernels/NOTES.md, "Plan cache (branch h-host2)".
 class _Plan:
     """The launches of one call signature: each `(name, grid, rest, kwargs, bound)` runs as
-    `LAUNCH[name](grid, *tensors, *rest, **kwargs)`, or, where `bound` is `(run, tail)` (the launcher's binary for
-    this layout: fast launch on, on a GPU; tail: `rest`, then the keywords and the values Triton filled in, in
-    signature order), as `run(*tensors, *tail)`."""
+    `LAUNCH[name](grid, *tensors, *rest, **kwargs)`, or, where `bound` is `(run, tail, compiled, launch_grid)` (the
+    launcher's binary for this layout: fast launch on, on a GPU; tail: `rest`, then the keywords and the values
+    Triton filled in, in signature order), as `run(*tensors, *tail)`."""
 
     __slots__ = ("settings", "launches")
 
@@ -449,18 +449,27 @@ class _Plan:
         if self.settings.fast_launch and isinstance(launcher, FastLauncher):
             bound = launcher.bound(grid, (*tensors, *rest), kwargs)
             if bound is not None:  # the binary takes the tensors, then the rest of the positional arguments, then
-                bound = (bound[0], (*rest, *bound[1]))  # the keywords and the values Triton filled in
+                bound = (bound[0], (*rest, *bound[1]), *bound[2:])  # the keywords and the values Triton filled in
             self.launches[index] = (name, grid, rest, kwargs, bound)
 
 
 _FORWARD_PLANS: dict[tuple, _Plan] = {}
 _BACKWARD_PLANS: dict[tuple, _Plan] = {}
+# The backward plans whose dO had O's layout (the common case: a gradient of O's shape from the layers above), by
+# the forward's key (the layout of q, k, v, and is_causal): fa2_launches finds them without O in hand.
+_BACKWARD_PLANS_OF_INPUTS: dict[tuple, _Plan] = {}
+# The tensors each launch takes first, in order (the forward's one launch; the backward's dQ, then dK and dV
+# launch), by flash_native's slot names: the calls below pass them so, and fa2_launches hands these on.
+FORWARD_TENSORS = (("q", "k", "v", "out", "lse"),)
+BACKWARD_TENSORS = (("q", "k", "v", "grad_out", "lse", "out", "delta", "dq"),
+                    ("q", "k", "v", "grad_out", "lse", "delta", "dk", "dv"))
 
 
 def clear_plans() -> None:
     """Forget every plan (each launcher's next call derives its launches again)."""
     _FORWARD_PLANS.clear()
     _BACKWARD_PLANS.clear()
+    _BACKWARD_PLANS_OF_INPUTS.clear()
 
 
 on_clear(clear_plans)
@@ -522,6 +531,9 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
         plan.bind(0, q, k, v, grad_out, lse, out, delta, dq)
         plan.bind(1, q, k, v, grad_out, lse, delta, dk, dv)
         _BACKWARD_PLANS[key] = plan
+        if (grad_out.stride() == out.stride() and lse.is_contiguous()
+                and grad_out.data_ptr() % 16 == 0 == out.data_ptr() % 16 == lse.data_ptr() % 16):
+            _BACKWARD_PLANS_OF_INPUTS[(key[0][:3], is_causal)] = plan
     return dq, dk, dv
 
 
@@ -538,6 +550,25 @@ def _backward_plan(q, k, v, out, grad_out, dq, dk, dv, is_causal: bool, settings
         ("backward_dkdv", lambda meta: (cdiv(p["N_K"], meta["BLOCK_N"]), batch_heads),
          (*strides, *_strides4(dk), *_strides4(dv)), common, None),
     ])
+
+
+def fa2_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
+                 ) -> tuple[list[tuple], list[tuple]] | None:
+    """The FA2 binaries that calls of these inputs run with `settings`, once the forward and the backward (with dO
+    in O's layout) have each run through their plans with fast launch: for each pass, each launch's
+    `(tensor names, compiled, launch_grid, tail)`, the call being `compiled` on `launch_grid` with the named tensors
+    (FORWARD_TENSORS, BACKWARD_TENSORS) and then `tail`. None where either plan is missing or has no binary."""
+    key = (layout(q, k, v), is_causal)
+    forward = _plan_for(_FORWARD_PLANS, key, settings)
+    backward = _plan_for(_BACKWARD_PLANS_OF_INPUTS, key, settings)
+    if forward is None or backward is None:
+        return None
+    passes = []
+    for plan, names in ((forward, FORWARD_TENSORS), (backward, BACKWARD_TENSORS)):
+        if any(bound is None for *_, bound in plan.launches):
+            return None
+        passes.append([(tensors, bound[2], bound[3], bound[1]) for (*_, bound), tensors in zip(plan.launches, names)])
+    return passes[0], passes[1]
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
@@ -631,4 +662,11 @@ class FlashAttentionTriton(torch.autograd.Function):
 
 
 def flash_attention_triton(q, k, v, is_causal: bool = False) -> torch.Tensor:
+    """The `flash_triton` attention backend: FlashAttentionTriton, except that eager calls of a layout whose FA2
+    forward and backward have run go through flash_native's C++ autograd node, which launches the same binaries
+    without Python in the backward (the `native` setting; kernels/NOTES.md, "The C++ node")."""
+    if not torch.compiler.is_compiling():
+        out = flash_native.attention(q, k, v, is_causal, fa2_launches)
+        if out is not None:
+            return out
     return FlashAttentionTriton.apply(q, k, v, is_causal)

@@ -182,17 +182,20 @@ class FastLauncher:
         for callback in _dependents:
             callback()
 
-    def bound(self, grid: Callable[[dict], tuple] | tuple, args: tuple, kwargs: dict) -> tuple[Callable, tuple] | None:
-        """For a call this launcher has run on its fast path: `(run, tail)` such that `run(*args, *tail)` launches
-        it again (tail: the keywords and the values Triton filled in, in signature order), for a caller that keys
-        the call by itself and will pass the same `kwargs`; None where there is no such entry (the public path)."""
+    def bound(self, grid: Callable[[dict], tuple] | tuple, args: tuple, kwargs: dict) -> tuple | None:
+        """For a call this launcher has run on its fast path: `(run, tail, compiled, launch_grid)` such that
+        `run(*args, *tail)` launches it again (tail: the keywords and the values Triton filled in, in signature
+        order), for a caller that keys the call by itself and will pass the same `kwargs`; `compiled` is the binary
+        (Triton's CompiledKernel) and `launch_grid` its 3-d grid, for a caller that launches it by other means
+        (flash_native's C++ node). None where there is no such entry (the public path)."""
         if self.problem is not None or INTERPRET:
             return None
         entry = self.entries.get((self.key(args, kwargs), grid if type(grid) is tuple else None))
         if entry is None:
             return None
-        run, tail = entry
-        return run, tuple([kwargs[name] if from_kwargs else value for name, from_kwargs, value in tail])
+        run, tail, compiled, launch_grid = entry
+        return (run, tuple([kwargs[name] if from_kwargs else value for name, from_kwargs, value in tail]), compiled,
+                launch_grid)
 
     def __call__(self, grid: Callable[[dict], tuple] | tuple, *args, fast_launch: bool | None = None,
                  **kwargs) -> None:
@@ -213,7 +216,7 @@ class FastLauncher:
             compiled = self.kernel[grid](*args, **kwargs)  # tunes, compiles and launches as usual
             self._remember(key, compiled, grid, args, kwargs)
             return
-        run, tail = entry
+        run, tail = entry[0], entry[1]
         # The signature's names after the positional ones, each from the keywords or, for those Triton filled in
         # (tuned tiles, heuristic flags), the value it chose: a call of this key passes the same keywords.
         run(*args, *[kwargs[name] if from_kwargs else value for name, from_kwargs, value in tail])
@@ -230,10 +233,11 @@ class FastLauncher:
             fixed = {name: values[name] for name in self.names if name not in kwargs and name not in
                      self.names[:len(args)]}  # tuned tiles and heuristic flags
             launch_grid = grid(values) if callable(grid) else grid
-            run = lean_runner(compiled, tuple(launch_grid) + (1,) * (3 - len(launch_grid)))
+            launch_grid = tuple(launch_grid) + (1,) * (3 - len(launch_grid))
+            run = lean_runner(compiled, launch_grid)
         except (AttributeError, KeyError, TypeError) as error:
             self.problem = f"reading Triton's state after a launch failed ({type(error).__name__}: {error})"
             _warn_once(self.problem)
             return
         tail = tuple((name, name in kwargs, fixed.get(name)) for name in self.names[len(args):])
-        self.entries[key] = (run, tail)
+        self.entries[key] = (run, tail, compiled, launch_grid)

@@ -8,6 +8,7 @@ effect at the next call), each documented on its field below:
     CS336_FLASH_TMA=0|1               tma           (default 1)
     CS336_FLASH_FORWARD=auto|triton|gluon  forward  (default auto)
     CS336_FLASH_BACKWARD=auto|triton|gluon backward (default auto)
+    CS336_FLASH_NATIVE=0|1            native        (default 1)
 
 From code, `set_flash_settings(FlashSettings(...))` replaces them for the whole process (None goes
 back to the environment) and `use_flash_settings(tma=False, ...)` changes some fields for a `with`
@@ -35,7 +36,8 @@ FORWARDS = ("auto", "triton", "gluon")
 BACKWARDS = ("auto", "triton", "gluon")
 # The environment variable behind each field that has one.
 ENV_VARS = {"fast_launch": "CS336_FLASH_FAST_LAUNCH", "float32_dot": "CS336_FLASH_FLOAT32_DOT",
-            "tma": "CS336_FLASH_TMA", "forward": "CS336_FLASH_FORWARD", "backward": "CS336_FLASH_BACKWARD"}
+            "tma": "CS336_FLASH_TMA", "forward": "CS336_FLASH_FORWARD", "backward": "CS336_FLASH_BACKWARD",
+            "native": "CS336_FLASH_NATIVE"}
 # The allowed values of each text field.
 CHOICES = {"float32_dot": FLOAT32_DOTS, "forward": FORWARDS, "backward": BACKWARDS}
 
@@ -68,6 +70,11 @@ class FlashSettings:
         error where it cannot run). Read when the backward runs, which may be on autograd's own thread. The
         Gluon backward's dQ is summed by float32 reduce-adds in arrival order, so it is not bitwise repeatable
         across runs (FA2's is): "triton" where that matters.
+    native: once a layout's FA2 forward and backward have run (and fast_launch is on), the `flash_triton`
+        backend's later calls of that layout go through a C++ autograd node that launches the same binaries
+        (kernels/flash_native.py: it is built on first need and needs a C++ compiler, ninja and CUDA's headers;
+        where it cannot be built the Python Function runs, after one warning). Off, always the Python Function.
+        Both passes' kernels are then fixed when the forward runs.
     """
 
     fast_launch: bool = True
@@ -76,6 +83,7 @@ class FlashSettings:
     tma_min_keys: int = 16384
     forward: str = "auto"
     backward: str = "auto"
+    native: bool = True
 
     def __post_init__(self):
         for field, choices in CHOICES.items():

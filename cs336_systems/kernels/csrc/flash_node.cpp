@@ -1,0 +1,202 @@
+// The FA2 attention's autograd node in C++ (built and driven by kernels/flash_native.py).
+//
+// At host-bound calls (a few hundred microseconds of forward+backward) a Python autograd.Function costs more than
+// the kernels: the engine runs its Python backward on autograd's device thread, where every Python line costs
+// 1.5-2.4x what it costs on the calling thread (kernels/NOTES.md, "What a short call's host time is made of").
+// This node does what flash_triton's per-layout plans do, in C++: it allocates the outputs and launches the
+// binaries Triton compiled for the layout, with the arguments Triton would pass, through cuLaunchKernel. Its
+// backward runs no Python at all.
+//
+// What it launches comes from Python, per layout: each Launch holds a CUfunction (Triton's loaded binary), the
+// grid, the block and shared-memory sizes, and the kernel's parameters as bytes, where the pointer parameters name
+// one of the call's tensors (`Slot`) and are written in at each launch. flash_native.py reads those from Triton's
+// compiled kernels; this file knows nothing of Triton.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <dlfcn.h>
+#include <torch/extension.h>
+
+#include <array>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+// The tensors of one call. The forward has the first five; the backward all of them.
+enum Slot : int { Q, K, V, OUT, LSE, GRAD_OUT, DELTA, DQ, DK, DV, SLOTS };
+using Tensors = std::array<at::Tensor, SLOTS>;
+
+// cuLaunchKernel from the driver library the process has loaded (torch and Triton load libcuda.so.1), so that the
+// build needs CUDA's headers but links nothing of it.
+struct Driver {
+  decltype(&cuLaunchKernel) launch;
+  decltype(&cuGetErrorString) error_string;
+};
+
+const Driver& driver() {
+  static const Driver loaded = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(library != nullptr, "flash_node: cannot open libcuda.so.1: ", dlerror());
+    Driver found{reinterpret_cast<decltype(&cuLaunchKernel)>(dlsym(library, "cuLaunchKernel")),
+                 reinterpret_cast<decltype(&cuGetErrorString)>(dlsym(library, "cuGetErrorString"))};
+    TORCH_CHECK(found.launch != nullptr && found.error_string != nullptr,
+                "flash_node: libcuda.so.1 has no cuLaunchKernel or cuGetErrorString");
+    return found;
+  }();
+  return loaded;
+}
+
+// Big enough for the FA2 kernels' ~45 parameters (at most 8 bytes each); Launch's constructor checks.
+constexpr size_t kMaxParams = 96;
+constexpr size_t kMaxParamBytes = 768;
+
+// One kernel launch of a fixed layout.
+class Launch {
+ public:
+  // `params`: the parameters' bytes, back to back, each at `offsets[i]`; `pointer_params[j]` (an index into
+  // `offsets`) takes the data pointer of the call's tensor `pointer_slots[j]`.
+  Launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared_bytes, const std::string& params,
+         std::vector<int64_t> offsets, std::vector<int64_t> pointer_params, std::vector<int64_t> pointer_slots)
+      : function_(reinterpret_cast<CUfunction>(function)),
+        threads_(static_cast<unsigned>(threads)),
+        shared_bytes_(static_cast<unsigned>(shared_bytes)),
+        params_(params),
+        offsets_(std::move(offsets)) {
+    TORCH_CHECK(function != 0, "flash_node: Launch needs a loaded CUfunction, got 0");
+    TORCH_CHECK(grid.size() == 3 && grid[0] > 0 && grid[1] > 0 && grid[2] > 0,
+                "flash_node: the grid must be 3 positive sizes, got ", grid);
+    TORCH_CHECK(threads > 0 && threads <= 1024, "flash_node: threads=", threads, " is not 1..1024");
+    TORCH_CHECK(offsets_.size() <= kMaxParams, "flash_node: ", offsets_.size(), " parameters, at most ", kMaxParams);
+    TORCH_CHECK(params_.size() <= kMaxParamBytes, "flash_node: ", params_.size(), " parameter bytes, at most ",
+                kMaxParamBytes);
+    TORCH_CHECK(pointer_params.size() == pointer_slots.size(), "flash_node: ", pointer_params.size(),
+                " pointer parameters but ", pointer_slots.size(), " slots");
+    for (size_t i = 0; i < 3; ++i) grid_[i] = static_cast<unsigned>(grid[i]);
+    for (int64_t offset : offsets_) {
+      TORCH_CHECK(offset >= 0 && static_cast<size_t>(offset) < params_.size(), "flash_node: parameter offset ",
+                  offset, " outside the ", params_.size(), " bytes");
+    }
+    for (size_t j = 0; j < pointer_params.size(); ++j) {
+      TORCH_CHECK(pointer_params[j] >= 0 && static_cast<size_t>(pointer_params[j]) < offsets_.size(),
+                  "flash_node: pointer parameter ", pointer_params[j], " is not one of the ", offsets_.size());
+      TORCH_CHECK(pointer_slots[j] >= 0 && pointer_slots[j] < SLOTS, "flash_node: slot ", pointer_slots[j],
+                  " is not 0..", SLOTS - 1);
+      size_t offset = static_cast<size_t>(offsets_[pointer_params[j]]);
+      TORCH_CHECK(offset + sizeof(CUdeviceptr) <= params_.size(), "flash_node: pointer parameter ", pointer_params[j],
+                  " does not fit in the parameter bytes");
+      pointers_.push_back({offset, static_cast<Slot>(pointer_slots[j])});
+    }
+  }
+
+  void run(const Tensors& tensors, CUstream stream) const {
+    alignas(16) unsigned char bytes[kMaxParamBytes];
+    void* params[kMaxParams];
+    std::memcpy(bytes, params_.data(), params_.size());
+    for (const Pointer& pointer : pointers_) {
+      auto address = reinterpret_cast<CUdeviceptr>(tensors[pointer.slot].data_ptr());
+      std::memcpy(bytes + pointer.offset, &address, sizeof(address));
+    }
+    for (size_t i = 0; i < offsets_.size(); ++i) params[i] = bytes + offsets_[i];
+    CUresult result = driver().launch(function_, grid_[0], grid_[1], grid_[2], threads_, 1, 1, shared_bytes_, stream,
+                                      params, nullptr);
+    if (result != CUDA_SUCCESS) {
+      const char* text = nullptr;
+      driver().error_string(result, &text);
+      TORCH_CHECK(false, "flash_node: cuLaunchKernel failed: ", text ? text : "unknown error", " (", result, ")");
+    }
+  }
+
+ private:
+  struct Pointer {
+    size_t offset;
+    Slot slot;
+  };
+  CUfunction function_;
+  std::array<unsigned, 3> grid_{};
+  unsigned threads_;
+  unsigned shared_bytes_;
+  std::string params_;
+  std::vector<int64_t> offsets_;
+  std::vector<Pointer> pointers_;
+};
+
+// The launches of one call layout: the forward's, then the backward's in order.
+struct Plan : torch::CustomClassHolder {
+  Plan(std::vector<Launch> forward, std::vector<Launch> backward)
+      : forward(std::move(forward)), backward(std::move(backward)) {}
+  std::vector<Launch> forward;
+  std::vector<Launch> backward;
+};
+
+CUstream current_stream(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
+}
+
+// O and L as flash_triton's forward allocates them: O in q's layout, L float32 and contiguous, q.shape[:-1].
+at::Tensor rows_of(const at::Tensor& q) {
+  return at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
+}
+
+class FlashNode : public torch::autograd::Function<FlashNode> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                            const at::Tensor& v, const c10::intrusive_ptr<Plan>& plan) {
+    c10::cuda::CUDAGuard guard(q.device());
+    Tensors t;
+    t[Q] = q, t[K] = k, t[V] = v;
+    t[OUT] = at::empty_like(q);
+    t[LSE] = rows_of(q);
+    CUstream stream = current_stream(q);
+    for (const Launch& launch : plan->forward) launch.run(t, stream);
+    ctx->save_for_backward({q, k, v, t[OUT], t[LSE]});
+    ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
+    return t[OUT];
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    at::Tensor grad = grads[0];
+    if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    auto plan = c10::static_intrusive_pointer_cast<Plan>(ctx->saved_data["plan"].toCapsule());
+    Tensors t;
+    t[Q] = saved[0], t[K] = saved[1], t[V] = saved[2], t[OUT] = saved[3], t[LSE] = saved[4];
+    c10::cuda::CUDAGuard guard(t[Q].device());
+    // The backward binaries were compiled for dO in O's layout, 16-byte aligned (Triton specialises pointers on
+    // it): any other dO (an expanded ones tensor, a strided view) is copied into that layout first.
+    if (!grad.strides().equals(t[OUT].strides()) || reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
+      grad = at::empty_like(t[OUT]).copy_(grad);
+    }
+    t[GRAD_OUT] = grad;
+    t[DELTA] = rows_of(t[Q]);
+    t[DQ] = at::empty_like(t[Q]);
+    t[DK] = at::empty_like(t[K]);
+    t[DV] = at::empty_like(t[V]);
+    CUstream stream = current_stream(t[Q]);
+    for (const Launch& launch : plan->backward) launch.run(t, stream);
+    return {t[DQ], t[DK], t[DV], at::Tensor()};
+  }
+};
+
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const c10::intrusive_ptr<Plan>& plan) {
+  return FlashNode::apply(q, k, v, plan);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "The FA2 attention's autograd node in C++ (kernels/flash_native.py)";
+  py::class_<Launch>(m, "Launch")
+      .def(py::init<int64_t, std::vector<int64_t>, int64_t, int64_t, const std::string&, std::vector<int64_t>,
+                    std::vector<int64_t>, std::vector<int64_t>>(),
+           py::arg("function"), py::arg("grid"), py::arg("threads"), py::arg("shared_bytes"), py::arg("params"),
+           py::arg("offsets"), py::arg("pointer_params"), py::arg("pointer_slots"));
+  py::class_<Plan, c10::intrusive_ptr<Plan>>(m, "Plan")
+      .def(py::init<std::vector<Launch>, std::vector<Launch>>(), py::arg("forward"), py::arg("backward"));
+  m.def("flash_attention", &flash_attention, "O of q, k, v through the plan's launches, with the C++ backward",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("plan"));
+  m.attr("SLOTS") = py::make_tuple("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv");
+}
