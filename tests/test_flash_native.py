@@ -125,17 +125,18 @@ def default_settings(monkeypatch):
     set_flash_settings(None)
 
 
-def _leaves(shape_q, shape_k, dtype, seed, model_layout=False):
+def _leaves(shape_q, shape_k, dtype, seed, model_layout=False, contiguous_grad=False):
     gen = torch.Generator().manual_seed(seed)
 
     def draw(shape):
         if model_layout:  # (batch, seq, heads, dim) viewed as (batch, heads, seq, dim)
             b, h, n, d = shape
-            return torch.randn(b, n, h, d, generator=gen).to("cuda", dtype).transpose(1, 2).requires_grad_()
-        return torch.randn(*shape, generator=gen).to("cuda", dtype).requires_grad_()
+            return torch.randn(b, n, h, d, generator=gen).to("cuda", dtype).transpose(1, 2)
+        return torch.randn(*shape, generator=gen).to("cuda", dtype)
 
-    q, k, v = draw(shape_q), draw(shape_k), draw(shape_k)
-    return q, k, v, torch.randn(q.shape, generator=gen).to("cuda", dtype)
+    q, k, v = (draw(shape).requires_grad_() for shape in (shape_q, shape_k, shape_k))
+    # dO in O's layout, as the layers above hand it back, or contiguous (as flash_llm_shapes makes it)
+    return q, k, v, draw(shape_q).contiguous() if contiguous_grad else draw(shape_q)
 
 
 def _run(fn, q, k, v, do, causal):
@@ -152,22 +153,25 @@ def _warm(q, k, v, do, causal):
     _run(flash_triton.flash_attention_triton, q, k, v, do, causal)
 
 
-CASES = [  # (q shape, k shape, dtype, causal, model layout)
-    ((2, 3, 100, 64), (2, 3, 100, 64), torch.bfloat16, True, False),
-    ((1, 4, 77, 128), (1, 4, 130, 128), torch.float16, False, False),
-    ((2, 4, 64, 64), (2, 4, 64, 64), torch.bfloat16, True, True),
-    ((1, 2, 50, 32), (1, 2, 50, 32), torch.float32, True, False),
-    ((3, 90, 64), (3, 90, 64), torch.bfloat16, False, False),
+CASES = [  # (q shape, k shape, dtype, causal, model layout, contiguous dO)
+    ((2, 3, 100, 64), (2, 3, 100, 64), torch.bfloat16, True, False, False),
+    ((1, 4, 77, 128), (1, 4, 130, 128), torch.float16, False, False, False),
+    ((2, 4, 64, 64), (2, 4, 64, 64), torch.bfloat16, True, True, False),
+    ((2, 4, 96, 128), (2, 4, 96, 128), torch.bfloat16, False, True, True),
+    ((1, 2, 50, 32), (1, 2, 50, 32), torch.float32, True, False, False),
+    ((3, 90, 64), (3, 90, 64), torch.bfloat16, False, False, False),
 ]
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape_q, shape_k, dtype, causal, model_layout", CASES)
-def test_the_node_gives_the_python_paths_results(default_settings, shape_q, shape_k, dtype, causal, model_layout):
-    q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=0, model_layout=model_layout)
+@pytest.mark.parametrize("shape_q, shape_k, dtype, causal, model_layout, contiguous_grad", CASES)
+def test_the_node_gives_the_python_paths_results(default_settings, shape_q, shape_k, dtype, causal, model_layout,
+                                                 contiguous_grad):
+    layouts = dict(model_layout=model_layout, contiguous_grad=contiguous_grad)
+    q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=0, **layouts)
     _warm(q, k, v, do, causal)
-    q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=1, model_layout=model_layout)  # fresh inputs, same layout
+    q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=1, **layouts)  # fresh inputs, same layout
     out, grads, node = _run(flash_triton.flash_attention_triton, q, k, v, do, causal)
     assert "FlashNode" in node, f"the second call of the layout did not take the C++ node ({node})"
     want_out, want_grads, python = _run(flash_triton.FlashAttentionTriton.apply, q, k, v, do, causal)

@@ -16,10 +16,11 @@ turns each launch into a C++ `Launch`:
 - the pointer parameters named by tensor slot, written in at each launch.
 From then on, calls of that layout run through the C++ node: it allocates O and L (and in the backward D, dQ, dK,
 dV) as the Python launchers do and launches the same binaries with the same arguments, so the results are the
-Python path's bit for bit (tests/test_flash_native.py).
+Python path's bit for bit (tests/test_flash_native.py). The backward's binaries were made for the dO layout of the
+backward that planned them (O's, or contiguous); a dO of another layout is copied into that one first.
 
 Where the Python Function still runs (same kernels): compiled graphs (torch.compile sees the custom ops); a layout's
-first calls, until its FA2 forward and backward (with dO in O's layout) have run once; the calls the Gluon kernels take
+first calls, until its FA2 forward and a backward (with a dO in O's layout or contiguous) have run once; the calls the Gluon kernels take
 (device-bound, and their TMA descriptors would have to be encoded here); kernels that need scratch memory (FA2's
 forward with device-side TMA descriptors, from `tma_min_keys` keys); fast launch off or a Triton release the fast
 path was not checked against (no binaries are kept then); the `native` setting off (CS336_FLASH_NATIVE=0); and where
@@ -187,8 +188,9 @@ def _decide(q, k, v, is_causal: bool, settings: FlashSettings, launches_of: Laun
     module, problem = native_module()
     if module is not None:
         try:
-            forward, backward = ([make_launch(module, *launch) for launch in passes] for passes in launches)
-            return _Node(settings, module.Plan(forward=forward, backward=backward), pending=False)
+            forward, backward = ([make_launch(module, *launch) for launch in passes] for passes in launches[:2])
+            plan = module.Plan(forward=forward, backward=backward, grad_strides=list(launches[2]))
+            return _Node(settings, plan, pending=False)
         except ValueError as error:
             problem = str(error)
     if problem not in _warned:

@@ -455,9 +455,10 @@ class _Plan:
 
 _FORWARD_PLANS: dict[tuple, _Plan] = {}
 _BACKWARD_PLANS: dict[tuple, _Plan] = {}
-# The backward plans whose dO had O's layout (the common case: a gradient of O's shape from the layers above), by
-# the forward's key (the layout of q, k, v, and is_causal): fa2_launches finds them without O in hand.
-_BACKWARD_PLANS_OF_INPUTS: dict[tuple, _Plan] = {}
+# By the forward's key (the layout of q, k, v, and is_causal): the first backward plan of those inputs whose O and L
+# are as the forward allocates them and whose dO is dense (in O's layout, as the layers above hand it back, or
+# contiguous), with dO's strides: fa2_launches finds it without O in hand.
+_BACKWARD_PLANS_OF_INPUTS: dict[tuple, tuple[_Plan, tuple[int, ...]]] = {}
 # The tensors each launch takes first, in order (the forward's one launch; the backward's dQ, then dK and dV
 # launch), by flash_native's slot names: the calls below pass them so, and fa2_launches hands these on.
 FORWARD_TENSORS = (("q", "k", "v", "out", "lse"),)
@@ -531,9 +532,9 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
         plan.bind(0, q, k, v, grad_out, lse, out, delta, dq)
         plan.bind(1, q, k, v, grad_out, lse, delta, dk, dv)
         _BACKWARD_PLANS[key] = plan
-        if (grad_out.stride() == out.stride() and lse.is_contiguous()
+        if ((grad_out.stride() == out.stride() or grad_out.is_contiguous()) and lse.is_contiguous()
                 and grad_out.data_ptr() % 16 == 0 == out.data_ptr() % 16 == lse.data_ptr() % 16):
-            _BACKWARD_PLANS_OF_INPUTS[(key[0][:3], is_causal)] = plan
+            _BACKWARD_PLANS_OF_INPUTS.setdefault((key[0][:3], is_causal), (plan, grad_out.stride()))
     return dq, dk, dv
 
 
@@ -553,22 +554,23 @@ def _backward_plan(q, k, v, out, grad_out, dq, dk, dv, is_causal: bool, settings
 
 
 def fa2_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
-                 ) -> tuple[list[tuple], list[tuple]] | None:
-    """The FA2 binaries that calls of these inputs run with `settings`, once the forward and the backward (with dO
-    in O's layout) have each run through their plans with fast launch: for each pass, each launch's
-    `(tensor names, compiled, launch_grid, tail)`, the call being `compiled` on `launch_grid` with the named tensors
-    (FORWARD_TENSORS, BACKWARD_TENSORS) and then `tail`. None where either plan is missing or has no binary."""
+                 ) -> tuple[list[tuple], list[tuple], tuple[int, ...]] | None:
+    """The FA2 binaries that calls of these inputs run with `settings`, once the forward and a backward (with a
+    dense dO: _BACKWARD_PLANS_OF_INPUTS) have each run through their plans with fast launch: for each pass, each
+    launch's `(tensor names, compiled, launch_grid, tail)`, the call being `compiled` on `launch_grid` with the named
+    tensors (FORWARD_TENSORS, BACKWARD_TENSORS) and then `tail`; and the strides of the dO the backward's binaries
+    were made for. None where either plan is missing or has no binary."""
     key = (layout(q, k, v), is_causal)
     forward = _plan_for(_FORWARD_PLANS, key, settings)
-    backward = _plan_for(_BACKWARD_PLANS_OF_INPUTS, key, settings)
-    if forward is None or backward is None:
+    backward, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get(key, (None, ()))
+    if forward is None or backward is None or not (backward.settings is settings or backward.settings == settings):
         return None
     passes = []
     for plan, names in ((forward, FORWARD_TENSORS), (backward, BACKWARD_TENSORS)):
         if any(bound is None for *_, bound in plan.launches):
             return None
         passes.append([(tensors, bound[2], bound[3], bound[1]) for (*_, bound), tensors in zip(plan.launches, names)])
-    return passes[0], passes[1]
+    return passes[0], passes[1], grad_strides
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool

@@ -122,12 +122,14 @@ class Launch {
   std::vector<Pointer> pointers_;
 };
 
-// The launches of one call layout: the forward's, then the backward's in order.
+// The launches of one call layout: the forward's, then the backward's in order, and the strides of the dO that
+// the backward's binaries were made for.
 struct Plan : torch::CustomClassHolder {
-  Plan(std::vector<Launch> forward, std::vector<Launch> backward)
-      : forward(std::move(forward)), backward(std::move(backward)) {}
+  Plan(std::vector<Launch> forward, std::vector<Launch> backward, std::vector<int64_t> grad_strides)
+      : forward(std::move(forward)), backward(std::move(backward)), grad_strides(std::move(grad_strides)) {}
   std::vector<Launch> forward;
   std::vector<Launch> backward;
+  std::vector<int64_t> grad_strides;
 };
 
 CUstream current_stream(const at::Tensor& t) {
@@ -164,10 +166,10 @@ class FlashNode : public torch::autograd::Function<FlashNode> {
     Tensors t;
     t[Q] = saved[0], t[K] = saved[1], t[V] = saved[2], t[OUT] = saved[3], t[LSE] = saved[4];
     c10::cuda::CUDAGuard guard(t[Q].device());
-    // The backward binaries were compiled for dO in O's layout, 16-byte aligned (Triton specialises pointers on
+    // The backward binaries were compiled for one dense dO layout, 16-byte aligned (Triton specialises pointers on
     // it): any other dO (an expanded ones tensor, a strided view) is copied into that layout first.
-    if (!grad.strides().equals(t[OUT].strides()) || reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
-      grad = at::empty_like(t[OUT]).copy_(grad);
+    if (!grad.strides().equals(plan->grad_strides) || reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
+      grad = at::empty_strided(grad.sizes(), plan->grad_strides, grad.options()).copy_(grad);
     }
     t[GRAD_OUT] = grad;
     t[DELTA] = rows_of(t[Q]);
@@ -195,7 +197,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("function"), py::arg("grid"), py::arg("threads"), py::arg("shared_bytes"), py::arg("params"),
            py::arg("offsets"), py::arg("pointer_params"), py::arg("pointer_slots"));
   py::class_<Plan, c10::intrusive_ptr<Plan>>(m, "Plan")
-      .def(py::init<std::vector<Launch>, std::vector<Launch>>(), py::arg("forward"), py::arg("backward"));
+      .def(py::init<std::vector<Launch>, std::vector<Launch>, std::vector<int64_t>>(), py::arg("forward"),
+           py::arg("backward"), py::arg("grad_strides"));
   m.def("flash_attention", &flash_attention, "O of q, k, v through the plan's launches, with the C++ backward",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("plan"));
   m.attr("SLOTS") = py::make_tuple("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv");
