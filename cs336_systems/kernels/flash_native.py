@@ -179,7 +179,7 @@ def _fa2_both(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
 def _decide(q, k, v, is_causal: bool, settings: FlashSettings, launches_of: Launches, node: _Node | None) -> _Node:
     """The node of this key now: settled (a plan, or the Python Function for good) or still pending."""
     if node is None:
-        check_inputs(q, k, v, "flash_triton")  # the Python path's errors, before anything reads the shapes
+        check_inputs(q, k, v, "FlashAttentionTriton")  # the Python path's errors, before anything reads shapes
         if not settings.fast_launch or not _fa2_both(q, k, v, is_causal, settings):  # no binaries, or Gluon
             return _Node(settings, None, pending=False)
     launches = launches_of(q, k, v, is_causal, settings)
