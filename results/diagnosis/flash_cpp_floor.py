@@ -172,6 +172,26 @@ def build():
                        extra_ldflags=["-lcuda"], extra_cflags=["-O2"], verbose=False)
 
 
+def forward_backward_calls(providers: dict, q, k, v, do, causal: bool) -> dict:
+    """Per provider, a call of its forward+backward on these inputs that leaves no gradient behind."""
+    def both(fn):
+        def call():
+            fn(q, k, v, causal).backward(do)
+            q.grad = k.grad = v.grad = None
+        return call
+
+    return {name: both(fn) for name, fn in providers.items()}
+
+
+def alternating_rounds(calls: dict, q, k, v, rounds: int) -> tuple[dict, dict]:
+    """Each call's do_bench times in `rounds` alternating rounds (as the grid times a point), and their medians."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            times[name].append(bench_ms(call, q.device, 25, 100, grad_to_none=[q, k, v], min_calls=10))
+    return times, {name: statistics.median(values) for name, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -187,20 +207,10 @@ def main() -> None:
         batch, heads, seq, dim, causal = shape
         q, k, v, do = tensors(batch, heads, seq, dim)
 
-        def both(fn):
-            def call():
-                fn(q, k, v, causal).backward(do)
-                q.grad = k.grad = v.grad = None
-            return call
-
-        calls = {name: both(fn) for name, fn in providers.items()}
+        calls = forward_backward_calls(providers, q, k, v, do, causal)
         ours_kernels = kernel_ms(calls["ours"], "")  # "": every kernel
         floor_kernels = kernel_ms(calls["cpp_floor"], "")
-        times = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                times[name].append(bench_ms(call, q.device, 25, 100, grad_to_none=[q, k, v], min_calls=10))
-        med = {name: statistics.median(values) for name, values in times.items()}
+        times, med = alternating_rounds(calls, q, k, v, args.rounds)
         for name in calls:
             rows.append({"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
                          "variant": name, "bench_ms": med[name], "over_sdpa_flash": med[name] / med["sdpa_flash"],

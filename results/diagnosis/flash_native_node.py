@@ -14,20 +14,17 @@ backend's path before the node), SDPA flash and SDPA cuDNN. Rows go to --out wit
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
-
-import torch
 
 from cs336_systems.kernels.flash_triton import FlashAttentionTriton
 from cs336_systems.model.attention import get_attention
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
-from cs336_systems.timing import bench_ms
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flash_cpp_floor import SHAPES  # noqa: E402  (the 13 points ours lost in the f634041 grid)
+from flash_cpp_floor import SHAPES, alternating_rounds, forward_backward_calls  # noqa: E402  (SHAPES: the 13
+# points ours lost in the f634041 grid)
 from flash_short_calls import parse_shape, tensors  # noqa: E402
 
 
@@ -50,18 +47,8 @@ def main() -> None:
         if "FlashNode" not in out.grad_fn.name():
             raise SystemExit(f"{shape}: the backend did not take the C++ node ({out.grad_fn.name()})")
 
-        def both(fn):
-            def call():
-                fn(q, k, v, causal).backward(do)
-                q.grad = k.grad = v.grad = None
-            return call
-
-        calls = {name: both(fn) for name, fn in providers.items()}
-        times = {name: [] for name in calls}
-        for _ in range(args.rounds):
-            for name, call in calls.items():
-                times[name].append(bench_ms(call, q.device, 25, 100, grad_to_none=[q, k, v], min_calls=10))
-        med = {name: statistics.median(values) for name, values in times.items()}
+        calls = forward_backward_calls(providers, q, k, v, do, causal)
+        times, med = alternating_rounds(calls, q, k, v, args.rounds)
         for name in calls:
             rows.append({"batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
                          "variant": name, "bench_ms": med[name], "over_sdpa_flash": med[name] / med["sdpa_flash"],
