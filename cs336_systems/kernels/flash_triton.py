@@ -455,9 +455,9 @@ class _Plan:
 
 _FORWARD_PLANS: dict[tuple, _Plan] = {}
 _BACKWARD_PLANS: dict[tuple, _Plan] = {}
-# By the forward's key (the layout of q, k, v, and is_causal): the first backward plan of those inputs whose O and L
-# are as the forward allocates them and whose dO is dense (in O's layout, as the layers above hand it back, or
-# contiguous), with dO's strides: fa2_launches finds it without O in hand.
+# By the forward's key (the layout of q, k, v, and is_causal): the first backward plan of those inputs (with the
+# latest settings) whose O and L are as the forward allocates them and whose dO is dense (in O's layout, as the layers
+# above hand it back, or contiguous), with dO's strides: fa2_launches finds it without O in hand.
 _BACKWARD_PLANS_OF_INPUTS: dict[tuple, tuple[_Plan, tuple[int, ...]]] = {}
 # The tensors each launch takes first, in order (the forward's one launch; the backward's dQ, then dK and dV
 # launch), by flash_native's slot names: the calls below pass them so, and fa2_launches hands these on.
@@ -534,7 +534,10 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
         _BACKWARD_PLANS[key] = plan
         if ((grad_out.stride() == out.stride() or grad_out.is_contiguous()) and lse.is_contiguous()
                 and grad_out.data_ptr() % 16 == 0 == out.data_ptr() % 16 == lse.data_ptr() % 16):
-            _BACKWARD_PLANS_OF_INPUTS.setdefault((key[0][:3], is_causal), (plan, grad_out.stride()))
+            inputs_key = (key[0][:3], is_causal)
+            kept = _BACKWARD_PLANS_OF_INPUTS.get(inputs_key)
+            if kept is None or kept[0].settings != settings:  # the first of these settings stays
+                _BACKWARD_PLANS_OF_INPUTS[inputs_key] = (plan, grad_out.stride())
     return dq, dk, dv
 
 
