@@ -18,9 +18,14 @@ import torch
 
 from cs336_systems.kernels import flash_native, flash_triton
 from cs336_systems.kernels.flash_native import TensorSlot, pack_params
-from cs336_systems.kernels.settings import FlashSettings, set_flash_settings
+from cs336_systems.kernels.settings import FlashSettings, flash_settings, set_flash_settings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
 from tests.kernel_devices import INTERPRET
+from tests import test_flash_plans
+from tests.test_flash_plans import _inputs
+
+# test_flash_plans' fixtures: its FA2 plans with pinned tiles, and its launch recorders
+plans, recorded_launches = test_flash_plans.plans, test_flash_plans.recorded_launches
 
 SIGNATURE = ["*bf16", "*fp32", "i32", "constexpr", "i64", "fp32", "i1", "*bf16", "u64", "constexpr", "i16", "fp64"]
 VALUES = [TensorSlot(0), TensorSlot(4), -7, 64, 2**40 + 3, 0.1, True, TensorSlot(7), 2**63 + 5, "tile", 300, 1 / 3]
@@ -90,6 +95,38 @@ def test_the_setting_reads_its_environment_variable():
     assert FlashSettings.from_env({}).native is True
     with pytest.raises(ValueError, match="CS336_FLASH_NATIVE='yes'"):
         FlashSettings.from_env({"CS336_FLASH_NATIVE": "yes"})
+
+
+def test_fa2_launches_name_the_tensors_each_binary_takes(recorded_launches):
+    """What the node is built from, checked against the Python path's own launches (Triton's binaries replaced by
+    recorders, as on a GPU): after a layout's forward and backward, `fa2_launches` gives each binary with the names
+    of the tensors it takes first, in the order the Python launchers pass them, its grid and the rest of its
+    arguments, and dO's strides; None before a backward has run, or for settings no plan was made with."""
+    settings = flash_settings()
+    q, k, v, do = _inputs((2, 3, 20, 24), "cpu")
+    out, lse = flash_triton.flash_forward_triton(q, k, v, True)
+    assert flash_triton.fa2_launches(q, k, v, True, settings) is None  # no backward yet
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    forward, backward, grad_strides = flash_triton.fa2_launches(q, k, v, True, settings)
+    assert grad_strides == do.stride()
+    assert recorded_launches == []  # the first calls took the public path
+    out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # plan hits: the recorders see every launch
+    dq, dk, dv = flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "grad_out": do, "dq": dq, "dk": dk, "dv": dv}
+    delta = recorded_launches[1][1][6]  # the backward's own D, written by the dQ launch and read by the dK dV one
+    named["delta"] = delta
+    assert delta.shape == lse.shape and delta.dtype == torch.float32
+    for (names, _, grid, tail), (launched_grid, args) in zip([*forward, *backward], recorded_launches, strict=True):
+        assert launched_grid == grid
+        assert all(arg is named[name] for name, arg in zip(names, args)), names
+        assert list(args[len(names):]) == list(tail)
+    with use_flash_settings(float32_dot="ieee"):  # another float32 product: other binaries, other plans
+        other = flash_settings()
+        assert flash_triton.fa2_launches(q, k, v, True, other) is None
+        out, lse = flash_triton.flash_forward_triton(q, k, v, True)
+        flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+        assert flash_triton.fa2_launches(q, k, v, True, other) is not None
+    assert flash_triton.fa2_launches(q, k, v, True, settings) is None  # the plans of the old settings are replaced
 
 
 def test_clearing_the_launchers_forgets_the_nodes():

@@ -176,10 +176,11 @@ def test_clearing_a_launcher_drops_every_plan(plans, kernel_device):
     assert not flash_triton._FORWARD_PLANS and not flash_triton._BACKWARD_PLANS
 
 
-def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, monkeypatch):
-    """As on a GPU (fast launch on, no interpreter), with Triton's compiled kernels replaced by recorders: a plan
-    hit hands each of the three binaries (forward; dQ with D, then dK dV) the arguments, in order, and the grid that the
-    FastLauncher's own cached path hands it for the same call, without deriving anything."""
+@pytest.fixture
+def recorded_launches(plans, monkeypatch):
+    """As on a GPU (fast launch on, no interpreter), with Triton's compiled kernels replaced by recorders: the list
+    of (grid, args) of every launch of a compiled kernel (the first call of a layout takes the public path, which
+    launches nothing here)."""
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(flash_triton, "check_kernel_device", lambda t, name: None)  # CPU tensors, in any process
     runs = []
@@ -198,6 +199,13 @@ def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, monkeypat
         if fresh.autotuner is not None:  # the tuned config Triton would have chosen: pinned_tiles' one
             monkeypatch.setattr(fresh.autotuner, "best_config", fresh.autotuner.configs[0], raising=False)
         monkeypatch.setitem(flash_triton.LAUNCH, name, fresh)
+    return runs
+
+
+def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, recorded_launches):
+    """A plan hit hands each of the three binaries (forward; dQ with D, then dK dV) the arguments, in order, and the
+    grid that the FastLauncher's own cached path hands it for the same call, without deriving anything."""
+    runs = recorded_launches
     q, k, v, do = _inputs((2, 3, 20, 24), "cpu")
     out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # first calls: the public path, plans made
     flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
