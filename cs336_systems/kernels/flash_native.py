@@ -124,6 +124,8 @@ def native_module() -> tuple[ModuleType | None, str | None]:
     except Exception as error:  # a missing compiler, ninja or CUDA headers, or a failed build: the Python path runs
         first_line = (str(error).strip().splitlines() or [""])[0]
         return None, f"building {SOURCE.name} failed ({type(error).__name__}: {first_line})"
+    if tuple(module.SLOTS) != SLOTS:  # the two lists of the call's tensors must agree
+        return None, f"{SOURCE.name} numbers the tensors {tuple(module.SLOTS)}, flash_native {SLOTS}"
     return module, None
 
 
