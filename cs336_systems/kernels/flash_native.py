@@ -213,10 +213,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
         return None
     key = (layout(q, k, v), is_causal)
     node = _NODES.get(key)
-    if node is None or node.pending or not (node.settings is settings or node.settings == settings):
-        node = _decide(q, k, v, is_causal, settings, launches_of,
-                       node if node is not None and node.settings == settings else None)
-        _NODES[key] = node
+    current = node is not None and (node.settings is settings or node.settings == settings)
+    if not current or node.pending:
+        node = _NODES[key] = _decide(q, k, v, is_causal, settings, launches_of, node if current else None)
     if node.plan is None:
         return None
     return native_module()[0].flash_attention(q, k, v, node.plan)
