@@ -4,7 +4,7 @@ On the CPU: the parameter packing against ctypes' own layout of the same C param
 cannot pass or launch, the setting, and that the CPU path never takes the node. On a GPU: the node, once a layout's
 FA2 passes have run, gives the Python Function's O, dQ, dK and dV bit for bit (the same binaries with the same
 arguments), on awkward shapes and layouts, with frozen and tied inputs, a dO of another layout, another stream, and
-no gradient at all.
+no gradient at all; and compiled graphs' operators launch through the same plans, with the same results.
 """
 
 from __future__ import annotations
@@ -211,6 +211,11 @@ def test_the_node_gives_the_python_paths_results(default_settings, shape_q, shap
     q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=1, **layouts)  # fresh inputs, same layout
     out, grads, node = _run(flash_triton.flash_attention_triton, q, k, v, do, causal)
     assert "FlashNode" in node, f"the second call of the layout did not take the C++ node ({node})"
+    _assert_python_paths_results(q, k, v, do, causal, out, grads)
+
+
+def _assert_python_paths_results(q, k, v, do, causal, out, grads):
+    """O and the gradients equal the Python Function's bit for bit (values and strides), and are near float64's."""
     want_out, want_grads, python = _run(flash_triton.FlashAttentionTriton.apply, q, k, v, do, causal)
     assert "FlashNode" not in python
     for name, got, want in zip(("O", "dQ", "dK", "dV"), (out, *grads), (want_out, *want_grads)):
@@ -220,9 +225,30 @@ def test_the_node_gives_the_python_paths_results(default_settings, shape_q, shap
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref_out = naive_attention(*ref, causal)
     ref_out.backward(do.double())
-    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    tolerance = 1e-4 if q.dtype == torch.float32 else 3e-2
     for name, got, want in zip(("O", "dQ", "dK", "dV"), (out, *grads), (ref_out, *(t.grad for t in ref))):
         torch.testing.assert_close(got.double(), want, atol=tolerance, rtol=tolerance, msg=name)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape_q, shape_k, dtype, causal, model_layout, contiguous_grad", [CASES[0], CASES[3]])
+def test_compiled_calls_launch_through_the_plan(default_settings, monkeypatch, shape_q, shape_k, dtype, causal,
+                                                model_layout, contiguous_grad):
+    taken = []  # (pass, whether flash_native launched it) for each operator call of the compiled graphs
+    for name in ("forward", "backward"):
+        def spy(*args, _real=getattr(flash_native, name), _name=name):
+            result = _real(*args)
+            taken.append((_name, result is not None))
+            return result
+        monkeypatch.setattr(flash_native, name, spy)
+    compiled = torch.compile(lambda q, k, v, c: flash_triton.flash_attention_triton(q, k, v, c), fullgraph=True)
+    layouts = dict(model_layout=model_layout, contiguous_grad=contiguous_grad)
+    _run(compiled, *_leaves(shape_q, shape_k, dtype, seed=4, **layouts), causal)  # plans the layout in Python
+    q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=5, **layouts)
+    out, grads, _ = _run(compiled, q, k, v, do, causal)
+    assert taken[-2:] == [("forward", True), ("backward", True)], taken
+    _assert_python_paths_results(q, k, v, do, causal, out, grads)
 
 
 @gpu

@@ -19,10 +19,12 @@ dV) as the Python launchers do and launches the same binaries with the same argu
 Python path's bit for bit (tests/test_flash_native.py). The backward's binaries were made for the dO layout of the
 backward that planned them (O's, or contiguous); a dO of another layout is copied into that one first.
 
-Where the Python Function still runs (same kernels): compiled graphs (torch.compile sees the custom ops); a layout's
-first calls, until its FA2 forward and a backward (with a dO in O's layout or contiguous) have run once; the calls
-the Gluon kernels take (device-bound, and their TMA descriptors would have to be encoded here); kernels that need
-scratch memory (FA2's forward with device-side TMA descriptors, from `tma_min_keys` keys); fast launch off or a
+Compiled graphs call flash_triton's two operators instead of an autograd Function; their kernels take the same
+launches without the node (`forward`, `backward`), so a compiled call's passes run no Python launcher either.
+
+Where the Python path still runs (same kernels): a layout's first calls, until its FA2 forward and a backward (with
+a dO in O's layout or contiguous) have run once; the calls the Gluon kernels take (device-bound, and their TMA
+descriptors would have to be encoded here); kernels that need scratch memory (FA2's forward with device-side TMA descriptors, from `tma_min_keys` keys); fast launch off or a
 Triton release the fast path was not checked against (no binaries are kept then); the `native` setting off
 (CS336_FLASH_NATIVE=0); and where the module cannot be built (no C++ compiler, ninja or CUDA headers: warned once).
 The node fixes both passes' kernels when the forward runs; Triton's launch hooks (Proton) do not see its launches
@@ -204,10 +206,8 @@ def _decide(q, k, v, is_causal: bool, settings: FlashSettings, launches_of: Laun
     return _Node(settings, None, pending=False)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, launches_of: Launches
-              ) -> torch.Tensor | None:
-    """O through the C++ node where this call's layout has one (its gradients come from the node's C++ backward);
-    None where the caller should run the Python Function. `launches_of` is flash_triton.fa2_launches."""
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, launches_of: Launches):
+    """The C++ plan of this call's layout, or None where the Python path should run."""
     settings = flash_settings()
     if not settings.native or INTERPRET or not q.is_cuda:
         return None
@@ -216,6 +216,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
     current = node is not None and (node.settings is settings or node.settings == settings)
     if not current or node.pending:
         node = _NODES[key] = _decide(q, k, v, is_causal, settings, launches_of, node if current else None)
-    if node.plan is None:
-        return None
-    return native_module()[0].flash_attention(q, k, v, node.plan)
+    return node.plan
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, launches_of: Launches
+              ) -> torch.Tensor | None:
+    """O through the C++ node where this call's layout has one (its gradients come from the node's C++ backward);
+    None where the caller should run the Python Function. `launches_of` is flash_triton.fa2_launches."""
+    plan = _plan(q, k, v, is_causal, launches_of)
+    return None if plan is None else native_module()[0].flash_attention(q, k, v, plan)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, launches_of: Launches
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(O, L) through the layout's C++ forward launches, without autograd (a compiled graph's forward operator),
+    or None where the caller should run the Python launchers."""
+    plan = _plan(q, k, v, is_causal, launches_of)
+    return None if plan is None else native_module()[0].forward(q, k, v, plan)
+
+
+def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+             grad_out: torch.Tensor, is_causal: bool, launches_of: Launches
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(dQ, dK, dV) through the layout's C++ backward launches, without autograd (a compiled graph's backward
+    operator), or None where the caller should run the Python launchers."""
+    plan = _plan(q, k, v, is_causal, launches_of)
+    return None if plan is None else native_module()[0].backward(q, k, v, out, lse, grad_out, plan)

@@ -611,7 +611,10 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 # redispatch, and a backend wrapper that checks the outputs alias no input, under dynamo's disable decorator),
 # which the short compiled calls felt (kernels/NOTES.md, "Host floor"). Their outputs are fresh tensors by
 # construction (every launcher allocates them), which tests/test_flash.py checks; they have no autograd kernel of
-# their own: FlashAttentionTriton is their autograd, and compiled graphs call them with gradients off.
+# their own: FlashAttentionTriton is their autograd, and compiled graphs call them with gradients off. Where a
+# layout has flash_native's C++ launches (its FA2 passes have run once), the kernels launch through them, as eager
+# calls do through the C++ node: the host time that Python launchers cost there (kernels/NOTES.md, "Compiled calls
+# through the C++ launches").
 _LIBRARY = torch.library.Library("cs336_systems", "FRAGMENT")  # kept alive: dropping it unregisters the operators
 _LIBRARY.define("flash_triton_forward(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)",
                 tags=(torch.Tag.pt2_compliant_tag,))
@@ -620,11 +623,13 @@ _LIBRARY.define("flash_triton_backward(Tensor q, Tensor k, Tensor v, Tensor out,
 
 
 def _forward_kernel(q, k, v, is_causal):
-    return flash_forward(q, k, v, is_causal)
+    native = flash_native.forward(q, k, v, is_causal, fa2_launches)
+    return native if native is not None else flash_forward(q, k, v, is_causal)
 
 
 def _backward_kernel(q, k, v, out, lse, grad_out, is_causal):
-    return flash_backward(q, k, v, out, lse, grad_out, is_causal)
+    native = flash_native.backward(q, k, v, out, lse, grad_out, is_causal, fa2_launches)
+    return native if native is not None else flash_backward(q, k, v, out, lse, grad_out, is_causal)
 
 
 for _device in ("CPU", "CUDA"):  # CPU tensors run under Triton's interpreter (or fail its device check clearly)

@@ -20,6 +20,7 @@
 #include <array>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -141,50 +142,77 @@ at::Tensor rows_of(const at::Tensor& q) {
   return at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
 }
 
+// The forward's launches on q, k, v: O (in q's layout) and L, as flash_triton's forward allocates them.
+std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               const Plan& plan) {
+  c10::cuda::CUDAGuard guard(q.device());
+  Tensors t;
+  t[Q] = q, t[K] = k, t[V] = v;
+  t[OUT] = at::empty_like(q);
+  t[LSE] = rows_of(q);
+  CUstream stream = current_stream(q);
+  for (const Launch& launch : plan.forward) launch.run(t, stream);
+  return {t[OUT], t[LSE]};
+}
+
+// The backward's launches: dQ, dK and dV as flash_triton's FA2 backward allocates them (each in its input's layout).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& out,
+                                                            const at::Tensor& lse, at::Tensor grad,
+                                                            const Plan& plan) {
+  c10::cuda::CUDAGuard guard(q.device());
+  // The backward binaries were compiled for one dense dO layout, 16-byte aligned (Triton specialises pointers on
+  // it): any other dO (an expanded ones tensor, a strided view) is copied into that layout first.
+  if (!grad.strides().equals(plan.grad_strides) || reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
+    grad = at::empty_strided(grad.sizes(), plan.grad_strides, grad.options()).copy_(grad);
+  }
+  Tensors t;
+  t[Q] = q, t[K] = k, t[V] = v, t[OUT] = out, t[LSE] = lse, t[GRAD_OUT] = grad;
+  t[DELTA] = rows_of(q);
+  t[DQ] = at::empty_like(q);
+  t[DK] = at::empty_like(k);
+  t[DV] = at::empty_like(v);
+  CUstream stream = current_stream(q);
+  for (const Launch& launch : plan.backward) launch.run(t, stream);
+  return {t[DQ], t[DK], t[DV]};
+}
+
 class FlashNode : public torch::autograd::Function<FlashNode> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const c10::intrusive_ptr<Plan>& plan) {
-    c10::cuda::CUDAGuard guard(q.device());
-    Tensors t;
-    t[Q] = q, t[K] = k, t[V] = v;
-    t[OUT] = at::empty_like(q);
-    t[LSE] = rows_of(q);
-    CUstream stream = current_stream(q);
-    for (const Launch& launch : plan->forward) launch.run(t, stream);
-    ctx->save_for_backward({q, k, v, t[OUT], t[LSE]});
+    auto [out, lse] = run_forward(q, k, v, *plan);
+    ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["plan"] = c10::IValue::make_capsule(plan);
-    return t[OUT];
+    return out;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     auto saved = ctx->get_saved_variables();
-    at::Tensor grad = grads[0];
-    if (!grad.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
     auto plan = c10::static_intrusive_pointer_cast<Plan>(ctx->saved_data["plan"].toCapsule());
-    Tensors t;
-    t[Q] = saved[0], t[K] = saved[1], t[V] = saved[2], t[OUT] = saved[3], t[LSE] = saved[4];
-    c10::cuda::CUDAGuard guard(t[Q].device());
-    // The backward binaries were compiled for one dense dO layout, 16-byte aligned (Triton specialises pointers on
-    // it): any other dO (an expanded ones tensor, a strided view) is copied into that layout first.
-    if (!grad.strides().equals(plan->grad_strides) || reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
-      grad = at::empty_strided(grad.sizes(), plan->grad_strides, grad.options()).copy_(grad);
-    }
-    t[GRAD_OUT] = grad;
-    t[DELTA] = rows_of(t[Q]);
-    t[DQ] = at::empty_like(t[Q]);
-    t[DK] = at::empty_like(t[K]);
-    t[DV] = at::empty_like(t[V]);
-    CUstream stream = current_stream(t[Q]);
-    for (const Launch& launch : plan->backward) launch.run(t, stream);
-    return {t[DQ], t[DK], t[DV], at::Tensor()};
+    auto [dq, dk, dv] = run_backward(saved[0], saved[1], saved[2], saved[3], saved[4], grads[0], *plan);
+    return {dq, dk, dv, at::Tensor()};
   }
 };
 
 at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const c10::intrusive_ptr<Plan>& plan) {
   return FlashNode::apply(q, k, v, plan);
+}
+
+// The two passes alone, without autograd: the kernels of flash_triton's operators when a compiled graph calls them.
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const c10::intrusive_ptr<Plan>& plan) {
+  return run_forward(q, k, v, *plan);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& out,
+                                                        const at::Tensor& lse, const at::Tensor& grad_out,
+                                                        const c10::intrusive_ptr<Plan>& plan) {
+  return run_backward(q, k, v, out, lse, grad_out, *plan);
 }
 
 }  // namespace
@@ -201,5 +229,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("backward"), py::arg("grad_strides"));
   m.def("flash_attention", &flash_attention, "O of q, k, v through the plan's launches, with the C++ backward",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("plan"));
+  m.def("forward", &forward, "(O, L) of q, k, v through the plan's forward launches (no autograd)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("plan"));
+  m.def("backward", &backward, "(dQ, dK, dV) through the plan's backward launches (no autograd)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("grad_out"), py::arg("plan"));
   m.attr("SLOTS") = py::make_tuple("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv");
 }
