@@ -71,10 +71,11 @@ class FlashSettings:
         Gluon backward's dQ is summed by float32 reduce-adds in arrival order, so it is not bitwise repeatable
         across runs (FA2's is): "triton" where that matters.
     native: once a layout's FA2 forward and backward have run (and fast_launch is on), the `flash_triton`
-        backend's later calls of that layout go through a C++ autograd node that launches the same binaries
-        (kernels/flash_native.py: it is built on first need and needs a C++ compiler, ninja and CUDA's headers;
-        where it cannot be built the Python Function runs, after one warning). Off, always the Python Function.
-        Both passes' kernels are then fixed when the forward runs.
+        backend's later calls of that layout go through a C++ autograd node that launches the same binaries, and
+        compiled graphs' flash operators through the same C++ launches (kernels/flash_native.py: it is built on
+        first need and needs a C++ compiler, ninja and CUDA's headers; where it cannot be built the Python
+        Function runs, after one warning). Off, always the Python launchers. Both passes' kernels are then fixed
+        when the forward runs.
     """
 
     fast_launch: bool = True
