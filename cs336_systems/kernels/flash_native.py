@@ -24,12 +24,13 @@ launches without the node (`forward`, `backward`), so a compiled call's passes r
 
 Where the Python path still runs (same kernels): a layout's first calls, until its FA2 forward and a backward (with
 a dO in O's layout or contiguous) have run once; the calls the Gluon kernels take (device-bound, and their TMA
-descriptors would have to be encoded here); kernels that need scratch memory (FA2's forward with device-side TMA descriptors, from `tma_min_keys` keys); fast launch off or a
-Triton release the fast path was not checked against (no binaries are kept then); the `native` setting off
-(CS336_FLASH_NATIVE=0); and where the module cannot be built (no C++ compiler, ninja or CUDA headers: warned once).
-The node fixes both passes' kernels when the forward runs; Triton's launch hooks (Proton) do not see its launches
-(torch.profiler does). Triton never unloads a module it loaded, so a plan that outlives its CompiledKernel (cleared
-launchers, a backward still pending) still launches valid functions.
+descriptors would have to be encoded here); kernels that need scratch memory (FA2's forward with device-side TMA
+descriptors, from `tma_min_keys` keys); fast launch off or a Triton release the fast path was not checked against
+(no binaries are kept then); the `native` setting off (CS336_FLASH_NATIVE=0); and where the module cannot be built
+(no C++ compiler, ninja or CUDA headers: warned once). The node fixes both passes' kernels when the forward runs;
+Triton's launch hooks (Proton) do not see its launches (torch.profiler does). Triton never unloads a module it
+loaded, so a plan that outlives its CompiledKernel (cleared launchers, a backward still pending) still launches
+valid functions.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@
 // This node does what flash_triton's per-layout plans do, in C++: it allocates the outputs and launches the
 // binaries Triton compiled for the layout, with the arguments Triton would pass, through cuLaunchKernel. Its
 // backward runs no Python at all.
+// The two passes are also exported alone, without autograd (`forward`, `backward`): the kernels of the operators
+// that compiled graphs call.
 //
 // What it launches comes from Python, per layout: each Launch holds a CUfunction (Triton's loaded binary), the
 // grid, the block and shared-memory sizes, and the kernel's parameters as bytes, where the pointer parameters name
