@@ -49,7 +49,7 @@ import torch
 from cs336_systems.kernels import flash_dispatch
 from cs336_systems.kernels.common import INTERPRET, check_inputs
 from cs336_systems.kernels.launch import layout, on_clear
-from cs336_systems.kernels.settings import FlashSettings, flash_settings
+from cs336_systems.kernels.settings import FlashSettings, flash_settings, made_with
 
 SOURCE = Path(__file__).parent / "csrc" / "flash_node.cpp"
 # The call's tensors in the C++ node's slot order (flash_node.cpp's `Slot`).
@@ -214,7 +214,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, la
         return None
     key = (layout(q, k, v), is_causal)
     node = _NODES.get(key)
-    current = node is not None and (node.settings is settings or node.settings == settings)
+    current = made_with(node, settings)
     if not current or node.pending:
         node = _NODES[key] = _decide(q, k, v, is_causal, settings, launches_of, node if current else None)
     return node.plan

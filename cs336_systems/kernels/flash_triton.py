@@ -37,7 +37,7 @@ import triton.language as tl
 from cs336_systems.kernels import flash_dispatch, flash_native
 from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
 from cs336_systems.kernels.launch import FastLauncher, cdiv, layout, next_power_of_2, on_clear
-from cs336_systems.kernels.settings import FlashSettings, flash_settings
+from cs336_systems.kernels.settings import FlashSettings, flash_settings, made_with
 from cs336_systems.kernels.flash_tuning import (
     TILINGS,
     TUNING_KEY,
@@ -476,14 +476,9 @@ def clear_plans() -> None:
 on_clear(clear_plans)
 
 
-def _made_with(plan: _Plan | None, settings: FlashSettings) -> bool:
-    """Whether `plan` exists and was made with `settings` (the same object, usually, else equal ones)."""
-    return plan is not None and (plan.settings is settings or plan.settings == settings)
-
-
 def _plan_for(plans: dict[tuple, _Plan], key: tuple, settings: FlashSettings) -> _Plan | None:
     plan = plans.get(key)
-    return plan if _made_with(plan, settings) else None
+    return plan if made_with(plan, settings) else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,7 +534,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
                 and grad_out.data_ptr() % 16 == 0 == out.data_ptr() % 16 == lse.data_ptr() % 16):
             inputs_key = (key[0][:3], is_causal)
             kept = _BACKWARD_PLANS_OF_INPUTS.get(inputs_key)
-            if kept is None or not _made_with(kept[0], settings):  # the first of these settings stays
+            if kept is None or not made_with(kept[0], settings):  # the first of these settings stays
                 _BACKWARD_PLANS_OF_INPUTS[inputs_key] = (plan, grad_out.stride())
     return dq, dk, dv
 
@@ -569,7 +564,7 @@ def fa2_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     key = (layout(q, k, v), is_causal)
     forward = _plan_for(_FORWARD_PLANS, key, settings)
     backward, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get(key, (None, ()))
-    if forward is None or not _made_with(backward, settings):
+    if forward is None or not made_with(backward, settings):
         return None
     passes = []
     for plan, names in ((forward, FORWARD_TENSORS), (backward, BACKWARD_TENSORS)):

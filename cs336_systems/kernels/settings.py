@@ -144,6 +144,12 @@ def flash_settings() -> FlashSettings:
     return _from_env[1]
 
 
+def made_with(made, settings: FlashSettings) -> bool:
+    """Whether `made` (a plan or anything else holding the `settings` it was made with; None: nothing made yet) was
+    made with `settings`: the same object, usually, else equal ones."""
+    return made is not None and (made.settings is settings or made.settings == settings)
+
+
 def set_flash_settings(settings: FlashSettings | None) -> None:
     """Use `settings` from now on in this process; None goes back to the environment's."""
     global _chosen
