@@ -39,7 +39,7 @@ import torch
 import triton
 
 from cs336_systems.kernels.common import INTERPRET, cuda_capability
-from cs336_systems.kernels.settings import CHOICES, ENV_VARS, flash_settings
+from cs336_systems.kernels.settings import CHOICES, ENV_VARS, FlashSettings, flash_settings
 from cs336_systems.kernels.settings import BACKWARDS, FORWARDS  # noqa: F401 (the choices, for callers)
 
 FORWARD_ENV = ENV_VARS["forward"]
@@ -223,6 +223,17 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                    supported=lambda module: module.gluon_backward_supported(q, k, v, out, grad_out, lse))
 
 
+def choose_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
+                  ) -> tuple[str, str]:
+    """The kernels of both passes of a call of these inputs with `settings`, where the backward gets the forward's O
+    (q's shape, dtype and layout) and L and a dense dO: (choose_forward's, choose_backward's). What flash_native's
+    C++ node fixes for a layout when its forward runs."""
+    forward = choose_forward(q, k, v, is_causal, forward=settings.forward)
+    # q stands in for O and dO (the same shape, dtype, device and, O being empty_like(q), layout); L is made here
+    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return forward, choose_backward(q, k, v, q, lse, q, is_causal, backward=settings.backward)
+
+
 # ----------------------------------------------------------------------------------------------
 # the Gluon kernels' entry points, through the lazily imported modules
 # ----------------------------------------------------------------------------------------------
@@ -249,3 +260,9 @@ def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     problem in them, so the kernel's entry does not look again. `fast_launch`: as gluon_forward's."""
     return _loaded(_gluon_bwd).flash_backward_gluon(q, k, v, out, grad_out, lse, is_causal, checked=chosen,
                                                     fast_launch=fast_launch)
+
+
+def gluon_native_calls(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
+    """The Gluon `kind` pass's ("forward" or "backward") launches for flash_native's C++ plan of these inputs'
+    layout (flash_gluon.native_calls, flash_gluon_bwd.native_calls), or None until such a call has run."""
+    return _loaded(_gluon if kind == "forward" else _gluon_bwd).native_calls(q, k, v, is_causal)

@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.kernels.common import check_inputs, cuda_capability
-from cs336_systems.kernels import launch
+from cs336_systems.kernels import flash_native, launch
 from cs336_systems.kernels.launch import FastLauncher, cdiv
 from cs336_systems.kernels.settings import flash_settings
 
@@ -673,13 +673,14 @@ class HostDescriptor:
 class DescriptorPlan:
     """One Gluon launch of a fixed call layout: the FastLauncher's binary (`run`), each leading TensorDescriptor
     argument's geometry (shape, strides, padding) and the arguments after the per-call ones, with the values Triton
-    filled in (`rest`). `launch(bases, *per_call)` launches with descriptors of `bases` (tensors whose data_ptr is
-    the descriptor's start; their views' shapes do not matter) and `per_call` (fresh tensors that follow them)."""
+    filled in (`rest`); and Triton's CompiledKernel with its grid, for flash_native's C++ launches.
+    `launch(bases, *per_call)` launches with descriptors of `bases` (tensors whose data_ptr is the descriptor's start;
+    their views' shapes do not matter) and `per_call` (fresh tensors that follow them)."""
 
-    __slots__ = ("run", "geometry", "rest")
+    __slots__ = ("run", "geometry", "rest", "compiled", "grid")
 
-    def __init__(self, run, geometry: tuple, rest: tuple):
-        self.run, self.geometry, self.rest = run, geometry, rest
+    def __init__(self, run, geometry: tuple, rest: tuple, compiled, grid: tuple[int, int, int]):
+        self.run, self.geometry, self.rest, self.compiled, self.grid = run, geometry, rest, compiled, grid
 
     @classmethod
     def after(cls, launcher: FastLauncher, grid: tuple, args: tuple, options: dict, per_call: int
@@ -692,11 +693,20 @@ class DescriptorPlan:
             return None
         n = next(i for i, a in enumerate(args) if not isinstance(a, TensorDescriptor))
         geometry = tuple([(d.shape, d.strides, d.padding) for d in args[:n]])
-        return cls(bound[0], geometry, (*args[n + per_call:], *bound[1]))
+        return cls(bound[0], geometry, (*args[n + per_call:], *bound[1]), bound[2], bound[3])
 
     def launch(self, bases: Sequence[torch.Tensor], *per_call) -> None:
         self.run(*[HostDescriptor(base, *geometry) for base, geometry in zip(bases, self.geometry)], *per_call,
                  *self.rest)
+
+    def native_call(self, bases: Sequence[str], per_call: Sequence[str] = ()) -> flash_native.KernelCall:
+        """This launch for flash_native's C++ plan: descriptors of the call's tensors `bases` and then the tensors
+        `per_call` (flash_native.SLOTS names), followed by the rest."""
+        descriptors = [flash_native.DescriptorSlot(flash_native.SLOTS.index(name), tuple(shape), tuple(strides),
+                                                   padding) for name, (shape, strides, padding) in
+                       zip(bases, self.geometry, strict=True)]
+        return flash_native.KernelCall(self.compiled, self.grid,
+                                       (*descriptors, *flash_native.slots(*per_call), *self.rest))
 
 
 _PLANS: dict[tuple, DescriptorPlan] = {}
@@ -743,3 +753,11 @@ def flash_attention_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     so they are not looked for again (~10 us of a short call). `fast_launch`: the caller's
     `FlashSettings.fast_launch`, where it has read the settings (None: read them)."""
     return _forward(q, k, v, is_causal, checked=checked, fast_launch=fast_launch)
+
+
+def native_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                 ) -> list[flash_native.KernelCall] | None:
+    """The forward's launch for flash_native's C++ plan of these inputs' layout, once a call of that layout has run
+    here with fast launch (its plan holds the binary); None before."""
+    plan = _PLANS.get((launch.layout(q, k, v), is_causal, False, None, None))
+    return None if plan is None else [plan.native_call(("q", "k", "v", "out"), ("lse",))]

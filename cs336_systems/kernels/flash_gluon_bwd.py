@@ -78,9 +78,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from cs336_systems.kernels import flash_native
 from cs336_systems.kernels.flash_gluon import (DescriptorPlan, _as_2d, _as_4d, _descriptor, _next_slot,
                                                descriptor_launch_key, device_problem, layout_problem)
-from cs336_systems.kernels.launch import FastLauncher, cdiv, layout, on_clear
+from cs336_systems.kernels.launch import FastLauncher, cdiv, contiguous_strides, layout, on_clear
 from cs336_systems.kernels.settings import flash_settings
 
 LOG2E = 1.4426950408889634
@@ -818,8 +819,13 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
         preprocess = _PREPROCESS.bound(pre_grid, pre_args, pre_options)
         main = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=0)
         if preprocess is not None and main is not None:
-            _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[6:], *preprocess[1])), main,
-                                        scale)
+            plan = _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[6:], *preprocess[1]),
+                                                                     *preprocess[2:]), main, scale)
+            # the plan of these inputs for flash_native's C++ node: O and L as the forward makes them, the defaults
+            if (not exact and key[2:4] == (None, None) and o.stride() == q.stride() and lse.is_contiguous()
+                    and o.data_ptr() % 16 == 0 == lse.data_ptr() % 16):
+                grad_strides = contiguous_strides(do.shape) if copy_do else do.stride()
+                _PLANS_OF_INPUTS.setdefault((key[0][:3], causal), (plan, grad_strides, dq.stride()))
     return dq, dk, dv
 
 
@@ -835,8 +841,9 @@ def _dq_accumulator(dq4: torch.Tensor) -> torch.Tensor:
 
 class _BackwardPlan:
     """The backward's launches for one call layout (flash_gluon's per-layout plans): whether dO is copied for TMA,
-    the preprocessed rows' shape, the preprocess binary with its arguments after the six tensors, the main kernel's
-    DescriptorPlan and the scale. (The dQ accumulator follows q's layout, which the plan's key fixes.)"""
+    the preprocessed rows' shape, the preprocess binary with its arguments after the six tensors (and Triton's
+    CompiledKernel with its grid), the main kernel's DescriptorPlan and the scale. (The dQ accumulator follows q's
+    layout, which the plan's key fixes.)"""
 
     __slots__ = ("copy_do", "rows_shape", "preprocess", "main", "scale")
 
@@ -852,12 +859,39 @@ class _BackwardPlan:
         dq_acc = _dq_accumulator(dq4)
         lse2 = torch.empty(self.rows_shape, dtype=torch.float32, device=q.device)
         delta = torch.empty_like(lse2)
-        run, rest = self.preprocess
+        run, rest = self.preprocess[:2]
         run(o, do, lse, lse2, delta, dq_acc, *rest)
         self.main.launch((q, k, v, do, dk, dv, dq_acc, lse2, delta))
         torch.mul(dq_acc, self.scale, out=dq4)
         return dq, dk, dv
 
 
+    def native(self, grad_strides: tuple[int, ...], dq_strides: tuple[int, ...], q_shape: tuple[int, ...]
+               ) -> tuple[list[flash_native.KernelCall], tuple, list, float]:
+        """These launches for flash_native's C++ plan: (the two launches, the dO strides they read, the scratch
+        buffers, dQ's scale). The float32 accumulator takes q's shape and dQ's strides (`_dq_accumulator`: the 4-d
+        view the kernels were planned with has the same memory layout)."""
+        _, rest, compiled, grid = self.preprocess
+        preprocess = flash_native.KernelCall(compiled, grid, (*flash_native.slots("out", "grad_out", "lse", "lse2",
+                                                                                  "delta", "dq_acc"), *rest))
+        main = self.main.native_call(("q", "k", "v", "grad_out", "dk", "dv", "dq_acc", "lse2", "delta"))
+        rows = (tuple(self.rows_shape), contiguous_strides(self.rows_shape))
+        scratch = [("dq_acc", tuple(q_shape), tuple(dq_strides)), ("lse2", *rows), ("delta", *rows)]
+        return [preprocess, main], grad_strides, scratch, self.scale
+
+
 _PLANS: dict[tuple, _BackwardPlan] = {}
+# By (the layout of q, k, v, is_causal): the first plan of such inputs whose O and L were as the forward makes them
+# (O in q's layout, L contiguous), with the strides of the dO its kernels read and of its dQ: `native_calls` finds it
+# without O in hand, as flash_triton's FA2 plans of inputs.
+_PLANS_OF_INPUTS: dict[tuple, tuple[_BackwardPlan, tuple[int, ...], tuple[int, ...]]] = {}
 on_clear(_PLANS.clear)
+on_clear(_PLANS_OF_INPUTS.clear)
+
+
+def native_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                 ) -> tuple[list[flash_native.KernelCall], tuple, list, float] | None:
+    """The backward's launches for flash_native's C++ plan of these inputs' layout (`_BackwardPlan.native`), once a
+    backward of such inputs with the forward's O and L has run here with fast launch; None before."""
+    found = _PLANS_OF_INPUTS.get((layout(q, k, v), is_causal))
+    return None if found is None else found[0].native(found[1], found[2], tuple(q.shape))

@@ -39,25 +39,30 @@ import functools
 import struct
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
-from cs336_systems.kernels import flash_dispatch
 from cs336_systems.kernels.common import INTERPRET, check_inputs
 from cs336_systems.kernels.launch import layout, on_clear
 from cs336_systems.kernels.settings import FlashSettings, flash_settings, made_with
 
 SOURCE = Path(__file__).parent / "csrc" / "flash_node.cpp"
-# The call's tensors in the C++ node's slot order (flash_node.cpp's `Slot`).
-SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv")
+# The call's tensors in the C++ node's slot order (flash_node.cpp's `Slot`): the inputs and outputs of both passes,
+# then the Gluon backward's scratch buffers (delta is FA2's and Gluon's).
+SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv", "dq_acc", "lse2")
 # How Triton 3.6's launcher passes each scalar parameter type (driver.py's ty_to_cpp and FLOAT_STORAGE_TYPE), as
 # `struct` formats.
 SCALAR_FORMATS = {"i1": "b", "i8": "b", "u1": "B", "u8": "B", "i16": "h", "u16": "H", "i32": "i", "u32": "I",
                   "i64": "q", "u64": "Q", "fp32": "f", "f32": "f", "fp64": "d"}
+# Triton 3.6's TMA element types as its kernels' metadata names them, to the driver's CUtensorMapDataType
+# (driver.py's TMA_DTYPE_DEVICE_TO_HOST: they differ at 8, 9 and 10).
+TMA_DTYPE_DEVICE_TO_HOST = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
+TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), passed by value, 64-byte aligned
+FILL_NONE, FILL_NAN = 0, 1  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE, ..._NAN_REQUEST_ZERO_FMA
 
 
 class TensorSlot(NamedTuple):
@@ -66,52 +71,118 @@ class TensorSlot(NamedTuple):
     index: int
 
 
+class DescriptorSlot(NamedTuple):
+    """A TMA descriptor parameter's value: a descriptor of the call's tensor `SLOTS[index]` (its data pointer is the
+    descriptor's start) with the fixed geometry of Triton's host descriptor: `shape` and `strides` in elements,
+    `padding` ("zero" or "nan")."""
+
+    index: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    padding: str = "zero"
+
+
+class TensorMapSpec(NamedTuple):
+    """What the C++ TensorMap encodes at each launch for parameter `param` (an index into the offsets): everything
+    cuTensorMapEncodeTiled takes but the address, in the driver's order (innermost first), as Triton 3.6's
+    `fill_tma_descriptor` passes it."""
+
+    param: int
+    slot: int
+    data_type: int
+    dims: list[int]
+    strides: list[int]  # bytes, one fewer than dims
+    box: list[int]
+    swizzle: int
+    fill: int
+
+
 @dataclass(frozen=True)
 class PackedParams:
     """A kernel's parameters as the C++ `Launch` takes them: the bytes of all of them back to back, each naturally
-    aligned at `offsets[i]`, and which of them (`pointer_params`, indices into `offsets`) take which tensor's data
-    pointer (`pointer_slots`)."""
+    aligned at `offsets[i]`; which of them (`pointer_params`, indices into `offsets`) take which tensor's data
+    pointer (`pointer_slots`); the TMA descriptors encoded at each launch (`tensor_maps`); and the tensors passed by
+    a fixed address (`keep`), which must outlive the launches."""
 
     params: bytes
     offsets: list[int]
     pointer_params: list[int]
     pointer_slots: list[int]
+    tensor_maps: list[TensorMapSpec] = field(default_factory=list)
+    keep: list[torch.Tensor] = field(default_factory=list)
 
 
-def pack_params(types: Sequence, values: Sequence) -> PackedParams:
-    """The parameters of a kernel with signature `types` (Triton's: "*bf16", "i32", "fp32", "constexpr", ...)
-    called with `values` (a TensorSlot for each pointer), laid out as Triton 3.6's launcher passes them: constexprs
-    left out, each other one as its C type, then two null pointers (the global and profile scratch memory, which
-    the node's kernels must not need). A ValueError names a parameter the node cannot pass."""
+def _tensor_map(param: int, value: DescriptorSlot, meta: dict) -> TensorMapSpec:
+    """The TensorMap of a descriptor parameter, from the value's geometry and the kernel's `tensordesc_meta` entry
+    (swizzle, element size and type, the box the kernel loads), as Triton 3.6's make_tensordesc_arg and
+    fill_tma_descriptor build it."""
+    if meta.get("fp4_padded"):
+        raise ValueError(f"parameter {param}: fp4-padded descriptors are not passed by the C++ node")
+    shape, strides, box = list(value.shape), list(value.strides), list(meta["block_size"])
+    if not (len(shape) == len(strides) == len(box)) or strides[-1] != 1:
+        raise ValueError(f"parameter {param}: descriptor shape {shape}, strides {strides} and box {box} must have one "
+                         "length and a unit last stride")
+    return TensorMapSpec(param, value.index, TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], shape[::-1],
+                         [meta["elem_size"] * s for s in strides[-2::-1]], box[::-1], meta["swizzle"],
+                         FILL_NAN if value.padding == "nan" else FILL_NONE)
+
+
+def pack_params(types: Sequence, values: Sequence, tensordesc_meta: Sequence[dict] = ()) -> PackedParams:
+    """The parameters of a kernel with signature `types` (Triton's: "*bf16", "i32", "fp32", "constexpr",
+    "tensordesc<...>", ...) called with `values`: for each pointer a TensorSlot, or a tensor passed by its fixed
+    address; for each descriptor a DescriptorSlot, with the kernel's `tensordesc_meta` entries in order. Laid out as
+    Triton 3.6's launcher passes them: constexprs left out; each descriptor as a 128-byte CUtensorMap (64-byte
+    aligned), then its shape as i32 and its strides as i64; each other one as its C type; then two null pointers (the
+    global and profile scratch memory, which the node's kernels must not need). A ValueError names a parameter the
+    node cannot pass."""
     if len(types) != len(values):
         raise ValueError(f"the signature has {len(types)} parameters but {len(values)} values were given")
-    data, offsets, pointer_params, pointer_slots = bytearray(), [], [], []
+    data, offsets, pointer_params, pointer_slots, tensor_maps, keep = bytearray(), [], [], [], [], []
+    metas = iter(tensordesc_meta)
 
-    def put(fmt: str, value) -> None:
+    def put(fmt: str, value, align: int | None = None) -> None:
         size = struct.calcsize("=" + fmt)
-        data.extend(bytes(-len(data) % size))  # natural alignment
+        data.extend(bytes(-len(data) % (align or size)))  # natural alignment
         offsets.append(len(data))
         data.extend(struct.pack("=" + fmt, value))
 
     for position, (kind, value) in enumerate(zip(types, values)):
         if kind == "constexpr":
             continue
-        if isinstance(kind, str) and kind.startswith("*"):
+        if isinstance(kind, str) and kind.startswith("tensordesc"):
+            meta = next(metas, None)
+            if not isinstance(value, DescriptorSlot) or not 0 <= value.index < len(SLOTS) or meta is None:
+                raise ValueError(f"parameter {position} ({kind.split('[')[0]}) is a TMA descriptor, so its value must "
+                                 f"be a DescriptorSlot of 0..{len(SLOTS) - 1} with the kernel's descriptor metadata, "
+                                 f"got {value!r}" + ("" if meta else " and no metadata entry"))
+            put(f"{TENSOR_MAP_BYTES}s", bytes(TENSOR_MAP_BYTES), align=64)
+            tensor_maps.append(_tensor_map(len(offsets) - 1, value, meta))
+            for size in value.shape:
+                put("i", size)
+            for stride in value.strides:
+                put("q", stride)
+        elif isinstance(kind, str) and kind.startswith("*"):
+            if isinstance(value, torch.Tensor):  # a tensor of the plan's own (a schedule): its fixed address
+                keep.append(value)
+                put("Q", value.data_ptr())
+                continue
             if not isinstance(value, TensorSlot) or not 0 <= value.index < len(SLOTS):
                 raise ValueError(f"parameter {position} ({kind}) is a pointer, so its value must be a TensorSlot of "
-                                 f"0..{len(SLOTS) - 1}, got {value!r}")
+                                 f"0..{len(SLOTS) - 1} or a tensor, got {value!r}")
             pointer_params.append(len(offsets))
             pointer_slots.append(value.index)
             put("Q", 0)
         elif kind in SCALAR_FORMATS:
-            if isinstance(value, TensorSlot):
+            if isinstance(value, (TensorSlot, DescriptorSlot)):
                 raise ValueError(f"parameter {position} ({kind}) is a scalar, got a tensor ({SLOTS[value.index]})")
             put(SCALAR_FORMATS[kind], value)
         else:
             raise ValueError(f"parameter {position} has type {kind!r}, which the C++ node does not pass")
+    if next(metas, None) is not None:
+        raise ValueError(f"{len(tensordesc_meta)} descriptor metadata entries, more than the descriptor parameters")
     put("Q", 0)  # global scratch
     put("Q", 0)  # profile scratch
-    return PackedParams(bytes(data), offsets, pointer_params, pointer_slots)
+    return PackedParams(bytes(data), offsets, pointer_params, pointer_slots, tensor_maps, keep)
 
 
 @functools.cache
@@ -138,30 +209,73 @@ def launch_problem(compiled) -> str | None:
     signature = getattr(getattr(compiled, "src", None), "signature", None)
     if meta is None or not isinstance(signature, dict) or not getattr(compiled, "function", None):
         return f"{type(compiled).__name__} has no metadata, signature or loaded function"
-    for field, wanted in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
-                          ("global_scratch_size", 0), ("profile_scratch_size", 0)):
-        if getattr(meta, field, wanted) != wanted:
-            return f"{compiled.name}: {field}={getattr(meta, field)!r} (the node launches only {field}={wanted!r})"
+    for name, wanted in (("num_ctas", 1), ("launch_cooperative_grid", False), ("launch_pdl", False),
+                         ("global_scratch_size", 0), ("profile_scratch_size", 0)):
+        if getattr(meta, name, wanted) != wanted:
+            return f"{compiled.name}: {name}={getattr(meta, name)!r} (the node launches only {name}={wanted!r})"
     return None
 
 
-def make_launch(module: ModuleType, tensors: Sequence[str], compiled, grid: Sequence[int], tail: Sequence):
-    """The C++ Launch of `compiled` on `grid` with the call's `tensors` (SLOTS names) followed by `tail`."""
-    problem = launch_problem(compiled)
+class KernelCall(NamedTuple):
+    """One launch of a layout's plan: Triton's CompiledKernel `compiled` on the 3-d `grid`, with `values` for its
+    signature's parameters in order (TensorSlot, DescriptorSlot, a tensor of the plan's own, scalars, constexprs)."""
+
+    compiled: object
+    grid: tuple[int, int, int]
+    values: tuple
+
+
+@dataclass(frozen=True)
+class NativePasses:
+    """What the node of one layout launches, from the Python plans of its kernels: the forward's and the backward's
+    launches in order; the strides of the dO the backward's binaries were made for; the backward's float32 scratch
+    buffers, as (slot name, sizes, strides); and, where not 0, the scale by which dQ is made from the float32
+    accumulator `dq_acc` after the launches (the Gluon backward)."""
+
+    forward: list[KernelCall]
+    backward: list[KernelCall]
+    grad_strides: tuple[int, ...]
+    scratch: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
+    dq_scale: float = 0.0
+
+
+def slots(*names: str) -> list[TensorSlot]:
+    """TensorSlots of the call's tensors `names` (SLOTS names)."""
+    return [TensorSlot(SLOTS.index(name)) for name in names]
+
+
+def make_launch(module: ModuleType, call: KernelCall):
+    """(the C++ Launch of `call`, the tensors it reads by fixed address)."""
+    problem = launch_problem(call.compiled)
     if problem:
         raise ValueError(problem)
-    values = [TensorSlot(SLOTS.index(name)) for name in tensors] + list(tail)
-    packed = pack_params(list(compiled.src.signature.values()), values)
-    meta = compiled.metadata
-    return module.Launch(function=compiled.function, grid=list(grid), threads=32 * meta.num_warps,
+    meta = call.compiled.metadata
+    packed = pack_params(list(call.compiled.src.signature.values()), call.values,
+                         getattr(meta, "tensordesc_meta", None) or ())
+    tensor_maps = [module.TensorMap(*spec) for spec in packed.tensor_maps]
+    return module.Launch(function=call.compiled.function, grid=list(call.grid), threads=32 * meta.num_warps,
                          shared_bytes=meta.shared, params=packed.params, offsets=packed.offsets,
-                         pointer_params=packed.pointer_params, pointer_slots=packed.pointer_slots)
+                         pointer_params=packed.pointer_params, pointer_slots=packed.pointer_slots,
+                         tensor_maps=tensor_maps), packed.keep
+
+
+def make_plan(module: ModuleType, passes: NativePasses):
+    """The C++ Plan of a layout's NativePasses."""
+    launches, keep = ([], []), []
+    for calls, made in zip((passes.forward, passes.backward), launches):
+        for call in calls:
+            launch, kept = make_launch(module, call)
+            made.append(launch)
+            keep.extend(kept)
+    scratch = [module.Scratch(SLOTS.index(name), list(sizes), list(strides)) for name, sizes, strides in passes.scratch]
+    return module.Plan(forward=launches[0], backward=launches[1], grad_strides=list(passes.grad_strides),
+                       scratch=scratch, dq_scale=float(passes.dq_scale), keep=keep)
 
 
 @dataclass
 class _Node:
     """What `attention` knows of one (layout, causal) key: the settings it was decided with, the C++ plan (None:
-    the Python Function runs) and whether the FA2 plans are still awaited (`pending`)."""
+    the Python Function runs) and whether the Python plans are still awaited (`pending`)."""
 
     settings: FlashSettings
     plan: object | None
@@ -169,35 +283,27 @@ class _Node:
 
 
 _NODES: dict[tuple, _Node] = {}
-on_clear(_NODES.clear)  # new FA2 tiles: the binaries the plans launch are dropped with flash_triton's plans
+on_clear(_NODES.clear)  # new FA2 tiles: the binaries the plans launch are dropped with the Python plans
 _warned: set[str] = set()
 
-Launches = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, FlashSettings], tuple | None]
+# flash_triton.native_passes: the NativePasses of a call's layout with the given settings, or None until its Python
+# plans have run
+PassesOf = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, FlashSettings], NativePasses | None]
 
 
-def _fa2_both(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings) -> bool:
-    """Whether flash_dispatch gives both passes of such a call to FA2 with `settings`."""
-    if flash_dispatch.choose_forward(q, k, v, is_causal, forward=settings.forward) != "triton":
-        return False
-    return settings.backward == "triton" or (settings.backward == "auto" and not flash_dispatch.gluon_backward_pays(
-        flash_dispatch.device_capability(q), q.shape, k.shape, is_causal))
-
-
-def _decide(q, k, v, is_causal: bool, settings: FlashSettings, launches_of: Launches, node: _Node | None) -> _Node:
+def _decide(q, k, v, is_causal: bool, settings: FlashSettings, passes_of: PassesOf, node: _Node | None) -> _Node:
     """The node of this key now: settled (a plan, or the Python Function for good) or still pending."""
     if node is None:
         check_inputs(q, k, v, "FlashAttentionTriton")  # the Python path's errors, before anything reads shapes
-        if not settings.fast_launch or not _fa2_both(q, k, v, is_causal, settings):  # no binaries, or Gluon
+        if not settings.fast_launch:  # no binaries are kept
             return _Node(settings, None, pending=False)
-    launches = launches_of(q, k, v, is_causal, settings)
-    if launches is None:
+    passes = passes_of(q, k, v, is_causal, settings)
+    if passes is None:
         return _Node(settings, None, pending=True)
     module, problem = native_module()
     if module is not None:
         try:
-            forward, backward = ([make_launch(module, *launch) for launch in passes] for passes in launches[:2])
-            plan = module.Plan(forward=forward, backward=backward, grad_strides=list(launches[2]))
-            return _Node(settings, plan, pending=False)
+            return _Node(settings, make_plan(module, passes), pending=False)
         except ValueError as error:
             problem = str(error)
     if problem not in _warned:
@@ -207,7 +313,7 @@ def _decide(q, k, v, is_causal: bool, settings: FlashSettings, launches_of: Laun
     return _Node(settings, None, pending=False)
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, launches_of: Launches):
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf):
     """The C++ plan of this call's layout, or None where the Python path should run."""
     settings = flash_settings()
     if not settings.native or INTERPRET or not q.is_cuda:
@@ -216,30 +322,30 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, la
     node = _NODES.get(key)
     current = made_with(node, settings)
     if not current or node.pending:
-        node = _NODES[key] = _decide(q, k, v, is_causal, settings, launches_of, node if current else None)
+        node = _NODES[key] = _decide(q, k, v, is_causal, settings, passes_of, node if current else None)
     return node.plan
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, launches_of: Launches
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf
               ) -> torch.Tensor | None:
     """O through the C++ node where this call's layout has one (its gradients come from the node's C++ backward);
-    None where the caller should run the Python Function. `launches_of` is flash_triton.fa2_launches."""
-    plan = _plan(q, k, v, is_causal, launches_of)
+    None where the caller should run the Python Function. `passes_of` is flash_triton.native_passes."""
+    plan = _plan(q, k, v, is_causal, passes_of)
     return None if plan is None else native_module()[0].flash_attention(q, k, v, plan)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, launches_of: Launches
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(O, L) through the layout's C++ forward launches, without autograd (a compiled graph's forward operator),
     or None where the caller should run the Python launchers."""
-    plan = _plan(q, k, v, is_causal, launches_of)
+    plan = _plan(q, k, v, is_causal, passes_of)
     return None if plan is None else native_module()[0].forward(q, k, v, plan)
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-             grad_out: torch.Tensor, is_causal: bool, launches_of: Launches
+             grad_out: torch.Tensor, is_causal: bool, passes_of: PassesOf
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(dQ, dK, dV) through the layout's C++ backward launches, without autograd (a compiled graph's backward
     operator), or None where the caller should run the Python launchers."""
-    plan = _plan(q, k, v, is_causal, launches_of)
+    plan = _plan(q, k, v, is_causal, passes_of)
     return None if plan is None else native_module()[0].backward(q, k, v, out, lse, grad_out, plan)

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from cs336_systems.kernels import flash_dispatch, flash_native
 from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
-from cs336_systems.kernels.launch import FastLauncher, cdiv, layout, next_power_of_2, on_clear
+from cs336_systems.kernels.launch import FastLauncher, cdiv, contiguous_strides, layout, next_power_of_2, on_clear
 from cs336_systems.kernels.settings import FlashSettings, flash_settings, made_with
 from cs336_systems.kernels.flash_tuning import (
     TILINGS,
@@ -457,10 +457,10 @@ _FORWARD_PLANS: dict[tuple, _Plan] = {}
 _BACKWARD_PLANS: dict[tuple, _Plan] = {}
 # By the forward's key (the layout of q, k, v, and is_causal): the first backward plan of those inputs (with the
 # latest settings) whose O and L are as the forward allocates them and whose dO is dense (in O's layout, as the layers
-# above hand it back, or contiguous), with dO's strides: fa2_launches finds it without O in hand.
+# above hand it back, or contiguous), with dO's strides: native_passes finds it without O in hand.
 _BACKWARD_PLANS_OF_INPUTS: dict[tuple, tuple[_Plan, tuple[int, ...]]] = {}
 # The tensors each launch takes first, in order (the forward's one launch; the backward's dQ, then dK and dV
-# launch), by flash_native's slot names: the calls below pass them so, and fa2_launches hands these on.
+# launch), by flash_native's slot names: the calls below pass them so, and native_passes hands these on.
 FORWARD_TENSORS = (("q", "k", "v", "out", "lse"),)
 BACKWARD_TENSORS = (("q", "k", "v", "grad_out", "lse", "out", "delta", "dq"),
                     ("q", "k", "v", "grad_out", "lse", "delta", "dk", "dv"))
@@ -554,24 +554,40 @@ def _backward_plan(q, k, v, out, grad_out, dq, dk, dv, is_causal: bool, settings
     ])
 
 
-def fa2_launches(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
-                 ) -> tuple[list[tuple], list[tuple], tuple[int, ...]] | None:
-    """The FA2 binaries that calls of these inputs run with `settings`, once the forward and a backward (with a
-    dense dO: _BACKWARD_PLANS_OF_INPUTS) have each run through their plans with fast launch: for each pass, each
-    launch's `(tensor names, compiled, launch_grid, tail)`, the call being `compiled` on `launch_grid` with the named
-    tensors (FORWARD_TENSORS, BACKWARD_TENSORS) and then `tail`; and the strides of the dO the backward's binaries
-    were made for. None where either plan is missing or has no binary."""
-    key = (layout(q, k, v), is_causal)
-    forward = _plan_for(_FORWARD_PLANS, key, settings)
-    backward, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get(key, (None, ()))
-    if forward is None or not made_with(backward, settings):
+def _fa2_calls(plan: _Plan, names: tuple[tuple[str, ...], ...]) -> list[flash_native.KernelCall] | None:
+    """A plan's launches for flash_native's C++ plan (each binary with the call's tensors `names` first, then the
+    rest of its arguments), or None where a launch has no binary."""
+    if any(bound is None for *_, bound in plan.launches):
         return None
-    passes = []
-    for plan, names in ((forward, FORWARD_TENSORS), (backward, BACKWARD_TENSORS)):
-        if any(bound is None for *_, bound in plan.launches):
-            return None
-        passes.append([(tensors, bound[2], bound[3], bound[1]) for (*_, bound), tensors in zip(plan.launches, names)])
-    return passes[0], passes[1], grad_strides
+    return [flash_native.KernelCall(bound[2], bound[3], (*flash_native.slots(*tensors), *bound[1]))
+            for (*_, bound), tensors in zip(plan.launches, names, strict=True)]
+
+
+def native_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
+                  ) -> flash_native.NativePasses | None:
+    """What flash_native's C++ node launches for calls of these inputs with `settings`: the binaries of the kernels
+    flash_dispatch chooses for both passes (`choose_passes`), once the forward and a backward (with the forward's O
+    and L and a dense dO) have each run through their Python plans with fast launch; None before, or where a plan has
+    no binary. FA2's plans are used only with the settings they were made with."""
+    forward_kernel, backward_kernel = flash_dispatch.choose_passes(q, k, v, is_causal, settings)
+    if forward_kernel == "gluon":
+        forward = flash_dispatch.gluon_native_calls("forward", q, k, v, is_causal)
+    else:
+        plan = _plan_for(_FORWARD_PLANS, (layout(q, k, v), is_causal), settings)
+        forward = None if plan is None else _fa2_calls(plan, FORWARD_TENSORS)
+    if forward is None:
+        return None
+    if backward_kernel == "gluon":
+        backward = flash_dispatch.gluon_native_calls("backward", q, k, v, is_causal)
+    else:
+        plan, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get((layout(q, k, v), is_causal), (None, ()))
+        calls = _fa2_calls(plan, BACKWARD_TENSORS) if made_with(plan, settings) else None
+        # FA2's D: one float32 row value per query, q.shape[:-1], contiguous (flash_backward_triton's)
+        rows = q.shape[:-1]
+        backward = None if calls is None else (calls, grad_strides, [("delta", tuple(rows), contiguous_strides(rows))], 0.0)
+    if backward is None:
+        return None
+    return flash_native.NativePasses(forward, *backward)
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
@@ -618,12 +634,12 @@ _LIBRARY.define("flash_triton_backward(Tensor q, Tensor k, Tensor v, Tensor out,
 
 
 def _forward_kernel(q, k, v, is_causal):
-    native = flash_native.forward(q, k, v, is_causal, fa2_launches)
+    native = flash_native.forward(q, k, v, is_causal, native_passes)
     return native if native is not None else flash_forward(q, k, v, is_causal)
 
 
 def _backward_kernel(q, k, v, out, lse, grad_out, is_causal):
-    native = flash_native.backward(q, k, v, out, lse, grad_out, is_causal, fa2_launches)
+    native = flash_native.backward(q, k, v, out, lse, grad_out, is_causal, native_passes)
     return native if native is not None else flash_backward(q, k, v, out, lse, grad_out, is_causal)
 
 
@@ -674,7 +690,7 @@ def flash_attention_triton(q, k, v, is_causal: bool = False) -> torch.Tensor:
     forward and backward have run go through flash_native's C++ autograd node, which launches the same binaries
     without Python in the backward (the `native` setting; kernels/NOTES.md, "The C++ node")."""
     if not torch.compiler.is_compiling():
-        out = flash_native.attention(q, k, v, is_causal, fa2_launches)
+        out = flash_native.attention(q, k, v, is_causal, native_passes)
         if out is not None:
             return out
     return FlashAttentionTriton.apply(q, k, v, is_causal)

@@ -112,6 +112,15 @@ def layout(*tensors: torch.Tensor) -> tuple:
     return tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.get_device()) for t in tensors])
 
 
+def contiguous_strides(shape) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape` (as `torch.empty(shape).stride()`, without allocating)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for positive ints, as triton.cdiv: that one is a Triton "constexpr function", whose call from
     Python costs ~1-2 us through its wrapper, and the launchers call it on every launch."""

@@ -1,18 +1,19 @@
-// The FA2 attention's autograd node in C++ (built and driven by kernels/flash_native.py).
+// The flash_triton backend's autograd node in C++ (built and driven by kernels/flash_native.py).
 //
 // At host-bound calls (a few hundred microseconds of forward+backward) a Python autograd.Function costs more than
 // the kernels: the engine runs its Python backward on autograd's device thread, where every Python line costs
 // 1.5-2.4x what it costs on the calling thread (kernels/NOTES.md, "What a short call's host time is made of").
-// This node does what flash_triton's per-layout plans do, in C++: it allocates the outputs and launches the
-// binaries Triton compiled for the layout, with the arguments Triton would pass, through cuLaunchKernel. Its
-// backward runs no Python at all.
+// This node does what the per-layout plans of flash_triton (FA2) and flash_gluon (Hopper) do, in C++: it allocates
+// the outputs and the scratch buffers and launches the binaries Triton compiled for the layout, with the arguments
+// Triton would pass, through cuLaunchKernel. Its backward runs no Python at all.
 // The two passes are also exported alone, without autograd (`forward`, `backward`): the kernels of the operators
 // that compiled graphs call.
 //
 // What it launches comes from Python, per layout: each Launch holds a CUfunction (Triton's loaded binary), the
 // grid, the block and shared-memory sizes, and the kernel's parameters as bytes, where the pointer parameters name
-// one of the call's tensors (`Slot`) and are written in at each launch. flash_native.py reads those from Triton's
-// compiled kernels; this file knows nothing of Triton.
+// one of the call's tensors (`Slot`) and are written in at each launch, and so are the TMA descriptors (`TensorMap`:
+// encoded at each launch for the slot's address, with the geometry fixed by the layout). flash_native.py reads those
+// from Triton's compiled kernels; this file knows nothing of Triton.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
@@ -27,14 +28,16 @@
 
 namespace {
 
-// The tensors of one call. The forward has the first five; the backward all of them.
-enum Slot : int { Q, K, V, OUT, LSE, GRAD_OUT, DELTA, DQ, DK, DV, SLOTS };
+// The tensors of one call. The forward has the first five; the backward the rest too, of which DELTA, DQ_ACC and
+// LSE2 are scratch buffers that the plan lays out (FA2's backward uses DELTA; Gluon's all three).
+enum Slot : int { Q, K, V, OUT, LSE, GRAD_OUT, DELTA, DQ, DK, DV, DQ_ACC, LSE2, SLOTS };
 using Tensors = std::array<at::Tensor, SLOTS>;
 
-// cuLaunchKernel from the driver library the process has loaded (torch and Triton load libcuda.so.1), so that the
-// build needs CUDA's headers but links nothing of it.
+// cuLaunchKernel and cuTensorMapEncodeTiled from the driver library the process has loaded (torch and Triton load
+// libcuda.so.1), so that the build needs CUDA's headers but links nothing of it.
 struct Driver {
   decltype(&cuLaunchKernel) launch;
+  decltype(&cuTensorMapEncodeTiled) encode;
   decltype(&cuGetErrorString) error_string;
 };
 
@@ -43,30 +46,92 @@ const Driver& driver() {
     void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     TORCH_CHECK(library != nullptr, "flash_node: cannot open libcuda.so.1: ", dlerror());
     Driver found{reinterpret_cast<decltype(&cuLaunchKernel)>(dlsym(library, "cuLaunchKernel")),
+                 reinterpret_cast<decltype(&cuTensorMapEncodeTiled)>(dlsym(library, "cuTensorMapEncodeTiled")),
                  reinterpret_cast<decltype(&cuGetErrorString)>(dlsym(library, "cuGetErrorString"))};
-    TORCH_CHECK(found.launch != nullptr && found.error_string != nullptr,
-                "flash_node: libcuda.so.1 has no cuLaunchKernel or cuGetErrorString");
+    TORCH_CHECK(found.launch != nullptr && found.encode != nullptr && found.error_string != nullptr,
+                "flash_node: libcuda.so.1 has no cuLaunchKernel, cuTensorMapEncodeTiled or cuGetErrorString");
     return found;
   }();
   return loaded;
 }
 
-// Big enough for the FA2 kernels' ~45 parameters (at most 8 bytes each); Launch's constructor checks.
-constexpr size_t kMaxParams = 96;
-constexpr size_t kMaxParamBytes = 768;
+void check_driver(CUresult result, const char* what) {
+  if (result == CUDA_SUCCESS) return;
+  const char* text = nullptr;
+  driver().error_string(result, &text);
+  TORCH_CHECK(false, "flash_node: ", what, " failed: ", text ? text : "unknown error", " (", result, ")");
+}
+
+// Big enough for the Gluon backward's parameters (nine TMA descriptors of 128 bytes, each followed by its shape
+// and strides, ~110 parameters in all); Launch's constructor checks.
+constexpr size_t kMaxParams = 192;
+constexpr size_t kMaxParamBytes = 3072;
+constexpr size_t kTensorMapBytes = sizeof(CUtensorMap);  // 128, aligned to 64 as a kernel parameter
+
+// A TMA descriptor parameter: everything cuTensorMapEncodeTiled takes but the address, which is the data pointer of
+// the call's tensor `slot`. The arrays are in the driver's order (innermost dimension first); `strides` are in
+// bytes, one fewer than the dimensions.
+struct TensorMap {
+  TensorMap(int64_t param, int64_t slot, int64_t data_type, std::vector<int64_t> dims, std::vector<int64_t> strides,
+            std::vector<int64_t> box, int64_t swizzle, int64_t fill)
+      : param(param), slot(static_cast<Slot>(slot)), data_type(static_cast<CUtensorMapDataType>(data_type)),
+        rank(static_cast<unsigned>(dims.size())), swizzle(static_cast<CUtensorMapSwizzle>(swizzle)),
+        fill(static_cast<CUtensorMapFloatOOBfill>(fill)) {
+    TORCH_CHECK(slot >= 0 && slot < SLOTS, "flash_node: TensorMap slot ", slot, " is not 0..", SLOTS - 1);
+    TORCH_CHECK(rank >= 1 && rank <= 5, "flash_node: a TensorMap has 1..5 dimensions, got ", dims.size());
+    TORCH_CHECK(box.size() == rank && strides.size() + 1 == rank, "flash_node: a TensorMap of ", rank,
+                " dimensions needs as many box sizes (got ", box.size(), ") and one stride fewer (got ",
+                strides.size(), ")");
+    for (unsigned i = 0; i < rank; ++i) {
+      TORCH_CHECK(dims[i] > 0 && box[i] > 0, "flash_node: TensorMap dims ", dims, " and box ", box,
+                  " must be positive");
+      this->dims[i] = static_cast<cuuint64_t>(dims[i]);
+      this->box[i] = static_cast<cuuint32_t>(box[i]);
+    }
+    for (unsigned i = 0; i + 1 < rank; ++i) {
+      TORCH_CHECK(strides[i] > 0 && strides[i] % 16 == 0, "flash_node: TensorMap strides ", strides,
+                  " must be positive multiples of 16 bytes");
+      this->strides[i] = static_cast<cuuint64_t>(strides[i]);
+    }
+  }
+
+  // Encodes the descriptor of `address` at `out` (kTensorMapBytes, 64-byte aligned).
+  void encode(void* address, void* out) const {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(address) % 16 == 0, "flash_node: a TMA base address must be 16-byte "
+                "aligned, got ", address);
+    const cuuint32_t element_strides[5] = {1, 1, 1, 1, 1};
+    check_driver(driver().encode(static_cast<CUtensorMap*>(out), data_type, rank, address, dims.data(),
+                                 strides.data(), box.data(), element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B, fill),
+                 "cuTensorMapEncodeTiled");
+  }
+
+  int64_t param;  // an index into the Launch's parameters
+  Slot slot;
+  CUtensorMapDataType data_type;
+  unsigned rank;
+  std::array<cuuint64_t, 5> dims{};
+  std::array<cuuint64_t, 5> strides{};
+  std::array<cuuint32_t, 5> box{};
+  CUtensorMapSwizzle swizzle;
+  CUtensorMapFloatOOBfill fill;
+};
 
 // One kernel launch of a fixed layout.
 class Launch {
  public:
   // `params`: the parameters' bytes, back to back, each at `offsets[i]`; `pointer_params[j]` (an index into
-  // `offsets`) takes the data pointer of the call's tensor `pointer_slots[j]`.
+  // `offsets`) takes the data pointer of the call's tensor `pointer_slots[j]`, and each of `tensor_maps` its
+  // parameter's TMA descriptor.
   Launch(int64_t function, std::vector<int64_t> grid, int64_t threads, int64_t shared_bytes, const std::string& params,
-         std::vector<int64_t> offsets, std::vector<int64_t> pointer_params, std::vector<int64_t> pointer_slots)
+         std::vector<int64_t> offsets, std::vector<int64_t> pointer_params, std::vector<int64_t> pointer_slots,
+         std::vector<TensorMap> tensor_maps)
       : function_(reinterpret_cast<CUfunction>(function)),
         threads_(static_cast<unsigned>(threads)),
         shared_bytes_(static_cast<unsigned>(shared_bytes)),
         params_(params),
-        offsets_(std::move(offsets)) {
+        offsets_(std::move(offsets)),
+        tensor_maps_(std::move(tensor_maps)) {
     TORCH_CHECK(function != 0, "flash_node: Launch needs a loaded CUfunction, got 0");
     TORCH_CHECK(grid.size() == 3 && grid[0] > 0 && grid[1] > 0 && grid[2] > 0,
                 "flash_node: the grid must be 3 positive sizes, got ", grid);
@@ -91,24 +156,28 @@ class Launch {
                   " does not fit in the parameter bytes");
       pointers_.push_back({offset, static_cast<Slot>(pointer_slots[j])});
     }
+    for (const TensorMap& map : tensor_maps_) {
+      TORCH_CHECK(map.param >= 0 && static_cast<size_t>(map.param) < offsets_.size(), "flash_node: TensorMap "
+                  "parameter ", map.param, " is not one of the ", offsets_.size());
+      size_t offset = static_cast<size_t>(offsets_[map.param]);
+      TORCH_CHECK(offset % 64 == 0 && offset + kTensorMapBytes <= params_.size(), "flash_node: TensorMap parameter ",
+                  map.param, " at byte ", offset, " is not 64-byte aligned within the ", params_.size(), " bytes");
+    }
   }
 
   void run(const Tensors& tensors, CUstream stream) const {
-    alignas(16) unsigned char bytes[kMaxParamBytes];
+    alignas(128) unsigned char bytes[kMaxParamBytes];
     void* params[kMaxParams];
     std::memcpy(bytes, params_.data(), params_.size());
     for (const Pointer& pointer : pointers_) {
       auto address = reinterpret_cast<CUdeviceptr>(tensors[pointer.slot].data_ptr());
       std::memcpy(bytes + pointer.offset, &address, sizeof(address));
     }
+    for (const TensorMap& map : tensor_maps_) map.encode(tensors[map.slot].data_ptr(), bytes + offsets_[map.param]);
     for (size_t i = 0; i < offsets_.size(); ++i) params[i] = bytes + offsets_[i];
-    CUresult result = driver().launch(function_, grid_[0], grid_[1], grid_[2], threads_, 1, 1, shared_bytes_, stream,
-                                      params, nullptr);
-    if (result != CUDA_SUCCESS) {
-      const char* text = nullptr;
-      driver().error_string(result, &text);
-      TORCH_CHECK(false, "flash_node: cuLaunchKernel failed: ", text ? text : "unknown error", " (", result, ")");
-    }
+    check_driver(driver().launch(function_, grid_[0], grid_[1], grid_[2], threads_, 1, 1, shared_bytes_, stream,
+                                 params, nullptr),
+                 "cuLaunchKernel");
   }
 
  private:
@@ -123,41 +192,58 @@ class Launch {
   std::string params_;
   std::vector<int64_t> offsets_;
   std::vector<Pointer> pointers_;
+  std::vector<TensorMap> tensor_maps_;
 };
 
-// The launches of one call layout: the forward's, then the backward's in order, and the strides of the dO that
-// the backward's binaries were made for.
+// A float32 scratch buffer of the backward, fixed by the layout: sizes and strides.
+struct Scratch {
+  Scratch(int64_t slot, std::vector<int64_t> sizes, std::vector<int64_t> strides)
+      : slot(static_cast<Slot>(slot)), sizes(std::move(sizes)), strides(std::move(strides)) {
+    TORCH_CHECK(slot == DELTA || slot == DQ_ACC || slot == LSE2, "flash_node: slot ", slot,
+                " is not a scratch buffer's (delta, dq_acc, lse2)");
+    TORCH_CHECK(this->sizes.size() == this->strides.size(), "flash_node: scratch sizes ", this->sizes,
+                " and strides ", this->strides, " differ in length");
+  }
+  Slot slot;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+};
+
+// The launches of one call layout: the forward's, then the backward's in order; the strides of the dO that the
+// backward's binaries were made for; the backward's scratch buffers; where `dq_scale` is not 0, dQ is the float32
+// accumulator DQ_ACC times dq_scale, rounded to dQ's dtype after the launches (Gluon's backward); and tensors the
+// launches read by a fixed address (`keep`: a persistent schedule), kept alive with the plan.
 struct Plan : torch::CustomClassHolder {
-  Plan(std::vector<Launch> forward, std::vector<Launch> backward, std::vector<int64_t> grad_strides)
-      : forward(std::move(forward)), backward(std::move(backward)), grad_strides(std::move(grad_strides)) {}
+  Plan(std::vector<Launch> forward, std::vector<Launch> backward, std::vector<int64_t> grad_strides,
+       std::vector<Scratch> scratch, double dq_scale, std::vector<at::Tensor> keep)
+      : forward(std::move(forward)), backward(std::move(backward)), grad_strides(std::move(grad_strides)),
+        scratch(std::move(scratch)), dq_scale(dq_scale), keep(std::move(keep)) {}
   std::vector<Launch> forward;
   std::vector<Launch> backward;
   std::vector<int64_t> grad_strides;
+  std::vector<Scratch> scratch;
+  double dq_scale;
+  std::vector<at::Tensor> keep;
 };
 
 CUstream current_stream(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.get_device()).stream();
 }
 
-// O and L as flash_triton's forward allocates them: O in q's layout, L float32 and contiguous, q.shape[:-1].
-at::Tensor rows_of(const at::Tensor& q) {
-  return at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));
-}
-
-// The forward's launches on q, k, v: O (in q's layout) and L, as flash_triton's forward allocates them.
+// The forward's launches on q, k, v: O (in q's layout) and L, as both Python forwards allocate them.
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                const Plan& plan) {
   c10::cuda::CUDAGuard guard(q.device());
   Tensors t;
   t[Q] = q, t[K] = k, t[V] = v;
   t[OUT] = at::empty_like(q);
-  t[LSE] = rows_of(q);
+  t[LSE] = at::empty(q.sizes().slice(0, q.dim() - 1), q.options().dtype(at::kFloat));  // float32, q.shape[:-1]
   CUstream stream = current_stream(q);
   for (const Launch& launch : plan.forward) launch.run(t, stream);
   return {t[OUT], t[LSE]};
 }
 
-// The backward's launches: dQ, dK and dV as flash_triton's FA2 backward allocates them (each in its input's layout).
+// The backward's launches: dQ, dK and dV as the Python backwards allocate them (each in its input's layout).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& q, const at::Tensor& k,
                                                             const at::Tensor& v, const at::Tensor& out,
                                                             const at::Tensor& lse, at::Tensor grad,
@@ -170,12 +256,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& q,
   }
   Tensors t;
   t[Q] = q, t[K] = k, t[V] = v, t[OUT] = out, t[LSE] = lse, t[GRAD_OUT] = grad;
-  t[DELTA] = rows_of(q);
+  for (const Scratch& buffer : plan.scratch) {
+    t[buffer.slot] = at::empty_strided(buffer.sizes, buffer.strides, q.options().dtype(at::kFloat));
+  }
   t[DQ] = at::empty_like(q);
   t[DK] = at::empty_like(k);
   t[DV] = at::empty_like(v);
   CUstream stream = current_stream(q);
   for (const Launch& launch : plan.backward) launch.run(t, stream);
+  if (plan.dq_scale != 0.0) at::mul_out(t[DQ], t[DQ_ACC], plan.dq_scale);  // one pass: scale, round, q's layout
   return {t[DQ], t[DK], t[DV]};
 }
 
@@ -220,20 +309,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& q, con
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "The FA2 attention's autograd node in C++ (kernels/flash_native.py)";
+  m.doc() = "The flash_triton backend's autograd node in C++ (kernels/flash_native.py)";
+  py::class_<TensorMap>(m, "TensorMap")
+      .def(py::init<int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                    int64_t, int64_t>(),
+           py::arg("param"), py::arg("slot"), py::arg("data_type"), py::arg("dims"), py::arg("strides"),
+           py::arg("box"), py::arg("swizzle"), py::arg("fill"));
   py::class_<Launch>(m, "Launch")
       .def(py::init<int64_t, std::vector<int64_t>, int64_t, int64_t, const std::string&, std::vector<int64_t>,
-                    std::vector<int64_t>, std::vector<int64_t>>(),
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<TensorMap>>(),
            py::arg("function"), py::arg("grid"), py::arg("threads"), py::arg("shared_bytes"), py::arg("params"),
-           py::arg("offsets"), py::arg("pointer_params"), py::arg("pointer_slots"));
+           py::arg("offsets"), py::arg("pointer_params"), py::arg("pointer_slots"), py::arg("tensor_maps"));
+  py::class_<Scratch>(m, "Scratch")
+      .def(py::init<int64_t, std::vector<int64_t>, std::vector<int64_t>>(), py::arg("slot"), py::arg("sizes"),
+           py::arg("strides"));
   py::class_<Plan, c10::intrusive_ptr<Plan>>(m, "Plan")
-      .def(py::init<std::vector<Launch>, std::vector<Launch>, std::vector<int64_t>>(), py::arg("forward"),
-           py::arg("backward"), py::arg("grad_strides"));
+      .def(py::init<std::vector<Launch>, std::vector<Launch>, std::vector<int64_t>, std::vector<Scratch>, double,
+                    std::vector<at::Tensor>>(),
+           py::arg("forward"), py::arg("backward"), py::arg("grad_strides"), py::arg("scratch"), py::arg("dq_scale"),
+           py::arg("keep"));
   m.def("flash_attention", &flash_attention, "O of q, k, v through the plan's launches, with the C++ backward",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("plan"));
   m.def("forward", &forward, "(O, L) of q, k, v through the plan's forward launches (no autograd)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("plan"));
   m.def("backward", &backward, "(dQ, dK, dV) through the plan's backward launches (no autograd)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"), py::arg("grad_out"), py::arg("plan"));
-  m.attr("SLOTS") = py::make_tuple("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv");
+  m.attr("SLOTS") =
+      py::make_tuple("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv", "dq_acc", "lse2");
 }
