@@ -217,13 +217,19 @@ struct Plan : torch::CustomClassHolder {
   Plan(std::vector<Launch> forward, std::vector<Launch> backward, std::vector<int64_t> grad_strides,
        std::vector<Scratch> scratch, double dq_scale, std::vector<at::Tensor> keep)
       : forward(std::move(forward)), backward(std::move(backward)), grad_strides(std::move(grad_strides)),
-        scratch(std::move(scratch)), dq_scale(dq_scale), keep(std::move(keep)) {}
+        scratch(std::move(scratch)), dq_scale(dq_scale), keep(std::move(keep)) {
+    // dQ's scale as Python's `torch.mul(dq_acc, scale, out=dq)` passes it: a wrapped number (a CPU scalar that
+    // takes the accumulator's dtype), so that the product and its rounding into dQ are the Python path's
+    scale_tensor = at::scalar_tensor(dq_scale, at::TensorOptions().dtype(at::kDouble));
+    scale_tensor.unsafeGetTensorImpl()->set_wrapped_number(true);
+  }
   std::vector<Launch> forward;
   std::vector<Launch> backward;
   std::vector<int64_t> grad_strides;
   std::vector<Scratch> scratch;
   double dq_scale;
   std::vector<at::Tensor> keep;
+  at::Tensor scale_tensor;
 };
 
 CUstream current_stream(const at::Tensor& t) {
@@ -264,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& q,
   t[DV] = at::empty_like(v);
   CUstream stream = current_stream(q);
   for (const Launch& launch : plan.backward) launch.run(t, stream);
-  if (plan.dq_scale != 0.0) at::mul_out(t[DQ], t[DQ_ACC], plan.dq_scale);  // one pass: scale, round, q's layout
+  if (plan.dq_scale != 0.0) at::mul_out(t[DQ], t[DQ_ACC], plan.scale_tensor);  // one pass: scale, round, layout
   return {t[DQ], t[DK], t[DV]};
 }
 
