@@ -1,10 +1,13 @@
 """The C++ autograd node of the flash_triton backend (kernels/flash_native.py, kernels/csrc/flash_node.cpp).
 
-On the CPU: the parameter packing against ctypes' own layout of the same C parameters, the errors for what the node
-cannot pass or launch, the setting, and that the CPU path never takes the node. On a GPU: the node, once a layout's
-FA2 passes have run, gives the Python Function's O, dQ, dK and dV bit for bit (the same binaries with the same
-arguments), on awkward shapes and layouts, with frozen and tied inputs, a dO of another layout, another stream, and
-no gradient at all; and compiled graphs' operators launch through the same plans, with the same results.
+On the CPU: the parameter packing against ctypes' own layout of the same C parameters and, for TMA descriptors,
+against the launcher Triton generates; the errors for what the node cannot pass or launch, the setting, what
+native_passes hands the node, and that the CPU path never takes the node. On a GPU: the node, once a layout's
+passes have run, gives the Python Function's O, dQ, dK and dV bit for bit (the same binaries with the same
+arguments; the Gluon backward's dQ, summed by atomic adds in no fixed order, within one rounding), with FA2's
+kernels, Gluon's and the two paired, on awkward shapes and layouts, with frozen and tied inputs, a dO of another
+layout, another stream, and no gradient at all; and compiled graphs' operators launch through the same plans, with
+the same results.
 """
 
 from __future__ import annotations

@@ -7,30 +7,37 @@ forward+backward came out at about SDPA flash's time although its FA2 kernels to
 encodes and four launches measured at about the cost of a Python Function that launches nothing ("The floor of a C++
 autograd node at short calls"). This is that node, with the real kernels.
 
-How: once a layout's FA2 forward and backward have run through flash_triton's plans, the plans hold the binaries
-Triton compiled for that layout and every argument Triton passes them (`flash_triton.fa2_launches`). `attention`
-turns each launch into a C++ `Launch`:
-- the CUfunction Triton loaded, the grid, 32 x num_warps threads, the shared memory;
+How: once a layout's forward and backward have run through the Python plans of the kernels flash_dispatch chooses
+for it (flash_triton's FA2 plans, flash_gluon's and flash_gluon_bwd's Gluon plans, in any pairing), those plans hold
+the binaries Triton compiled for the layout and every argument Triton passes them (`flash_triton.native_passes`
+gathers them as `NativePasses`). `make_plan` turns each launch into a C++ `Launch`:
+- the CUfunction Triton loaded, the grid, 32 x num_warps threads (all warps, the Gluon kernels' workers included),
+  the shared memory;
 - the parameters packed as Triton 3.6's launcher packs them (`pack_params`: the signature's parameters in order,
-  constexprs left out, each as its C type, then the global and profile scratch pointers, null here);
-- the pointer parameters named by tensor slot, written in at each launch.
-From then on, calls of that layout run through the C++ node: it allocates O and L (and in the backward D, dQ, dK,
-dV) as the Python launchers do and launches the same binaries with the same arguments, so the results are the
-Python path's bit for bit (tests/test_flash_native.py). The backward's binaries were made for the dO layout of the
-backward that planned them (O's, or contiguous); a dO of another layout is copied into that one first.
+  constexprs left out, each as its C type, each TMA descriptor as a 128-byte CUtensorMap followed by its shape and
+  strides, then the global and profile scratch pointers, null here);
+- the pointer parameters named by tensor slot, written in at each launch, and the descriptors, encoded at each
+  launch by cuTensorMapEncodeTiled for the slot's address with the geometry, box, swizzle and element type Triton
+  would use (`TensorMapSpec`); a tensor the plan owns (the persistent forward's schedule) goes by its address.
+From then on, calls of that layout run through the C++ node: it allocates O and L, and in the backward dQ, dK, dV
+and the scratch buffers (FA2's D; Gluon's float32 dQ accumulator and its L and D rows), as the Python launchers do,
+launches the same binaries with the same arguments and, after a Gluon backward, writes dQ as the accumulator times
+the scale, as the Python path does. The results are the Python path's bit for bit, but for the Gluon backward's dQ,
+whose atomic adds run in no fixed order on either path (tests/test_flash_native.py). The backward's binaries were
+made for the dO layout of the backward that planned them (O's, or contiguous); a dO of another layout is copied
+into that one first.
 
 Compiled graphs call flash_triton's two operators instead of an autograd Function; their kernels take the same
 launches without the node (`forward`, `backward`), so a compiled call's passes run no Python launcher either.
 
-Where the Python path still runs (same kernels): a layout's first calls, until its FA2 forward and a backward (with
-a dO in O's layout or contiguous) have run once; the calls the Gluon kernels take (device-bound, and their TMA
-descriptors would have to be encoded here); kernels that need scratch memory (FA2's forward with device-side TMA
-descriptors, from `tma_min_keys` keys); fast launch off or a Triton release the fast path was not checked against
-(no binaries are kept then); the `native` setting off (CS336_FLASH_NATIVE=0); and where the module cannot be built
-(no C++ compiler, ninja or CUDA headers: warned once). The node fixes both passes' kernels when the forward runs;
-Triton's launch hooks (Proton) do not see its launches (torch.profiler does). Triton never unloads a module it
-loaded, so a plan that outlives its CompiledKernel (cleared launchers, a backward still pending) still launches
-valid functions.
+Where the Python path still runs (same kernels): a layout's first calls, until its forward and a backward (with the
+forward's O and L and a dO in O's layout or contiguous) have run once; kernels that need scratch memory (FA2's
+forward with device-side TMA descriptors, from `tma_min_keys` keys); fast launch off or a Triton release the fast
+path was not checked against (no binaries are kept then); the `native` setting off (CS336_FLASH_NATIVE=0); and where
+the module cannot be built (no C++ compiler, ninja or CUDA headers: warned once). The node fixes both passes'
+kernels when the forward runs (`flash_dispatch.choose_passes`); Triton's launch hooks (Proton) do not see its
+launches (torch.profiler does). Triton never unloads a module it loaded, so a plan that outlives its CompiledKernel
+(cleared launchers, a backward still pending) still launches valid functions.
 """
 
 from __future__ import annotations

@@ -583,8 +583,8 @@ def native_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
         plan, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get((layout(q, k, v), is_causal), (None, ()))
         calls = _fa2_calls(plan, BACKWARD_TENSORS) if made_with(plan, settings) else None
         # FA2's D: one float32 row value per query, q.shape[:-1], contiguous (flash_backward_triton's)
-        rows = q.shape[:-1]
-        backward = None if calls is None else (calls, grad_strides, [("delta", tuple(rows), contiguous_strides(rows))], 0.0)
+        delta = ("delta", tuple(q.shape[:-1]), contiguous_strides(q.shape[:-1]))
+        backward = None if calls is None else (calls, grad_strides, [delta], 0.0)
     if backward is None:
         return None
     return flash_native.NativePasses(forward, *backward)

@@ -70,12 +70,12 @@ class FlashSettings:
         error where it cannot run). Read when the backward runs, which may be on autograd's own thread. The
         Gluon backward's dQ is summed by float32 reduce-adds in arrival order, so it is not bitwise repeatable
         across runs (FA2's is): "triton" where that matters.
-    native: once a layout's FA2 forward and backward have run (and fast_launch is on), the `flash_triton`
-        backend's later calls of that layout go through a C++ autograd node that launches the same binaries, and
-        compiled graphs' flash operators through the same C++ launches (kernels/flash_native.py: it is built on
-        first need and needs a C++ compiler, ninja and CUDA's headers; where it cannot be built the Python
-        Function runs, after one warning). Off, always the Python launchers. Both passes' kernels are then fixed
-        when the forward runs.
+    native: once a layout's forward and backward have run (and fast_launch is on), the `flash_triton`
+        backend's later calls of that layout go through a C++ autograd node that launches the same binaries
+        (FA2's and Gluon's), and compiled graphs' flash operators through the same C++ launches
+        (kernels/flash_native.py: it is built on first need and needs a C++ compiler, ninja and CUDA's headers;
+        where it cannot be built the Python Function runs, after one warning). Off, always the Python launchers.
+        Both passes' kernels are then fixed when the forward runs.
     """
 
     fast_launch: bool = True
