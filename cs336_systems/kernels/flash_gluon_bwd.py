@@ -865,7 +865,6 @@ class _BackwardPlan:
         torch.mul(dq_acc, self.scale, out=dq4)
         return dq, dk, dv
 
-
     def native(self, grad_strides: tuple[int, ...], dq_strides: tuple[int, ...], q_shape: tuple[int, ...]
                ) -> tuple[list[flash_native.KernelCall], tuple, list, float]:
         """These launches for flash_native's C++ plan: (the two launches, the dO strides they read, the scratch
