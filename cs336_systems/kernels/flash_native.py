@@ -65,9 +65,6 @@ SLOTS = ("q", "k", "v", "out", "lse", "grad_out", "delta", "dq", "dk", "dv", "dq
 # `struct` formats.
 SCALAR_FORMATS = {"i1": "b", "i8": "b", "u1": "B", "u8": "B", "i16": "h", "u16": "H", "i32": "i", "u32": "I",
                   "i64": "q", "u64": "Q", "fp32": "f", "f32": "f", "fp64": "d"}
-# Triton 3.6's TMA element types as its kernels' metadata names them, to the driver's CUtensorMapDataType
-# (driver.py's TMA_DTYPE_DEVICE_TO_HOST: they differ at 8, 9 and 10).
-TMA_DTYPE_DEVICE_TO_HOST = {**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9}
 TENSOR_MAP_BYTES = 128  # sizeof(CUtensorMap), passed by value, 64-byte aligned
 FILL_NONE, FILL_NAN = 0, 1  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE, ..._NAN_REQUEST_ZERO_FMA
 
@@ -123,6 +120,9 @@ def _tensor_map(param: int, value: DescriptorSlot, meta: dict) -> TensorMapSpec:
     """The TensorMap of a descriptor parameter, from the value's geometry and the kernel's `tensordesc_meta` entry
     (swizzle, element size and type, the box the kernel loads), as Triton 3.6's make_tensordesc_arg and
     fill_tma_descriptor build it."""
+    # Triton's own map of its TMA element types to the driver's CUtensorMapDataType (they differ at 8, 9 and 10)
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
     if meta.get("fp4_padded"):
         raise ValueError(f"parameter {param}: fp4-padded descriptors are not passed by the C++ node")
     shape, strides, box = list(value.shape), list(value.strides), list(meta["block_size"])
