@@ -188,6 +188,24 @@ def test_native_passes_name_the_tensors_each_binary_takes(recorded_launches):
     assert flash_triton.native_passes(q, k, v, True, settings) is None  # the plans of the old settings are replaced
 
 
+def test_the_kernels_of_a_layout_are_chosen_once(monkeypatch):
+    """A layout whose node stays pending (no backward ever runs) asks choose_passes at every call: the choice is
+    remembered per layout and settings, and a new layout or other settings choose afresh."""
+    asked = []
+    monkeypatch.setattr(flash_dispatch, "_PASS_CHOICES", {})
+    real = flash_dispatch.choose_forward
+    monkeypatch.setattr(flash_dispatch, "choose_forward", lambda *a, **kw: asked.append(a[0].shape) or real(*a, **kw))
+    q = torch.randn(1, 2, 8, 16)
+    settings = FlashSettings(forward="auto", backward="auto")
+    for _ in range(3):
+        assert flash_dispatch.choose_passes(q, q, q, True, settings) == ("triton", "triton")  # the CPU: FA2
+    assert len(asked) == 1
+    flash_dispatch.choose_passes(q[:, :1], q[:, :1], q[:, :1], True, settings)  # another layout
+    flash_dispatch.choose_passes(q, q, q, True, FlashSettings(forward="auto", backward="triton"))  # other settings
+    flash_dispatch.choose_passes(q, q, q, False, settings)  # not causal
+    assert len(asked) == 4
+
+
 def test_clearing_the_launchers_forgets_the_nodes():
     flash_native._NODES[("layout", False)] = flash_native._Node(FlashSettings(), None, pending=True)
     flash_triton.LAUNCH["forward"].clear()

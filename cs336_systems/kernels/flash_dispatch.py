@@ -39,6 +39,7 @@ import torch
 import triton
 
 from cs336_systems.kernels.common import INTERPRET, cuda_capability
+from cs336_systems.kernels.launch import layout
 from cs336_systems.kernels.settings import CHOICES, ENV_VARS, FlashSettings, flash_settings
 from cs336_systems.kernels.settings import BACKWARDS, FORWARDS  # noqa: F401 (the choices, for callers)
 
@@ -223,15 +224,27 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                    supported=lambda module: module.gluon_backward_supported(q, k, v, out, grad_out, lse))
 
 
+# choose_passes' answers by (the inputs' launch.layout, is_causal, the two settings), all they depend on: a layout
+# whose backward never runs (no_grad calls) asks at every call while flash_native's node for it is pending
+_PASS_CHOICES: dict[tuple, tuple[str, str]] = {}
+
+
 def choose_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
                   ) -> tuple[str, str]:
     """The kernels of both passes of a call of these inputs with `settings`, where the backward gets the forward's O
     (q's shape, dtype and layout) and L and a dense dO: (choose_forward's, choose_backward's). What flash_native's
-    C++ node fixes for a layout when its forward runs."""
-    forward = choose_forward(q, k, v, is_causal, forward=settings.forward)
-    # q stands in for O and dO (the same shape, dtype, device and, O being empty_like(q), layout); L is made here
-    lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
-    return forward, choose_backward(q, k, v, q, lse, q, is_causal, backward=settings.backward)
+    C++ node fixes for a layout when its forward runs. Remembered per layout (at most 4096)."""
+    key = (layout(q, k, v), is_causal, settings.forward, settings.backward)
+    chosen = _PASS_CHOICES.get(key)
+    if chosen is None:
+        forward = choose_forward(q, k, v, is_causal, forward=settings.forward)
+        # q stands in for O and dO (the same shape, dtype, device and, O being empty_like(q), layout); L is made here
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        chosen = (forward, choose_backward(q, k, v, q, lse, q, is_causal, backward=settings.backward))
+        if len(_PASS_CHOICES) >= 4096:
+            _PASS_CHOICES.clear()
+        _PASS_CHOICES[key] = chosen
+    return chosen
 
 
 # ----------------------------------------------------------------------------------------------

@@ -570,17 +570,18 @@ def native_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     and L and a dense dO) have each run through their Python plans with fast launch; None before, or where a plan has
     no binary. FA2's plans are used only with the settings they were made with."""
     forward_kernel, backward_kernel = flash_dispatch.choose_passes(q, k, v, is_causal, settings)
+    key = (layout(q, k, v), is_causal)
     if forward_kernel == "gluon":
         forward = flash_dispatch.gluon_native_calls("forward", q, k, v, is_causal)
     else:
-        plan = _plan_for(_FORWARD_PLANS, (layout(q, k, v), is_causal), settings)
+        plan = _plan_for(_FORWARD_PLANS, key, settings)
         forward = None if plan is None else _fa2_calls(plan, FORWARD_TENSORS)
     if forward is None:
         return None
     if backward_kernel == "gluon":
         backward = flash_dispatch.gluon_native_calls("backward", q, k, v, is_causal)
     else:
-        plan, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get((layout(q, k, v), is_causal), (None, ()))
+        plan, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get(key, (None, ()))
         calls = _fa2_calls(plan, BACKWARD_TENSORS) if made_with(plan, settings) else None
         # FA2's D: one float32 row value per query, q.shape[:-1], contiguous (flash_backward_triton's)
         delta = ("delta", tuple(q.shape[:-1]), contiguous_strides(q.shape[:-1]))
