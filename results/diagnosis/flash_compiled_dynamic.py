@@ -17,11 +17,13 @@ does (each round a do_bench of the forward (no_grad) and of the forward+backward
 - `static`: `torch.compile(dynamic=False)`, compiled afresh for this point (Dynamo reset before it);
 - `dynamic`: `torch.compile(dynamic=True)`, compiled once, at the first point;
 - `grid`: `torch.compile()` compiled once and called at every point, the grid's own provider (dynamic from the
-  second point on).
+  second point on);
+- `graphs`: `torch.compile(mode="reduce-overhead", dynamic=False)`, compiled afresh for this point: Inductor's CUDA
+  graphs replay each pass's kernels without launching them one by one from the host. Before timing, each backend's
+  graphs are checked against its eager call on fresh inputs (O and dQ, dK, dV; the largest difference is logged).
 Each compiled callable wraps the backend in a function with a code object of its own, so that no two share a
-Dynamo cache. Rows: the median of the rounds, their spread, and the graphs Dynamo compiled for that callable by
-the end of the point (`frames`: `torch._dynamo.utils.counters["stats"]["unique_graphs"]` is global, so this counts
-the callable's own cache entries instead).
+Dynamo cache. Rows: the median of the rounds, their spread, and `graphs`: how many graphs Dynamo holds for that
+callable's code by the end of the point (a no_grad forward and a forward with gradients are two).
 """
 
 import argparse
@@ -41,7 +43,7 @@ from cs336_systems.results import write_rows  # noqa: E402
 from cs336_systems.timing import bench_ms  # noqa: E402
 
 BACKENDS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
-MODES = ("eager", "static", "dynamic", "grid")
+MODES = ("eager", "static", "dynamic", "grid", "graphs")
 # the 12 short causal points of flash_compiled_overhead/ (batch x heads 16 and 64, 512-2048 keys, d 64 and 128)
 # less six, and the Gluon point 2 x 32 x 2048 x 128
 SHAPES = ["1x16x512x64c", "1x16x2048x64c", "4x16x1024x64c", "1x16x1024x128c", "2x32x1024x128c", "2x32x2048x128c"]
@@ -60,6 +62,22 @@ def cache_entries(compiled) -> int:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     return len(_debug_get_cache_entry_list(compiled._torchdynamo_orig_callable.__code__))
+
+
+def graphs_difference(graphs, eager, like: torch.Tensor, causal: bool) -> float:
+    """Largest |graphs - eager| over O, dQ, dK and dV in three calls, each on fresh inputs shaped and laid out as
+    `like` (a replayed graph reads its inputs through copies into its own buffers)."""
+    worst = 0.0
+    for _ in range(3):
+        q, k, v = (torch.randn_like(like).requires_grad_() for _ in range(3))
+        do = torch.randn_like(like)
+        results = []
+        for fn in (graphs, eager):
+            out = fn(q, k, v, causal)
+            grads = torch.autograd.grad(out, (q, k, v), do)
+            results.append([t.detach().clone() for t in (out, *grads)])
+        worst = max(worst, *((a.float() - b.float()).abs().max().item() for a, b in zip(*results)))
+    return worst
 
 
 def main() -> None:
@@ -85,9 +103,15 @@ def main() -> None:
                                                        dynamic=False)
             calls[(backend, "dynamic")] = once[(backend, "dynamic")]
             calls[(backend, "grid")] = once[(backend, "grid")]
+            calls[(backend, "graphs")] = torch.compile(
+                own_code(fns[backend], f"{backend}_graphs_{seq}_{dim}_{batch}"), mode="reduce-overhead", dynamic=False)
         q, k, v = (torch.randn(batch, seq, heads, dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
                    .requires_grad_() for _ in range(3))
         do = torch.randn(batch, heads, seq, dim, device=device, dtype=torch.bfloat16)
+        for backend in BACKENDS:
+            print(f"b{batch} h{heads} n{seq} d{dim} {backend:12s} graphs against eager, max |difference| over three "
+                  f"calls on fresh inputs: {graphs_difference(calls[(backend, 'graphs')], fns[backend], q, causal):.3g}",
+                  flush=True)
         times = {key: {"forward": [], "forward_backward": []} for key in calls}
         for _ in range(args.rounds):
             for key, fn in calls.items():
