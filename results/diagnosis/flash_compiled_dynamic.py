@@ -11,10 +11,10 @@ with the kernel bound by `functools.partial`), so they share one code object and
 short points of `flash_compiled_overhead/`, compiled cost every provider 0.4-0.8 ms more than eager per
 forward+backward.
 
-Per point, this times each backend (ours, SDPA flash, SDPA cuDNN) in four modes, in interleaved rounds as the grid
+Per point, this times each backend (ours, SDPA flash, SDPA cuDNN) in five modes, in interleaved rounds as the grid
 does (each round a do_bench of the forward (no_grad) and of the forward+backward):
 - `eager`: the backend itself;
-- `static`: `torch.compile(dynamic=False)`, compiled afresh for this point (Dynamo reset before it);
+- `static`: `torch.compile(dynamic=False)`, compiled afresh for this point (a new function for each point);
 - `dynamic`: `torch.compile(dynamic=True)`, compiled once, at the first point;
 - `grid`: `torch.compile()` compiled once and called at every point, the grid's own provider (dynamic from the
   second point on);
