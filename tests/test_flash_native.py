@@ -380,6 +380,27 @@ def test_compiled_calls_launch_through_the_plan(default_settings, monkeypatch, s
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, kernels", [(64, "triton"), pytest.param(128, "gluon", marks=sm90)])
+def test_cuda_graphs_replay_the_eager_results(default_settings, head_dim, kernels):
+    """torch.compile(mode="reduce-overhead"): Inductor records both passes as CUDA graphs and replays them. Their
+    first call runs with the allocations going to the graphs' private pool, so whatever a layout keeps across calls
+    (the persistent Gluon forward's schedule) must be made outside it, or the recording fails; each call, on fresh
+    inputs, must give the eager Function's results."""
+    if kernels == "gluon":
+        set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
+    compiled = torch.compile(lambda q, k, v, c: flash_triton.flash_attention_triton(q, k, v, c),
+                             mode="reduce-overhead", fullgraph=True)
+    shape = (1, 3, 200, head_dim)  # a layout no other test plans: its first call is the graphs' warm-up
+    for seed in range(3):  # warm-up, recording, replay
+        q, k, v, do = _leaves(shape, shape, torch.bfloat16, seed=10 + seed, model_layout=True)
+        out, grads, _ = _run(compiled, q, k, v, do, True)
+        want_out, want_grads, _ = _run(flash_triton.FlashAttentionTriton.apply, q, k, v, do, True)
+        for name, got, want in zip(("O", "dQ", "dK", "dV"), (out, *grads), (want_out, *want_grads)):
+            _assert_same(got, want, name == "dQ" and _gluon_backward(), f"{name}, call {seed + 1}")
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernels", ["triton", pytest.param("gluon", marks=sm90)])
 def test_frozen_tied_and_odd_gradients(default_settings, kernels):
     if kernels == "gluon":  # the Gluon backward reads dO by TMA: the expanded dO is copied before it

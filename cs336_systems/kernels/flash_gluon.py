@@ -213,9 +213,29 @@ def schedule_table(walks: list[list[int]]) -> list[int]:
 def _schedule_on(device: torch.device, n_queries: int, n_keys: int, batch_heads: int, group: int, tile: GluonTile,
                  is_causal: bool, programs: int) -> torch.Tensor:
     """The int32 schedule table on `device`, built once per shape (the 8B shape's 16,384 tiles take ~60 ms in
-    Python). The first call per shape copies it to the device, so it must not be inside a CUDA graph capture."""
+    Python) and kept. On a GPU it is copied on a stream of its own (`_table_stream`): torch.compile's CUDA graphs
+    (mode="reduce-overhead") run a graph's first call with the current stream's allocations going to the graphs'
+    private pool, where a tensor kept after the call is an error ("tensor(s) in the cudagraph pool not tracked as
+    outputs"); another stream's allocations stay in the ordinary pool. A capture proper (torch.cuda.graph) cannot
+    copy from the host at all: there the layout's first call must come before the capture."""
     walks = persistent_schedule(tile_works(n_queries, n_keys, batch_heads, group, tile, is_causal), programs)
-    return torch.tensor(schedule_table(walks), dtype=torch.int32, device=device)
+    table = torch.tensor(schedule_table(walks), dtype=torch.int32)
+    if device.type != "cuda":
+        return table.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"flash_gluon: the first call of a layout ({batch_heads} heads x {n_queries} queries x "
+                           f"{n_keys} keys) copies its tile schedule to the GPU, which a CUDA graph capture does not "
+                           "allow: make one call of this layout before capturing")
+    user = torch.cuda.current_stream(device)
+    with torch.cuda.stream(_table_stream(device)):
+        on_device = table.to(device)  # from pageable memory: done when it returns
+    on_device.record_stream(user)  # if the cache drops it, its memory waits for the kernels queued on `user`
+    return on_device
+
+
+@functools.cache
+def _table_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
 
 
 @functools.cache

@@ -20,7 +20,8 @@ does (each round a do_bench of the forward (no_grad) and of the forward+backward
   second point on);
 - `graphs`: `torch.compile(mode="reduce-overhead", dynamic=False)`, compiled afresh for this point: Inductor's CUDA
   graphs replay each pass's kernels without launching them one by one from the host. Before timing, each backend's
-  graphs are checked against its eager call on fresh inputs (O and dQ, dK, dV; the largest difference is logged).
+  graphs are checked against its eager call on fresh inputs (O and dQ, dK, dV; the largest difference is logged,
+  and each one's error against float64).
 Each compiled callable wraps the backend in a function with a code object of its own, so that no two share a
 Dynamo cache. Rows: the median of the rounds, their spread, and `graphs`: how many graphs Dynamo holds for that
 callable's code by the end of the point (a no_grad forward and a forward with gradients are two).
@@ -37,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flash_short_calls import parse_shape  # noqa: E402
 
-from cs336_systems.model.attention import get_attention  # noqa: E402
+from cs336_systems.model.attention import get_attention, naive_attention  # noqa: E402
 from cs336_systems.provenance import provenance  # noqa: E402
 from cs336_systems.results import write_rows  # noqa: E402
 from cs336_systems.timing import bench_ms  # noqa: E402
@@ -64,19 +65,26 @@ def cache_entries(compiled) -> int:
     return len(_debug_get_cache_entry_list(compiled._torchdynamo_orig_callable.__code__))
 
 
-def graphs_difference(graphs, eager, like: torch.Tensor, causal: bool) -> float:
-    """Largest |graphs - eager| over O, dQ, dK and dV in three calls, each on fresh inputs shaped and laid out as
-    `like` (a replayed graph reads its inputs through copies into its own buffers)."""
-    worst = 0.0
+def graphs_difference(graphs, eager, like: torch.Tensor, causal: bool) -> dict[str, float]:
+    """Largest |graphs - eager| of O, dQ, dK and dV over three calls, each on fresh inputs shaped and laid out as
+    `like` (a replayed graph reads its inputs through copies into its own buffers), and the largest error of each
+    against float64 (`graphs_O_err`, `eager_O_err`, ...)."""
+    names = ("O", "dQ", "dK", "dV")
+    worst = dict.fromkeys([*names, *(f"{mode}_{n}_err" for mode in ("graphs", "eager") for n in names)], 0.0)
     for _ in range(3):
         q, k, v = (torch.randn_like(like).requires_grad_() for _ in range(3))
         do = torch.randn_like(like)
-        results = []
-        for fn in (graphs, eager):
-            out = fn(q, k, v, causal)
-            grads = torch.autograd.grad(out, (q, k, v), do)
-            results.append([t.detach().clone() for t in (out, *grads)])
-        worst = max(worst, *((a.float() - b.float()).abs().max().item() for a, b in zip(*results)))
+        results = {}
+        for mode, fn in (("graphs", graphs), ("eager", eager), ("float64", naive_attention)):
+            inputs = [t.detach().double().requires_grad_() for t in (q, k, v)] if mode == "float64" else (q, k, v)
+            out = fn(*inputs, causal)
+            grads = torch.autograd.grad(out, inputs, do.to(out.dtype))
+            results[mode] = [t.detach().double().clone() for t in (out, *grads)]
+        for i, name in enumerate(names):
+            worst[name] = max(worst[name], (results["graphs"][i] - results["eager"][i]).abs().max().item())
+            for mode in ("graphs", "eager"):
+                error = (results[mode][i] - results["float64"][i]).abs().max().item()
+                worst[f"{mode}_{name}_err"] = max(worst[f"{mode}_{name}_err"], error)
     return worst
 
 
@@ -109,8 +117,9 @@ def main() -> None:
                    .requires_grad_() for _ in range(3))
         do = torch.randn(batch, heads, seq, dim, device=device, dtype=torch.bfloat16)
         for backend in BACKENDS:
+            worst = graphs_difference(calls[(backend, "graphs")], fns[backend], q, causal)
             print(f"b{batch} h{heads} n{seq} d{dim} {backend:12s} graphs against eager, max |difference| over three "
-                  f"calls on fresh inputs: {graphs_difference(calls[(backend, 'graphs')], fns[backend], q, causal):.3g}",
+                  "calls on fresh inputs: " + " ".join(f"{name}={value:.3g}" for name, value in worst.items()),
                   flush=True)
         times = {key: {"forward": [], "forward_backward": []} for key in calls}
         for _ in range(args.rounds):
