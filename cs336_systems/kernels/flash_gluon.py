@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -213,10 +214,10 @@ def schedule_table(walks: list[list[int]]) -> list[int]:
 def _schedule_on(device: torch.device, n_queries: int, n_keys: int, batch_heads: int, group: int, tile: GluonTile,
                  is_causal: bool, programs: int) -> torch.Tensor:
     """The int32 schedule table on `device`, built once per shape (the 8B shape's 16,384 tiles take ~60 ms in
-    Python) and kept. On a GPU it is copied on a stream of its own (`_table_stream`): torch.compile's CUDA graphs
-    (mode="reduce-overhead") run a graph's first call with the current stream's allocations going to the graphs'
+    Python) and kept. On a GPU it is copied by a thread of its own: torch.compile's CUDA graphs (mode=
+    "reduce-overhead") run a graph's first call with every allocation of the calling thread going to the graphs'
     private pool, where a tensor kept after the call is an error ("tensor(s) in the cudagraph pool not tracked as
-    outputs"); another stream's allocations stay in the ordinary pool. A capture proper (torch.cuda.graph) cannot
+    outputs"); another thread's allocations stay in the ordinary pool. A capture proper (torch.cuda.graph) cannot
     copy from the host at all: there the layout's first call must come before the capture."""
     walks = persistent_schedule(tile_works(n_queries, n_keys, batch_heads, group, tile, is_causal), programs)
     table = torch.tensor(schedule_table(walks), dtype=torch.int32)
@@ -226,16 +227,24 @@ def _schedule_on(device: torch.device, n_queries: int, n_keys: int, batch_heads:
         raise RuntimeError(f"flash_gluon: the first call of a layout ({batch_heads} heads x {n_queries} queries x "
                            f"{n_keys} keys) copies its tile schedule to the GPU, which a CUDA graph capture does not "
                            "allow: make one call of this layout before capturing")
-    user = torch.cuda.current_stream(device)
-    with torch.cuda.stream(_table_stream(device)):
-        on_device = table.to(device)  # from pageable memory: done when it returns
-    on_device.record_stream(user)  # if the cache drops it, its memory waits for the kernels queued on `user`
-    return on_device
+    copied: list = []
 
+    def copy() -> None:
+        try:
+            with torch.cuda.device(device):
+                copied.append(table.to(device))  # from pageable memory: done when it returns
+        except Exception as error:  # raised again on the calling thread
+            copied.append(error)
 
-@functools.cache
-def _table_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
+    thread = threading.Thread(target=copy, name="flash_gluon schedule copy")
+    thread.start()
+    thread.join()
+    if isinstance(copied[0], Exception):
+        raise copied[0]
+    # made on that thread's stream, used on this one's: if the cache drops it, its memory waits for the kernels
+    # queued here
+    copied[0].record_stream(torch.cuda.current_stream(device))
+    return copied[0]
 
 
 @functools.cache
