@@ -11,7 +11,8 @@ with the kernel bound by `functools.partial`), so they share one code object and
 short points of `flash_compiled_overhead/`, compiled cost every provider 0.4-0.8 ms more than eager per
 forward+backward.
 
-Per point, this times each backend (ours, SDPA flash, SDPA cuDNN) in five modes, in interleaved rounds as the grid
+Per point, this times each backend (ours, SDPA flash, SDPA cuDNN, and `floor`: q + k + v, no attention, what a
+compiled region costs whatever it holds) in five modes, in interleaved rounds as the grid
 does (each round a do_bench of the forward (no_grad) and of the forward+backward):
 - `eager`: the backend itself;
 - `static`: `torch.compile(dynamic=False)`, compiled afresh for this point (a new function for each point);
@@ -43,11 +44,17 @@ from cs336_systems.provenance import provenance  # noqa: E402
 from cs336_systems.results import write_rows  # noqa: E402
 from cs336_systems.timing import bench_ms  # noqa: E402
 
-BACKENDS = ("flash_triton", "sdpa_flash", "sdpa_cudnn")
+BACKENDS = ("flash_triton", "sdpa_flash", "sdpa_cudnn", "floor")
 MODES = ("eager", "static", "dynamic", "grid", "graphs")
 # the 12 short causal points of flash_compiled_overhead/ (batch x heads 16 and 64, 512-2048 keys, d 64 and 128)
 # less six, and the Gluon point 2 x 32 x 2048 x 128
 SHAPES = ["1x16x512x64c", "1x16x2048x64c", "4x16x1024x64c", "1x16x1024x128c", "2x32x1024x128c", "2x32x2048x128c"]
+
+
+def floor(q, k, v, causal):
+    """No attention: the least a compiled region with three inputs that need gradients can cost (one pointwise
+    kernel forward; the backward passes the output's gradient on to all three), torch.compile's own floor."""
+    return q + k + v
 
 
 def own_code(fn, name: str):
@@ -92,20 +99,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in SHAPES])
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup-ms", type=float, default=25)
     parser.add_argument("--rep-ms", type=float, default=100, help="per callable and pass, over all rounds")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64
     device = torch.device("cuda")
-    fns = {backend: get_attention(backend) for backend in BACKENDS}
+    backends = args.backends
+    fns = {backend: floor if backend == "floor" else get_attention(backend) for backend in backends}
     once = {(backend, mode): torch.compile(own_code(fns[backend], f"{backend}_{mode}"), dynamic=mode == "dynamic")
-            for backend in BACKENDS for mode in ("dynamic", "grid")}
+            for backend in backends for mode in ("dynamic", "grid")}
     prov = provenance(device)
     rows = []
     for batch, heads, seq, dim, causal in args.shapes:
         calls = {}
-        for backend in BACKENDS:  # static: a new function per point, so a graph of this point's shape
+        for backend in backends:  # static: a new function per point, so a graph of this point's shape
             calls[(backend, "eager")] = fns[backend]
             calls[(backend, "static")] = torch.compile(own_code(fns[backend], f"{backend}_static_{seq}_{dim}_{batch}"),
                                                        dynamic=False)
@@ -116,7 +125,7 @@ def main() -> None:
         q, k, v = (torch.randn(batch, seq, heads, dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
                    .requires_grad_() for _ in range(3))
         do = torch.randn(batch, heads, seq, dim, device=device, dtype=torch.bfloat16)
-        for backend in BACKENDS:
+        for backend in (b for b in backends if b != "floor"):  # the floor computes no attention to check
             worst = graphs_difference(calls[(backend, "graphs")], fns[backend], q, causal)
             print(f"b{batch} h{heads} n{seq} d{dim} {backend:12s} graphs against eager, max |difference| over three "
                   "calls on fresh inputs: " + " ".join(f"{name}={value:.3g}" for name, value in worst.items()),
