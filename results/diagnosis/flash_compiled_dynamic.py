@@ -154,7 +154,7 @@ def main() -> None:
                 print(f"b{batch} h{heads} n{seq} d{dim} {backend:12s} {mode:8s} {name:16s} {median:.3f} ms "
                       f"graphs={rows[-1]['graphs']}", flush=True)
         q = k = v = do = None
-    write_rows(rows, args.out)
+        write_rows(rows, args.out)  # after every point: a run cut short keeps the points it finished
 
 
 if __name__ == "__main__":
