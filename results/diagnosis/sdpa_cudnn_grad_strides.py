@@ -9,7 +9,7 @@ dim) and viewed as (batch, heads, seq, dim), and a contiguous dO. torch's cuDNN 
 match O's when cuDNN 9.5.1 was said to accept any dO layout (pytorch PR #141147).
 
 Per point and dO layout this checks each backend's O, dQ, dK and dV against float64 (largest |error|, and the
-norm of the error over the reference's), and times the forward+backward (do_bench, median):
+norm of the error over the reference's), each backward the first of a fresh forward's graph, and times the forward+backward (do_bench, median):
 - `contiguous`: dO contiguous, (batch, heads, seq, dim): the grid's;
 - `like_q`: dO made as (batch, seq, heads, dim) and viewed as q is: what a model that transposes O back gives;
 - `like_out`: dO with O's own strides (`torch.empty_like(O)`).
@@ -30,7 +30,7 @@ from cs336_systems.results import write_rows  # noqa: E402
 from cs336_systems.timing import bench_ms  # noqa: E402
 
 BACKENDS = ("sdpa_cudnn", "sdpa_flash", "flash_triton")
-LAYOUTS = ("contiguous", "like_q", "like_out")
+LAYOUTS = ("like_q", "contiguous", "like_out")
 
 
 def grad_output(layout: str, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -61,10 +61,10 @@ def main() -> None:
         ref_out = naive_attention(*reference, causal)
         for backend in BACKENDS:
             fn = get_attention(backend)
-            out = fn(q, k, v, causal)
             for layout in LAYOUTS:
+                out = fn(q, k, v, causal)  # a fresh graph: each backward is its graph's first and only one
                 do = grad_output(layout, out, generator)
-                grads = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+                grads = torch.autograd.grad(out, (q, k, v), do)
                 want = (ref_out, *torch.autograd.grad(ref_out, reference, do.double(), retain_graph=True))
                 row = {"benchmark": "sdpa_cudnn_grad_strides", "backend": backend, "do_layout": layout,
                        "batch": batch, "heads": heads, "seq_len": seq, "head_dim": dim, "causal": causal,
