@@ -16,7 +16,7 @@ from cs336_systems.model import (
     parameter_count,
     register_attention,
 )
-from cs336_systems.model.attention import naive_attention, sdpa_attention
+from cs336_systems.model.attention import GradInOutputStrides, get_attention, naive_attention, sdpa_attention
 from cs336_systems.model.transformer import RotaryEmbedding
 from cs336_systems.optim import AdamW
 
@@ -50,6 +50,47 @@ def test_naive_and_sdpa_backends_agree():
     q, k, v = torch.randn(3, 2, 4, 19, 16, dtype=torch.float64)
     for causal in (False, True):
         torch.testing.assert_close(naive_attention(q, k, v, causal), sdpa_attention(q, k, v, causal))
+
+
+@pytest.mark.parametrize("grad_layout", ["contiguous", "like_out", "expanded"])
+def test_grad_in_output_strides_hands_on_the_gradient_in_the_outputs_strides(grad_layout):
+    """What reaches the node below holds dO's values in O's strides, and is dO itself where the strides agree."""
+    q = torch.randn(2, 7, 3, 8, dtype=torch.float64).transpose(1, 2).requires_grad_()  # (batch, heads, seq, dim)
+    out = q * 2.0  # O in q's strides, as SDPA returns it
+    seen = []
+    out.register_hook(seen.append)
+    grad = {"contiguous": torch.randn(2, 3, 7, 8, dtype=torch.float64),
+            "like_out": torch.randn(2, 7, 3, 8, dtype=torch.float64).transpose(1, 2),
+            "expanded": torch.randn((), dtype=torch.float64).expand(2, 3, 7, 8)}[grad_layout]
+    GradInOutputStrides.apply(out).backward(grad)
+    assert seen[0].stride() == out.stride()
+    assert torch.equal(seen[0], grad)
+    assert (seen[0].data_ptr() == grad.data_ptr()) == (grad_layout == "like_out")
+    torch.testing.assert_close(q.grad, 2.0 * grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's cuDNN kernel runs on CUDA")
+def test_sdpa_cudnn_gradients_whatever_the_do_layouts_before():
+    """torch 2.11's cuDNN backward reuses the plan of a call layout's first dO strides for any later dO: without
+    GradInOutputStrides the second layout's dQ, dK, dV were off by a relative 1.41 (results/diagnosis/
+    sdpa_cudnn_grad_strides/). A call layout no other test runs, then dO in three layouts in turn."""
+    attend = get_attention("sdpa_cudnn")
+    gen = torch.Generator("cuda").manual_seed(0)
+    batch, seq, heads, dim = 1, 333, 5, 64
+    q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+               .transpose(1, 2).requires_grad_() for _ in range(3))
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out = naive_attention(*exact, True)
+    layouts = {"like_q": lambda: torch.randn(batch, seq, heads, dim, device="cuda", generator=gen).transpose(1, 2),
+               "contiguous": lambda: torch.randn(batch, heads, seq, dim, device="cuda", generator=gen)}
+    for name in ("like_q", "contiguous", "like_q"):
+        do = layouts[name]().to(torch.bfloat16)
+        grads = torch.autograd.grad(attend(q, k, v, True), (q, k, v), do)
+        wants = torch.autograd.grad(want_out, exact, do.double(), retain_graph=True)
+        for label, got, want in zip("qkv", grads, wants):
+            error = ((got.double() - want).norm() / want.norm()).item()
+            assert error < 1e-2, f"d{label} after dO {name}: relative error {error:.3g} against float64"
 
 
 def test_rope_depends_only_on_relative_position():

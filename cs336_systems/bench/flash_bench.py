@@ -11,7 +11,7 @@ Providers are the model's attention backends, by their registry names (cs336_sys
 (the backend under torch.compile): a new backend is a provider here with no edit.
 
 `llm-shapes`: the shapes a Transformer's training step gives attention: batch x heads from 16 to 512,
-sequences 512 to 32768, head dim 64 and 128, causal and not, bf16, inputs laid out as a model makes
+sequences 512 to 32768, head dim 64 and 128, causal and not, bf16, inputs and dO laid out as a model makes
 them ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); our kernel eager and under
 torch.compile beside SDPA's flash and cuDNN backends, forward and forward+backward, the providers of a point
 taking turns in `--rounds` rounds (a row is the median of its rounds). `--first-call-out`
@@ -285,7 +285,7 @@ def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
         try:
             q, k, v = (torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
                        .requires_grad_() for _ in range(3))
-            do = torch.randn(batch, heads, seq, head_dim, device=device, dtype=dtype)
+            do = torch.randn(batch, seq, heads, head_dim, device=device, dtype=dtype).transpose(1, 2)
             for _ in range(config.rounds):
                 for provider in config.providers:
                     if provider not in failed:

@@ -73,16 +73,40 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
+class GradInOutputStrides(torch.autograd.Function):
+    """The identity, whose backward hands the output's gradient on in the output's own strides (copied only where
+    they differ). Why: torch 2.11's cuDNN attention backward keeps one cuDNN plan per call layout, built for the dO
+    strides of its first backward, and runs it on a later dO of other strides: dQ, dK and dV come back wrong, with no
+    error (H200, torch 2.11.0+cu130, cuDNN 9.19: results/diagnosis/sdpa_cudnn_grad_strides/). The plan's key holds
+    O's strides, so a dO always in O's strides is always the dO its plan was built for; torch itself did this copy
+    before it let dO's strides differ from O's (pytorch PR #141147). In a model, which transposes O back to
+    (batch, seq, heads * dim), dO arrives in O's strides and nothing is copied."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor) -> torch.Tensor:
+        ctx.out_stride = out.stride()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == ctx.out_stride:
+            return grad
+        return torch.empty_strided(grad.shape, ctx.out_stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
 def sdpa_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False, *,
                           kernel: SDPBackend) -> torch.Tensor:
     """`sdpa` with one of its kernels forced (an error where that kernel does not take the inputs:
     "No available kernel"). Also takes (batch, n, d) inputs, viewed as one batch of heads: the fused
-    kernels need the heads dimension, and the flash benchmark times head-less inputs."""
+    kernels need the heads dimension, and the flash benchmark times head-less inputs. cuDNN's output passes
+    through `GradInOutputStrides`, so that its backward always sees dO in O's strides."""
     view = q.dim() == 3
     if view:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     with sdpa_kernel(kernel):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    if kernel == SDPBackend.CUDNN_ATTENTION:
+        out = GradInOutputStrides.apply(out)
     return out.squeeze(0) if view else out
 
 
