@@ -71,26 +71,33 @@ def test_grad_in_output_strides_hands_on_the_gradient_in_the_outputs_strides(gra
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="SDPA's cuDNN kernel runs on CUDA")
-def test_sdpa_cudnn_gradients_whatever_the_do_layouts_before():
+@pytest.mark.parametrize("seq, calls", [(333, ("eager like_q", "eager contiguous", "eager like_q")),
+                                        (334, ("eager like_q", "compiled contiguous", "eager contiguous",
+                                               "compiled like_q"))])
+def test_sdpa_cudnn_gradients_whatever_the_do_layouts_before(seq, calls):
     """torch 2.11's cuDNN backward reuses the plan of a call layout's first dO strides for any later dO: without
     GradInOutputStrides the second layout's dQ, dK, dV were off by a relative 1.41 (results/diagnosis/
-    sdpa_cudnn_grad_strides/). A call layout no other test runs, then dO in three layouts in turn."""
-    attend = get_attention("sdpa_cudnn")
+    sdpa_cudnn_grad_strides/). A call layout no other test runs, then dO in several layouts in turn, eager and, in
+    the second case, compiled (where Inductor lays out what reaches cuDNN's backward itself)."""
+    eager = get_attention("sdpa_cudnn")
+    compiled = torch.compile(eager, fullgraph=True)
     gen = torch.Generator("cuda").manual_seed(0)
-    batch, seq, heads, dim = 1, 333, 5, 64
+    batch, heads, dim = 1, 5, 64
     q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
                .transpose(1, 2).requires_grad_() for _ in range(3))
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     want_out = naive_attention(*exact, True)
     layouts = {"like_q": lambda: torch.randn(batch, seq, heads, dim, device="cuda", generator=gen).transpose(1, 2),
                "contiguous": lambda: torch.randn(batch, heads, seq, dim, device="cuda", generator=gen)}
-    for name in ("like_q", "contiguous", "like_q"):
-        do = layouts[name]().to(torch.bfloat16)
+    for call in calls:
+        mode, layout = call.split()
+        do = layouts[layout]().to(torch.bfloat16)
+        attend = compiled if mode == "compiled" else eager
         grads = torch.autograd.grad(attend(q, k, v, True), (q, k, v), do)
         wants = torch.autograd.grad(want_out, exact, do.double(), retain_graph=True)
         for label, got, want in zip("qkv", grads, wants):
             error = ((got.double() - want).norm() / want.norm()).item()
-            assert error < 1e-2, f"d{label} after dO {name}: relative error {error:.3g} against float64"
+            assert error < 1e-2, f"d{label} at the call '{call}': relative error {error:.3g} against float64"
 
 
 def test_rope_depends_only_on_relative_position():
