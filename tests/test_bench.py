@@ -209,6 +209,27 @@ def test_llm_shapes_interleaves_the_providers_and_takes_the_median_round(monkeyp
     assert got["flash_pytorch", "forward"]["status"] == "ok" and len(calls) == 9  # it ran all three rounds
 
 
+def test_llm_shapes_hands_do_in_the_models_layout(monkeypatch):
+    """dO reaches the providers laid out as q, k, v are ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)),
+    as a model's layers hand it back, and the rows say so."""
+    seen = []
+
+    def probe(q, k, v, is_causal):
+        out = q + k + v
+        if out.requires_grad:
+            out.register_hook(lambda grad: seen.append((grad.stride(), q.stride())))
+        return out
+
+    monkeypatch.setitem(flash_bench.ATTENTION_BACKENDS, "probe", probe)
+    monkeypatch.setattr(flash_bench, "bench_ms", lambda fn, *args, **kwargs: (fn(), 1.0)[1])
+    config = flash_bench.LlmShapesConfig(batch_heads=(6,), seqs=(5,), head_dims=(4,), causal=(True,),
+                                         providers=("probe",), rounds=1, device="cpu")
+    rows = [row for rows in flash_bench.llm_shapes(config) for row in rows]
+    assert seen and all(do_stride == q_stride for do_stride, q_stride in seen)
+    assert seen[0][0] != torch.empty(1, 6, 5, 4).stride()  # not contiguous: the layout is the model's
+    assert {r["do_layout"] for r in rows} == {"model"}
+
+
 def test_profile_records_an_oom_row(monkeypatch):
     monkeypatch.setattr(profile, "profile_point", _raise_oom)
     rows = profile.profile_rows(profile.ProfileConfig(sizes=("tiny",), context_lengths=(16,), device="cpu",

@@ -274,7 +274,7 @@ def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
     shapes = config.shapes()
     for i, (batch, heads, seq, head_dim, causal) in enumerate(shapes, 1):
         shape = {"dtype": config.dtype, "batch": batch, "heads": heads, "seq_len": seq, "head_dim": head_dim,
-                 "causal": causal}
+                 "causal": causal, "do_layout": "model"}  # dO as q, k, v (until 0040458 it was contiguous)
         failed: dict[str, tuple[str, str]] = {}  # provider -> (status, note): not run, or stopped by its error
         for provider in config.providers:
             reason = supported(provider.removesuffix(COMPILED), dtype, seq, device, seq)
