@@ -75,11 +75,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
 
 class GradInOutputStrides(torch.autograd.Function):
     """The identity, whose backward hands the output's gradient on in the output's own strides (copied only where
-    they differ). Why: torch 2.11's cuDNN attention backward keeps one cuDNN plan per call layout, built for the dO
-    strides of its first backward, and runs it on a later dO of other strides: dQ, dK and dV come back wrong, with no
-    error (H200, torch 2.11.0+cu130, cuDNN 9.19: results/diagnosis/sdpa_cudnn_grad_strides/). The plan's key holds
-    O's strides, so a dO always in O's strides is always the dO its plan was built for; torch itself did this copy
-    before it let dO's strides differ from O's (pytorch PR #141147). In a model, which transposes O back to
+    they differ). Why: torch 2.11's cuDNN attention backward keeps a cuDNN plan per call layout, built for the dO
+    strides of the layout's first backward, and runs it on a later dO of other strides: dQ, dK and dV come back
+    wrong, with no error (H200, torch 2.11.0+cu130, cuDNN 9.19: results/diagnosis/sdpa_cudnn_grad_strides/). O's
+    strides follow q's, so with dO always in O's strides a layout's dO strides never change; torch itself made dO
+    match O before it let their strides differ (pytorch PR #141147). In a model, which transposes O back to
     (batch, seq, heads * dim), dO arrives in O's strides and nothing is copied."""
 
     @staticmethod
