@@ -4,12 +4,13 @@
 
 `flash_compiled_dynamic.py` (H200, f677cae) found SDPA cuDNN's eager dQ, dK and dV off float64 by 4-9 (bf16
 inputs of unit variance, where every other backend is off by ~0.01) at all three points it checked, while the
-same backend compiled was right. Its inputs are `flash_bench llm-shapes`' own: q, k, v made as (batch, seq, heads,
-dim) and viewed as (batch, heads, seq, dim), and a contiguous dO. torch's cuDNN path stopped making dO's strides
-match O's when cuDNN 9.5.1 was said to accept any dO layout (pytorch PR #141147).
+same backend compiled was right. There q, k, v are made as (batch, seq, heads, dim) and viewed as (batch, heads,
+seq, dim); the check's dO is laid out as q, the timing's is contiguous. torch's cuDNN path stopped making dO's
+strides match O's when cuDNN 9.5.1 was said to accept any dO layout (pytorch PR #141147).
 
 Per point and dO layout this checks each backend's O, dQ, dK and dV against float64 (largest |error|, and the
-norm of the error over the reference's), each backward the first of a fresh forward's graph, and times the forward+backward (do_bench, median):
+norm of the error over the reference's), each backward the first of a fresh forward's graph, and times the
+forward+backward (do_bench, median):
 - `contiguous`: dO contiguous, (batch, heads, seq, dim): the grid's;
 - `like_q`: dO made as (batch, seq, heads, dim) and viewed as q is: what a model that transposes O back gives;
 - `like_out`: dO with O's own strides (`torch.empty_like(O)`).

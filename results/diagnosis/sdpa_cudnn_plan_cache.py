@@ -1,5 +1,5 @@
 """Is SDPA cuDNN's wrong backward (sdpa_cudnn_grad_strides.py) a plan kept from an earlier dO layout? Per shape, in a
-fresh process, two backwards in a given order of dO layouts; the prediction if torch keeps the cuDNN backward plan
+fresh process, three backwards in a given order of dO layouts; the prediction if torch keeps the cuDNN backward plan
 per shape without dO's strides: the first layout is right, a second that differs is wrong, and a third that matches
 the first is right again. Prints dQ's relative error against float64 per call.
 
