@@ -69,3 +69,28 @@ def available(inputs):
 def wanted(*paths):
     """The paths this run may ask for."""
     return [p for p in paths if usable(p)]
+
+
+def measured_inputs(**named):
+    """Input function (use with unpack) for what reads the uncommitted outputs (traces) of a job that takes more
+    GPUs than one: a report-only run asks for none of them (it keeps the committed result), a measuring run for all,
+    and a run whose max_gpus is too small stops and names the setting, rather than start without its inputs.
+    """
+
+    def inputs(wildcards):
+        if not MEASURE:
+            return {name: path for name, path in named.items() if usable(path)}
+        for path in named.values():
+            if path in SWITCHED_OFF:
+                raise ValueError(
+                    f"{path} is switched off in this scale's config (enabled: false)"
+                )
+            gpus = GPUS_NEEDED.get(path, 0)
+            if gpus > MAX_GPUS:
+                raise ValueError(
+                    f"{path} needs {gpus} GPUs and this run allows max_gpus={MAX_GPUS}:"
+                    f" add --config max_gpus={gpus} --resources gpu={gpus}"
+                )
+        return dict(named)
+
+    return inputs

@@ -137,10 +137,10 @@ rule ddp_correctness:
 
 
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
+# The rows are the traces' run: device and commit for the figures.
 rule ddp_overlap:
     input:
-        traces=wanted(f"{R}/ddp_traces"),
-        rows=wanted(f"{R}/ddp_traces.csv"),  # the traces' run: device and commit for the figures
+        unpack(measured_inputs(traces=f"{R}/ddp_traces", rows=f"{R}/ddp_traces.csv")),
     output:
         f"{R}/ddp_overlap.csv",
     log:
@@ -270,10 +270,10 @@ rule fsdp_traces:
 
 
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
+# The rows are the traces' run: device and commit for the figures.
 rule fsdp_overlap:
     input:
-        traces=wanted(f"{R}/fsdp_traces"),
-        rows=wanted(f"{R}/fsdp_traces.csv"),  # the traces' run: device and commit for the figures
+        unpack(measured_inputs(traces=f"{R}/fsdp_traces", rows=f"{R}/fsdp_traces.csv")),
     output:
         f"{R}/fsdp_overlap.csv",
     log:
