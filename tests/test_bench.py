@@ -243,6 +243,7 @@ def test_profile_records_an_oom_row(monkeypatch):
     (attention_sweep, ["--impls", "jit"], "invalid choice: 'jit'"),
     (flash_bench, ["sweep", "--head-dims", "-16"], "must be a positive integer, got -16"),
     (flash_bench, ["leaderboard", "--rep-ms", "0"], "must be a positive integer, got 0"),
+    (flash_bench, ["first-call"], "it needs --device cuda, not 'cpu'"),
     (profile, ["--sizes", "huge"], "unknown model size 'huge'"),
     (profile, ["--sizes", "tiny", "--context-lengths", "4096"], "context length 4096 exceeds"),
     (profile, ["--warmup", "-1"], "must be >= 0, got -1"),

@@ -14,9 +14,10 @@ Providers are the model's attention backends, by their registry names (cs336_sys
 sequences 512 to 32768, head dim 64 and 128, causal and not, bf16, inputs and dO laid out as a model makes
 them ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); our kernel eager and under
 torch.compile beside SDPA's flash and cuDNN backends, forward and forward+backward, the providers of a point
-taking turns in `--rounds` rounds (a row is the median of its rounds). `--first-call-out`
-adds the first call's time at a new shape in a fresh process, with an empty and with a filled Triton
-cache (compile + autotune, then neither).
+taking turns in `--rounds` rounds (a row is the median of its rounds).
+
+`first-call`: the first forward+backward's time at the leaderboard shape in a fresh process, with an empty and
+with a filled Triton cache (compile + autotune, then neither); CUDA only.
 
 `leaderboard`: the handout's timing test exactly — q, k, v of shape (16, 16384, 64) bf16,
 `torch.compile(FlashAttention2.apply)`, `o.sum().backward()`, `do_bench(rep=10000, warmup=1000)` —
@@ -24,6 +25,7 @@ for our Triton FA2 and, timed the same way in the same run, the SDPA flash and c
 
     python -m cs336_systems.bench.flash_bench sweep --dtypes bf16 --head-dims 64 --out flash_sweep.csv
     python -m cs336_systems.bench.flash_bench llm-shapes --out flash_llm_shapes.csv
+    python -m cs336_systems.bench.flash_bench first-call --out flash_first_call.csv
     python -m cs336_systems.bench.flash_bench leaderboard --out flash_leaderboard.csv
 
 As a library: `sweep(SweepConfig(...))` yields each point's rows, `leaderboard(LeaderboardConfig())`
@@ -354,6 +356,9 @@ print(time.perf_counter() - start)
 """
 
 
+FIRST_CALL_SHAPE = (1, 16, 16384, 64)  # (batch, heads, seq, head dim): the leaderboard's case
+
+
 def first_call_rows(shape: tuple[int, int, int, int]) -> list[dict]:
     """Seconds of the first forward+backward at `shape` (causal, bf16) in a fresh process: with an empty
     Triton cache (every kernel compiled and every tile config timed) and again with the cache that run
@@ -451,8 +456,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="do_bench measuring time per pass, over all rounds (grown to hold 10 calls)")
     ls.add_argument("--rounds", type=positive_int, default=LlmShapesConfig.rounds,
                     help="the providers of a point take turns this many times; a row is its rounds' median")
-    ls.add_argument("--first-call-out", default=None,
-                    help="also write the first call's seconds in a fresh process, cold and warm Triton cache")
     lb = sub.add_parser("leaderboard", help="the handout's leaderboard timing test")
     lb.add_argument("--providers", nargs="+", default=list(LeaderboardConfig.providers), choices=known_providers(),
                     help=PROVIDERS_HELP)
@@ -463,10 +466,14 @@ def main(argv: list[str] | None = None) -> None:
     lb.add_argument("--compile", default="on", choices=["on", "off"], help="torch.compile our Functions")
     lb.add_argument("--warmup-ms", type=positive_int, default=1000, help="do_bench warm-up time per pass")
     lb.add_argument("--rep-ms", type=positive_int, default=10000, help="do_bench measuring time per pass")
-    for p in (sw, ls, lb):
+    fc = sub.add_parser("first-call", help="the first call's seconds in a fresh process, cold and warm Triton cache")
+    for p in (sw, ls, lb, fc):
         p.add_argument("--device", default="cuda", help="cuda (the benchmark's device) or cpu (a smoke run)")
         p.add_argument("--out", required=True, help="CSV file for the rows")
     args = parser.parse_args(argv)
+    if args.command == "first-call" and args.device != "cuda":
+        parser.error(f"first-call times Triton's compile and autotuning on a GPU: it needs --device cuda, "
+                     f"not {args.device!r}")
     if args.command == "sweep":
         config = config_or_usage_error(
             parser, SweepConfig, seqs=tuple(args.seqs), head_dims=tuple(args.head_dims), dtypes=tuple(args.dtypes),
@@ -478,25 +485,23 @@ def main(argv: list[str] | None = None) -> None:
             head_dims=tuple(args.head_dims), causal=tuple(c == "on" for c in args.causal), max_tokens=args.max_tokens,
             providers=tuple(args.providers), dtype=args.dtype, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
             rounds=args.rounds, device=args.device)
-    else:
+    elif args.command == "leaderboard":
         config = config_or_usage_error(
             parser, LeaderboardConfig, providers=tuple(args.providers), heads=args.heads, seq_len=args.seq_len,
             head_dim=args.head_dim, dtype=args.dtype, compile=args.compile == "on", warmup_ms=args.warmup_ms,
             rep_ms=args.rep_ms, device=args.device)
+    else:
+        resolve_device(args.device)
+        config = None
     from cs336_systems.kernels.flash_tuning import FLOAT32_DOT  # after the device check (it imports triton)
 
     prov = {**provenance(args.device), "float32_dot": FLOAT32_DOT}  # how our kernels multiplied float32 inputs
     rows = PartialRows(args.out)  # a cut sweep keeps its finished points in OUT.partial
-    points = {"sweep": sweep, "llm-shapes": llm_shapes}.get(args.command, lambda c: [leaderboard(c)])(config)
-    for point in points:
+    points = {"sweep": sweep, "llm-shapes": llm_shapes, "leaderboard": lambda c: [leaderboard(c)],
+              "first-call": lambda c: [first_call_rows(FIRST_CALL_SHAPE)]}[args.command]
+    for point in points(config):
         rows.add({**row, **prov} for row in point)
     rows.finish()
-    if getattr(args, "first_call_out", None):
-        if config.device != "cuda":
-            parser.error("--first-call-out times Triton's compile and autotuning: it needs --device cuda")
-        first = PartialRows(args.first_call_out)
-        first.add({**row, **prov} for row in first_call_rows((1, 16, 16384, 64)))
-        first.finish()
 
 
 if __name__ == "__main__":

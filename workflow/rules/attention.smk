@@ -115,14 +115,14 @@ rule flash_resources:
         " --out {output} 2> {log}"
 
 
-rule flash_llm_shapes:
+rule flash_llm_shapes_point:
     output:
-        grid=f"{R}/flash_llm_shapes.csv",
-        first_call=(
-            f"{R}/flash_first_call.csv" if S["flash_llm_shapes"]["first_call"] else []
-        ),
+        # kept, not temp(): one head dim can be measured again and merged with the other's committed piece
+        f"{R}/raw/flash_llm_shapes/d{{head_dim}}.csv",
     log:
-        f"{LOGS}/flash_llm_shapes.log",
+        f"{LOGS}/flash_llm_shapes/d{{head_dim}}.log",
+    wildcard_constraints:
+        head_dim=r"\d+",
     conda:
         ENV
     resources:
@@ -132,18 +132,50 @@ rule flash_llm_shapes:
         f=S["flash_llm_shapes"],
         batch_heads=join(S["flash_llm_shapes"]["batch_heads"]),
         seqs=join(S["flash_llm_shapes"]["seqs"]),
-        head_dims=join(S["flash_llm_shapes"]["head_dims"]),
         causal=join(S["flash_llm_shapes"]["causal"]),
         providers=join(S["flash_llm_shapes"]["providers"]),
-        first_call=lambda wc, output: (
-            f"--first-call-out {output.first_call}" if output.first_call else ""
-        ),
     shell:
         "python -m cs336_systems.bench.flash_bench llm-shapes {params.device} --batch-heads {params.batch_heads}"
-        " --seqs {params.seqs} --head-dims {params.head_dims} --causal {params.causal}"
+        " --seqs {params.seqs} --head-dims {wildcards.head_dim} --causal {params.causal}"
         " --max-tokens {params.f[max_tokens]} --providers {params.providers}"
         " --warmup-ms {params.f[warmup_ms]} --rep-ms {params.f[rep_ms]} --rounds {params.f[rounds]}"
-        " {params.first_call} --out {output.grid} 2> {log}"
+        " --out {output} 2> {log}"
+
+
+# One job per head dim: the whole grid in one job ran close to, and with a cold Triton cache past, the 10
+# minutes a GPU job was given (results/README.md, "Still to run"); a job cut short keeps only its own points.
+rule flash_llm_shapes:
+    input:
+        expand(
+            f"{R}/raw/flash_llm_shapes/d{{head_dim}}.csv",
+            head_dim=S["flash_llm_shapes"]["head_dims"],
+        ),
+    output:
+        f"{R}/flash_llm_shapes.csv",
+    log:
+        f"{LOGS}/flash_llm_shapes.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+
+
+# The first call at the leaderboard's shape in a fresh process (Triton compiling and autotuning): GPU scales only.
+if S["flash_llm_shapes"]["first_call"]:
+
+    rule flash_first_call:
+        output:
+            f"{R}/flash_first_call.csv",
+        log:
+            f"{LOGS}/flash_first_call.log",
+        conda:
+            ENV
+        resources:
+            gpu=GPUS,
+        params:
+            device=DEVICE_ARGS,
+        shell:
+            "python -m cs336_systems.bench.flash_bench first-call {params.device} --out {output} 2> {log}"
 
 
 rule flash_leaderboard:
