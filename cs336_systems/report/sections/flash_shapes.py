@@ -180,6 +180,15 @@ def render_llm_shapes(ctx: Context) -> Section:
             f"least 1 ms the median is {q.derive(lambda t: _fb(t)[_fb(t)['SDPA flash (ms)'] >= 1.0]['ours ÷ cuDNN'].dropna().median(), '.2f', 'median long cudnn ratio')}×.")
     if "compiled ÷ eager" in table.headers:
         checked.append(_compiled_paragraph(q))
+        if "do_layout" in frame and (frame["do_layout"] == "model").all():
+            checked[-1] += (
+                " Here dO is in the model's layout too (column do_layout of the results). The compiled provider is "
+                "one torch.compile called at every point, so from the second point on Dynamo runs a graph with "
+                "dynamic sizes; for such a graph AOTAutograd copies the incoming dO into a contiguous layout, and our "
+                "C++ node, whose backward plan was made for O's layout, copies it back (kernels/csrc/flash_node.cpp). "
+                "A graph compiled for one shape, or a region that ends as a model's layer does, hands our backward dO "
+                "in O's layout, with no copy (kernels/NOTES.md, on the grid with dO in the model's layout). Where "
+                "ours is not fixed-cost bound, the compiled call's extra time grows with dO's size.")
     parts = [intro, *checked, ctx.table("flash_llm_shapes")]
     first = ctx.frame("flash_first_call")
     if first is not None:
