@@ -230,6 +230,37 @@ def test_llm_shapes_hands_do_in_the_models_layout(monkeypatch):
     assert {r["do_layout"] for r in rows} == {"model"}
 
 
+def test_llm_shapes_compiles_each_point_afresh_with_static_shapes(monkeypatch):
+    """A NAME_compiled provider is compiled for its point alone (dynamic=False, Dynamo reset before), as a model at
+    one shape is, and times that compiled call; the eager providers time their backend as it is."""
+    compiled, timed, resets = [], [], []
+    real_compile = torch.compile
+
+    def recording_compile(fn, **kwargs):
+        made = real_compile(fn, **kwargs)
+        compiled.append((fn, kwargs, made))
+        return made
+
+    monkeypatch.setattr(flash_bench.torch, "compile", recording_compile)
+    monkeypatch.setattr(flash_bench.torch._dynamo, "reset", lambda: resets.append(len(compiled)))
+    def time_round(fn, *args):
+        timed.append(fn)
+        for times in args[-1].values():  # `into`: the provider's times per pass
+            times.append(1.0)
+
+    monkeypatch.setattr(flash_bench, "_time_round", time_round)
+    config = flash_bench.LlmShapesConfig(batch_heads=(2,), seqs=(16, 32), head_dims=(16,), causal=(True,),
+                                         providers=("naive", "naive_compiled"), rounds=2, device="cpu")
+    rows = [row for rows in flash_bench.llm_shapes(config) for row in rows]
+    naive = flash_bench.get_attention("naive")
+    assert [(fn, kwargs) for fn, kwargs, _ in compiled] == [(naive, {"dynamic": False})] * 2  # one per point
+    assert resets == [0, 1]  # before each point's compile
+    first, second = (made for *_, made in compiled)
+    assert timed == [naive, first, naive, first, naive, second, naive, second]
+    assert {r["compiled_for"] for r in rows if r["provider"] == "naive_compiled"} == {"point"}
+    assert all("compiled_for" not in r for r in rows if r["provider"] == "naive")
+
+
 def test_profile_records_an_oom_row(monkeypatch):
     monkeypatch.setattr(profile, "profile_point", _raise_oom)
     rows = profile.profile_rows(profile.ProfileConfig(sizes=("tiny",), context_lengths=(16,), device="cpu",

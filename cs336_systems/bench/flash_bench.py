@@ -13,8 +13,9 @@ Providers are the model's attention backends, by their registry names (cs336_sys
 `llm-shapes`: the shapes a Transformer's training step gives attention: batch x heads from 16 to 512,
 sequences 512 to 32768, head dim 64 and 128, causal and not, bf16, inputs and dO laid out as a model makes
 them ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); our kernel eager and under
-torch.compile beside SDPA's flash and cuDNN backends, forward and forward+backward, the providers of a point
-taking turns in `--rounds` rounds (a row is the median of its rounds).
+torch.compile (compiled for each point, static shapes: `point_calls`) beside SDPA's flash and cuDNN backends,
+forward and forward+backward, the providers of a point taking turns in `--rounds` rounds (a row is the median of its
+rounds).
 
 `first-call`: the first forward+backward's time at the leaderboard shape in a fresh process, with an empty and
 with a filled Triton cache (compile + autotune, then neither); CUDA only.
@@ -69,6 +70,18 @@ def provider_fn(provider: str) -> AttentionFn:
     backend = provider.removesuffix(COMPILED)
     fn = get_attention(backend)
     return torch.compile(fn) if provider.endswith(COMPILED) else fn
+
+
+def point_calls(providers: tuple[str, ...]) -> dict[str, AttentionFn]:
+    """The calls one point of a grid times: each backend as it is, and each NAME_compiled compiled afresh for the
+    point with static shapes, as a model training at one shape compiles its attention. (One torch.compile called
+    at many shapes turns dynamic from the second, and with dynamic sizes AOTAutograd copies a dO that is not
+    contiguous into a contiguous one at every backward: kernels/NOTES.md, "The grid on an H200 with dO in the
+    model's layout".) Dynamo's compiled code is reset first, so that no point runs a graph made for another."""
+    if any(provider.endswith(COMPILED) for provider in providers):
+        torch._dynamo.reset()
+    return {provider: torch.compile(get_attention(provider.removesuffix(COMPILED)), dynamic=False)
+            if provider.endswith(COMPILED) else get_attention(provider) for provider in providers}
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -269,14 +282,13 @@ def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
     median) / median_ms."""
     device = resolve_device(config.device)
     dtype = DTYPES[config.dtype]
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    calls = {provider: provider_fn(provider) for provider in config.providers}
     rep_ms = config.rep_ms / config.rounds
     min_calls = -(-MIN_CALLS // config.rounds)
     shapes = config.shapes()
     for i, (batch, heads, seq, head_dim, causal) in enumerate(shapes, 1):
         shape = {"dtype": config.dtype, "batch": batch, "heads": heads, "seq_len": seq, "head_dim": head_dim,
                  "causal": causal, "do_layout": "model"}  # dO as q, k, v (until 0040458 it was contiguous)
+        calls = point_calls(config.providers)
         failed: dict[str, tuple[str, str]] = {}  # provider -> (status, note): not run, or stopped by its error
         for provider in config.providers:
             reason = supported(provider.removesuffix(COMPILED), dtype, seq, device, seq)
@@ -303,6 +315,8 @@ def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
             q = k = v = do = None
         for provider in config.providers:
             row = {"benchmark": "flash_llm_shapes", "provider": provider, **shape}
+            if provider.endswith(COMPILED):  # compiled for this point alone (until 9bf9e4a, once for the grid)
+                row["compiled_for"] = "point"
             if provider in failed:
                 status, note = failed[provider]
                 yield [{**row, "pass": p, "status": status, "note": note} for p in ("forward", "forward_backward")]
