@@ -13,6 +13,7 @@ the same results.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import struct
 
@@ -165,7 +166,7 @@ def test_native_passes_name_the_tensors_each_binary_takes(recorded_launches):
     assert flash_triton.native_passes(q, k, v, True, settings) is None  # no backward yet
     flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
     passes = flash_triton.native_passes(q, k, v, True, settings)
-    assert passes.grad_strides == do.stride() and passes.dq_scale == 0.0
+    assert passes.grad_layouts == (do.stride(),) and passes.dq_scale == 0.0
     assert passes.scratch == [("delta", tuple(lse.shape), lse.stride())]  # FA2's D: contiguous, L's shape
     assert recorded_launches == []  # the first calls took the public path
     out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # plan hits: the recorders see every launch
@@ -174,7 +175,7 @@ def test_native_passes_name_the_tensors_each_binary_takes(recorded_launches):
     delta = recorded_launches[1][1][6]  # the backward's own D, written by the dQ launch and read by the dK dV one
     named["delta"] = delta
     assert delta.shape == lse.shape and delta.dtype == torch.float32
-    for call, (launched_grid, args) in zip([*passes.forward, *passes.backward], recorded_launches, strict=True):
+    for call, (launched_grid, args) in zip([*passes.forward, *passes.backward[0][1]], recorded_launches, strict=True):
         assert call.grid == launched_grid
         names = [flash_native.SLOTS[value.index] for value in call.values if isinstance(value, TensorSlot)]
         assert all(arg is named[name] for name, arg in zip(names, args)), names
@@ -186,6 +187,28 @@ def test_native_passes_name_the_tensors_each_binary_takes(recorded_launches):
         flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
         assert flash_triton.native_passes(q, k, v, True, other) is not None
     assert flash_triton.native_passes(q, k, v, True, settings) is None  # the plans of the old settings are replaced
+
+
+def test_each_dense_do_layout_gets_its_own_backward_launches(recorded_launches):
+    """Inputs in the model's layout: a backward with dO in O's layout, then one with a contiguous dO (as AOTAutograd
+    hands a compiled region's backward), each plan their own binaries' launches, in that order; a dO of neither
+    layout (copied by the node) and a repeated layout add none."""
+    settings = flash_settings()
+    q, k, v, do = _inputs((2, 3, 20, 24), "cpu", transposed=True)
+    out, lse = flash_triton.flash_forward_triton(q, k, v, False)
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do, False)
+    assert flash_triton.native_passes(q, k, v, False, settings).grad_layouts == (out.stride(),)
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do.contiguous(), False)
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do.transpose(-1, -2).contiguous().transpose(-1, -2), False)
+    flash_triton.flash_backward_triton(q, k, v, out, lse, do.clone(), False)  # O's layout again
+    passes = flash_triton.native_passes(q, k, v, False, settings)
+    contiguous = do.contiguous().stride()
+    assert out.stride() != contiguous and passes.grad_layouts == (out.stride(), contiguous)
+    # each layout's launches pass that layout's strides: the dQ launch's values after its tensors hold dO's strides
+    (_, (dq_o, _)), (_, (dq_contiguous, _)) = passes.backward
+    n_tensors = len(flash_triton.BACKWARD_TENSORS[0])
+    assert dq_o.values[n_tensors:] != dq_contiguous.values[n_tensors:]
+    assert tuple(contiguous) == tuple(dq_contiguous.values[n_tensors + 12:n_tensors + 16])  # q's, k's, v's, dO's
 
 
 def test_the_kernels_of_a_layout_are_chosen_once(monkeypatch):
@@ -376,6 +399,41 @@ def test_compiled_calls_launch_through_the_plan(default_settings, monkeypatch, s
     out, grads, _ = _run(compiled, q, k, v, do, causal)
     assert taken[-2:] == [("forward", True), ("backward", True)], taken
     _assert_python_paths_results(q, k, v, do, causal, out, grads)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, kernels", [(64, "triton"), pytest.param(128, "gluon", marks=sm90)])
+def test_a_compiled_backwards_do_layout_gets_launches_of_its_own(default_settings, monkeypatch, head_dim, kernels):
+    """Inputs in the model's layout, run eager first (the node's plan is made for dO in O's layout), then compiled
+    with static shapes, where AOTAutograd hands the backward a dO of the layout it chose (contiguous, with torch 2.11
+    on a GPU: results/diagnosis/flash_compiled_do_strides/). The first such backward runs the Python path, which
+    plans that layout; from the next, the node's plan has launches for both layouts, the compiled backward goes
+    through it with dO as it came (no copy of ours), and the results are the Python path's."""
+    if kernels == "gluon":
+        set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
+    taken = []  # (whether flash_native launched it, dO's strides) for each backward operator call
+    monkeypatch.setattr(flash_native, "backward", functools.partial(_spied, flash_native.backward, taken))
+    shape, causal = (2, 4, 130, head_dim), True
+    _warm(*_leaves(shape, shape, torch.bfloat16, seed=6, model_layout=True), causal)
+    compiled = torch.compile(lambda q, k, v, c: flash_triton.flash_attention_triton(q, k, v, c), dynamic=False,
+                             fullgraph=True)
+    for seed in (7, 8, 9):
+        q, k, v, do = _leaves(shape, shape, torch.bfloat16, seed=seed, model_layout=True)
+        out, grads, _ = _run(compiled, q, k, v, do, causal)
+    given = taken[-1][1]
+    node = flash_native._NODES[(flash_native.layout(q, k, v), causal)]
+    if given != tuple(out.stride()):  # a layout the eager calls did not plan: the first compiled backward plans it
+        assert taken[0] == (False, given), taken
+    assert taken[1:] == [(True, given)] * 2, taken
+    assert given in node.grad_layouts and tuple(out.stride()) in node.grad_layouts, node
+    _assert_python_paths_results(q, k, v, do, causal, out, grads)
+
+
+def _spied(real, taken, *args):
+    result = real(*args)
+    taken.append((result is not None, tuple(args[5].stride())))
+    return result
 
 
 @gpu

@@ -825,7 +825,7 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
             if (not exact and key[2:4] == (None, None) and o.stride() == q.stride() and lse.is_contiguous()
                     and o.data_ptr() % 16 == 0 == lse.data_ptr() % 16):
                 grad_strides = contiguous_strides(do.shape) if copy_do else do.stride()
-                _PLANS_OF_INPUTS.setdefault((key[0][:3], causal), (plan, grad_strides, dq.stride()))
+                _PLANS_OF_INPUTS.setdefault((key[0][:3], causal), {}).setdefault(grad_strides, (plan, dq.stride()))
     return dq, dk, dv
 
 
@@ -865,10 +865,9 @@ class _BackwardPlan:
         torch.mul(dq_acc, self.scale, out=dq4)
         return dq, dk, dv
 
-    def native(self, grad_strides: tuple[int, ...], dq_strides: tuple[int, ...], q_shape: tuple[int, ...]
-               ) -> tuple[list[flash_native.KernelCall], tuple, list, float]:
-        """These launches for flash_native's C++ plan: (the two launches, the dO strides they read, the scratch
-        buffers, dQ's scale). The float32 accumulator takes q's shape and dQ's strides (`_dq_accumulator`: the 4-d
+    def native(self, dq_strides: tuple[int, ...], q_shape: tuple[int, ...]
+               ) -> tuple[list[flash_native.KernelCall], list, float]:
+        """These launches for flash_native's C++ plan: (the two launches, the scratch buffers, dQ's scale). The float32 accumulator takes q's shape and dQ's strides (`_dq_accumulator`: the 4-d
         view the kernels were planned with has the same memory layout)."""
         _, rest, compiled, grid = self.preprocess
         preprocess = flash_native.KernelCall(compiled, grid, (*flash_native.slots("out", "grad_out", "lse", "lse2",
@@ -876,21 +875,29 @@ class _BackwardPlan:
         main = self.main.native_call(("q", "k", "v", "grad_out", "dk", "dv", "dq_acc", "lse2", "delta"))
         rows = (tuple(self.rows_shape), contiguous_strides(self.rows_shape))
         scratch = [("dq_acc", tuple(q_shape), tuple(dq_strides)), ("lse2", *rows), ("delta", *rows)]
-        return [preprocess, main], grad_strides, scratch, self.scale
+        return [preprocess, main], scratch, self.scale
 
 
 _PLANS: dict[tuple, _BackwardPlan] = {}
-# By (the layout of q, k, v, is_causal): the first plan of such inputs whose O and L were as the forward makes them
-# (O in q's layout, L contiguous), with the strides of the dO its kernels read and of its dQ: `native_calls` finds it
-# without O in hand, as flash_triton's FA2 plans of inputs.
-_PLANS_OF_INPUTS: dict[tuple, tuple[_BackwardPlan, tuple[int, ...], tuple[int, ...]]] = {}
+# By (the layout of q, k, v, is_causal), then by the strides of the dO its kernels read: the first plan of such inputs
+# and dO whose O and L were as the forward makes them (O in q's layout, L contiguous), with the strides of its dQ:
+# `native_calls` finds them without O in hand, as flash_triton's FA2 plans of inputs.
+_PLANS_OF_INPUTS: dict[tuple, dict[tuple[int, ...], tuple[_BackwardPlan, tuple[int, ...]]]] = {}
 on_clear(_PLANS.clear)
 on_clear(_PLANS_OF_INPUTS.clear)
 
 
 def native_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
-                 ) -> tuple[list[flash_native.KernelCall], tuple, list, float] | None:
-    """The backward's launches for flash_native's C++ plan of these inputs' layout (`_BackwardPlan.native`), once a
-    backward of such inputs with the forward's O and L has run here with fast launch; None before."""
+                 ) -> tuple[list[tuple[tuple[int, ...], list[flash_native.KernelCall]]], list, float] | None:
+    """The backward's launches for flash_native's C++ plan of these inputs' layout, once a backward of such inputs
+    with the forward's O and L has run here with fast launch (None before): ([(dO strides, the two launches), ...]
+    for each dO layout planned so, the first planned first; the scratch buffers; dQ's scale). The scratch buffers
+    and the scale depend on q's layout alone, so every dO layout's plan gives the same."""
     found = _PLANS_OF_INPUTS.get((layout(q, k, v), is_causal))
-    return None if found is None else found[0].native(found[1], found[2], tuple(q.shape))
+    if not found:
+        return None
+    variants, scratch, scale = [], None, 0.0
+    for grad_strides, (plan, dq_strides) in found.items():
+        calls, scratch, scale = plan.native(dq_strides, tuple(q.shape))
+        variants.append((grad_strides, calls))
+    return variants, scratch, scale

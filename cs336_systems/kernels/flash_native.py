@@ -24,8 +24,11 @@ and the scratch buffers (FA2's D; Gluon's float32 dQ accumulator and its L and D
 launches the same binaries with the same arguments and, after a Gluon backward, writes dQ as the accumulator times
 the scale, as the Python path does. The results are the Python path's bit for bit, but for the Gluon backward's dQ,
 whose atomic adds run in no fixed order on either path (tests/test_flash_native.py). The backward's binaries were
-made for the dO layout of the backward that planned them (O's, or contiguous); a dO of another layout is copied
-into that one first.
+made for the dO layouts of the backwards that planned them (O's, or contiguous), one set of launches per layout; a
+dO of another layout is copied into the first one's. A compiled graph's backward that brings a dense dO of a layout
+not yet planned (AOTAutograd hands a contiguous dO to a region whose output is not: kernels/NOTES.md) runs the
+Python path once, which plans it, and the layout's C++ plan is then made again with it, so that no copy is left
+that is ours.
 
 Compiled graphs call flash_triton's two operators instead of an autograd Function; their kernels take the same
 launches without the node (`forward`, `backward`), so a compiled call's passes run no Python launcher either.
@@ -234,16 +237,21 @@ class KernelCall(NamedTuple):
 
 @dataclass(frozen=True)
 class NativePasses:
-    """What the node of one layout launches, from the Python plans of its kernels: the forward's and the backward's
-    launches in order; the strides of the dO the backward's binaries were made for; the backward's float32 scratch
-    buffers, as (slot name, sizes, strides); and, where not 0, the scale by which dQ is made from the float32
-    accumulator `dq_acc` after the launches (the Gluon backward)."""
+    """What the node of one layout launches, from the Python plans of its kernels: the forward's launches in order;
+    the backward's, as (the strides of the dO its binaries were made for, the launches in order) for each dO layout
+    planned, the first planned first (a dO of no planned layout is copied into the first's); the backward's float32
+    scratch buffers, as (slot name, sizes, strides), the same for every dO layout; and, where not 0, the scale by
+    which dQ is made from the float32 accumulator `dq_acc` after the launches (the Gluon backward)."""
 
     forward: list[KernelCall]
-    backward: list[KernelCall]
-    grad_strides: tuple[int, ...]
+    backward: list[tuple[tuple[int, ...], list[KernelCall]]]
     scratch: list[tuple[str, tuple[int, ...], tuple[int, ...]]]
     dq_scale: float = 0.0
+
+    @property
+    def grad_layouts(self) -> tuple[tuple[int, ...], ...]:
+        """The dO strides the backward takes without a copy."""
+        return tuple(strides for strides, _ in self.backward)
 
 
 def slots(*names: str) -> list[TensorSlot]:
@@ -268,25 +276,35 @@ def make_launch(module: ModuleType, call: KernelCall):
 
 def make_plan(module: ModuleType, passes: NativePasses):
     """The C++ Plan of a layout's NativePasses."""
-    launches, keep = ([], []), []
-    for calls, made in zip((passes.forward, passes.backward), launches):
+    keep = []
+
+    def launches(calls: list[KernelCall]) -> list:
+        made = []
         for call in calls:
             launch, kept = make_launch(module, call)
             made.append(launch)
             keep.extend(kept)
+        return made
+
+    forward = launches(passes.forward)
+    backward = [launches(calls) for _, calls in passes.backward]
     scratch = [module.Scratch(SLOTS.index(name), list(sizes), list(strides)) for name, sizes, strides in passes.scratch]
-    return module.Plan(forward=launches[0], backward=launches[1], grad_strides=list(passes.grad_strides),
+    return module.Plan(forward=forward, backward=backward, grad_strides=[list(s) for s in passes.grad_layouts],
                        scratch=scratch, dq_scale=float(passes.dq_scale), keep=keep)
 
 
 @dataclass
 class _Node:
     """What `attention` knows of one (layout, causal) key: the settings it was decided with, the C++ plan (None:
-    the Python Function runs) and whether the Python plans are still awaited (`pending`)."""
+    the Python Function runs), whether the Python plans are still awaited (`pending`), the dO strides the plan's
+    backward takes without a copy, and the dO strides a compiled backward has been sent to the Python path to plan
+    (`tried`: once each)."""
 
     settings: FlashSettings
     plan: object | None
     pending: bool
+    grad_layouts: tuple[tuple[int, ...], ...] = ()
+    tried: set[tuple[int, ...]] = field(default_factory=set)
 
 
 _NODES: dict[tuple, _Node] = {}
@@ -306,11 +324,12 @@ def _decide(q, k, v, is_causal: bool, settings: FlashSettings, passes_of: Passes
             return _Node(settings, None, pending=False)
     passes = passes_of(q, k, v, is_causal, settings)
     if passes is None:
-        return _Node(settings, None, pending=True)
+        return _Node(settings, None, True, tried=node.tried if node is not None else set())
     module, problem = native_module()
+    tried = node.tried if node is not None else set()
     if module is not None:
         try:
-            return _Node(settings, make_plan(module, passes), pending=False)
+            return _Node(settings, make_plan(module, passes), False, passes.grad_layouts, tried)
         except ValueError as error:
             problem = str(error)
     if problem not in _warned:
@@ -320,8 +339,9 @@ def _decide(q, k, v, is_causal: bool, settings: FlashSettings, passes_of: Passes
     return _Node(settings, None, pending=False)
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf):
-    """The C++ plan of this call's layout, or None where the Python path should run."""
+def _node(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf) -> _Node | None:
+    """The node of this call's layout (its `plan` None where the Python path should run), or None where the node is
+    off for this call."""
     settings = flash_settings()
     if not settings.native or INTERPRET or not q.is_cuda:
         return None
@@ -330,7 +350,13 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, pa
     current = made_with(node, settings)
     if not current or node.pending:
         node = _NODES[key] = _decide(q, k, v, is_causal, settings, passes_of, node if current else None)
-    return node.plan
+    return node
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf):
+    """The C++ plan of this call's layout, or None where the Python path should run."""
+    node = _node(q, k, v, is_causal, passes_of)
+    return None if node is None else node.plan
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf
@@ -353,6 +379,24 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
              grad_out: torch.Tensor, is_causal: bool, passes_of: PassesOf
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(dQ, dK, dV) through the layout's C++ backward launches, without autograd (a compiled graph's backward
-    operator), or None where the caller should run the Python launchers."""
-    plan = _plan(q, k, v, is_causal, passes_of)
-    return None if plan is None else native_module()[0].backward(q, k, v, out, lse, grad_out, plan)
+    operator), or None where the caller should run the Python launchers. The first dO of a layout the plan was not
+    made for, where the Python backward would plan it (dense: in O's layout or contiguous; 16-byte aligned), goes
+    to the Python path once; the plan is then made again with it, rather than copying every later dO into the
+    plan's first layout."""
+    node = _node(q, k, v, is_causal, passes_of)
+    if node is None or node.plan is None or plans_grad_layout(node, out, grad_out):
+        return None
+    return native_module()[0].backward(q, k, v, out, lse, grad_out, node.plan)
+
+
+def plans_grad_layout(node: _Node, out: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """Whether this backward goes to the Python path to plan its dO's layout: the first dO of a layout that the
+    node's plan has no launches for, where the Python backward plans it (dense: in O's layout or contiguous; 16-byte
+    aligned). The node then asks for the passes again at its next call, with that layout's among them."""
+    strides = tuple(grad_out.stride())
+    if (strides in node.grad_layouts or strides in node.tried or grad_out.data_ptr() % 16 != 0
+            or not (strides == tuple(out.stride()) or grad_out.is_contiguous())):
+        return False
+    node.tried.add(strides)
+    node.pending = True
+    return True

@@ -455,10 +455,10 @@ class _Plan:
 
 _FORWARD_PLANS: dict[tuple, _Plan] = {}
 _BACKWARD_PLANS: dict[tuple, _Plan] = {}
-# By the forward's key (the layout of q, k, v, and is_causal): the first backward plan of those inputs (with the
-# latest settings) whose O and L are as the forward allocates them and whose dO is dense (in O's layout, as the layers
-# above hand it back, or contiguous), with dO's strides: native_passes finds it without O in hand.
-_BACKWARD_PLANS_OF_INPUTS: dict[tuple, tuple[_Plan, tuple[int, ...]]] = {}
+# By the forward's key (the layout of q, k, v, and is_causal), then by dO's strides: the first backward plan of those
+# inputs and dO (with the latest settings) whose O and L are as the forward allocates them and whose dO is dense (in
+# O's layout, as the layers above hand it back, or contiguous): native_passes finds them without O in hand.
+_BACKWARD_PLANS_OF_INPUTS: dict[tuple, dict[tuple[int, ...], _Plan]] = {}
 # The tensors each launch takes first, in order (the forward's one launch; the backward's dQ, then dK and dV
 # launch), by flash_native's slot names: the calls below pass them so, and native_passes hands these on.
 FORWARD_TENSORS = (("q", "k", "v", "out", "lse"),)
@@ -533,9 +533,11 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
         if ((grad_out.stride() == out.stride() or grad_out.is_contiguous()) and lse.is_contiguous()
                 and grad_out.data_ptr() % 16 == 0 == out.data_ptr() % 16 == lse.data_ptr() % 16):
             inputs_key = (key[0][:3], is_causal)
-            kept = _BACKWARD_PLANS_OF_INPUTS.get(inputs_key)
-            if kept is None or not made_with(kept[0], settings):  # the first of these settings stays
-                _BACKWARD_PLANS_OF_INPUTS[inputs_key] = (plan, grad_out.stride())
+            kept = _BACKWARD_PLANS_OF_INPUTS.get(inputs_key, {})
+            if any(not made_with(old, settings) for old in kept.values()):  # plans of other settings go
+                kept = {}
+            kept.setdefault(grad_out.stride(), plan)  # the first of these settings and dO layout stays
+            _BACKWARD_PLANS_OF_INPUTS[inputs_key] = kept
     return dq, dk, dv
 
 
@@ -581,11 +583,12 @@ def native_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     if backward_kernel == "gluon":
         backward = flash_dispatch.gluon_native_calls("backward", q, k, v, is_causal)
     else:
-        plan, grad_strides = _BACKWARD_PLANS_OF_INPUTS.get(key, (None, ()))
-        calls = _fa2_calls(plan, BACKWARD_TENSORS) if made_with(plan, settings) else None
+        planned = ((strides, _fa2_calls(plan, BACKWARD_TENSORS) if made_with(plan, settings) else None)
+                   for strides, plan in _BACKWARD_PLANS_OF_INPUTS.get(key, {}).items())
+        variants = [(strides, calls) for strides, calls in planned if calls is not None]
         # FA2's D: one float32 row value per query, q.shape[:-1], contiguous (flash_backward_triton's)
         delta = ("delta", tuple(q.shape[:-1]), contiguous_strides(q.shape[:-1]))
-        backward = None if calls is None else (calls, grad_strides, [delta], 0.0)
+        backward = (variants, [delta], 0.0) if variants else None
     if backward is None:
         return None
     return flash_native.NativePasses(forward, *backward)

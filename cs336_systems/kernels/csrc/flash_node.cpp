@@ -209,23 +209,28 @@ struct Scratch {
   std::vector<int64_t> strides;
 };
 
-// The launches of one call layout: the forward's, then the backward's in order; the strides of the dO that the
-// backward's binaries were made for; the backward's scratch buffers; where `dq_scale` is not 0, dQ is the float32
+// The launches of one call layout: the forward's, then the backward's in order, one list per dO layout its binaries
+// were made for (`grad_strides[i]` for `backward[i]`; the first is the one any other dO is copied into); the backward's
+// scratch buffers (the same for every dO layout); where `dq_scale` is not 0, dQ is the float32
 // accumulator DQ_ACC times dq_scale, rounded to dQ's dtype after the launches (Gluon's backward); and tensors the
 // launches read by a fixed address (`keep`: a persistent schedule), kept alive with the plan.
 struct Plan : torch::CustomClassHolder {
-  Plan(std::vector<Launch> forward, std::vector<Launch> backward, std::vector<int64_t> grad_strides,
-       std::vector<Scratch> scratch, double dq_scale, std::vector<at::Tensor> keep)
+  Plan(std::vector<Launch> forward, std::vector<std::vector<Launch>> backward,
+       std::vector<std::vector<int64_t>> grad_strides, std::vector<Scratch> scratch, double dq_scale,
+       std::vector<at::Tensor> keep)
       : forward(std::move(forward)), backward(std::move(backward)), grad_strides(std::move(grad_strides)),
         scratch(std::move(scratch)), dq_scale(dq_scale), keep(std::move(keep)) {
+    TORCH_CHECK(!this->backward.empty() && this->backward.size() == this->grad_strides.size(), "flash_node: ",
+                this->backward.size(), " backward launch lists for ", this->grad_strides.size(),
+                " dO layouts (one each, at least one)");
     // dQ's scale as Python's `torch.mul(dq_acc, scale, out=dq)` passes it: a wrapped number (a CPU scalar that
     // takes the accumulator's dtype), so that the product and its rounding into dQ are the Python path's
     scale_tensor = at::scalar_tensor(dq_scale, at::TensorOptions().dtype(at::kDouble));
     scale_tensor.unsafeGetTensorImpl()->set_wrapped_number(true);
   }
   std::vector<Launch> forward;
-  std::vector<Launch> backward;
-  std::vector<int64_t> grad_strides;
+  std::vector<std::vector<Launch>> backward;
+  std::vector<std::vector<int64_t>> grad_strides;
   std::vector<Scratch> scratch;
   double dq_scale;
   std::vector<at::Tensor> keep;
@@ -255,10 +260,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& q,
                                                             const at::Tensor& lse, at::Tensor grad,
                                                             const Plan& plan) {
   c10::cuda::CUDAGuard guard(q.device());
-  // The backward binaries were compiled for one dense dO layout, 16-byte aligned (Triton specialises pointers on
-  // it): any other dO (an expanded ones tensor, a strided view) is copied into that layout first.
-  if (!grad.strides().equals(plan.grad_strides) || reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 != 0) {
-    grad = at::empty_strided(grad.sizes(), plan.grad_strides, grad.options()).copy_(grad);
+  // Each list of backward binaries was compiled for one dense dO layout, 16-byte aligned (Triton specialises
+  // pointers on it): a dO of none of them (an expanded ones tensor, a strided view) is copied into the first one.
+  const std::vector<Launch>* launches = nullptr;
+  if (reinterpret_cast<uintptr_t>(grad.data_ptr()) % 16 == 0) {
+    for (size_t i = 0; i < plan.grad_strides.size() && launches == nullptr; ++i) {
+      if (grad.strides().equals(plan.grad_strides[i])) launches = &plan.backward[i];
+    }
+  }
+  if (launches == nullptr) {
+    grad = at::empty_strided(grad.sizes(), plan.grad_strides[0], grad.options()).copy_(grad);
+    launches = &plan.backward[0];
   }
   Tensors t;
   t[Q] = q, t[K] = k, t[V] = v, t[OUT] = out, t[LSE] = lse, t[GRAD_OUT] = grad;
@@ -269,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& q,
   t[DK] = at::empty_like(k);
   t[DV] = at::empty_like(v);
   CUstream stream = current_stream(q);
-  for (const Launch& launch : plan.backward) launch.run(t, stream);
+  for (const Launch& launch : *launches) launch.run(t, stream);
   if (plan.dq_scale != 0.0) at::mul_out(t[DQ], t[DQ_ACC], plan.scale_tensor);  // one pass: scale, round, layout
   return {t[DQ], t[DK], t[DV]};
 }
@@ -330,8 +342,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, std::vector<int64_t>, std::vector<int64_t>>(), py::arg("slot"), py::arg("sizes"),
            py::arg("strides"));
   py::class_<Plan, c10::intrusive_ptr<Plan>>(m, "Plan")
-      .def(py::init<std::vector<Launch>, std::vector<Launch>, std::vector<int64_t>, std::vector<Scratch>, double,
-                    std::vector<at::Tensor>>(),
+      .def(py::init<std::vector<Launch>, std::vector<std::vector<Launch>>, std::vector<std::vector<int64_t>>,
+                    std::vector<Scratch>, double, std::vector<at::Tensor>>(),
            py::arg("forward"), py::arg("backward"), py::arg("grad_strides"), py::arg("scratch"), py::arg("dq_scale"),
            py::arg("keep"));
   m.def("flash_attention", &flash_attention, "O of q, k, v through the plan's launches, with the C++ backward",
