@@ -414,7 +414,7 @@ def test_a_compiled_backwards_do_layout_gets_launches_of_its_own(default_setting
         set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
     taken = []  # (whether flash_native launched it, dO's strides) for each backward operator call
     monkeypatch.setattr(flash_native, "backward", functools.partial(_spied, flash_native.backward, taken))
-    shape, causal = (2, 4, 130, head_dim), True
+    shape, causal = (2, 3, 150, head_dim), True  # a layout no other test plans (plans outlive a test)
     _warm(*_leaves(shape, shape, torch.bfloat16, seed=6, model_layout=True), causal)
     compiled = torch.compile(lambda q, k, v, c: flash_triton.flash_attention_triton(q, k, v, c), dynamic=False,
                              fullgraph=True)
