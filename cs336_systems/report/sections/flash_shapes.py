@@ -180,7 +180,18 @@ def render_llm_shapes(ctx: Context) -> Section:
             f"least 1 ms the median is {q.derive(lambda t: _fb(t)[_fb(t)['SDPA flash (ms)'] >= 1.0]['ours ÷ cuDNN'].dropna().median(), '.2f', 'median long cudnn ratio')}×.")
     if "compiled ÷ eager" in table.headers:
         checked.append(_compiled_paragraph(q))
-        if "do_layout" in frame and (frame["do_layout"] == "model").all():
+        compiled = frame[frame["provider"] == "flash_triton_compiled"]
+        if "compiled_for" in frame and len(compiled) and (compiled["compiled_for"] == "point").all():
+            checked[-1] += (
+                " Here dO is in the model's layout (column do_layout of the results), and the compiled provider is "
+                "compiled for each point with static shapes (column compiled_for), as a model training at one shape "
+                "is. With the torch these rows name (column torch_version), AOTAutograd still hands the backward of "
+                "such a standalone region a contiguous dO, copied at every call, and at the commit these rows name "
+                "our C++ node copied it back into O's layout, the one its backward plan was made for. The node now "
+                "keeps backward launches for that layout too, which leaves torch's copy alone (kernels/NOTES.md, "
+                "\"The compiled backward's dO\"); a region that goes on as a model's layer does hands our backward dO "
+                "in O's layout, with no copy.")
+        elif "do_layout" in frame and (frame["do_layout"] == "model").all():
             checked[-1] += (
                 " Here dO is in the model's layout too (column do_layout of the results). The compiled provider is "
                 "one torch.compile called at every point, so from the second point on Dynamo runs a graph with "
