@@ -323,10 +323,10 @@ def _decide(q, k, v, is_causal: bool, settings: FlashSettings, passes_of: Passes
         if not settings.fast_launch:  # no binaries are kept
             return _Node(settings, None, pending=False)
     passes = passes_of(q, k, v, is_causal, settings)
+    tried = node.tried if node is not None else set()  # kept when the plan is made again
     if passes is None:
-        return _Node(settings, None, True, tried=node.tried if node is not None else set())
+        return _Node(settings, None, True, tried=tried)
     module, problem = native_module()
-    tried = node.tried if node is not None else set()
     if module is not None:
         try:
             return _Node(settings, make_plan(module, passes), False, passes.grad_layouts, tried)
