@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 import yaml
 
 from cs336_systems.distributed import (
@@ -119,7 +120,7 @@ def _every_kind_matches_single_process(rank: int, world: int) -> None:
         reference.load_state_dict(model.state_dict())  # rank 0's weights (its own, for "none")
         optimizer = build_optimizer(ddp, spec, lr=0.05)
         ref_optimizer = build_optimizer(reference, DataParallelSpec(), lr=0.05)  # the same AdamW, unsharded
-        sharded = {"none": False, "sharded": ShardedOptimizer, "zero": torch.distributed.optim.ZeroRedundancyOptimizer}
+        sharded = {"none": False, "sharded": ShardedOptimizer, "zero": ZeroRedundancyOptimizer}
         if sharded[spec.optimizer_sharding]:
             assert isinstance(optimizer, sharded[spec.optimizer_sharding])
         data = torch.Generator().manual_seed(7)

@@ -58,7 +58,6 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from cs336_systems.distributed.ddp_bucketed import DDPBucketed
@@ -239,6 +238,9 @@ def build_optimizer(model: nn.Module, spec: DataParallelSpec, lr: float,
     if spec.optimizer_sharding == "sharded":
         return ShardedOptimizer(model.parameters(), optimizer_class, lr=lr, **extra)
     if spec.optimizer_sharding == "zero":
+        # imported here: torch.distributed.optim pulls in FSDP and DTensor, ~0.8 s for every importer of this module
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=optimizer_class, lr=lr, **extra)
     return optimizer_class(model.parameters(), lr=lr, **extra)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.bench.e2e import COMPILE_SCOPES
 from cs336_systems.model import get_config, parameter_count
 from cs336_systems.analysis import attention_math
 from cs336_systems.analysis.collectives import all_reduce_rows
@@ -107,6 +106,8 @@ def compile_timing(frame: pd.DataFrame) -> NumericTable:
     backend: the median step time; per scope the speed-up over eager (eager median ÷ that scope's median), and
     the MFU of the fastest compiled scope (by median). Medians throughout, as in its figure: a compiled step's
     mean carries the odd slow step (a recompile, a host stall) that the median leaves out."""
+    from cs336_systems.bench.e2e import COMPILE_SCOPES  # here, not above: bench.e2e costs a report process ~1 s
+
     out, status = [], {}
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
     scopes = [s for s in COMPILE_SCOPES if s != "none" and s in set(steps["scope"])]  # "none" is the eager column
