@@ -64,24 +64,22 @@ def known_providers() -> tuple[str, ...]:
     return (*ATTENTION_BACKENDS, *(name + COMPILED for name in ATTENTION_BACKENDS))
 
 
-def provider_fn(provider: str) -> AttentionFn:
-    """The call a provider times: its backend, compiled for NAME_compiled (recompiles dynamic after the
-    second shape)."""
-    backend = provider.removesuffix(COMPILED)
-    fn = get_attention(backend)
-    return torch.compile(fn) if provider.endswith(COMPILED) else fn
+def provider_fn(provider: str, **compile_options) -> AttentionFn:
+    """The call a provider times: its backend, compiled with `compile_options` for NAME_compiled (with none, one
+    such call at many shapes recompiles dynamic from the second shape)."""
+    fn = get_attention(provider.removesuffix(COMPILED))
+    return torch.compile(fn, **compile_options) if provider.endswith(COMPILED) else fn
 
 
 def point_calls(providers: tuple[str, ...]) -> dict[str, AttentionFn]:
     """The calls one point of a grid times: each backend as it is, and each NAME_compiled compiled afresh for the
-    point with static shapes, as a model training at one shape compiles its attention. (One torch.compile called
-    at many shapes turns dynamic from the second, and with dynamic sizes AOTAutograd copies a dO that is not
-    contiguous into a contiguous one at every backward: kernels/NOTES.md, "The grid on an H200 with dO in the
-    model's layout".) Dynamo's compiled code is reset first, so that no point runs a graph made for another."""
+    point with static shapes, as a model training at one shape compiles its attention. (Until 9bf9e4a the grid
+    compiled once for all its points, which turned dynamic from the second; kernels/NOTES.md, "The compiled
+    backward's dO", has the dO layout each way hands our backward.) Dynamo's compiled code is reset first, so that
+    no point runs a graph made for another."""
     if any(provider.endswith(COMPILED) for provider in providers):
         torch._dynamo.reset()
-    return {provider: torch.compile(get_attention(provider.removesuffix(COMPILED)), dynamic=False)
-            if provider.endswith(COMPILED) else get_attention(provider) for provider in providers}
+    return {provider: provider_fn(provider, dynamic=False) for provider in providers}
 
 
 def tflops(flops: float, ms: float) -> float:
