@@ -867,8 +867,9 @@ class _BackwardPlan:
 
     def native(self, dq_strides: tuple[int, ...], q_shape: tuple[int, ...]
                ) -> tuple[list[flash_native.KernelCall], list, float]:
-        """These launches for flash_native's C++ plan: (the two launches, the scratch buffers, dQ's scale). The float32 accumulator takes q's shape and dQ's strides (`_dq_accumulator`: the 4-d
-        view the kernels were planned with has the same memory layout)."""
+        """These launches for flash_native's C++ plan: (the two launches, the scratch buffers, dQ's scale). The
+        float32 accumulator takes q's shape and dQ's strides (`_dq_accumulator`: the 4-d view the kernels were
+        planned with has the same memory layout)."""
         _, rest, compiled, grid = self.preprocess
         preprocess = flash_native.KernelCall(compiled, grid, (*flash_native.slots("out", "grad_out", "lse", "lse2",
                                                                                   "delta", "dq_acc"), *rest))
