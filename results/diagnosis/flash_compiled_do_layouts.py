@@ -2,6 +2,7 @@
 "compiled <= 1.02x eager")
 
     python results/diagnosis/flash_compiled_do_layouts.py --out FILE.csv [--rounds 5] [--points 16x32x1024x128 ...]
+        [--providers eager compiled ...]
 
 The grid at 2c27aa1 (H200; ours compiled for each point, static shapes) still took a median 1.03x its eager
 forward+backward time at its device-bound points. With torch 2.11 on a GPU, AOTAutograd hands a compiled region's
@@ -12,7 +13,10 @@ O's layout, copied that dO back into it. The node now plans the compiled backwar
 - `eager`: the flash_triton backend called as it is, dO in the model's layout (as the grid);
 - `compiled_copy`: compiled for the point (static shapes), the node held to its first dO layout, so that it copies
   the compiled backward's dO into O's layout, as at 2c27aa1;
-- `compiled`: the same graph, the node planning the compiled backward's layout as the library now does.
+- `compiled`: the same graph, the node planning the compiled backward's layout as the library now does;
+- `compiled_tangent_guess`: as `compiled`, but traced with torch's `guess_tangent_strides_as_outputs` on (torch
+  2.13's default, off in torch 2.11), so that AOTAutograd expects dO in O's layout and need not copy it. The library
+  does not set torch's config; this asks how much of what is left is that copy.
 The providers take turns in `--rounds` rounds on the same inputs, the node's plans dropped before each (made again
 at its first call, which the warm-up takes). A row: point, provider, median of the rounds' medians (ms), spread
 ((max - min) / median), ratio to eager's median.
@@ -24,6 +28,7 @@ import statistics
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 
 from cs336_systems.kernels import flash_native, flash_triton
 from cs336_systems.model.attention import get_attention
@@ -34,6 +39,7 @@ from cs336_systems.timing import bench_ms
 # (batch, heads, seq, head dim, causal): the grid's device-bound points with the largest compiled ÷ eager at 2c27aa1
 POINTS = ("16x32x1024x128", "8x32x2048x128c", "16x32x2048x128c", "32x16x2048x64c", "16x32x4096x128c",
           "16x16x8192x64c", "1x16x32768x64c", "8x32x8192x128c")
+PROVIDERS = ("eager", "compiled_copy", "compiled", "compiled_tangent_guess")
 PLANS_GRAD_LAYOUT = flash_native.plans_grad_layout
 NATIVE_PASSES = flash_triton.native_passes
 
@@ -61,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--points", nargs="+", default=POINTS)
+    parser.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup-ms", type=float, default=25)
     parser.add_argument("--rep-ms", type=float, default=60)
@@ -77,7 +84,18 @@ def main() -> None:
             t.requires_grad_()
         torch._dynamo.reset()
         compiled = torch.compile(attention, dynamic=False)
-        providers = {"eager": (attention, False), "compiled_copy": (compiled, True), "compiled": (compiled, False)}
+
+        def guessed(q, k, v, causal):  # a frame of its own: dynamo caches graphs per code object
+            return attention(q, k, v, causal)
+
+        guessed = torch.compile(guessed, dynamic=False)
+        if "compiled_tangent_guess" in args.providers:
+            node_copies(False)
+            with torch._functorch.config.patch(guess_tangent_strides_as_outputs=True):
+                guessed(q, k, v, causal).backward(do)  # traced, forward and backward, under the setting
+        everything = {"eager": (attention, False), "compiled_copy": (compiled, True), "compiled": (compiled, False),
+                      "compiled_tangent_guess": (guessed, False)}
+        providers = {name: everything[name] for name in dict.fromkeys(("eager", *args.providers))}
         times: dict[str, list[float]] = {name: [] for name in providers}
         seen: dict[str, set] = {name: set() for name in providers}
         for _ in range(args.rounds):
