@@ -185,11 +185,12 @@ def render_llm_shapes(ctx: Context) -> Section:
             checked[-1] += (
                 " Here dO is in the model's layout (column do_layout of the results), and the compiled provider is "
                 "compiled for each point with static shapes (column compiled_for), as a model training at one shape "
-                "is. With the torch these rows name (column torch_version), AOTAutograd still hands the backward of "
-                "such a standalone region a contiguous dO, copied at every call, and at the commit these rows name "
-                "our C++ node copied it back into O's layout, the one its backward plan was made for. The node now "
-                "keeps backward launches for that layout too, which leaves torch's copy alone (kernels/NOTES.md, "
-                "\"The compiled backward's dO\"); a region that goes on as a model's layer does hands our backward dO "
+                "is. With the torch these rows name (column torch_version), AOTAutograd hands the backward of such a "
+                "standalone region a contiguous dO, copied at every call. Our C++ node keeps backward launches for "
+                "that layout as well as for O's, so it copies nothing more; traced with torch's "
+                "guess_tangent_strides_as_outputs on, torch's copy goes too, and so does the compiled call's extra "
+                "time at the device-bound points timed that way (kernels/NOTES.md, \"The compiled backward's dO\" "
+                "and \"The grid at 0dae280\"). A region that goes on as a model's layer does hands our backward dO "
                 "in O's layout, with no copy.")
         elif "do_layout" in frame and (frame["do_layout"] == "model").all():
             checked[-1] += (
