@@ -19,9 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.common import check_kernel_device
+from cs336_systems.kernels.common import INTERPRET, check_kernel_device
 
-BLOCK = 1024
+# Elements per program. The interpreter runs the programs one after another, each operation on its whole block at
+# once in NumPy, at a fixed cost per operation: long blocks there take a small model's update from hundreds of
+# programs per tensor to a few (the CPU tests and the smoke-scale jobs).
+BLOCK = 1 << 16 if INTERPRET else 1024
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
