@@ -529,7 +529,7 @@ def test_collective_bench_rejects_bad_input(tmp_path):
 def test_plain_baseline_has_our_parameter_count(size):
     from cs336_systems.bench.plain_model import PlainTransformerLM, plain_state_dict
     from cs336_systems.model import TransformerLM, get_config
-    from cs336_systems.model.functional import parameter_count
+    from cs336_systems.model.accounting import parameter_count
 
     config = get_config(size)
     with torch.device("meta"):  # no memory: only the shapes are compared

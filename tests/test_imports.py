@@ -163,7 +163,7 @@ def later():
     assert _imports(source, "pkg.a.x", False, known) == {"pkg.d", "pkg.a.b", "pkg.a", "pkg.a.c"}
     assert _imports("from .b import f\nfrom . import c", "pkg.a", True, known) == {"pkg.a.b", "pkg.a.c"}
     # and in the package itself: its __init__ re-exports, optim's fused kernel imported inside a function
-    assert "cs336_systems.model.transformer" in GRAPH["cs336_systems.model"]
+    assert "cs336_systems.model.config" in GRAPH["cs336_systems.model"]
     assert "cs336_systems.kernels.adamw_triton" in GRAPH["cs336_systems.optim"]
 
 
@@ -207,6 +207,31 @@ for name, fn in expected.items():
     assert get_attention(name) is fn, name
 from cs336_systems.bench.e2e import naive_annotated_attention
 assert get_attention("naive_annotated") is naive_annotated_attention
+"""
+    done = _run_python(code)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_package_and_the_reports_entry_point_import_no_torch():
+    """In a fresh process: `import cs336_systems`, the model's configurations and accounting, and the report's entry
+    point (which every table and figure job of the pipeline starts) load without torch, which would add ~2 s to each
+    of those jobs; asking for a name built on torch (`TransformerLM`) loads it then, and it is the model's class."""
+    code = """
+import sys
+import cs336_systems
+from cs336_systems.model import get_config, parameter_count, leaderboard_flops
+import cs336_systems.report.__main__
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("cs336_systems"))
+assert parameter_count(get_config("small")) > 0
+from cs336_systems import TransformerLM
+from cs336_systems.model.transformer import TransformerLM as defined
+assert TransformerLM is defined and "torch" in sys.modules
+try:
+    cs336_systems.model.no_such_name
+except AttributeError as e:
+    assert "no_such_name" in str(e), e
+else:
+    raise AssertionError("an unknown name resolved")
 """
     done = _run_python(code)
     assert done.returncode == 0, done.stderr

@@ -36,7 +36,7 @@ step's allocator snapshot is DIR/<provider>_b<batch>.pickle.
 Each (batch, provider) point runs `warmup` untimed steps (the first one, compilation and autotuning
 included, is reported as `first_step_s`) and `steps` timed ones, synchronizing around each, and becomes
 one row: mean, std and median step time, TFLOP/s and MFU from the mean against the device's dense bf16
-peak (`timing.peak_flops`), with FLOPs from `model.functional.leaderboard_flops` (6 x non-embedding matmul
+peak (`timing.peak_flops`), with FLOPs from `model.accounting.leaderboard_flops` (6 x non-embedding matmul
 parameters incl. the LM head x tokens + 6 x layers x tokens x context x d_model; recomputation not
 counted), peak memory, and provenance. Out of memory is a row (status=oom) and the run goes on.
 

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench import nsys
 from cs336_systems.bench.e2e import RunSpec, build_model
+from cs336_systems.bench.profile_names import ATTENTION_STAGES, is_annotation
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.provenance import provenance
@@ -49,21 +50,6 @@ from cs336_systems.timing import (
 )
 from cs336_systems.model import MODEL_SIZES, cross_entropy
 from cs336_systems.optim import AdamW
-
-# Kernel and op names of matrix multiplications, as profilers name them (the report's kernel classes and
-# bench.step_profile's categories). Recent cuBLAS names its Hopper GEMMs nvjet_* (e.g. nvjet_sm90_hss_320x128).
-MATMUL = r"gemm|matmul|aten::mm|aten::bmm|aten::addmm|cutlass|xmma|wgmma|nvjet"
-
-ATTENTION_STAGES = ("scores", "softmax", "final matmul")
-OWN_RANGES = {"forward", "backward", "optimizer", "inference", *ATTENTION_STAGES}
-
-
-def is_annotation(name: str) -> bool:
-    """A range, not a kernel: ours, the profiler's step markers, or torch.optim's own
-    `Optimizer.step#AdamW.step`, which the profiler also puts on the GPU timeline (with no CPU time), or the
-    phase ranges of bench/step_profile.py (`step:forward`, ...)."""
-    return name in OWN_RANGES or name.startswith(("ProfilerStep", "Optimizer.", "step:"))
-
 
 def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tuple[int, float]]]:
     """(kernel rows, attention stage totals) of one profiling session, times in ms."""

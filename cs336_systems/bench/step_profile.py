@@ -49,7 +49,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from cs336_systems.bench.profile import MATMUL, is_annotation, summarize
+from cs336_systems.bench.profile import summarize
+from cs336_systems.bench.profile_names import MATMUL, is_annotation
 from cs336_systems.results import write_rows
 from cs336_systems.timing import synchronize
 

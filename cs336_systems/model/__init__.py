@@ -1,34 +1,46 @@
-"""Our Transformer LM, its configurations, attention backends and accounting (AdamW: `cs336_systems.optim`)."""
+"""Our Transformer LM, its configurations, attention backends and accounting (AdamW: `cs336_systems.optim`).
 
-from cs336_systems.model.attention import ATTENTION_BACKENDS, get_attention, naive_attention, register_attention
-from cs336_systems.model.checkpointing import CheckpointPolicy, apply_activation_checkpointing, checkpoint_cost
+The configurations and the accounting are plain Python and load with the package. The parts built on torch load
+on first use (PEP 562 `__getattr__`), so that a process that only reads configurations and counts (the report's
+table and figure jobs) does not import torch."""
+
+import importlib
+
+from cs336_systems.model.accounting import forward_flops, leaderboard_flops, parameter_count, train_step_flops
 from cs336_systems.model.config import MODEL_SIZES, MODEL_SIZES_2026, SIZE_TABLES, ModelConfig, get_config
-from cs336_systems.model.functional import (
-    cross_entropy,
-    forward_flops,
-    leaderboard_flops,
-    parameter_count,
-    train_step_flops,
-)
-from cs336_systems.model.transformer import TransformerLM
+
+# name -> the submodule (of this package) that defines it, imported when the name is first asked for
+_ON_FIRST_USE = {
+    "ATTENTION_BACKENDS": "attention",
+    "get_attention": "attention",
+    "naive_attention": "attention",
+    "register_attention": "attention",
+    "CheckpointPolicy": "checkpointing",
+    "apply_activation_checkpointing": "checkpointing",
+    "checkpoint_cost": "checkpointing",
+    "cross_entropy": "functional",
+    "TransformerLM": "transformer",
+}
 
 __all__ = [
-    "ATTENTION_BACKENDS",
-    "CheckpointPolicy",
     "MODEL_SIZES",
     "MODEL_SIZES_2026",
     "SIZE_TABLES",
     "ModelConfig",
-    "TransformerLM",
-    "apply_activation_checkpointing",
-    "checkpoint_cost",
-    "cross_entropy",
     "forward_flops",
-    "get_attention",
     "get_config",
     "leaderboard_flops",
-    "naive_attention",
     "parameter_count",
-    "register_attention",
     "train_step_flops",
+    *_ON_FIRST_USE,
 ]
+
+
+def __getattr__(name: str):
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_ON_FIRST_USE[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -8,11 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost, optimal_bucket_bytes, rounds_needed
-from cs336_systems.distributed.ddp_bucketed import plan_buckets
-from cs336_systems.model import TransformerLM, get_config
+from cs336_systems.model import get_config
 from cs336_systems.report.section import Context
 from cs336_systems.results import read_table
 
@@ -63,6 +61,10 @@ def rounds_paragraph(ctx: Context, frame: pd.DataFrame) -> str:
 
 def gradient_tensors(size: str) -> int:
     """How many gradient tensors (all-reduces for naive DDP) the model has; built on the meta device."""
+    import torch  # here, not above, as in bucket_counts: the report's table and figure jobs run without torch
+
+    from cs336_systems.model import TransformerLM
+
     with torch.device("meta"):
         return sum(p.requires_grad for p in TransformerLM(get_config(size)).parameters())
 
@@ -100,6 +102,11 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: di
 
 def bucket_counts(size: str, sizes_mb: list[float]) -> dict[float, int]:
     """How many buckets bucketed DDP makes of the model's gradients at each bucket size (meta device)."""
+    import torch  # here, not above: the report's table and figure jobs run without torch
+
+    from cs336_systems.distributed.ddp_bucketed import plan_buckets
+    from cs336_systems.model import TransformerLM
+
     with torch.device("meta"):
         params = [p for p in TransformerLM(get_config(size)).parameters() if p.requires_grad]
     return {mb: len(plan_buckets(params, mb)) for mb in sizes_mb}

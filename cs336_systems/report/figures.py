@@ -22,7 +22,6 @@ import pandas as pd  # noqa: E402
 
 from cs336_systems.analysis.collectives import all_reduce_rows  # noqa: E402
 from cs336_systems.report.tables import SIZE_ORDER  # noqa: E402
-from cs336_systems.timing import peak_flops  # noqa: E402
 from cs336_systems.analysis import attention_math  # noqa: E402
 
 # Dense TF32 tensor-core peak (TFLOP/s) from NVIDIA's H100 / H200 datasheets (SXM: 989 with sparsity,
@@ -177,6 +176,8 @@ def attention_memory(frame: pd.DataFrame, path: str | Path) -> None:
 def peak_lines(device_names, dtype: str) -> list[tuple[float, str]]:
     """(TFLOP/s, label) of the datasheet ceilings for a dtype on the rows' device(s): bf16 dense tensor
     cores; for fp32 the TF32 tensor-core rate (what tl.dot uses) and the plain FP32 rate."""
+    from cs336_systems.timing import peak_flops  # here, not above: timing imports torch, which a figure job need not
+
     lines = []
     for name in sorted(set(device_names)):
         short = next((k for k in TF32_DENSE_TFLOPS if k in name), None)

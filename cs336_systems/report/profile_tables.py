@@ -7,7 +7,7 @@ import re
 
 import pandas as pd
 
-from cs336_systems.bench.profile import MATMUL
+from cs336_systems.bench.profile_names import MATMUL, is_annotation
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.tables import SIZE_ORDER, ordered_by_size
 
@@ -36,8 +36,6 @@ def kernel_label(name: str) -> str:
 def profile_kernels_of(rows: pd.DataFrame) -> pd.DataFrame:
     """The kernel rows of profile results, labelled with `kernel_label` (instantiations that share a
     label are summed) and without the ranges the profiler also reports on the GPU timeline."""
-    from cs336_systems.bench.profile import is_annotation
-
     kernels = rows[(rows["kind"] == "kernel") & ~rows["name"].map(is_annotation)].assign(
         name=lambda f: f["name"].map(kernel_label))
     keys = [c for c in kernels.columns if c not in ("name", "calls_per_step", "ms_per_step")]

@@ -3,16 +3,20 @@ DDP, their profiler traces and the communication accounting."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pandas as pd
 
 from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
-from cs336_systems.distributed.parallelize import DataParallelSpec
 from cs336_systems.report import figures, tables
 from cs336_systems.report.ddp_analysis import (RERUN, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
                                                timing_method)
 from cs336_systems.report.frame import NumericTable
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.tables import DDP_STEP
+
+if TYPE_CHECKING:  # the report's table and figure jobs run without torch; distributed/ needs it
+    from cs336_systems.distributed.parallelize import DataParallelSpec
 
 
 def render_allreduce(ctx: Context) -> Section:
@@ -60,6 +64,8 @@ def missing_world_sizes(table: pd.DataFrame) -> str:
 def ddp_specs(frame: pd.DataFrame) -> dict[str, DataParallelSpec]:
     """Each config of a DDP results file as the spec its rows' dp_kind, bucket_mb and optimizer_sharding
     columns hold (the benchmark writes them from the spec it parsed: DataParallelSpec.to_columns)."""
+    from cs336_systems.distributed.parallelize import DataParallelSpec
+
     specs = {}
     for row in frame.drop_duplicates("config").itertuples():
         bucket = None if pd.isna(row.bucket_mb) else float(row.bucket_mb)

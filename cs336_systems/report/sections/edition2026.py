@@ -11,7 +11,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from cs336_systems.model import CheckpointPolicy, checkpoint_cost, get_config, parameter_count
+from cs336_systems.model import get_config, parameter_count
 from cs336_systems.report.figures import save_figure
 from cs336_systems.report.parallelism_render import (fsdp_accounting_of_runs, fsdp_accounting_section,
                                                      render_parallelism)
@@ -223,10 +223,6 @@ def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
                            f"{first['batch_size']}, context {first['context_length']}, {first['precision']}", frame)
 
 
-COST_POLICIES = {"none": lambda n: CheckpointPolicy(), "every block": lambda n: CheckpointPolicy.every(1),
-                 "sqrt (two levels)": CheckpointPolicy.sqrt, "recursive halving": CheckpointPolicy.binary}
-
-
 def block_sizes(saved: NumericTable) -> tuple[float, float] | None:
     """(one block's residuals, one boundary) in MiB: the eager block's activations and input, each storage
     once, from the saved-tensors table (None where it has no eager block)."""
@@ -247,10 +243,14 @@ def cost_model_table(frame: pd.DataFrame) -> NumericTable:
     """(a): the cost model of model/checkpointing.py at the measured block and boundary sizes (results of
     3.1, the eager block), for several N: the modelled peak of activations and the block forwards per step,
     beside the two sizes it was evaluated at (printed as 3.1's table prints them)."""
+    from cs336_systems.model.checkpointing import CheckpointPolicy, checkpoint_cost  # torch: this table's job only
+
+    policies = {"none": lambda n: CheckpointPolicy(), "every block": lambda n: CheckpointPolicy.every(1),
+                "sqrt (two levels)": CheckpointPolicy.sqrt, "recursive halving": CheckpointPolicy.binary}
     rows = []
     sizes = block_sizes(saved_tensors_table(frame))
     for n in COST_NS if sizes else ():
-        for name, policy in COST_POLICIES.items():
+        for name, policy in policies.items():
             cost = checkpoint_cost(policy(n), n, *sizes)
             rows.append({"N": n, "policy": name, COST_PEAK: cost.peak_bytes / GIB, FORWARDS: cost.block_forwards / n,
                          BLOCK: sizes[0], BOUNDARY: sizes[1]})

@@ -472,7 +472,7 @@ def render_leaderboard(ctx: Context) -> Section:
                 "gradient against a float32 reference)." if len(checks) else "") + _auto_sentence(q, frame))
     batches = sorted(set(q.frame.loc[q.frame["provider"] == "ours", "batch"]), reverse=True)
     gap = _gap_paragraph(q, batches)
-    flops = ("FLOPs per step are counted as the leaderboard counts them (`model.functional.leaderboard_flops`): "
+    flops = ("FLOPs per step are counted as the leaderboard counts them (`model.accounting.leaderboard_flops`): "
              "6 × the non-embedding matmul parameters (the blocks' projections and MLP and the LM head) × tokens, "
              "plus 6 × layers × tokens × context × d_model for causal attention; recomputation is not counted, "
              f"so checkpointing costs time, not FLOPs. MFU divides TFLOP/s by {PEAK_TFLOPS} TFLOP/s, the H200's dense "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.model import get_config
-from cs336_systems.model.functional import parameter_count
+from cs336_systems.model.accounting import parameter_count
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.distributed.sharded_optimizer import GATHER_BUCKET_MB
 from cs336_systems.report.ddp_analysis import RERUN
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
@@ -33,6 +32,8 @@ def sharding_table(frame: pd.DataFrame) -> NumericTable:
 
 
 def render_sharding(ctx: Context) -> Section:
+    from cs336_systems.distributed.sharded_optimizer import GATHER_BUCKET_MB  # distributed/ needs torch; tables not
+
     frame = ctx.frame("sharding")
     table = ctx.numeric("sharding")
     q = Quotes(table)
