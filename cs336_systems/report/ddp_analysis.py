@@ -59,14 +59,19 @@ def rounds_paragraph(ctx: Context, frame: pd.DataFrame) -> str:
             f"{need['rounds']} rounds; config.yaml's `ddp.rounds` is at least that (a test checks it). This table's "
             f"run has {here}{short}.")
 
-def gradient_tensors(size: str) -> int:
-    """How many gradient tensors (all-reduces for naive DDP) the model has; built on the meta device."""
-    import torch  # here, not above, as in bucket_counts: the report's table and figure jobs run without torch
+def _trainable_parameters(size: str) -> list:
+    """The model's trainable parameters, built on the meta device (no memory, no initialisation)."""
+    import torch  # here, not above: the report's table and figure jobs run without torch
 
     from cs336_systems.model import TransformerLM
 
     with torch.device("meta"):
-        return sum(p.requires_grad for p in TransformerLM(get_config(size)).parameters())
+        return [p for p in TransformerLM(get_config(size)).parameters() if p.requires_grad]
+
+
+def gradient_tensors(size: str) -> int:
+    """How many gradient tensors (all-reduces for naive DDP) the model has."""
+    return len(_trainable_parameters(size))
 
 def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: dict[str, float] | None = None) -> str:
     """2.3(b): the overhead model, with o and w fitted to the measured all-reduce times (bursts of
@@ -102,11 +107,7 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: di
 
 def bucket_counts(size: str, sizes_mb: list[float]) -> dict[float, int]:
     """How many buckets bucketed DDP makes of the model's gradients at each bucket size (meta device)."""
-    import torch  # here, not above: the report's table and figure jobs run without torch
+    from cs336_systems.distributed.ddp_bucketed import plan_buckets  # torch, as in _trainable_parameters
 
-    from cs336_systems.distributed.ddp_bucketed import plan_buckets
-    from cs336_systems.model import TransformerLM
-
-    with torch.device("meta"):
-        params = [p for p in TransformerLM(get_config(size)).parameters() if p.requires_grad]
+    params = _trainable_parameters(size)
     return {mb: len(plan_buckets(params, mb)) for mb in sizes_mb}
