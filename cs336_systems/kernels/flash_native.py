@@ -389,13 +389,18 @@ def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
     return native_module()[0].backward(q, k, v, out, lse, grad_out, node.plan)
 
 
+def dense_grad(out: torch.Tensor, grad_out: torch.Tensor) -> bool:
+    """Whether dO is of a layout the Python backwards plan launches for the node: dense (in O's layout, as the
+    layers above hand it back, or contiguous, as AOTAutograd may) and 16-byte aligned."""
+    return (grad_out.stride() == out.stride() or grad_out.is_contiguous()) and grad_out.data_ptr() % 16 == 0
+
+
 def plans_grad_layout(node: _Node, out: torch.Tensor, grad_out: torch.Tensor) -> bool:
     """Whether this backward goes to the Python path to plan its dO's layout: the first dO of a layout that the
     node's plan has no launches for, where the Python backward plans it (dense: in O's layout or contiguous; 16-byte
     aligned). The node then asks for the passes again at its next call, with that layout's among them."""
     strides = tuple(grad_out.stride())
-    if (strides in node.grad_layouts or strides in node.tried or grad_out.data_ptr() % 16 != 0
-            or not (strides == tuple(out.stride()) or grad_out.is_contiguous())):
+    if strides in node.grad_layouts or strides in node.tried or not dense_grad(out, grad_out):
         return False
     node.tried.add(strides)
     node.pending = True

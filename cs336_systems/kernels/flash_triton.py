@@ -530,8 +530,8 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
         plan.bind(0, q, k, v, grad_out, lse, out, delta, dq)
         plan.bind(1, q, k, v, grad_out, lse, delta, dk, dv)
         _BACKWARD_PLANS[key] = plan
-        if ((grad_out.stride() == out.stride() or grad_out.is_contiguous()) and lse.is_contiguous()
-                and grad_out.data_ptr() % 16 == 0 == out.data_ptr() % 16 == lse.data_ptr() % 16):
+        if (flash_native.dense_grad(out, grad_out) and lse.is_contiguous()
+                and out.data_ptr() % 16 == 0 == lse.data_ptr() % 16):
             inputs_key = (key[0][:3], is_causal)
             kept = _BACKWARD_PLANS_OF_INPUTS.get(inputs_key, {})
             if any(not made_with(old, settings) for old in kept.values()):  # plans of other settings go
