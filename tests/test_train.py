@@ -31,25 +31,19 @@ COMMON = ["--size", "tiny", "--context-length", "16", "--batch-size", "2", "--pr
 VOCAB = get_config("tiny").vocab_size
 
 
-def _run(rank, world, argv, out):
-    log = train(parse_args(argv), rank, world, torch.device("cpu"))
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump([row["loss"] for row in log], f)
-
-
-def _losses(tmp_path, name, *argv):
-    out = tmp_path / f"{name}.json"
-    run_distributed(_run, 2, [*COMMON, *argv], str(out))
-    return json.loads(out.read_text())
-
-
 def _run_each(rank, world, runs, out):
-    """_run for each argv of `runs` in turn, in one pair of ranks (one spawn instead of one per run)."""
+    """train for each argv of `runs` in turn, in one pair of ranks (one spawn for all); rank 0 writes each run's
+    losses."""
     losses = [[row["loss"] for row in train(parse_args(argv), rank, world, torch.device("cpu"))] for argv in runs]
     if rank == 0:
         with open(out, "w") as f:
             json.dump(losses, f)
+
+
+def _losses(tmp_path, name, *argv):
+    out = tmp_path / f"{name}.json"
+    run_distributed(_run_each, 2, [[*COMMON, *argv]], str(out))
+    return json.loads(out.read_text())[0]
 
 
 def test_wrappers_follow_torch_ddp_loss_curve(tmp_path):
@@ -63,7 +57,7 @@ def test_wrappers_follow_torch_ddp_loss_curve(tmp_path):
 
 
 def _run_seeing_the_plan(rank, world, argv, out):
-    """_run, also recording the plan train hands to parallelize and what it made of the blocks."""
+    """_run_each for one run, also recording the plan train hands to parallelize and what it made of the blocks."""
     import cs336_systems.train as train_module
 
     applied = []
