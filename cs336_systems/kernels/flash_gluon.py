@@ -75,10 +75,6 @@ CONSUMERS = 2  # consumer warpgroups per program (the kernel's partitions are wr
 # the same, as the kernels read them (a jit function sees only constexpr globals)
 _CONSUMERS = gl.constexpr(CONSUMERS)
 _LN2 = gl.constexpr(LN2)
-# The row sums of P are taken on the tensor cores, as P times a tile of ones: the narrowest wgmma's N columns of
-# ones, read from shared memory like K (every column of the result holds the same row sum)
-SUM_COLS = 8
-_SUM_COLS = gl.constexpr(SUM_COLS)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # Heads interleaved in the program order (`heads_per_group`). The one-tile grid was measured on an H100
 # (results/diagnosis/flash_gluon_stage1/run2): one head at a time was fastest or within 2% at all five shapes; groups
@@ -135,11 +131,9 @@ class GluonTile:
         return CONSUMERS * self.block_m
 
     def shared_bytes(self, element_size: int = 2) -> int:
-        """Tiles only (the barriers add a few hundred bytes): Q, (persistent) O, the K/V ring, and the ones the
-        row sums are taken with."""
+        """Tiles only (the barriers add a few hundred bytes): Q, (persistent) O, and the K/V ring."""
         q_and_o = self.rows * (2 if self.persistent else 1)
-        ones = SUM_COLS * self.block_n
-        return element_size * (self.head_dim * (q_and_o + 2 * self.num_slots * self.block_n) + ones)
+        return element_size * self.head_dim * (q_and_o + 2 * self.num_slots * self.block_n)
 
 
 # d=128: persistent with the probe's two-slot ring (197 KB with the persistent kernel's O buffers; three slots do not
@@ -378,10 +372,9 @@ def _mask_scores(s, offs_m, start_n, n_keys, IS_CAUSAL: gl.constexpr, FILL: gl.c
 
 
 @gluon.jit
-def _softmax_step(s, m_i, qk_scale, EXACT: gl.constexpr):
-    """Online softmax of one score tile: P, the new running max, and alpha, the factor that brings O (and the
-    running sum, kept beside O on the tensor cores) to the new max. The max is kept in the log2 domain (scaled by
-    qk_scale)."""
+def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
+    """Online softmax of one score tile: P, the new running max and sum, and alpha, the factor that brings O to
+    the new max. The max is kept in the log2 domain (scaled by qk_scale)."""
     if EXACT:  # integer arithmetic only; alpha is 1 at run time but not foldable, like the real rescale
         p = s - gl.floor(s * 0.125) * 8.0
         m_new = gl.maximum(m_i, gl.max(p, axis=1))
@@ -390,15 +383,14 @@ def _softmax_step(s, m_i, qk_scale, EXACT: gl.constexpr):
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s * qk_scale - m_new[:, None])
-    return p, m_new, alpha
+    return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
 
 @gluon.jit
-def _key_step(q, k_ring, v_ring, ones, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, l_acc, p_op, m_i, alpha,
-              idx, phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, LAST: gl.constexpr):
-    """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs;
-    P(j-1)'s row sums (P(j-1) times ones) issued between the two, so they retire with S(j).
+def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+              phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              EXACT: gl.constexpr, LAST: gl.constexpr):
+    """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
     Slot idx holds tile j-1 (its V is read here), the next slot tile j. LAST: the tile's last key tile, masked,
     whose S is the last read of Q (released here, so the producer can load the next tile's while P V runs)."""
     NUM: gl.constexpr = k_ring.shape[0]
@@ -412,34 +404,22 @@ def _key_step(q, k_ring, v_ring, ones, q_empty, k_ready, v_ready, k_empty, v_emp
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
-    l_acc = _row_sums(p_op, ones, l_acc, alpha)
     mbarrier.arrive(turn.index(1 - CID), count=1)
-    s = warpgroup_mma_wait(2, deps=(s, ))  # S(j) retired; P V and the row sums may still run
+    s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
     mbarrier.arrive(k_empty.index(nidx), count=1)
     if LAST:
         mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, j * BN, n_keys, IS_CAUSAL, FILL)
-    p, m_i, alpha = _softmax_step(s, m_i, qk_scale, EXACT)
-    acc, l_acc = warpgroup_mma_wait(0, deps=(acc, l_acc))
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
-    return acc, l_acc, p_op, m_i, alpha, nidx, nphase, turn_phase ^ 1
+    return acc, p_op, m_i, l_i, alpha, nidx, nphase, turn_phase ^ 1
 
 
 @gluon.jit
-def _row_sums(p_op, ones, l_acc, alpha):
-    """Issue l_acc * alpha + P ones on the tensor cores (asynchronous: the caller waits for it), in place of a
-    row sum of P on the CUDA cores. The sums are of P as P V reads it (rounded to 16 bits), so O's weights sum to
-    one as applied."""
-    l_layout: gl.constexpr = l_acc.type.layout
-    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-    p_l = gl.convert_layout(p_op, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2))
-    return warpgroup_mma(p_l, ones.permute((1, 0)), l_acc, is_async=True)
-
-
-@gluon.jit
-def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                 turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
                  CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
     """One consumer's 64 rows of one tile, from Q's arrival to O's store. The barrier state (idx, phase: the
     ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next."""
@@ -451,19 +431,16 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty,
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, _SUM_COLS, 16])
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
 
     q = _as_2d(q_smem, CID)
     row0 = q_row + CID * BM
-    offs_m = row0 + gl.arange(0, BM, layout=row_s)
+    offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
     s_shape = gl.zeros([BM, BN], gl.float32, s_layout)  # only gives S its layout (use_acc=False)
     acc = gl.zeros([BM, D], gl.float32, o_layout)
-    l_acc = gl.zeros([BM, _SUM_COLS], gl.float32, l_layout)  # the running row sums, each in every column
-    m_i = gl.full([BM], float("-inf"), gl.float32, row_s)
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.wait(q_ready, q_phase)
 
     # key tile 0: S and P only (no P V to overlap yet)
@@ -477,30 +454,28 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty,
     if n_blk == 1:  # the only key tile: its S was the last read of Q
         mbarrier.arrive(q_empty, count=1)
         s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
-    p, m_i, alpha = _softmax_step(s, m_i, qk_scale, EXACT)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     turn_phase ^= 1
 
     for j in range(1, n_blk - 1):  # the unmasked tiles
-        acc, l_acc, p_op, m_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, ones, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, l_acc, p_op, m_i, alpha,
-            idx, phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
     if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
-        acc, l_acc, p_op, m_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, ones, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, l_acc, p_op, m_i, alpha,
-            idx, phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
-    l_acc = _row_sums(p_op, ones, l_acc, alpha)
-    acc, l_acc = warpgroup_mma_wait(0, deps=(acc, l_acc))
+    acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     if not EXACT:
-        l_i = gl.max(l_acc, axis=1)
         acc = acc / gl.convert_layout(l_i, row_o)[:, None]
-        lse = (m_i + gl.log2(gl.convert_layout(l_i, row_s))) * _LN2
+        lse = (m_i + gl.log2(l_i)) * _LN2
         gl.store(L + bh * n_queries + offs_m, lse, mask=offs_m < n_queries)
     # O leaves through o_smem (one-tile grid: Q's own buffer, whose wgmmas have all retired); rows past the end
     # are clipped. Persistent: this consumer's previous O store must have read the buffer first.
@@ -512,8 +487,8 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty,
 
 
 @gluon.jit
-def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-              L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
+def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
               CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
@@ -531,14 +506,14 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty, k_
             b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
                                               group, ROWS, BN, IS_CAUSAL)
             idx, phase, turn_phase, q_phase = _attend_tile(
-                desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
                 IS_CAUSAL, EXACT)
     else:
         b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
                                           ROWS, BN, IS_CAUSAL)
-        _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+        _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
                      CID, IS_CAUSAL, EXACT)
     tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
@@ -559,12 +534,6 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
         o_smem = q_smem
     k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_k.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_v.layout)
-    # the ones the row sums are taken with (_row_sums), written before the partitions start
-    ones_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth,
-                                                     rank=2)
-    ones = gl.allocate_shared_memory(dtype, [_SUM_COLS, BN], ones_layout)
-    ones.store(gl.full([_SUM_COLS, BN], 1.0, dtype, gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])))
-    fence_async_shared()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
@@ -584,11 +553,11 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
     # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
     gl.warp_specialize([
-        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
                      EXACT, PERSISTENT)),
-        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, ones, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
+        (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
                      EXACT, PERSISTENT)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
