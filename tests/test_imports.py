@@ -237,6 +237,23 @@ else:
     assert done.returncode == 0, done.stderr
 
 
+def test_the_reports_entry_point_loads_matplotlib_only_to_draw():
+    """In a fresh process the report's entry point (every table job's start) loads no matplotlib, which took about
+    half of a table job's start-up; the figures' `pyplot()` loads it then, on the Agg backend (no display)."""
+    code = """
+import sys
+import cs336_systems.report.__main__
+assert "matplotlib" not in sys.modules, sorted(m for m in sys.modules if m.startswith("matplotlib"))
+from cs336_systems.report.figures import pyplot
+plt = pyplot()
+import matplotlib
+assert matplotlib.get_backend().lower() == "agg", matplotlib.get_backend()
+assert plt is sys.modules["matplotlib.pyplot"]
+"""
+    done = _run_python(code)
+    assert done.returncode == 0, done.stderr
+
+
 # Where a registry entry of the model may point: the model itself and the kernels (the floors below
 # bench, report, distributed and train, which register their own entries instead).
 REGISTRY_FLOORS = ("cs336_systems.model", "cs336_systems.kernels")

@@ -12,17 +12,17 @@ Conventions every figure keeps (so a reader can trust what a picture shows):
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+from cs336_systems.analysis.collectives import all_reduce_rows
+from cs336_systems.report.tables import SIZE_ORDER
+from cs336_systems.analysis import attention_math
 
-from cs336_systems.analysis.collectives import all_reduce_rows  # noqa: E402
-from cs336_systems.report.tables import SIZE_ORDER  # noqa: E402
-from cs336_systems.analysis import attention_math  # noqa: E402
+if TYPE_CHECKING:
+    import matplotlib.pyplot as plt
 
 # Dense TF32 tensor-core peak (TFLOP/s) from NVIDIA's H100 / H200 datasheets (SXM: 989 with sparsity,
 # half that dense). Triton's tl.dot multiplies float32 inputs in TF32 unless told otherwise, so it is the
@@ -31,6 +31,17 @@ from cs336_systems.analysis import attention_math  # noqa: E402
 TF32_DENSE_TFLOPS = {"H100": 494.5, "H200": 494.5}
 # Where |loss difference| is exactly zero the log axis has no place for it: such points are drawn here.
 LOSS_DIFF_FLOOR = 1e-7
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed), imported when a figure is drawn: the report's table
+    jobs import this module through the sections but never draw, and pyplot was half of their start-up."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def short_commit(commit: str) -> str:
@@ -53,6 +64,7 @@ def provenance_stamp(rows: pd.DataFrame) -> str:
 def save_figure(fig: plt.Figure, path: str | Path, title: str, rows: pd.DataFrame | None = None) -> None:
     """Title, lay out, stamp the rows' provenance under the bottom-right corner, write the PNG (making
     its folder) and free the figure."""
+    plt = pyplot()
     fig.suptitle(title)
     fig.tight_layout()
     if rows is not None:  # below the figure's edge, so it never covers an axis label; bbox "tight" keeps it
@@ -102,6 +114,7 @@ def _with_std(rows: pd.DataFrame) -> pd.DataFrame:
 def e2e_timing(frame: pd.DataFrame, path: str | Path) -> None:
     """Forward and backward mean ± std ms per size (the table's statistic), one panel per precision and
     attention backend, all on one log axis so the panels compare directly."""
+    plt = pyplot()
     rows = _with_std(frame[(frame["status"] == "ok") & frame["phase"].isin(["forward", "backward"])
                            & (frame["mode"] == "forward_backward")])
     precisions, attentions = sorted(set(rows["precision"]), reverse=True), sorted(set(rows["attention"]))
@@ -120,6 +133,7 @@ def e2e_timing(frame: pd.DataFrame, path: str | Path) -> None:
 
 def e2e_warmup(frame: pd.DataFrame, path: str | Path) -> None:
     """Step time mean ± std per size, one series per number of warm-up steps."""
+    plt = pyplot()
     rows = _with_std(frame[(frame["status"] == "ok") & (frame["phase"] == "step")])
     _unique(rows, ["size", "warmup"], "e2e_warmup")
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -136,6 +150,7 @@ def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
     """Median step time per size: eager and each compile scope as its own series, one panel per mode
     (shared log axis). Medians, the statistic of the table's speed-ups and of the prose (a recompile inside
     the timed window would pull a mean, not the median)."""
+    plt = pyplot()
     rows = frame[(frame["status"] == "ok") & (frame["phase"] == "step")]
     scope = rows["compile_scope"] if "compile_scope" in rows else rows["compile"].map({True: "model", False: "none"})
     rows = rows.assign(scope=scope.fillna("none"))
@@ -158,6 +173,7 @@ def compile_timing(frame: pd.DataFrame, path: str | Path) -> None:
 
 def attention_memory(frame: pd.DataFrame, path: str | Path) -> None:
     """Memory in use before backward versus sequence length (1.2.1), with the formula's prediction."""
+    plt = pyplot()
     rows = frame[(frame["impl"] == "eager") & (frame["phase"] == "forward")].copy()
     fig, ax = plt.subplots(figsize=(6, 4))
     ok = rows[rows["status"] == "ok"]
@@ -193,6 +209,7 @@ def peak_lines(device_names, dtype: str) -> list[tuple[float, str]]:
 
 def _flash_panels(frame: pd.DataFrame, path: str | Path, value: str, ylabel: str, title: str) -> None:
     """One panel per (dtype, head dim), one line per provider; medians (the sweep records medians only)."""
+    plt = pyplot()
     rows = frame[(frame["status"] == "ok") & (frame["pass"] == "forward_backward")]
     dtypes, dims = sorted(set(frame["dtype"])), sorted(set(frame["head_dim"]))
     providers = sorted(set(rows["provider"]))
@@ -249,6 +266,7 @@ def allreduce(frame: pd.DataFrame, path: str | Path) -> None:
     """Latency and bus bandwidth per size, both from the median time (the table's and the prose's one
     statistic); log axes so the CPU gloo rows (GB/s) show beside NCCL's (hundreds of GB/s). size_mb is MiB:
     the bench allocates size_mb · 2**20 bytes of float32."""
+    plt = pyplot()
     rows = all_reduce_rows(frame[frame["status"] == "ok"] if "status" in frame else frame)
     rows = rows.assign(setting=rows["backend"] + " × " + rows["world_size"].astype(str))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -273,6 +291,7 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
     size beside the baselines (single GPU, naive, flat, individual, torch DDP) of the runs present. Each run is its own
     series (marker), since the runs come from different processes and commits: torch DDP is measured in
     each, which shows how far runs differ."""
+    plt = pyplot()
     rows = frame[frame["status"] == "ok"]
     if "results_file" not in rows:
         rows = rows.assign(results_file="ddp_bucketed")
@@ -303,6 +322,7 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
 def train_matrix(frame: pd.DataFrame, path: str | Path) -> None:
     """|loss − torch DDP's loss| per step, one panel per attention backend, one line per wrapper, on a
     log axis; exact agreement (difference 0) is drawn at LOSS_DIFF_FLOOR, which the axis label says."""
+    plt = pyplot()
     fig_rows = []
     for attention, part in frame.groupby("attention"):
         reference = part[part["wrapper"] == "torch_ddp"].set_index("step")["loss"]

@@ -18,12 +18,11 @@ import argparse
 import pickle
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.analysis.snapshot import phase_spans, timed_timeline, trace
 from cs336_systems.results import read_rows, write_rows
-from cs336_systems.report.figures import save_figure  # also selects the Agg backend
+from cs336_systems.report.figures import pyplot, save_figure
 
 PHASE_COLORS = {"forward": "tab:green", "backward": "tab:orange", "optimizer": "tab:purple"}
 
@@ -48,7 +47,7 @@ def largest_allocations(snapshot: dict, n: int = 10) -> list[dict]:
 def draw_timeline(snapshot: dict, path: str | Path, title: str, rows: pd.DataFrame | None = None) -> None:
     """Active memory over the recorded window, each phase a shaded band named at the top."""
     xs, ys, start_us = timed_timeline(snapshot)
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig, ax = pyplot().subplots(figsize=(8, 3.5))
     ax.fill_between(xs, ys, step="post", alpha=0.6, color="tab:blue", linewidth=0)
     spans = phase_spans(snapshot) if start_us is not None else []
     # Marks from another clock than the events' would land far outside the window: drop, and say so.

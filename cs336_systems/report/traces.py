@@ -38,11 +38,10 @@ import json
 import re
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.results import PROVENANCE_COLUMNS, read_rows, write_rows
-from cs336_systems.report.figures import save_figure  # also selects the Agg backend
+from cs336_systems.report.figures import pyplot, save_figure
 
 COMMUNICATION = re.compile(r"nccl|gloo:|all_?reduce|all_?gather|reduce_?scatter", re.IGNORECASE)
 PHASES = ("forward", "backward", "optimizer")  # user annotations drawn as shaded ranges
@@ -152,7 +151,7 @@ def draw(lanes_: dict[str, list[Interval]], path: str | Path, title: str, xmax_m
     """Compute and communication lanes over ms from the first event, the phases shaded behind them and
     named on top; `xmax_ms` fixes the axis so several traces compare."""
     origin = min(start for spans in lanes_.values() for start, _ in spans)
-    fig, ax = plt.subplots(figsize=(10, 2.4))
+    fig, ax = pyplot().subplots(figsize=(10, 2.4))
     names = ["compute", "communication"]
     colors = {"compute": "tab:blue", "communication": "tab:red"}
     for row, name in enumerate(names):

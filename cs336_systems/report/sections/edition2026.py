@@ -8,11 +8,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import pandas as pd
 
 from cs336_systems.model import get_config, parameter_count
-from cs336_systems.report.figures import save_figure
+from cs336_systems.report.figures import pyplot, save_figure
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.leaderboard import NUMBER
@@ -193,7 +192,7 @@ def checkpointing_figure(frame: pd.DataFrame, path: str | Path) -> None:
     rows = _sweep_points(frame)
     every = rows[rows["policy_kind"] == "every"]
     none = rows[(rows["policy_kind"] == "none") & (rows["status"] == "ok")]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = pyplot().subplots(1, 2, figsize=(10, 3.8))
     ok = every[every["status"] == "ok"]
     axes[0].plot(ok["segment_blocks"], ok["peak_memory_mib"] / GIB, marker="o", label="every k blocks")
     axes[1].errorbar(ok["segment_blocks"], ok["median_ms"], yerr=ok["std_ms"], marker="o", capsize=2,
