@@ -8,7 +8,8 @@ This loads BASE_FILE as a second module beside the current `flash_gluon` (or `fl
 kernels (torch.profiler device time, mean of 10 calls) in alternating rounds at each shape, with cuDNN's forward
 kernel (backward: its main backward kernel, `flash_bprop`, against our main kernel); a row's times are the medians
 of its rounds. It first checks, on two awkward lengths, that the two kernels' outputs agree and that the current
-one is as close to float64 as the base. Rows go to --out with provenance.
+one is as close to float64 as the base (the forward's O and L each), and stops before timing if it is not
+(--time-anyway: time regardless). Rows go to --out with provenance.
 
 Run for three changes to the softmax of the key loop, each against 996f91e (`flash_gluon_ab/`; none shipped):
 row max and row sum as trees (6b57650), the row sums stored to shared memory before the P V wait (d62cce1), and O's
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
+from cs336_systems.model.attention import attention_scores
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 from cs336_systems.timing import bench_ms
@@ -54,11 +56,18 @@ def load_base(path: Path, name: str):
 
 def errors(base, q, k, v, causal: bool, backward: bool) -> dict:
     """Max |out - out_float64| of both kernels, and max |out_new - out_base|, on these inputs (backward: over dQ,
-    dK and dV, from our forward's O and L)."""
+    dK and dV, from our forward's O and L). The forward's L is compared apart (`l_err_*`): the backward reads it,
+    and an L as far off as a 16-bit O would pass the O check yet fail the backward's tests. `ok`: the new kernel's
+    errors within twice the base's, plus 2e-3 for O and 1e-5 for L."""
     if not backward:
         ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-        new, old = flash_gluon._forward(q, k, v, causal)[:1], base._forward(q, k, v, causal)[:1]
-        refs = (ref, )
+        ref_lse = torch.logsumexp(attention_scores(q.double(), k.double(), causal), dim=-1)
+        (new_o, new_l), (old_o, old_l) = flash_gluon._forward(q, k, v, causal), base._forward(q, k, v, causal)
+        l_errs = {"l_err_new": (new_l.double() - ref_lse).abs().max().item(),
+                  "l_err_base": (old_l.double() - ref_lse).abs().max().item()}
+        row = {**_max_errors((new_o, ), (old_o, ), (ref, )), **l_errs}
+        return {**row, "ok": bool(row["err_new"] <= 2 * row["err_base"] + 2e-3
+                                  and row["l_err_new"] <= 2 * row["l_err_base"] + 1e-5)}
     else:
         o, lse = flash_gluon._forward(q, k, v, causal)
         do = torch.randn_like(q)
@@ -67,6 +76,11 @@ def errors(base, q, k, v, causal: bool, backward: bool) -> dict:
         refs = tuple(t.grad for t in leaves)
         new = flash_gluon_bwd._backward(q, k, v, o, do, lse, causal)
         old = base._backward(q, k, v, o, do, lse, causal)
+    row = _max_errors(new, old, refs)
+    return {**row, "ok": bool(row["err_new"] <= 2 * row["err_base"] + 2e-3)}
+
+
+def _max_errors(new, old, refs) -> dict:
     return {"err_new": max((n.double() - r).abs().max().item() for n, r in zip(new, refs)),
             "err_base": max((b.double() - r).abs().max().item() for b, r in zip(old, refs)),
             "new_vs_base": max((n.float() - b.float()).abs().max().item() for n, b in zip(new, old))}
@@ -104,6 +118,7 @@ def main() -> None:
     parser.add_argument("--wall", action="store_true",
                         help="time our two calls as the grid does (do_bench: the host's share included), for host "
                              "changes at short calls; cuDNN is then not timed")
+    parser.add_argument("--time-anyway", action="store_true", help="time even if a check failed")
     args = parser.parse_args()
     backward = args.kernel == "backward"
     base = load_base(args.base_file, "flash_gluon_bwd_base" if backward else "flash_gluon_base")
@@ -117,6 +132,11 @@ def main() -> None:
                "kernel": args.kernel, **errors(base, q, k, v, causal, backward), **prov}
         print(row, flush=True)
         rows.append(row)
+    failed = [row for row in rows if not row["ok"]]
+    if failed and not args.time_anyway:
+        write_rows(rows, args.out)
+        sys.exit(f"{len(failed)} check(s) failed (the new kernel's errors beyond twice the base's): nothing timed; "
+                 "--time-anyway times them regardless")
     for batch, heads, seq, dim, causal in args.shapes:
         q, k, v = (torch.randn(batch, seq, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
                    for _ in range(3))  # the model's layout
