@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from cs336_systems.distributed import DataParallelSpec, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.distributed.parallelize import KINDS, SHARDINGS, add_plan_arguments, parallelize, plan_from_args
+from cs336_systems.bench.cli import positive_float
+from cs336_systems.distributed.parallelize import (KINDS, SHARDINGS, add_plan_arguments, argument_type, parallelize,
+                                                   plan_from_args)
 from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
@@ -202,25 +204,11 @@ def _at_least(minimum: int):
     return parse
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _spec(text: str) -> DataParallelSpec:
-    try:
-        return DataParallelSpec.parse(text)
-    except ValueError as error:  # argparse shows only an ArgumentTypeError's own message
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=list(MODEL_SIZES), help="model size")
     shardings = "|".join("+" + s for s in SHARDINGS if s != "none")
-    parser.add_argument("--wrapper", type=_spec, default=DataParallelSpec.parse("bucketed:25"),
+    parser.add_argument("--wrapper", type=argument_type(DataParallelSpec.parse), default=DataParallelSpec.parse("bucketed:25"),
                         help=f"data-parallel spec KIND[:BUCKET_MB][{shardings}], KIND one of {', '.join(KINDS)} "
                              "(default: bucketed:25)")
     parser.add_argument("--sharded-optimizer", action="store_true",
@@ -231,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=_at_least(1), default=4, help="sequences per rank and step")
     parser.add_argument("--context-length", type=_at_least(1), default=256, help="tokens per sequence")
     parser.add_argument("--precision", default="bf16", choices=sorted(DTYPES), help="autocast dtype (fp32: none)")
-    parser.add_argument("--lr", type=_positive_float, default=3e-4, help="AdamW learning rate")
+    parser.add_argument("--lr", type=positive_float, default=3e-4, help="AdamW learning rate")
     parser.add_argument("--steps", type=_at_least(1), default=100, help="train until this step (resumed runs too)")
     parser.add_argument("--seed", type=_at_least(0), default=0, help="seed of the weights and the batches")
     parser.add_argument("--data", default=None, help="uint16 token file (np.memmap); default: random tokens")

@@ -209,6 +209,24 @@ def test_fully_sharded_kinds_match_single_process():
         run_distributed(_fully_sharded_kinds_match_single_process, 2)
 
 
+def test_plan_flags_show_why_a_value_was_refused(capsys):
+    """add_plan_arguments' --checkpoint and --data-parallel hand argparse the parser's own reason (argparse would show
+    only "invalid value" of a ValueError)."""
+    import argparse
+
+    from cs336_systems.distributed.parallelize import add_plan_arguments, plan_from_args
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    for flag, text, reason in (("--checkpoint", "every:x", "bad checkpoint policy 'every:x'"),
+                               ("--data-parallel", "bucketed:x", "bucket size 'x' is not a number")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, text])
+        assert reason in capsys.readouterr().err
+    plan = plan_from_args(parser.parse_args(["--checkpoint", "every:2", "--data-parallel", "bucketed:5+zero"]))
+    assert str(plan.checkpoint) == "every:2" and str(plan.data_parallel) == "bucketed:5+zero"
+
+
 def test_benchmark_cli_names_a_bad_config(capsys):
     from cs336_systems.bench.ddp import DDPBenchConfig, main
 

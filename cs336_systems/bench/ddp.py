@@ -51,7 +51,8 @@ from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, synchronize
 from cs336_systems.distributed import DataParallelSpec, build_optimizer
-from cs336_systems.distributed.parallelize import FULLY_SHARDED_KINDS, KINDS, SHARDINGS, ParallelPlan, parallelize
+from cs336_systems.distributed.parallelize import (FULLY_SHARDED_KINDS, KINDS, SHARDINGS, ParallelPlan, argument_type,
+                                                   parallelize)
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_config
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
@@ -256,18 +257,10 @@ def summarize(spec: DataParallelSpec, rounds: list[dict], world: int) -> dict:
     return row
 
 
-def _spec(text: str) -> DataParallelSpec:
-    """An argparse type: the DataParallelSpec of KIND[:BUCKET_MB][+SHARDING]."""
-    try:
-        return DataParallelSpec.parse(text)
-    except ValueError as error:  # argparse shows only an ArgumentTypeError's own message
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     shardings = "|".join("+" + s for s in SHARDINGS if s != "none")
-    parser.add_argument("--configs", nargs="+", required=True, type=_spec,
+    parser.add_argument("--configs", nargs="+", required=True, type=argument_type(DataParallelSpec.parse),
                         help=f"data-parallel specs KIND[:BUCKET_MB][{shardings}], one row each; KIND one of "
                              f"{', '.join(KINDS)}")
     parser.add_argument("--size", default="xl", choices=list(MODEL_SIZES), help="model size")

@@ -304,15 +304,27 @@ class ParallelPlan:
                 **self.data_parallel.to_columns()}
 
 
+def argument_type(parse):
+    """`parse` (text -> value, a ValueError naming what is wrong) as an argparse type. argparse shows the message of
+    an ArgumentTypeError, but of a ValueError only "invalid <name> value", which would drop the reason."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    convert.__name__ = parse.__name__
+    return convert
+
+
 def add_plan_arguments(parser: argparse.ArgumentParser, *, data_parallel_flag: str | None = "--data-parallel") -> None:
     """--compile, --checkpoint and (unless data_parallel_flag is None, for a CLI that has its own
     spelling of the spec) --data-parallel, read back by `plan_from_args`."""
     parser.add_argument("--compile", choices=COMPILE_SCOPES, default="none",
                         help="torch.compile each block in place (blocks), the whole model (model), or nothing")
-    parser.add_argument("--checkpoint", type=CheckpointPolicy.parse, default=CheckpointPolicy(),
+    parser.add_argument("--checkpoint", type=argument_type(CheckpointPolicy.parse), default=CheckpointPolicy(),
                         help="activation checkpointing: none, every:K, nested:K1,K2,..., selective or selective:N")
     if data_parallel_flag:
-        parser.add_argument(data_parallel_flag, dest="data_parallel", type=DataParallelSpec.parse,
+        parser.add_argument(data_parallel_flag, dest="data_parallel", type=argument_type(DataParallelSpec.parse),
                             default=DataParallelSpec(),
                             help="data parallelism: KIND[:BUCKET_MB][+SHARDING], e.g. bucketed:25 or fsdp")
 
