@@ -360,6 +360,21 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, 
                    v_empty, b, h, q_row, n_blk, idx, phase, q_phase)
 
 
+# The consumers' turns by named barriers (bar.sync / bar.arrive of both warpgroups' 256 threads) instead of
+# mbarriers: ids 8 + c, clear of the ids Triton's partitions use (0-2 in this kernel's PTX).
+_TURN_BARRIER = gl.constexpr(8)
+
+
+@gluon.jit
+def _named_barrier(op: gl.constexpr, barrier_id: gl.constexpr):
+    """Every thread of this warpgroup runs `op` (bar.sync: wait; bar.arrive: signal) on named barrier
+    barrier_id, counted over both consumer warpgroups (256 threads)."""
+    one_per_thread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    token = gl.full([128], barrier_id, gl.int32, one_per_thread)
+    gl.inline_asm_elementwise(op + " $1, 256;\n\tmov.b32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False,
+                              pack=1)
+
+
 @gluon.jit
 def _mask_scores(s, offs_m, start_n, n_keys, IS_CAUSAL: gl.constexpr, FILL: gl.constexpr):
     """Scores of keys past the end (and, causal, after the query) replaced by FILL."""
@@ -398,13 +413,13 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     nidx, nphase = _next_slot(idx, phase, NUM)
-    mbarrier.wait(turn.index(CID), turn_phase)
+    _named_barrier("bar.sync", _TURN_BARRIER + CID)
     mbarrier.wait(k_ready.index(nidx), nphase)
     s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
-    mbarrier.arrive(turn.index(1 - CID), count=1)
+    _named_barrier("bar.arrive", _TURN_BARRIER + 1 - CID)
     s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
     mbarrier.arrive(k_empty.index(nidx), count=1)
     if LAST:
@@ -445,10 +460,10 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 
     # key tile 0: S and P only (no P V to overlap yet)
     idx, phase = _next_slot(idx, phase, NUM)
-    mbarrier.wait(turn.index(CID), turn_phase)
+    _named_barrier("bar.sync", _TURN_BARRIER + CID)
     mbarrier.wait(k_ready.index(idx), phase)
     s = warpgroup_mma(q, _as_2d(k_ring, idx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    mbarrier.arrive(turn.index(1 - CID), count=1)
+    _named_barrier("bar.arrive", _TURN_BARRIER + 1 - CID)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(idx), count=1)
     if n_blk == 1:  # the only key tile: its S was the last read of Q
@@ -500,6 +515,8 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     phase = gl.to_tensor(1)
     turn_phase = gl.to_tensor(0)
     q_phase = gl.to_tensor(0)
+    if CID == 1:  # consumer 0 issues first
+        _named_barrier("bar.arrive", _TURN_BARRIER)
     if PERSISTENT:
         first, last, positions = _walk(sched)
         for i in range(first, last):
@@ -550,7 +567,6 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
         mbarrier.init(v_empty.index(i), count=_CONSUMERS)
     for c in gl.static_range(_CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
-    mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
     # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
