@@ -215,8 +215,9 @@ def test_dispatch_predicate_and_errors_name_the_problem():
 @pytest.mark.parametrize("persistent", [False, True])
 def test_compiles_for_sm90_without_spills(tmp_path, persistent):
     """One configuration (d=128, causal, bf16) compiled for the H100 on this machine, through the launcher's
-    own host code: 0 spills and the tiles' shared memory. In a process of its own (Triton's JIT, a stand-in
-    driver)."""
+    own host code: 0 spills and the tiles' shared memory; the consumers' turns are named barriers whose ids are
+    clear of those Triton gives its partitions (a Triton that used ids from TURN_BARRIER up would share a barrier
+    with them). In a process of its own (Triton's JIT, a stand-in driver)."""
     out = tmp_path / "gluon.csv"
     subprocess.run([sys.executable, "-m", "cs336_systems.bench.flash_gluon_resources", "--head-dims", "128",
                     "--only-first", "--persistent", "yes" if persistent else "no", "--out", str(out)],
@@ -227,6 +228,9 @@ def test_compiles_for_sm90_without_spills(tmp_path, persistent):
     assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0 and bool(row["persistent"]) == persistent
     tile = dataclasses.replace(TILES[128], persistent=persistent)
     assert tile.shared_bytes() <= row["shared_bytes"] <= tile.shared_bytes() + 1024
+    triton_ids = [int(i) for i in str(row["triton_barrier_ids"]).split()]
+    assert triton_ids and max(triton_ids) < flash_gluon.TURN_BARRIER, triton_ids
+    assert row["register_barriers"] >= 4  # each consumer's wait and pass, in the first key tile and the loop
 
 
 # ----------------------------------------------------------------------------------------------

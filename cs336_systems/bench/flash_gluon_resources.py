@@ -109,8 +109,12 @@ def compiled_row(kernel, args, grid, options, row: dict, ptx_counts: dict[str, s
     ptx = compiled.asm["ptx"]
     setmaxnreg = sorted(set(re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     counts = {name: len(re.findall(pattern, ptx)) for name, pattern in (ptx_counts or {}).items()}
+    # the named barriers Triton gives ids of its own (immediates; ids in registers are the kernel's own turns)
+    fixed_ids = sorted({int(i) for i in re.findall(r"\b(?:bar|barrier)\.(?:sync|arrive)(?:\.aligned)?\s+(\d+)", ptx)})
     return {**row, **usage, "shared_bytes": compiled.metadata.shared,
             "setmaxnreg": " ".join(f"{kind}{regs}" for kind, regs in setmaxnreg), **counts,
+            "triton_barrier_ids": " ".join(map(str, fixed_ids)),
+            "register_barriers": len(re.findall(r"\bbar\.(?:sync|arrive)\s+%r\d+", ptx)),
             "compile_s": round(time.time() - start, 1), "status": "ok"}
 
 

@@ -8,15 +8,18 @@ partitions of one CTA (Shah et al., FlashAttention-3, 2024, sections 3.1-3.2):
 Each consumer keeps S = Q K^T (64 x 128) and O (64 x d) in float32 registers; P, the softmax numerator, goes to
 16 bits in registers and is the register A operand of the P V wgmma. Inside a consumer, S(j) = Q K_j^T is issued
 before P(j-1) V(j-1), so the softmax of tile j overlaps the tensor cores' work on j-1; across consumers, a pair
-of mbarriers makes them take turns issuing their GEMMs ("ping-pong"), so one's softmax runs under the other's
-GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in flash_triton.py.
+of named barriers makes them take turns issuing their GEMMs ("ping-pong", as FA3 does), so one's softmax runs
+under the other's GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in
+flash_triton.py.
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
   q_ready               producer -> consumers: both Q sub-tiles landed (expect-tx bytes)
   q_empty               consumers -> producer: both consumers' last S of the tile retired, Q may be reloaded (count 2)
   k_ready[i], v_ready[i] producer -> consumers: slot i holds key tile j (expect-tx bytes)
   k_empty[i], v_empty[i] consumers -> producer: both consumers' wgmmas reading slot i have retired (count 2)
-  turn[c]               consumer 1-c -> consumer c: your turn to issue GEMMs
+and two named barriers (bar.sync / bar.arrive over both consumers' 256 threads, ids TURN_BARRIER + c):
+  turn c                consumer 1-c -> consumer c: your turn to issue GEMMs (consumer 1 arrives once at the start,
+                        so consumer 0 issues first; its last arrival is never waited for, which a CTA may end with)
 A K slot is released once S(j) has retired, a V slot once P V has; P's registers are rewritten only after the
 P V wgmma reading them has retired (register-A wgmma has had read-after-write hazards: triton #9433, #11781).
 
@@ -29,7 +32,7 @@ tiles), one head after another (`program_order`, mirrored in `_program_tile`), o
 group's heads before the next (the persistent causal grid: `heads_per_group`).
 
 Persistent variant (GluonTile.persistent): one program per SM walks a static list of tiles (`persistent_schedule`:
-the same order, list-scheduled as the block scheduler would); every barrier's phase, the K/V ring and the
+the same order, list-scheduled as the block scheduler would); every mbarrier's phase, the K/V ring and the
 ping-pong turns carry on from tile to tile, the next tile's Q loads while this one's last P V and epilogue run,
 and O leaves through buffers of its own, its store drained only before the buffer is rewritten.
 
@@ -360,9 +363,13 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, 
                    v_empty, b, h, q_row, n_blk, idx, phase, q_phase)
 
 
-# The consumers' turns by named barriers (bar.sync / bar.arrive of both warpgroups' 256 threads) instead of
-# mbarriers: ids 8 + c, clear of the ids Triton's partitions use (0-2 in this kernel's PTX).
-_TURN_BARRIER = gl.constexpr(8)
+# The consumers' turns go through named barriers, ids 8 + c: clear of the ids Triton gives its partitions' own
+# barriers (0-2 in this kernel's PTX with Triton 3.6; a CPU test compiles the kernel and checks). Against a pair of
+# mbarriers (whose arrive also costs a warpgroup barrier before one thread arrives), the forward kernel took
+# 0.97-0.99x the time at d=128 causal calls and the same time elsewhere (kernels/NOTES.md, "Named barriers for the
+# ping-pong turns").
+TURN_BARRIER = 8
+_TURN_BARRIER = gl.constexpr(TURN_BARRIER)
 
 
 @gluon.jit
@@ -402,9 +409,9 @@ def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
 
 
 @gluon.jit
-def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
-              phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              EXACT: gl.constexpr, LAST: gl.constexpr):
+def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, acc, p_op, m_i, l_i, alpha, idx, phase,
+              s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr,
+              LAST: gl.constexpr):
     """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
     Slot idx holds tile j-1 (its V is read here), the next slot tile j. LAST: the tile's last key tile, masked,
     whose S is the last read of Q (released here, so the producer can load the next tile's while P V runs)."""
@@ -429,15 +436,15 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
-    return acc, p_op, m_i, l_i, alpha, nidx, nphase, turn_phase ^ 1
+    return acc, p_op, m_i, l_i, alpha, nidx, nphase
 
 
 @gluon.jit
-def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L,
+                 b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, q_phase,
                  CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
     """One consumer's 64 rows of one tile, from Q's arrival to O's store. The barrier state (idx, phase: the
-    ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next."""
+    ring slot of the last key tile read; q_phase) comes from the previous tile and goes to the next."""
     NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
@@ -471,16 +478,15 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
         s = _mask_scores(s, offs_m, 0, n_keys, IS_CAUSAL, FILL)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, EXACT)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    turn_phase ^= 1
 
     for j in range(1, n_blk - 1):  # the unmasked tiles
-        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
-            phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
+        acc, p_op, m_i, l_i, alpha, idx, phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, acc, p_op, m_i, l_i, alpha, idx, phase,
+            s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
     if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
-        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
-            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
-            phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
+        acc, p_op, m_i, l_i, alpha, idx, phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, acc, p_op, m_i, l_i, alpha, idx, phase,
+            s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
 
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -498,22 +504,19 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     _as_2d(o_smem, CID).store(acc.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem.index(CID))
-    return idx, phase, turn_phase, q_phase ^ 1
+    return idx, phase, q_phase ^ 1
 
 
 @gluon.jit
-def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
-              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
+def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
               CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
     # the state before the first tile: "the last key tile read" is the slot before 0, so the first is slot 0 at
-    # parity 0; consumer 0's turn barrier was pre-arrived, so both first waits are on parity 0 (run-time values:
-    # _next_slot's branch must not see a constant)
+    # parity 0 (run-time values: _next_slot's branch must not see a constant)
     idx = gl.to_tensor(NUM - 1)
     phase = gl.to_tensor(1)
-    turn_phase = gl.to_tensor(0)
     q_phase = gl.to_tensor(0)
     if CID == 1:  # consumer 0 issues first
         _named_barrier("bar.arrive", _TURN_BARRIER)
@@ -522,16 +525,15 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
         for i in range(first, last):
             b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
                                               group, ROWS, BN, IS_CAUSAL)
-            idx, phase, turn_phase, q_phase = _attend_tile(
-                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
-                IS_CAUSAL, EXACT)
+            idx, phase, q_phase = _attend_tile(
+                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L, b, h,
+                bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, q_phase, CID, IS_CAUSAL, EXACT)
     else:
         b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
                                           ROWS, BN, IS_CAUSAL)
         _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
-                     CID, IS_CAUSAL, EXACT)
+                     L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, q_phase, CID, IS_CAUSAL,
+                     EXACT)
     tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
 
@@ -557,7 +559,6 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=_CONSUMERS)
     for i in gl.static_range(NUM_SLOTS):
@@ -565,16 +566,14 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=_CONSUMERS)
-    for c in gl.static_range(_CONSUMERS):
-        mbarrier.init(turn.index(c), count=1)
     # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
-                     EXACT, PERSISTENT)),
+                     L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL, EXACT,
+                     PERSISTENT)),
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
-                     EXACT, PERSISTENT)),
+                     L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL, EXACT,
+                     PERSISTENT)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
