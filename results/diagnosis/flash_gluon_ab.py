@@ -21,7 +21,8 @@ With --whole, every kernel of the two calls is timed (the backward's preprocessi
 for changes outside the main kernel; with --wall, do_bench's time of each call (the grid's statistic: host time
 included), for host changes. Against a6350e8: the group-major and tile-major dQ accumulators (d9d4469, 2459b6e; main
 kernel, and --whole), and the dQ accumulator's zero fill moved into the preprocessing (--whole and --wall).
-Against 47e2f4e: P's row sums on the tensor cores, P times a tile of ones (c199c07; reverted).
+Against 47e2f4e: P's row sums on the tensor cores, P times a tile of ones (c199c07; reverted), and the consumers'
+turns by named barriers (3c1d088; shipped at b485adb).
 """
 
 import argparse
