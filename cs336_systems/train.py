@@ -208,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=list(MODEL_SIZES), help="model size")
     shardings = "|".join("+" + s for s in SHARDINGS if s != "none")
-    parser.add_argument("--wrapper", type=argument_type(DataParallelSpec.parse), default=DataParallelSpec.parse("bucketed:25"),
+    parser.add_argument("--wrapper", type=argument_type(DataParallelSpec.parse),
+                        default=DataParallelSpec.parse("bucketed:25"),
                         help=f"data-parallel spec KIND[:BUCKET_MB][{shardings}], KIND one of {', '.join(KINDS)} "
                              "(default: bucketed:25)")
     parser.add_argument("--sharded-optimizer", action="store_true",

@@ -508,7 +508,8 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 
 
 @gluon.jit
-def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
+def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L, sched,
+              H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
               CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
