@@ -6,21 +6,11 @@ and AdamW on first use (PEP 562 `__getattr__`). The Triton kernels run on CUDA t
 under Triton's interpreter, set TRITON_INTERPRET=1 before the package (or triton) is imported: Triton fixes each
 kernel's mode when the kernel is defined."""
 
-import importlib
-
+from cs336_systems.model.lazy import attach
 from cs336_systems.model import MODEL_SIZES, ModelConfig, get_config
 
 # name -> the module that defines it, imported when the name is first asked for
 _ON_FIRST_USE = {"AdamW": "cs336_systems.optim", "TransformerLM": "cs336_systems.model"}
 
 __all__ = ["MODEL_SIZES", "AdamW", "ModelConfig", "TransformerLM", "get_config"]
-
-
-def __getattr__(name: str):
-    if name not in _ON_FIRST_USE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = attach(__name__, _ON_FIRST_USE, __all__)

@@ -4,22 +4,21 @@ The configurations and the accounting are plain Python and load with the package
 on first use (PEP 562 `__getattr__`), so that a process that only reads configurations and counts (the report's
 table and figure jobs) does not import torch."""
 
-import importlib
-
+from cs336_systems.model.lazy import attach
 from cs336_systems.model.accounting import forward_flops, leaderboard_flops, parameter_count, train_step_flops
 from cs336_systems.model.config import MODEL_SIZES, MODEL_SIZES_2026, SIZE_TABLES, ModelConfig, get_config
 
 # name -> the submodule (of this package) that defines it, imported when the name is first asked for
 _ON_FIRST_USE = {
-    "ATTENTION_BACKENDS": "attention",
-    "get_attention": "attention",
-    "naive_attention": "attention",
-    "register_attention": "attention",
-    "CheckpointPolicy": "checkpointing",
-    "apply_activation_checkpointing": "checkpointing",
-    "checkpoint_cost": "checkpointing",
-    "cross_entropy": "functional",
-    "TransformerLM": "transformer",
+    "ATTENTION_BACKENDS": ".attention",
+    "get_attention": ".attention",
+    "naive_attention": ".attention",
+    "register_attention": ".attention",
+    "CheckpointPolicy": ".checkpointing",
+    "apply_activation_checkpointing": ".checkpointing",
+    "checkpoint_cost": ".checkpointing",
+    "cross_entropy": ".functional",
+    "TransformerLM": ".transformer",
 }
 
 __all__ = [
@@ -35,12 +34,4 @@ __all__ = [
     *_ON_FIRST_USE,
 ]
 
-
-def __getattr__(name: str):
-    if name not in _ON_FIRST_USE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_ON_FIRST_USE[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = attach(__name__, _ON_FIRST_USE, __all__)
