@@ -250,16 +250,19 @@ GPU_CASES = [
 ]
 
 
-# The forward's variants on the GPU: (persistent, SMs the persistent grid is sized for; None: the device's). Three
-# SMs' worth of programs make each program walk many tiles of several heads, whatever the test's size.
-VARIANTS = {"one_tile": (False, None), "persistent": (True, None), "persistent_3_programs": (True, 3)}
+# The forward's variants on the GPU: (persistent, SMs the persistent grid is sized for; None: the device's, the
+# consumers' turns the other way than TILES has them at this head dim). Three SMs' worth of programs make each
+# program walk many tiles of several heads, whatever the test's size.
+VARIANTS = {"one_tile": (False, None, False), "persistent": (True, None, False),
+            "persistent_3_programs": (True, 3, False), "persistent_other_turns": (True, None, True)}
 
 
 def _run_variant(monkeypatch, variant, q, k, v, causal, exact=False):
-    persistent, sms = VARIANTS[variant]
+    persistent, sms, other_turns = VARIANTS[variant]
     if sms is not None:
         monkeypatch.setattr(flash_gluon, "sm_count", lambda device: sms)
-    tile = dataclasses.replace(TILES[q.shape[-1]], persistent=persistent)
+    tile = TILES[q.shape[-1]]
+    tile = dataclasses.replace(tile, persistent=persistent, named_turns=tile.named_turns != other_turns)
     return flash_gluon._forward(q, k, v, causal, exact=exact, tile=tile)
 
 

@@ -8,8 +8,8 @@ partitions of one CTA (Shah et al., FlashAttention-3, 2024, sections 3.1-3.2):
 Each consumer keeps S = Q K^T (64 x 128) and O (64 x d) in float32 registers; P, the softmax numerator, goes to
 16 bits in registers and is the register A operand of the P V wgmma. Inside a consumer, S(j) = Q K_j^T is issued
 before P(j-1) V(j-1), so the softmax of tile j overlaps the tensor cores' work on j-1; across consumers, a pair
-of named barriers makes them take turns issuing their GEMMs ("ping-pong", as FA3 does), so one's softmax runs
-under the other's GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in
+of barriers makes them take turns issuing their GEMMs ("ping-pong", as FA3 does), so one's softmax runs under the
+other's GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in
 flash_triton.py.
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
@@ -17,9 +17,11 @@ Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on par
   q_empty               consumers -> producer: both consumers' last S of the tile retired, Q may be reloaded (count 2)
   k_ready[i], v_ready[i] producer -> consumers: slot i holds key tile j (expect-tx bytes)
   k_empty[i], v_empty[i] consumers -> producer: both consumers' wgmmas reading slot i have retired (count 2)
-and two named barriers (bar.sync / bar.arrive over both consumers' 256 threads, ids TURN_BARRIER + c):
-  turn c                consumer 1-c -> consumer c: your turn to issue GEMMs (consumer 1 arrives once at the start,
-                        so consumer 0 issues first; its last arrival is never waited for, which a CTA may end with)
+and the turns (GluonTile.named_turns: two named barriers, bar.sync / bar.arrive over both consumers' 256 threads,
+ids TURN_BARRIER + c; else two mbarriers, turn[c]):
+  turn c                consumer 1-c -> consumer c: your turn to issue GEMMs (consumer 0 issues first: consumer 1
+                        arrives once at the start, or the kernel pre-arrives turn[0]; the last arrival is never
+                        waited for, which a CTA may end with)
 A K slot is released once S(j) has retired, a V slot once P V has; P's registers are rewritten only after the
 P V wgmma reading them has retired (register-A wgmma has had read-after-write hazards: triton #9433, #11781).
 
@@ -32,7 +34,7 @@ tiles), one head after another (`program_order`, mirrored in `_program_tile`), o
 group's heads before the next (the persistent causal grid: `heads_per_group`).
 
 Persistent variant (GluonTile.persistent): one program per SM walks a static list of tiles (`persistent_schedule`:
-the same order, list-scheduled as the block scheduler would); every mbarrier's phase, the K/V ring and the
+the same order, list-scheduled as the block scheduler would); every barrier's phase, the K/V ring and the
 ping-pong turns carry on from tile to tile, the next tile's Q loads while this one's last P V and epilogue run,
 and O leaves through buffers of its own, its store drained only before the buffer is rewritten.
 
@@ -114,7 +116,8 @@ class GluonTile:
     ring depth (shared memory: 2 Q sub-tiles plus 2 x num_slots key tiles); registers: per consumer thread and
     per producer thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from. persistent: one
     program per SM walking a static schedule of tiles (persistent_schedule), O stored from buffers of its own so
-    the next tile's Q loads under this one's last P V and epilogue; else one program per tile."""
+    the next tile's Q loads under this one's last P V and epilogue; else one program per tile. named_turns: the
+    consumers take turns through named barriers (bar.sync / bar.arrive), else through a pair of mbarriers."""
 
     head_dim: int
     block_m: int = 64
@@ -124,6 +127,7 @@ class GluonTile:
     producer_registers: int = 24
     maxnreg: int = 168
     persistent: bool = False
+    named_turns: bool = True
 
     def __post_init__(self):
         if self.block_n != CONSUMERS * self.block_m:
@@ -144,7 +148,11 @@ class GluonTile:
 # 8 x 32 x 1024 causal to the 8B shape (results/diagnosis/flash_gluon_d128_forward/, H100, 82dec3d). d=64:
 # persistent with a six-slot ring (230 KB), the fastest of the d=64 tile search at every one of its five shapes,
 # 0.91-0.99x the one-tile four-slot forward shipped before (results/diagnosis/flash_gluon_d64/, H100, 7b7a8a7).
-TILES = {64: GluonTile(64, num_slots=6, persistent=True), 128: GluonTile(128, num_slots=2, persistent=True)}
+# The turns: named barriers at d=128 (0.97-0.98x the mbarrier turns' time at the 8B shape), mbarriers at d=64, where
+# named barriers took 1.03x at long non-causal calls (H200; kernels/NOTES.md, "Named barriers for the ping-pong turns"
+# and "The grid at f4fd0cf").
+TILES = {64: GluonTile(64, num_slots=6, persistent=True, named_turns=False),
+         128: GluonTile(128, num_slots=2, persistent=True)}
 
 
 def tile_for(head_dim: int) -> GluonTile:
@@ -363,11 +371,9 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, 
                    v_empty, b, h, q_row, n_blk, idx, phase, q_phase)
 
 
-# The consumers' turns go through named barriers, ids 8 + c: clear of the ids Triton gives its partitions' own
-# barriers (0-2 in this kernel's PTX with Triton 3.6; a CPU test compiles the kernel and checks). Against a pair of
-# mbarriers (whose arrive also costs a warpgroup barrier before one thread arrives), the forward kernel took
-# 0.97-0.99x the time at d=128 causal calls and the same time elsewhere (kernels/NOTES.md, "Named barriers for the
-# ping-pong turns").
+# The consumers' turns by named barriers use ids 8 + c: clear of the ids Triton gives its partitions' own barriers
+# (0-2 in this kernel's PTX with Triton 3.6; a CPU test compiles the kernel and checks). An mbarrier's arrive costs a
+# warpgroup barrier before one thread arrives; a named barrier's does not, which pays at d=128 only (TILES).
 TURN_BARRIER = 8
 _TURN_BARRIER = gl.constexpr(TURN_BARRIER)
 
@@ -380,6 +386,25 @@ def _named_barrier(op: gl.constexpr, barrier_id: gl.constexpr):
     token = gl.full([128], barrier_id, gl.int32, one_per_thread)
     gl.inline_asm_elementwise(op + " $1, 256;\n\tmov.b32 $0, $1;", "=r,r", [token], dtype=gl.int32, is_pure=False,
                               pack=1)
+
+
+@gluon.jit
+def _wait_turn(turn, turn_phase, CID: gl.constexpr, NAMED_TURNS: gl.constexpr):
+    """Wait until it is this consumer's turn to issue its GEMMs; the next wait's phase (mbarrier turns)."""
+    if NAMED_TURNS:
+        _named_barrier("bar.sync", _TURN_BARRIER + CID)
+    else:
+        mbarrier.wait(turn.index(CID), turn_phase)
+    return turn_phase ^ 1
+
+
+@gluon.jit
+def _pass_turn(turn, CID: gl.constexpr, NAMED_TURNS: gl.constexpr):
+    """Give the turn to the other consumer."""
+    if NAMED_TURNS:
+        _named_barrier("bar.arrive", _TURN_BARRIER + 1 - CID)
+    else:
+        mbarrier.arrive(turn.index(1 - CID), count=1)
 
 
 @gluon.jit
@@ -409,9 +434,9 @@ def _softmax_step(s, m_i, l_i, qk_scale, EXACT: gl.constexpr):
 
 
 @gluon.jit
-def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, acc, p_op, m_i, l_i, alpha, idx, phase,
-              s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr,
-              LAST: gl.constexpr):
+def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+              phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              EXACT: gl.constexpr, LAST: gl.constexpr, NAMED_TURNS: gl.constexpr):
     """Key tile j >= 1 of a consumer: S(j) = Q K_j^T issued before P(j-1) V(j-1), then softmax(j) while P V runs.
     Slot idx holds tile j-1 (its V is read here), the next slot tile j. LAST: the tile's last key tile, masked,
     whose S is the last read of Q (released here, so the producer can load the next tile's while P V runs)."""
@@ -420,13 +445,13 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, ac
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     nidx, nphase = _next_slot(idx, phase, NUM)
-    _named_barrier("bar.sync", _TURN_BARRIER + CID)
+    turn_phase = _wait_turn(turn, turn_phase, CID, NAMED_TURNS)
     mbarrier.wait(k_ready.index(nidx), nphase)
     s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
     acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
-    _named_barrier("bar.arrive", _TURN_BARRIER + 1 - CID)
+    _pass_turn(turn, CID, NAMED_TURNS)
     s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
     mbarrier.arrive(k_empty.index(nidx), count=1)
     if LAST:
@@ -436,15 +461,15 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, ac
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     p_op = gl.convert_layout(p.to(p_op.dtype), p_op.type.layout)  # only now: the P V that read p_op has retired
-    return acc, p_op, m_i, l_i, alpha, nidx, nphase
+    return acc, p_op, m_i, l_i, alpha, nidx, nphase, turn_phase
 
 
 @gluon.jit
-def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L,
-                 b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, q_phase,
-                 CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr):
+def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+                 CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NAMED_TURNS: gl.constexpr):
     """One consumer's 64 rows of one tile, from Q's arrival to O's store. The barrier state (idx, phase: the
-    ring slot of the last key tile read; q_phase) comes from the previous tile and goes to the next."""
+    ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next."""
     NUM: gl.constexpr = k_ring.shape[0]
     BM: gl.constexpr = q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
@@ -467,10 +492,10 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 
     # key tile 0: S and P only (no P V to overlap yet)
     idx, phase = _next_slot(idx, phase, NUM)
-    _named_barrier("bar.sync", _TURN_BARRIER + CID)
+    turn_phase = _wait_turn(turn, turn_phase, CID, NAMED_TURNS)
     mbarrier.wait(k_ready.index(idx), phase)
     s = warpgroup_mma(q, _as_2d(k_ring, idx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
-    _named_barrier("bar.arrive", _TURN_BARRIER + 1 - CID)
+    _pass_turn(turn, CID, NAMED_TURNS)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(idx), count=1)
     if n_blk == 1:  # the only key tile: its S was the last read of Q
@@ -480,13 +505,14 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for j in range(1, n_blk - 1):  # the unmasked tiles
-        acc, p_op, m_i, l_i, alpha, idx, phase = _key_step(
-            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, acc, p_op, m_i, l_i, alpha, idx, phase,
-            s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, j, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, False, NAMED_TURNS)
     if n_blk > 1:  # the last tile, masked: peeled off the loop (as FA3 does), whose body has no branch
-        acc, p_op, m_i, l_i, alpha, idx, phase = _key_step(
-            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, acc, p_op, m_i, l_i, alpha, idx, phase,
-            s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True)
+        acc, p_op, m_i, l_i, alpha, idx, phase, turn_phase = _key_step(
+            q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, turn, acc, p_op, m_i, l_i, alpha, idx,
+            phase, turn_phase, s_shape, offs_m, n_blk - 1, n_keys, qk_scale, CID, IS_CAUSAL, EXACT, True,
+            NAMED_TURNS)
 
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -504,37 +530,40 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     _as_2d(o_smem, CID).store(acc.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem.index(CID))
-    return idx, phase, q_phase ^ 1
+    return idx, phase, turn_phase, q_phase ^ 1
 
 
 @gluon.jit
-def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L, sched,
-              H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
-              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr):
+def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, CID: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr, NAMED_TURNS: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
     # the state before the first tile: "the last key tile read" is the slot before 0, so the first is slot 0 at
-    # parity 0 (run-time values: _next_slot's branch must not see a constant)
+    # parity 0; mbarrier turns: turn[0] was pre-arrived, so both first waits are on parity 0 (run-time values:
+    # _next_slot's branch must not see a constant)
     idx = gl.to_tensor(NUM - 1)
     phase = gl.to_tensor(1)
+    turn_phase = gl.to_tensor(0)
     q_phase = gl.to_tensor(0)
-    if CID == 1:  # consumer 0 issues first
+    if NAMED_TURNS and CID == 1:  # consumer 0 issues first
         _named_barrier("bar.arrive", _TURN_BARRIER)
     if PERSISTENT:
         first, last, positions = _walk(sched)
         for i in range(first, last):
             b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
                                               group, ROWS, BN, IS_CAUSAL)
-            idx, phase, q_phase = _attend_tile(
-                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, L, b, h,
-                bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, q_phase, CID, IS_CAUSAL, EXACT)
+            idx, phase, turn_phase, q_phase = _attend_tile(
+                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+                L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
+                IS_CAUSAL, EXACT, NAMED_TURNS)
     else:
         b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
                                           ROWS, BN, IS_CAUSAL)
         _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, q_phase, CID, IS_CAUSAL,
-                     EXACT)
+                     turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+                     CID, IS_CAUSAL, EXACT, NAMED_TURNS)
     tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
 
@@ -542,7 +571,8 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
 @gluon.jit(do_not_specialize=["H", "batch_heads", "n_queries", "n_keys", "n_q_tiles", "group"])
 def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
                             group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
-                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            NAMED_TURNS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -560,6 +590,7 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_SLOTS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [_CONSUMERS, 1], mbarrier.MBarrierLayout())  # unused: NAMED_TURNS
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=_CONSUMERS)
     for i in gl.static_range(NUM_SLOTS):
@@ -567,14 +598,18 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=_CONSUMERS)
         mbarrier.init(v_empty.index(i), count=_CONSUMERS)
+    if not NAMED_TURNS:
+        for c in gl.static_range(_CONSUMERS):
+            mbarrier.init(turn.index(c), count=1)
+        mbarrier.arrive(turn.index(0), count=1)  # consumer 0 issues first
     # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL, EXACT,
-                     PERSISTENT)),
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
+                     EXACT, PERSISTENT, NAMED_TURNS)),
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL, EXACT,
-                     PERSISTENT)),
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
+                     EXACT, PERSISTENT, NAMED_TURNS)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -674,7 +709,7 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
             _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
             group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
-            tile.consumer_registers, tile.producer_registers)
+            tile.consumer_registers, tile.producer_registers, tile.named_turns)
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
