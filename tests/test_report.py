@@ -939,6 +939,18 @@ def test_flash_shapes_compiled_ratio_ranges_cover_every_row_of_their_pass(commit
         assert [flag in str(cell).split(", ") for cell in table["fixed cost"]] == expected, flag
 
 
+def test_flash_shapes_intro_names_each_head_dims_commit(committed):
+    """The grid runs as one device call per head dim: where the rows' commits differ, the intro names each head dim's
+    as the rows give it (it once gave a reason that belonged to an earlier grid's second commit)."""
+    from cs336_systems.results import read_table
+
+    intro = committed["1.3.3, continued: FlashAttention at Transformer training shapes"].parts[0]
+    rows = read_table(ROOT / "results" / "flash_llm_shapes.csv")
+    assert intro.startswith("Answers no handout question")
+    for head_dim, commits in rows.groupby("head_dim")["git_commit"].unique().items():
+        assert (f"head dim {head_dim} at {commits[0]}" in intro) == (rows["git_commit"].nunique() > 1), intro
+
+
 def test_flash_tflops_figure_draws_full_matrix_providers_at_their_executed_count(drawn):
     """Naive attention computes the full masked matrix: its line must not use FlashAttention-2's causal-halved
     count. Each provider's line is checked against FLOPs counted here, per product, over the median time."""

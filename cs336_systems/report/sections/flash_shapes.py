@@ -142,8 +142,12 @@ def render_llm_shapes(ctx: Context) -> Section:
              f"{' and '.join(causal[c] for c in sorted(set(frame['causal']), reverse=True))}; each point's providers "
              + _timing(frame) + ".")
     if frame["git_commit"].nunique() > 1:
-        intro += (" The rows name their commit: the points measured again after our launches stopped going through "
-                  "Triton's autotuner on every call (kernels/launch.py) carry the later one.")
+        commits = frame.groupby("head_dim")["git_commit"].unique()
+        if all(len(c) == 1 for c in commits):
+            intro += (" Each head dim ran as a device call of its own, at its own commit: "
+                      + ", ".join(f"head dim {d} at {c[0]}" for d, c in commits.items()) + ".")
+        else:
+            intro += " The rows name their commit (column git_commit): some points were measured again at a later one."
     checked = []
     ratio = lambda column: lambda t: _fb(t)[column].dropna()  # noqa: E731
     if "ours ÷ flash" in table.headers:
