@@ -56,8 +56,9 @@ TEXT_COLUMNS = {"git_commit": str, "hostname": str, "run_id": str}
 
 
 def read_table(path: str | os.PathLike) -> pd.DataFrame:
-    """One results file, its provenance columns as text (TEXT_COLUMNS)."""
-    return pd.read_csv(path, dtype=TEXT_COLUMNS)
+    """One results file, its provenance columns as text (TEXT_COLUMNS), its floats exactly as written (pandas'
+    default parser can be a unit in the last place off, which a merge would then write back)."""
+    return pd.read_csv(path, dtype=TEXT_COLUMNS, float_precision="round_trip")
 
 
 def read_rows(*paths: str | os.PathLike) -> pd.DataFrame:

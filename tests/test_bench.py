@@ -695,8 +695,76 @@ def test_read_table_keeps_a_number_like_commit_as_text(tmp_path):
     assert read_rows(path, path)["git_commit"].tolist() == [commit, commit]
 
 
+def test_read_table_and_merge_keep_floats_exactly(tmp_path):
+    """pandas' default CSV parser read 0.008537759870211143 a unit in the last place off; a merge through it would
+    then rewrite every committed row's last digits."""
+    from cs336_systems.bench import merge
+
+    values = ["0.008537759870211143", "11.932310104370117", "3.1969478099868493e-07", "8929.422832666665"]
+    path = tmp_path / "rows.csv"
+    path.write_text("value\n" + "\n".join(values) + "\n")
+    assert read_table(path)["value"].tolist() == [float(v) for v in values]
+    merge.main([str(path), "--out", str(tmp_path / "merged.csv")])
+    assert (tmp_path / "merged.csv").read_text() == path.read_text()
+
+
 def test_provenance_writes_the_documented_columns():
     from cs336_systems.provenance import provenance
     from cs336_systems.results import PROVENANCE_COLUMNS
 
     assert tuple(provenance("cpu")) == PROVENANCE_COLUMNS
+
+
+# ----------------------------------------------------------------------------------------------
+# bench.gpu_clock: the SM clock and power beside a measurement
+# ----------------------------------------------------------------------------------------------
+FAKE_SMI = '''import sys, time
+from datetime import datetime
+args = sys.argv[1:]
+assert "--query-gpu=timestamp,clocks.sm,power.draw" in args and "--format=csv,noheader,nounits" in args, args
+interval = int(args[args.index("-lms") + 1]) / 1e3
+print("[N/A], [N/A], [N/A]", flush=True)
+for i in range(100000):
+    now = datetime.now().strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    print(f"{now}, {1500 + 10 * (i % 2)}, 690.5", flush=True)
+    time.sleep(interval)
+'''
+
+
+def test_gpu_clock_parses_nvidia_smi_lines_and_averages_a_window():
+    from cs336_systems.bench.gpu_clock import Sample, parse_line, window_means
+
+    sample = parse_line("2026/11/29 04:01:27.668, 1620, 646.65\n")
+    assert sample.sm_clock_mhz == 1620 and sample.power_w == 646.65
+    assert sample.time == pytest.approx(pd.Timestamp("2026-11-29 04:01:27.668").timestamp())
+    for other in ("timestamp, clocks.current.sm [MHz], power.draw [W]", "2026/11/29 04:01:27.668, [N/A], 80", ""):
+        assert parse_line(other) is None, other
+    samples = [Sample(10.0, 1980, 120.0), Sample(11.0, 1500, 690.0), Sample(12.0, 1600, 700.0), Sample(13.0, 1980, 0)]
+    assert window_means(samples, 10.5, 12.0) == {"sm_clock_mhz": 1550.0, "power_w": 695.0, "clock_samples": 2}
+    empty = window_means(samples, 12.1, 12.9)
+    assert empty["clock_samples"] == 0 and np.isnan(empty["sm_clock_mhz"]) and np.isnan(empty["power_w"])
+    with pytest.raises(ValueError, match="ends"):
+        window_means(samples, 12.0, 11.0)
+
+
+def test_gpu_clock_samples_in_the_background_and_is_nan_without_nvidia_smi(tmp_path):
+    import sys
+    import time
+
+    from cs336_systems.bench.gpu_clock import ClockSampler
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SMI}")
+    fake.chmod(0o755)
+    with ClockSampler(interval_ms=20, command=str(fake)) as clocks:
+        start = time.time()
+        time.sleep(0.5)
+        end = time.time()
+    got = clocks.window(start, end)
+    assert got["clock_samples"] >= 5 and 1500 <= got["sm_clock_mhz"] <= 1510 and got["power_w"] == 690.5, got
+    assert clocks._process.poll() is not None  # stopped with the context
+    with ClockSampler(command=str(tmp_path / "no-such-tool")) as missing:
+        time.sleep(0.05)
+    assert missing.window(0, time.time())["clock_samples"] == 0
+    with pytest.raises(ValueError, match="interval_ms"):
+        ClockSampler(interval_ms=0)

@@ -273,7 +273,8 @@ def test_cli_runs_at_tiny_and_writes_the_columns(tmp_path, kernel_device):
     rows = pd.read_csv(out)
     required = ["provider", "step_ms", "step_std_ms", "step_median_ms", "mfu", "tflops", "peak_mem_gib", "world_size",
                 "batch", "context_length", "param_dtype", "optimizer_state_dtype", "status", "run_id",
-                "first_step_s", "device_name", "torch_version", "triton_version", "git_commit", "timestamp"]
+                "first_step_s", "sm_clock_mhz", "power_w", "device_name", "torch_version", "triton_version",
+                "git_commit", "timestamp"]
     assert not set(required) - set(rows.columns)
     checks, timed = rows[rows["size"] == "check:tiny"], rows[rows["size"] == "tiny"]
     assert list(checks["status"]) == ["check_ok"] * 3 and list(checks["provider"]) == list(leaderboard.PROVIDERS)
@@ -285,8 +286,8 @@ def test_cli_runs_at_tiny_and_writes_the_columns(tmp_path, kernel_device):
     assert (timed["flops"] == _documented_flops(config, 2, 24)).all()
     # TFLOP/s from the mean step time and the documented count; no datasheet peak for a CPU
     assert timed["tflops"].tolist() == pytest.approx((timed["flops"] / timed["step_ms"] / 1e9).tolist())
-    if kernel_device == "cpu":
-        assert timed["mfu"].isna().all()
+    if kernel_device == "cpu":  # no datasheet peak and no GPU clock for a CPU
+        assert timed["mfu"].isna().all() and timed["sm_clock_mhz"].isna().all() and timed["power_w"].isna().all()
 
 
 def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -38,7 +38,9 @@ included, is reported as `first_step_s`) and `steps` timed ones, synchronizing a
 one row: mean, std and median step time, TFLOP/s and MFU from the mean against the device's dense bf16
 peak (`timing.peak_flops`), with FLOPs from `model.accounting.leaderboard_flops` (6 x non-embedding matmul
 parameters incl. the LM head x tokens + 6 x layers x tokens x context x d_model; recomputation not
-counted), peak memory, and provenance. Out of memory is a row (status=oom) and the run goes on.
+counted), peak memory, the SM clock and board power averaged over the timed steps (`sm_clock_mhz`, `power_w`:
+`bench.gpu_clock`, NaN without nvidia-smi), and provenance. Out of memory is a row (status=oom) and the run goes
+on.
 
 Before the timings, a correctness check at a scaled-down config with the same code paths (`--check-size
 scaled`: 2 layers, d_model 256, head dim 128, the 8B vocabulary; `tiny` on the CPU): every main provider and
@@ -89,6 +91,7 @@ import torch.nn as nn
 
 from cs336_systems.bench import step_profile
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
+from cs336_systems.bench.gpu_clock import ClockSampler
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, positive_int
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
 from cs336_systems.distributed.launch import init_from_env, shutdown
@@ -592,18 +595,23 @@ def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.
     inputs, targets = _local_tokens(model_config.vocab_size, batch, config.context_length, device, seed=1)
     times = []
     total = config.warmup + config.steps
-    for step in range(total):
-        loss = None
+    with ClockSampler.for_device(device) as clocks:
+        for step in range(total):
+            loss = None
 
-        def one_step():
-            nonlocal loss
-            loss = train_step(trainee, inputs, targets)
+            def one_step():
+                nonlocal loss
+                loss = train_step(trainee, inputs, targets)
 
-        times.append(timed(one_step, device))
-        phase = "first (compile)" if step == 0 else "warm-up" if step < config.warmup else "timed"
-        print(f"  [{provider} batch={batch}] step {step + 1}/{total} ({phase}): {times[-1]:.1f} ms",
-              file=sys.stderr, flush=True)
-    synchronize(device)
+            if step == config.warmup:
+                timed_from = time.time()
+            times.append(timed(one_step, device))
+            phase = "first (compile)" if step == 0 else "warm-up" if step < config.warmup else "timed"
+            print(f"  [{provider} batch={batch}] step {step + 1}/{total} ({phase}): {times[-1]:.1f} ms",
+                  file=sys.stderr, flush=True)
+        synchronize(device)
+        timed_to = time.time()
+    clock = clocks.window(timed_from, timed_to)
     summary = summarize(times[config.warmup:])
     # the timed steps' peak, read before the profiled step resets the allocator's peak for its own
     peak = _peak_bytes(device) / 2**30
@@ -612,7 +620,7 @@ def measure(provider: str, batch: int, config: LeaderboardConfig, device: torch.
     return {**probe, "profile_rows": profiled,
             "step_ms": summary["mean_ms"], "step_std_ms": summary["std_ms"], "step_median_ms": summary["median_ms"],
             "n_steps": summary["n"], "first_step_s": times[0] / 1e3, "loss": _batch_mean(loss).item(),
-            "peak_mem_gib": peak}
+            "peak_mem_gib": peak, "sm_clock_mhz": clock["sm_clock_mhz"], "power_w": clock["power_w"]}
 
 
 def run_point(provider: str, batch: int, config: LeaderboardConfig, device: torch.device) -> dict:

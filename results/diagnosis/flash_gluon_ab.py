@@ -7,9 +7,11 @@
 This loads BASE_FILE as a second module beside the current `flash_gluon` (or `flash_gluon_bwd`) and times both
 kernels (torch.profiler device time, mean of 10 calls) in alternating rounds at each shape, with cuDNN's forward
 kernel (backward: its main backward kernel, `flash_bprop`, against our main kernel); a row's times are the medians
-of its rounds. It first checks, on two awkward lengths, that the two kernels' outputs agree and that the current
-one is as close to float64 as the base (the forward's O and L each), and stops before timing if it is not
-(--time-anyway: time regardless). Rows go to --out with provenance.
+of its rounds, with each sample's mean SM clock (`bench.gpu_clock`: `*_mhz` the median over rounds, `clock_rounds`
+each round's; NaN where a sample was shorter than the 50 ms sampling interval). It first checks, on two awkward
+lengths, that the two kernels' outputs agree and that the current one is as close to float64 as the base (the
+forward's O and L each), and stops before timing if it is not (--time-anyway: time regardless). Rows go to --out
+with provenance.
 
 Run for three changes to the softmax of the key loop, each against 996f91e (`flash_gluon_ab/`; none shipped):
 row max and row sum as trees (6b57650), the row sums stored to shared memory before the P V wait (d62cce1), and O's
@@ -27,12 +29,15 @@ turns by named barriers (3c1d088; shipped at b485adb).
 
 import argparse
 import importlib.util
+import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+from cs336_systems.bench.gpu_clock import ClockSampler
 from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
 from cs336_systems.model.attention import attention_scores
 from cs336_systems.provenance import provenance
@@ -105,6 +110,12 @@ def calls(new, base, q, k, v, causal: bool, backward: bool):
             "flash_bwd_gluon", cudnn, "flash_bprop")
 
 
+def _median_of_measured(values: list[float]) -> float:
+    """The median of the samples that have a clock (a sample shorter than the sampling interval has none)."""
+    measured = [v for v in values if not math.isnan(v)]
+    return statistics.median(measured) if measured else math.nan
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-file", type=Path, required=True,
@@ -153,19 +164,30 @@ def main() -> None:
                 return bench_ms(call, q.device, 25, 100, min_calls=10)
         else:
             timer = kernel_ms
-        for _ in range(args.rounds):
-            times["base"].append(timer(base_call, name))
-            times["new"].append(timer(new_call, name))
-            times["cudnn"].append(float("nan") if args.whole or args.wall else kernel_ms(cudnn_call, cudnn_name))
+        samplers = {"base": lambda: timer(base_call, name), "new": lambda: timer(new_call, name),
+                    "cudnn": ((lambda: math.nan) if args.whole or args.wall
+                              else lambda: kernel_ms(cudnn_call, cudnn_name))}
+        windows = {who: [] for who in times}  # each sample's host-time window, for its mean SM clock
+        with ClockSampler.for_device(q.device) as clocks:
+            for _ in range(args.rounds):
+                for who, sample in samplers.items():
+                    start = time.time()
+                    times[who].append(sample())
+                    windows[who].append((start, time.time()))
+        mhz = {who: [clocks.window(*w)["sm_clock_mhz"] for w in spans] for who, spans in windows.items()}
         med = {who: statistics.median(values) for who, values in times.items()}
         row = {**shape, "kind": "time", "new_ms": med["new"], "base_ms": med["base"], "cudnn_ms": med["cudnn"],
                "new_over_base": med["new"] / med["base"], "new_over_cudnn": med["new"] / med["cudnn"],
                "base_over_cudnn": med["base"] / med["cudnn"],
+               **{f"{who}_mhz": _median_of_measured(values) for who, values in mhz.items()},
+               "clock_rounds": " ".join(f"{n:.0f}:{b:.0f}/{c:.0f}" for n, b, c in zip(mhz["new"], mhz["base"],
+                                                                                     mhz["cudnn"])),
                "rounds": " ".join(f"{n}:{b:.4f}/{c:.4f}" for n, b, c in zip(times["new"], times["base"],
                                                                            times["cudnn"])), **prov}
         print(f"{batch}x{heads}x{seq}x{dim}{'c' if causal else ''} ({shape['timed']}): new {med['new']:.4f} base "
               f"{med['base']:.4f} cuDNN {med['cudnn']:.4f} ms; new/base {row['new_over_base']:.3f}, new/cuDNN "
-              f"{row['new_over_cudnn']:.3f}, base/cuDNN {row['base_over_cudnn']:.3f}", flush=True)
+              f"{row['new_over_cudnn']:.3f}, base/cuDNN {row['base_over_cudnn']:.3f}; SM clock new/base/cuDNN "
+              f"{row['new_mhz']:.0f}/{row['base_mhz']:.0f}/{row['cudnn_mhz']:.0f} MHz", flush=True)
         rows.append(row)
         q = k = v = None
     write_rows(rows, args.out)
