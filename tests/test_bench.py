@@ -768,3 +768,11 @@ def test_gpu_clock_samples_in_the_background_and_is_nan_without_nvidia_smi(tmp_p
     assert missing.window(0, time.time())["clock_samples"] == 0
     with pytest.raises(ValueError, match="interval_ms"):
         ClockSampler(interval_ms=0)
+    stubborn = tmp_path / "stubborn-smi"  # ignores SIGTERM: killed after stop_timeout_s, the context still exits
+    stubborn.write_text(f"#!{sys.executable}\nimport signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n{FAKE_SMI}")
+    stubborn.chmod(0o755)
+    sampler = ClockSampler(interval_ms=20, command=str(stubborn))
+    sampler.stop_timeout_s = 0.2
+    with sampler:
+        time.sleep(0.3)
+    assert sampler._process.returncode is not None and sampler.samples

@@ -61,6 +61,8 @@ class ClockSampler:
     device_index: the GPU as nvidia-smi numbers them (torch's index where CUDA_VISIBLE_DEVICES is unset); None
     samples nothing (a CPU run)."""
 
+    stop_timeout_s = 5.0  # how long `nvidia-smi` gets to exit on SIGTERM before it is killed
+
     def __init__(self, device_index: int | None = 0, interval_ms: int = 50, command: str = "nvidia-smi"):
         if interval_ms < 1:
             raise ValueError(f"ClockSampler: interval_ms must be >= 1, got {interval_ms}")
@@ -94,10 +96,14 @@ class ClockSampler:
                 self.samples.append(sample)
 
     def __exit__(self, *exc) -> None:
-        if self._process is not None:
+        if self._process is not None:  # stopping it must not fail the measurement it ran beside
             self._process.terminate()
-            self._process.wait(timeout=10)
-            self._reader.join(timeout=10)
+            try:
+                self._process.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._reader.join(timeout=5)
 
     def window(self, start: float, end: float) -> dict:
         return window_means(list(self.samples), start, end)
