@@ -434,9 +434,10 @@ def test_mixed_precision_speedup_is_a_ratio_of_the_means_its_table_prints(tmp_pa
     assert_prints_agree(table, tmp_path)
 
 
-def _leaderboard_rows(rng: np.random.Generator) -> pd.DataFrame:
+def _leaderboard_rows(rng: np.random.Generator, clocks: bool = False) -> pd.DataFrame:
     """Two runs of the 8B step at fresh random times: a correctness-check row (no timing), the anchors, ours, a
-    sized ablation and an out-of-memory ablation; the second run measured on a CPU (no MFU, no peak)."""
+    sized ablation and an out-of-memory ablation; the second run measured on a CPU (no MFU, no peak, no clock).
+    clocks: the GPU run's rows carry the SM clock and power columns."""
     rows = []
     for run, batch, cpu in (("a1b2c3d4e5f6", 2, False), ("9f8e7d6c5b4a", 1, True)):
         rows.append({"run_id": run, "provider": "ours", "batch": batch, "status": "check_ok", "checkpoint": "selective"})
@@ -451,19 +452,23 @@ def _leaderboard_rows(rng: np.random.Generator) -> pd.DataFrame:
                              "step_ms": mean, "step_std_ms": mean * rng.uniform(0, 0.01),
                              "step_median_ms": mean * rng.uniform(0.99, 1.01), "first_step_s": rng.uniform(5, 40),
                              "tflops": rng.uniform(300, 600), "mfu": np.nan if cpu else rng.uniform(0.3, 0.6),
-                             "peak_mem_gib": np.nan if cpu else rng.uniform(60, 140)})})
+                             "peak_mem_gib": np.nan if cpu else rng.uniform(60, 140),
+                             **({"sm_clock_mhz": np.nan if cpu else rng.uniform(1400, 1980),
+                                 "power_w": np.nan if cpu else rng.uniform(300, 700)} if clocks else {})})})
     return pd.DataFrame(rows)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_leaderboard_tables_print_the_same_cells_and_each_rows_checkpointing(seed, tmp_path):
+@pytest.mark.parametrize("seed,clocks", [(0, False), (1, True), (2, False), (3, True)])
+def test_leaderboard_tables_print_the_same_cells_and_each_rows_checkpointing(seed, clocks, tmp_path):
     """The 8B step and ablation tables against the rows: each timed row's checkpointing is its cell (the intro
     quotes ours' choice from it), the ratio is the mean over the SAC anchor's mean of the same run, OOM rows
-    print OOM and a CPU's MFU '—'; the Markdown, the LaTeX, the JSON read back and the prose quotes agree."""
+    print OOM and a CPU's MFU '—'; the SM clock and power columns exactly when some row has them, '—' where a row
+    has none; the Markdown, the LaTeX, the JSON read back and the prose quotes agree."""
     from cs336_systems.report.sections.leaderboard import ablation_table, step_table
 
-    rows = _leaderboard_rows(np.random.default_rng(seed))
+    rows = _leaderboard_rows(np.random.default_rng(seed), clocks)
     steps = step_table(rows)
+    assert ({"SM clock (MHz)", "power (W)"} <= set(steps.headers)) == clocks
     timed = rows[rows["status"] != "check_ok"].reset_index(drop=True)
     assert steps.display()["checkpoint"].tolist() == timed["checkpoint"].tolist()
     for i, row in timed.iterrows():
@@ -474,6 +479,9 @@ def test_leaderboard_tables_print_the_same_cells_and_each_rows_checkpointing(see
             continue
         assert steps.quote("÷ SAC anchor", i) == f"{row['step_ms'] / anchor:.3f}"
         assert steps.quote("MFU", i) == (MISSING if np.isnan(row["mfu"]) else f"{row['mfu']:.3f}")
+        if clocks:
+            assert steps.quote("SM clock (MHz)", i) == (MISSING if np.isnan(row["sm_clock_mhz"])
+                                                        else f"{row['sm_clock_mhz']:,.0f}")
     assert_prints_agree(steps, tmp_path)
     ablations = ablation_table(rows)
     assert ablations.data["ablation"].tolist() == ["ours-mm:6", "ours-no_fused_ce"] * 2

@@ -63,19 +63,29 @@ def _timed(frame: pd.DataFrame) -> pd.DataFrame:
 # table: the mean (with its std) is what the ratios, MFU and prose use, so the table shows no median beside it.
 MEASURED = {"MFU": ("mfu", ".3f"), "TFLOP/s": ("tflops", ",.1f"),
             "peak (GiB)": ("peak_mem_gib", ",.2f"), "first step (s)": ("first_step_s", ",.1f")}
+# The timed steps' mean SM clock and board power (bench.gpu_clock): recorded from 7cf4009 on, so shown only once
+# some row has them (the runs before print '—').
+CLOCKS = {"SM clock (MHz)": ("sm_clock_mhz", ",.0f"), "power (W)": ("power_w", ",.0f")}
+
+
+def _step_columns(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """The step table's measured columns: MEASURED, and CLOCKS' where some row has them."""
+    return {**MEASURED, **{label: (column, fmt) for label, (column, fmt) in CLOCKS.items()
+                           if column in rows and rows[column].notna().any()}}
 
 
 def step_table(frame: pd.DataFrame) -> NumericTable:
-    """One row per provider per run: step mean ± std, MFU, TFLOP/s, peak memory, first step, checkpointing,
-    dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
+    """One row per provider per run: step mean ± std, MFU, TFLOP/s, peak memory, first step, (once recorded) SM
+    clock and board power, checkpointing, dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
     does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
     rows = _timed(frame).reset_index(drop=True)
+    measured = _step_columns(rows)
     # rows from before gradient accumulation (no `microbatch` column) passed the whole batch at once
     per_pass = rows["microbatch"].fillna(rows["batch"]) if "microbatch" in rows else rows["batch"]
     data = pd.DataFrame({
         "run": rows["run_id"].astype(str).str[:6], "provider": rows["provider"], "batch": rows["batch"],
         STEP: rows["step_ms"], "step std (ms)": rows["step_std_ms"],
-        **{label: rows[column] for label, (column, _) in MEASURED.items()},
+        **{label: rows[column] for label, (column, _) in measured.items()},
         "checkpoint": rows["checkpoint"], SEQUENCES: per_pass,
         "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"], "status": rows["status"]})
     anchor = data[data["provider"] == ANCHOR].set_index(["run", "batch"])[STEP]
@@ -83,9 +93,9 @@ def step_table(frame: pd.DataFrame) -> NumericTable:
                    zip(data[STEP], data["run"], data["batch"])]
     oom = {i: "oom" for i, status in enumerate(rows["status"]) if status == "oom"}
     return NumericTable(data, (Col("run"), Col("provider"), Col("batch", "d"), Col(STEP, ",.1f", second="step std (ms)"),
-                               *(Col(label, fmt) for label, (_, fmt) in MEASURED.items()), Col("checkpoint"),
+                               *(Col(label, fmt) for label, (_, fmt) in measured.items()), Col("checkpoint"),
                                Col(SEQUENCES, "d"), Col("params / moments"), Col("status"), Col(RATIO, ".3f")),
-                        {header: dict(oom) for header in (STEP, *MEASURED)} if oom else {})
+                        {header: dict(oom) for header in (STEP, *measured)} if oom else {})
 
 
 def _ablation_runs(table: pd.DataFrame) -> list[str]:
