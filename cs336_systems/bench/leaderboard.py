@@ -91,8 +91,8 @@ import torch.nn as nn
 
 from cs336_systems.bench import step_profile
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
-from cs336_systems.bench.gpu_clock import ClockSampler
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, positive_int
+from cs336_systems.bench.gpu_clock import ClockSampler
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, apply_data_parallel, parallelize

@@ -76,8 +76,8 @@ def _step_columns(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:
 
 def step_table(frame: pd.DataFrame) -> NumericTable:
     """One row per provider per run: step mean ± std, MFU, TFLOP/s, peak memory, first step, (once recorded) SM
-    clock and board power, checkpointing, dtypes, status, and the step's mean over the SAC anchor's of the same run and batch. A measurement this device
-    does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
+    clock and board power, checkpointing, dtypes, status, and the step's mean over the SAC anchor's of the same run
+    and batch. A measurement this device does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
     rows = _timed(frame).reset_index(drop=True)
     measured = _step_columns(rows)
     # rows from before gradient accumulation (no `microbatch` column) passed the whole batch at once
