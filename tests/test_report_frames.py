@@ -488,6 +488,30 @@ def test_leaderboard_tables_print_the_same_cells_and_each_rows_checkpointing(see
     assert_prints_agree(ablations, tmp_path)
 
 
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_leaderboard_power_sentence_is_the_powered_runs_cells(seed):
+    """The gap paragraph's power sentence: the latest run with the GPU's power recorded (the CPU run after it has
+    none), its lowest-highest power, whether that is at the board's limit, and ours' and the anchor's energy per step
+    as mean step × mean power from the rows; no sentence where no row has the columns."""
+    from cs336_systems.report.section import Quotes
+    from cs336_systems.report.sections.leaderboard import POWER_LIMIT_W, _gap_paragraph, step_table
+
+    rng = np.random.default_rng(seed)
+    rows = _leaderboard_rows(rng, clocks=True)
+    gpu = rows[(rows["run_id"] == "a1b2c3d4e5f6") & rows["step_ms"].notna()]
+    if seed == 6:  # every provider at the limit
+        rows.loc[gpu.index, "power_w"] = rng.uniform(0.96, 0.99, len(gpu)) * POWER_LIMIT_W
+        gpu = rows.loc[gpu.index]
+    text = _gap_paragraph(Quotes(step_table(rows)), [2, 1])
+    assert "In run a1b2c3 " in text and f"{gpu['power_w'].min():,.0f}" in text
+    for provider in ("ours", "torch_plain_sac"):
+        row = gpu[gpu["provider"] == provider].iloc[0]
+        assert f"{row['step_ms'] * row['power_w'] / 1e6:.2f} kJ" in text, provider
+    assert ("runs at the power limit" in text) == (gpu["power_w"].min() >= 0.95 * POWER_LIMIT_W)
+    plain = _gap_paragraph(Quotes(step_table(_leaderboard_rows(np.random.default_rng(seed)))), [2, 1])
+    assert "kJ" not in plain and " W " not in plain
+
+
 def _step_profile_rows(rng: np.random.Generator, dropped: bool) -> pd.DataFrame:
     """A profiled step of two providers at fresh random times (ms): the categories, their total summed another way
     (short of them by the AdamW kernels the profiler linked to no op where `dropped`, whose `optimizer` then

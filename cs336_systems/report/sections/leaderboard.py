@@ -312,7 +312,50 @@ def _gap_paragraph(q: Quotes, batches: list[int]) -> str:
     spreads = "".join(_spread_sentence(q, b) for b in measured)
     return ("Against the strongest plain-PyTorch anchor of the same run (torchtitan's selective checkpointing, "
             "`torch_plain_sac`): " + "; ".join(parts) + ". The issue's target, at most 0.9× the anchor's step and "
-            "at least 54% MFU, is " + verdict + spreads)
+            "at least 54% MFU, is " + verdict + spreads + _power_sentence(q))
+
+
+POWER_LIMIT_W = 700  # the H200's board power limit, as nvidia-smi -q reports it (diagnosis/flash_gluon_ab/)
+
+
+def _powered_rows(t: pd.DataFrame) -> pd.DataFrame:
+    """The measured rows of the latest run that recorded the GPU's power (none before 5c82de7's run)."""
+    if "power (W)" not in t:
+        return t.iloc[:0]
+    powered = t[t["power (W)"].notna() & t[STEP].notna()]
+    return powered[powered["run"] == powered["run"].iloc[-1]] if len(powered) else powered
+
+
+def _span(q: Quotes, column: str, fmt: str, what: str) -> str:
+    """The lowest–highest of `column` over the latest powered run's rows (one number where they print alike)."""
+    low = q.derive(lambda t: _powered_rows(t)[column].min(), fmt, f"lowest {what}")
+    high = format(_powered_rows(q.frame)[column].max(), fmt)
+    return low if high == low else low + "–" + q.derive(lambda t: _powered_rows(t)[column].max(), fmt,
+                                                         f"highest {what}")
+
+
+def _kilojoules(t: pd.DataFrame, provider: str) -> float:
+    """One provider's energy per step in the latest powered run: mean step × mean board power (kJ)."""
+    rows = _powered_rows(t)
+    row = rows[rows["provider"] == provider]
+    return float(row[STEP].iloc[0] * row["power (W)"].iloc[0] / 1e6) if len(row) else float("nan")
+
+
+def _power_sentence(q: Quotes) -> str:
+    """Whether the latest run with the GPU's clock and power recorded ran at the board's power limit, and then each
+    of ours' and the anchor's energy per step: under the limit the step's time follows its energy."""
+    rows = _powered_rows(q.frame)
+    if len(rows) < 2 or not {"ours", ANCHOR} <= set(rows["provider"]):
+        return ""
+    run = rows["run"].iloc[0]
+    power = _span(q, "power (W)", ",.0f", "board power (W)")
+    bound = rows["power (W)"].min() >= 0.95 * POWER_LIMIT_W
+    energy = {p: q.derive(lambda t, p=p: _kilojoules(t, p), ".2f", f"{p} kJ per step") for p in ("ours", ANCHOR)}
+    return (f" In run {run} the timed steps of every provider drew {power} W (the board's limit is "
+            f"{POWER_LIMIT_W} W) at an SM clock of {_span(q, 'SM clock (MHz)', ',.0f', 'SM clock (MHz)')} MHz"
+            + (": the step runs at the power limit, so its time follows the energy it spends. " if bound else
+               ", below the power limit. ")
+            + f"Mean step × mean power, ours spent {energy['ours']} kJ per step and the anchor {energy[ANCHOR]} kJ.")
 
 
 def _same_recipe_rows(t: pd.DataFrame, batch: int) -> pd.DataFrame:
@@ -501,7 +544,7 @@ def render_leaderboard(ctx: Context) -> Section:
     pointer = _profile_pointer(ctx)
     parts.append(pointer)
     checked += [intro, pointer]  # after the gap paragraph, which tests find first
-    wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), "3,837", "27", "10,000", "24", "2026",
+    wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), str(POWER_LIMIT_W), "3,837", "27", "10,000", "24", "2026",
                "128",  # the head dim the ping-pong backward ships at (kernels/NOTES.md)
                "4857650")  # a commit the intro's kernel history names (given, whether or not these runs hold it)
     kept = tuple(sized[1] for sized in map(_sized, set(q.frame["provider"])) if sized)
