@@ -117,7 +117,9 @@ class GluonTile:
     per producer thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from. persistent: one
     program per SM walking a static schedule of tiles (persistent_schedule), O stored from buffers of its own so
     the next tile's Q loads under this one's last P V and epilogue; else one program per tile. named_turns: the
-    consumers take turns through named barriers (bar.sync / bar.arrive), else through a pair of mbarriers."""
+    consumers take turns through named barriers (bar.sync / bar.arrive), else through a pair of mbarriers.
+    q_registers: each consumer loads its Q sub-tile into registers once per tile and issues S = Q K^T with Q as the
+    register A operand, so the key steps read only K (and V) from shared memory."""
 
     head_dim: int
     block_m: int = 64
@@ -128,6 +130,7 @@ class GluonTile:
     maxnreg: int = 168
     persistent: bool = False
     named_turns: bool = True
+    q_registers: bool = False
 
     def __post_init__(self):
         if self.block_n != CONSUMERS * self.block_m:
@@ -151,8 +154,8 @@ class GluonTile:
 # The turns: named barriers at d=128 (0.97-0.98x the mbarrier turns' time at the 8B shape), mbarriers at d=64, where
 # named barriers took 1.03x at long non-causal calls (H200; kernels/NOTES.md, "Named barriers for the ping-pong turns"
 # and "The grid at f4fd0cf").
-TILES = {64: GluonTile(64, num_slots=6, persistent=True, named_turns=False),
-         128: GluonTile(128, num_slots=2, persistent=True)}
+TILES = {64: GluonTile(64, num_slots=6, persistent=True, named_turns=False, q_registers=True),
+         128: GluonTile(128, num_slots=2, persistent=True, q_registers=True)}
 
 
 def tile_for(head_dim: int) -> GluonTile:
@@ -467,7 +470,8 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
 @gluon.jit
 def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                  L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
-                 CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NAMED_TURNS: gl.constexpr):
+                 CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NAMED_TURNS: gl.constexpr,
+                 Q_REGS: gl.constexpr):
     """One consumer's 64 rows of one tile, from Q's arrival to O's store. The barrier state (idx, phase: the
     ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next."""
     NUM: gl.constexpr = k_ring.shape[0]
@@ -489,6 +493,8 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
     mbarrier.wait(q_ready, q_phase)
+    if Q_REGS:
+        q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     # key tile 0: S and P only (no P V to overlap yet)
     idx, phase = _next_slot(idx, phase, NUM)
@@ -536,7 +542,8 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 @gluon.jit
 def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
               sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, CID: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr, NAMED_TURNS: gl.constexpr):
+              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr, NAMED_TURNS: gl.constexpr,
+              Q_REGS: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
@@ -557,13 +564,13 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
             idx, phase, turn_phase, q_phase = _attend_tile(
                 desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
-                IS_CAUSAL, EXACT, NAMED_TURNS)
+                IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS)
     else:
         b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
                                           ROWS, BN, IS_CAUSAL)
         _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                      turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
-                     CID, IS_CAUSAL, EXACT, NAMED_TURNS)
+                     CID, IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS)
     tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
 
@@ -572,7 +579,7 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
 def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
                             group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
                             NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                            NAMED_TURNS: gl.constexpr):
+                            NAMED_TURNS: gl.constexpr, Q_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
@@ -606,10 +613,10 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                      turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
-                     EXACT, PERSISTENT, NAMED_TURNS)),
+                     EXACT, PERSISTENT, NAMED_TURNS, Q_REGS)),
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                      turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
-                     EXACT, PERSISTENT, NAMED_TURNS)),
+                     EXACT, PERSISTENT, NAMED_TURNS, Q_REGS)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -709,7 +716,7 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
             _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
             group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
-            tile.consumer_registers, tile.producer_registers, tile.named_turns)
+            tile.consumer_registers, tile.producer_registers, tile.named_turns, tile.q_registers)
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
