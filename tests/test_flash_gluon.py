@@ -178,6 +178,19 @@ def test_kernel_launch_passes_the_group_rule():
     assert flash_gluon.kernel_launch(q, q, q, q, torch.empty(1, 3, 1000), True)[0][11] == 3
 
 
+def test_kernel_launch_holds_q_in_registers_in_causal_d64_calls_only():
+    """Q_REGS, the kernel's last argument, is on exactly where the A/B measured a gain: causal calls at head dim 64
+    (a tile's own flag, so a d=128 tile with it set turns it on at d=128 causal calls too)."""
+    for head_dim in (64, 128):
+        q = torch.empty(1, 2, 1000, head_dim, dtype=torch.bfloat16)
+        lse = torch.empty(1, 2, 1000)
+        for causal in (True, False):
+            assert flash_gluon.kernel_launch(q, q, q, q, lse, causal)[0][-1] == (causal and head_dim == 64)
+    q = torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16)
+    tile = dataclasses.replace(TILES[128], causal_q_registers=True)
+    assert flash_gluon.kernel_launch(q, q, q, q, torch.empty(1, 2, 1000), True, tile=tile)[0][-1] is True
+
+
 def test_persistent_grid_and_schedule_errors():
     assert persistent_grid(2048, 132) == 132 and persistent_grid(48, 132) == 48 and persistent_grid(0, 132) == 1
     with pytest.raises(ValueError, match="programs must be >= 1, got 0"):

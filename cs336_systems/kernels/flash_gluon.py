@@ -118,8 +118,8 @@ class GluonTile:
     program per SM walking a static schedule of tiles (persistent_schedule), O stored from buffers of its own so
     the next tile's Q loads under this one's last P V and epilogue; else one program per tile. named_turns: the
     consumers take turns through named barriers (bar.sync / bar.arrive), else through a pair of mbarriers.
-    q_registers: each consumer loads its Q sub-tile into registers once per tile and issues S = Q K^T with Q as the
-    register A operand, so the key steps read only K (and V) from shared memory."""
+    causal_q_registers: in causal calls each consumer loads its Q sub-tile into registers once per tile and issues
+    S = Q K^T with Q as the register A operand, so that its key steps read only K and V from shared memory."""
 
     head_dim: int
     block_m: int = 64
@@ -130,7 +130,7 @@ class GluonTile:
     maxnreg: int = 168
     persistent: bool = False
     named_turns: bool = True
-    q_registers: bool = False
+    causal_q_registers: bool = False
 
     def __post_init__(self):
         if self.block_n != CONSUMERS * self.block_m:
@@ -153,9 +153,11 @@ class GluonTile:
 # 0.91-0.99x the one-tile four-slot forward shipped before (results/diagnosis/flash_gluon_d64/, H100, 7b7a8a7).
 # The turns: named barriers at d=128 (0.97-0.98x the mbarrier turns' time at the 8B shape), mbarriers at d=64, where
 # named barriers took 1.03x at long non-causal calls (H200; kernels/NOTES.md, "Named barriers for the ping-pong turns"
-# and "The grid at f4fd0cf").
-TILES = {64: GluonTile(64, num_slots=6, persistent=True, named_turns=False, q_registers=True),
-         128: GluonTile(128, num_slots=2, persistent=True, q_registers=True)}
+# and "The grid at f4fd0cf"). Q in registers: in causal d=64 calls only, 0.981-0.996x the time with Q read from shared
+# memory at seven causal points, while non-causal d=64 calls moved 0.984-1.025x and d=128 1.005-1.011x (H200, 6bd3e13;
+# kernels/NOTES.md, "Q in registers").
+TILES = {64: GluonTile(64, num_slots=6, persistent=True, named_turns=False, causal_q_registers=True),
+         128: GluonTile(128, num_slots=2, persistent=True)}
 
 
 def tile_for(head_dim: int) -> GluonTile:
@@ -716,7 +718,8 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
             _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
             group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
-            tile.consumer_registers, tile.producer_registers, tile.named_turns, tile.q_registers)
+            tile.consumer_registers, tile.producer_registers, tile.named_turns,
+            tile.causal_q_registers and is_causal)
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
