@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from cs336_systems.distributed import DataParallelSpec, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.bench.cli import positive_float
+from cs336_systems.bench.cli import non_negative_int, positive_float, positive_int
 from cs336_systems.distributed.parallelize import (KINDS, SHARDINGS, add_plan_arguments, argument_type, parallelize,
                                                    plan_from_args)
 from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
@@ -195,15 +195,6 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 
 # ---- command line -----------------------------------------------------------------------------
 
-def _at_least(minimum: int):
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="small", choices=list(MODEL_SIZES), help="model size")
@@ -217,20 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(parser, data_parallel_flag=None)  # --compile, --checkpoint; --wrapper is the spec
     parser.add_argument("--attention", default="sdpa", choices=sorted(ATTENTION_BACKENDS),
                         help="attention backend (cs336_systems.model.attention): %(choices)s")
-    parser.add_argument("--batch-size", type=_at_least(1), default=4, help="sequences per rank and step")
-    parser.add_argument("--context-length", type=_at_least(1), default=256, help="tokens per sequence")
+    parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per rank and step")
+    parser.add_argument("--context-length", type=positive_int, default=256, help="tokens per sequence")
     parser.add_argument("--precision", default="bf16", choices=sorted(DTYPES), help="autocast dtype (fp32: none)")
     parser.add_argument("--lr", type=positive_float, default=3e-4, help="AdamW learning rate")
-    parser.add_argument("--steps", type=_at_least(1), default=100, help="train until this step (resumed runs too)")
-    parser.add_argument("--seed", type=_at_least(0), default=0, help="seed of the weights and the batches")
+    parser.add_argument("--steps", type=positive_int, default=100, help="train until this step (resumed runs too)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and the batches")
     parser.add_argument("--data", default=None, help="uint16 token file (np.memmap); default: random tokens")
     parser.add_argument("--checkpoint-dir", default=None, help="folder of the per-step checkpoints")
-    parser.add_argument("--checkpoint-every", type=_at_least(1), default=100,
+    parser.add_argument("--checkpoint-every", type=positive_int, default=100,
                         help="save every this many steps (and after the last)")
-    parser.add_argument("--keep-checkpoints", type=_at_least(1), default=2, help="complete checkpoints kept")
+    parser.add_argument("--keep-checkpoints", type=positive_int, default=2, help="complete checkpoints kept")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
-    parser.add_argument("--log-every", type=_at_least(1), default=10, help="print the loss every this many steps")
+    parser.add_argument("--log-every", type=positive_int, default=10, help="print the loss every this many steps")
     parser.add_argument("--loss-log", default=None, help="CSV of the loss per step (rank 0)")
     parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo",
                         choices=["nccl", "gloo"], help="torch.distributed backend (default: nccl with a GPU)")
