@@ -747,6 +747,24 @@ def test_gpu_clock_parses_nvidia_smi_lines_and_averages_a_window():
         window_means(samples, 12.0, 11.0)
 
 
+def test_cycle_ratio_is_the_median_of_each_rounds_cycles_over_the_bases():
+    from cs336_systems.bench.gpu_clock import cycle_ratio
+
+    rng = np.random.default_rng(7)
+    ms, base_ms = rng.uniform(20, 30, 5), rng.uniform(20, 30, 5)
+    mhz, base_mhz = rng.uniform(1500, 1980, 5), rng.uniform(1500, 1980, 5)
+    rounds = ms * mhz / (base_ms * base_mhz)
+    assert cycle_ratio(list(ms), list(mhz), list(base_ms), list(base_mhz)) == pytest.approx(np.median(rounds))
+    mhz[1] = base_ms[3] = np.nan  # rounds without a clock (a short sample) or a time are left out
+    assert cycle_ratio(list(ms), list(mhz), list(base_ms), list(base_mhz)) == pytest.approx(
+        np.median(rounds[[0, 2, 4]]))
+    # equal clocks: the time ratio's median; all clocks missing: NaN
+    assert cycle_ratio([2.0, 4.0, 3.0], [1e3] * 3, [1.0, 1.0, 1.0], [1e3] * 3) == 3.0
+    assert np.isnan(cycle_ratio([1.0], [np.nan], [1.0], [1e3]))
+    with pytest.raises(ValueError, match="one time and one clock per round"):
+        cycle_ratio([1.0, 2.0], [1e3], [1.0, 2.0], [1e3, 1e3])
+
+
 def test_gpu_clock_samples_in_the_background_and_is_nan_without_nvidia_smi(tmp_path):
     import sys
     import time

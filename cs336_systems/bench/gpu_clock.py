@@ -56,6 +56,19 @@ def window_means(samples: list[Sample], start: float, end: float) -> dict:
             "power_w": statistics.fmean(s.power_w for s in inside), "clock_samples": len(inside)}
 
 
+def cycle_ratio(ms: list[float], mhz: list[float], base_ms: list[float], base_mhz: list[float]) -> float:
+    """The median over rounds of one kernel's cycles over another's, a round's cycles being its time × its sample's
+    mean SM clock: where the power limit clocks two kernels differently, their time ratio mixes the clocks into
+    their cycles (kernels/NOTES.md, "The clocks measured per sample"). Rounds where either time or clock is NaN
+    are left out; NaN if none is left."""
+    if not len(ms) == len(mhz) == len(base_ms) == len(base_mhz):
+        raise ValueError(f"cycle_ratio: one time and one clock per round for both kernels, got {len(ms)}, "
+                         f"{len(mhz)}, {len(base_ms)} and {len(base_mhz)}")
+    rounds = [(t * f) / (bt * bf) for t, f, bt, bf in zip(ms, mhz, base_ms, base_mhz)
+              if not any(math.isnan(x) for x in (t, f, bt, bf))]
+    return statistics.median(rounds) if rounds else math.nan
+
+
 class ClockSampler:
     """`nvidia-smi` sampling one GPU's SM clock and power every `interval_ms` for the life of the context.
     device_index: the GPU as nvidia-smi numbers them (torch's index where CUDA_VISIBLE_DEVICES is unset); None

@@ -8,7 +8,9 @@ This loads BASE_FILE as a second module beside the current `flash_gluon` (or `fl
 kernels (torch.profiler device time, mean of 10 calls) in alternating rounds at each shape, with cuDNN's forward
 kernel (backward: its main backward kernel, `flash_bprop`, against our main kernel); a row's times are the medians
 of its rounds, with each sample's mean SM clock (`bench.gpu_clock`: `*_mhz` the median over rounds, `clock_rounds`
-each round's; NaN where a sample was shorter than the 50 ms sampling interval). It first checks, on two awkward
+each round's; NaN where a sample was shorter than the 50 ms sampling interval) and the ratios in cycles
+(`*_cycles`: `bench.gpu_clock.cycle_ratio`, the median of each round's time x clock over the other kernel's), which
+at a power-limited shape separate the kernels' cycles from the clock they were given. It first checks, on two awkward
 lengths, that the two kernels' outputs agree and that the current one is as close to float64 as the base (the
 forward's O and L each), and stops before timing if it is not (--time-anyway: time regardless). Rows go to --out
 with provenance.
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from cs336_systems.bench.gpu_clock import ClockSampler
+from cs336_systems.bench.gpu_clock import ClockSampler, cycle_ratio
 from cs336_systems.kernels import flash_gluon, flash_gluon_bwd
 from cs336_systems.model.attention import attention_scores
 from cs336_systems.provenance import provenance
@@ -180,6 +182,8 @@ def main() -> None:
                "new_over_base": med["new"] / med["base"], "new_over_cudnn": med["new"] / med["cudnn"],
                "base_over_cudnn": med["base"] / med["cudnn"],
                **{f"{who}_mhz": _median_of_measured(values) for who, values in mhz.items()},
+               "new_over_base_cycles": cycle_ratio(times["new"], mhz["new"], times["base"], mhz["base"]),
+               "new_over_cudnn_cycles": cycle_ratio(times["new"], mhz["new"], times["cudnn"], mhz["cudnn"]),
                "clock_rounds": " ".join(f"{n:.0f}:{b:.0f}/{c:.0f}" for n, b, c in zip(mhz["new"], mhz["base"],
                                                                                      mhz["cudnn"])),
                "rounds": " ".join(f"{n}:{b:.4f}/{c:.4f}" for n, b, c in zip(times["new"], times["base"],
@@ -187,7 +191,8 @@ def main() -> None:
         print(f"{batch}x{heads}x{seq}x{dim}{'c' if causal else ''} ({shape['timed']}): new {med['new']:.4f} base "
               f"{med['base']:.4f} cuDNN {med['cudnn']:.4f} ms; new/base {row['new_over_base']:.3f}, new/cuDNN "
               f"{row['new_over_cudnn']:.3f}, base/cuDNN {row['base_over_cudnn']:.3f}; SM clock new/base/cuDNN "
-              f"{row['new_mhz']:.0f}/{row['base_mhz']:.0f}/{row['cudnn_mhz']:.0f} MHz", flush=True)
+              f"{row['new_mhz']:.0f}/{row['base_mhz']:.0f}/{row['cudnn_mhz']:.0f} MHz; in cycles new/base "
+              f"{row['new_over_base_cycles']:.3f}, new/cuDNN {row['new_over_cudnn_cycles']:.3f}", flush=True)
         rows.append(row)
         q = k = v = None
     write_rows(rows, args.out)
