@@ -40,8 +40,6 @@ VARIANTS = {  # name -> (BwdTile fields changed from TILES', EXACT)
     "deferred_dq2_exact": ({**LOCKSTEP, "defer_dq": True, "dq_buffers": 2}, True),
     "pingpong": ({**LOCKSTEP, "defer_dq": True, "pingpong": True}, False),
     "pingpong_exact": ({**LOCKSTEP, "defer_dq": True, "pingpong": True}, True),
-    "dq_atomic": ({"dq_atomic": True}, False),  # TILES' schedule, dQ added from registers (BwdTile.dq_atomic)
-    "dq_atomic_exact": ({"dq_atomic": True}, True),
 }
 # The d=64 candidates of issue #26's tile search (results/diagnosis/flash_gluon_d64.py times them), lockstep:
 # "m{block_m}_s{num_slots}_{split|percons}", block_m 64 or 128 (queries per step) x Q/dO ring depth 2-4 x dQ scheme;
@@ -82,8 +80,7 @@ CONFIGS += [(d, causal, "bf16", "lockstep") for d in (64, 128) for causal in (Tr
 CONFIGS += [(d, causal, "bf16", "per_consumer_dq") for d in (64, 128) for causal in (True, False)]
 CONFIGS += [(d, causal, "bf16", "exact") for d in (64, 128) for causal in (True, False)]  # the GPU tests' EXACT
 for _variant, _exact_twin in (("deferred_dq", "deferred_exact"), ("dq2", "dq2_exact"),
-                              ("deferred_dq2", "deferred_dq2_exact"), ("pingpong", "pingpong_exact"),
-                              ("dq_atomic", "dq_atomic_exact")):  # every dtype, then the EXACT twin in bf16
+                              ("deferred_dq2", "deferred_dq2_exact"), ("pingpong", "pingpong_exact")):  # every dtype, then the EXACT twin in bf16
     CONFIGS += [(d, causal, dtype, _variant) for d in (64, 128) for causal in (True, False)
                 for dtype in ("bf16", "fp16")]
     CONFIGS += [(d, causal, "bf16", _exact_twin) for d in (64, 128) for causal in (True, False)]
@@ -120,8 +117,7 @@ def compile_config(head_dim: int, is_causal: bool, dtype: str, variant: str = "s
            "variant": variant, **{k: v for k, v in vars(tile).items() if k != "head_dim"},
            "tile_shared_bytes": tile.shared_bytes()}
     row = compiled_row(bwd._flash_bwd_gluon_kernel, args, grid, options, row,
-                       ptx_counts={"tma_reduce_ops": r"cp\.reduce\.async\.bulk\.tensor",
-                                   "vector_atomics": r"atom\.global\.gpu\.relaxed\.add\.v2\.f32"})
+                       ptx_counts={"tma_reduce_ops": r"cp\.reduce\.async\.bulk\.tensor"})
     if sass_check_dir and row["status"] == "ok":
         cubin = bwd._flash_bwd_gluon_kernel.warmup(*args, grid=grid, **options).asm["cubin"]  # cached: no recompile
         row.update(register_a_counts(cubin, sass_check_dir))

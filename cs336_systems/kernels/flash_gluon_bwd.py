@@ -108,11 +108,7 @@ class BwdTile:
     dQ accumulator with 64-bit stores, each half-warp writing 32 contiguous bytes of each of 4 consecutive rows: the
     128-byte swizzle puts two of those rows on the same banks (two wavefronts a half-warp where one would do; ncu
     counted 4 per store against 2 ideal), the 32-byte one puts the 4 rows in one 128-byte line, at the price of
-    4x as many TMA reduce-adds, each 32 bytes wide; dq_atomic: a step's dQ part goes from the consumer's registers
-    straight into the float32 accumulator by vector reductions (`atom.global.relaxed.add.v2.f32`, which ptxas makes
-    REDG.ADD.F32x2 as nothing reads the result), with no float32 dQ buffer in shared memory and no TMA reduce-add:
-    each step's dQ then costs the shared memory nothing, where staging wrote and read 2 x 4 bytes per element;
-    registers as in flash_gluon.GluonTile."""
+    4x as many TMA reduce-adds, each 32 bytes wide; registers as in flash_gluon.GluonTile."""
 
     head_dim: int
     block_m: int = 64
@@ -123,13 +119,12 @@ class BwdTile:
     dq_buffers: int = 1
     pingpong: bool = False
     dq_swizzle: int = 128
-    dq_atomic: bool = False
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
 
     def __post_init__(self):
-        for name in ("split_dq", "defer_dq", "pingpong", "dq_atomic"):
+        for name in ("split_dq", "defer_dq", "pingpong"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{self}: {name} must be a bool, got {getattr(self, name)!r}")
         if self.dq_swizzle not in (32, 64, 128):
@@ -175,7 +170,7 @@ class BwdTile:
         kv = 2 * self.block_n * d * element_size
         ring = self.num_slots * self.block_m * (2 * d * element_size + 2 * 4)
         ds = ((4 if self.pingpong else 2) if self.split_dq else 1) * self.block_n * self.block_m * element_size
-        dq = 0 if self.dq_atomic else CONSUMERS * self.dq_buffers * self.block_m * self.dq_columns * 4
+        dq = CONSUMERS * self.dq_buffers * self.block_m * self.dq_columns * 4
         return kv + ring + ds + dq
 
 
@@ -203,8 +198,8 @@ SCHEDULES = {
 # the 128-byte swizzle's main-kernel time at three d=64 points, where d=128 took 1.013-1.088x at five, and in a second
 # run 0.937-1.026x at seven d=64 points, median 0.986 (results/diagnosis/flash_gluon_ab/backward_dq_swizzle32_*.csv,
 # H100; kernels/NOTES.md, "Two softmax changes and the dQ tile's swizzle": its 32-byte reduce-adds load L2 more).
-TILES = {64: BwdTile(64, block_m=128, num_slots=2, dq_swizzle=32, dq_atomic=True),
-         128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True, dq_atomic=True)}
+TILES = {64: BwdTile(64, block_m=128, num_slots=2, dq_swizzle=32),
+         128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
 
 
 def tile_for(head_dim: int) -> BwdTile:
@@ -409,46 +404,30 @@ def _dq_issue(ds_buf, k_smem, DQ: gl.constexpr, CID: gl.constexpr, SPLIT_DQ: gl.
 
 
 @gluon.jit
-def _dq_drain(dq, dq_smem, desc_dq, dq_ptr, stride_dqn, n_queries, b, h, q_row, step, CID: gl.constexpr,
-              SPLIT_DQ: gl.constexpr, DQ_ATOMIC: gl.constexpr):
-    """A retired dQ part of a step into the float32 accumulator. DQ_ATOMIC: from registers, by vector reductions
-    into this (batch, head)'s accumulator rows (dq_ptr, its row 0; stride_dqn, the row stride), rows past
-    n_queries left out. Else into this consumer's float32 buffer (one, or two by step parity: BwdTile.dq_buffers;
-    `step` is only read for its parity) and on by TMA reduce-add."""
-    BM: gl.constexpr = dq.shape[0]
-    DQ: gl.constexpr = dq.shape[1]
-    if DQ_ATOMIC:
-        rows = q_row + gl.arange(0, BM, layout=gl.SliceLayout(1, dq.type.layout))
-        cols = gl.arange(0, DQ, layout=gl.SliceLayout(0, dq.type.layout))
-        if SPLIT_DQ:
-            cols += CID * DQ
-        # a pointer per row (in 64 bits: n_queries x the row stride may pass 2^31 elements), then the columns as
-        # 32-bit offsets from it, which ptxas folds into the reductions' immediates
-        ptrs = (dq_ptr + rows.to(gl.int64) * stride_dqn)[:, None] + cols[None, :]
-        if q_row + BM <= n_queries:  # all rows exist: no predicate (a masked reduction is a branch of its own)
-            gl.atomic_add(ptrs, dq, sem="relaxed")
-        else:  # a head's last query tile
-            gl.atomic_add(ptrs, dq, mask=rows[:, None] < n_queries, sem="relaxed")
+def _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
+    """A retired dQ part of a step into this consumer's float32 buffer (one, or two by step parity: BwdTile.
+    dq_buffers; `step` is only read for its parity) and on by TMA reduce-add into the accumulator."""
+    NB: gl.constexpr = dq_smem.shape[0] // _CONSUMERS  # dQ buffers per consumer: 1 or 2
+    BM: gl.constexpr = dq_smem.shape[3]
+    DQ: gl.constexpr = dq_smem.shape[4]
+    if NB == 1:
+        dq_c = dq_smem.index(CID)
     else:
-        NB: gl.constexpr = dq_smem.shape[0] // _CONSUMERS  # dQ buffers per consumer: 1 or 2
-        if NB == 1:
-            dq_c = dq_smem.index(CID)
-        else:
-            dq_c = dq_smem.index(CID * 2 + (step & 1))
-        # the reduce-add that last read dq_c (NB steps ago) has finished; the NB - 1 later ones may still run
-        tma.store_wait(NB - 1)
-        dq_c.reshape([BM, DQ]).store(dq)
-        fence_async_shared()
-        if SPLIT_DQ:
-            _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
-        else:
-            _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
+        dq_c = dq_smem.index(CID * 2 + (step & 1))
+    # the reduce-add that last read dq_c (NB steps ago) has finished; the NB - 1 later ones may still run
+    tma.store_wait(NB - 1)
+    dq_c.reshape([BM, DQ]).store(dq)
+    fence_async_shared()
+    if SPLIT_DQ:
+        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
+    else:
+        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
 
 
 @gluon.jit
 def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, dq_smem, desc_dq,
-                dq_ptr, stride_dqn, n_queries, dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked,
-                CID: gl.constexpr, SPLIT_DQ: gl.constexpr, DQ_ATOMIC: gl.constexpr, EXACT: gl.constexpr):
+                dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
+                SPLIT_DQ: gl.constexpr, EXACT: gl.constexpr):
     """One query tile (rows q_row..q_row+BM) against this consumer's keys, the lockstep schedule: dK, dV
     accumulated, then this step's dQ computed, waited for and reduced. SPLIT_DQ: dQ_i = dS_i K over both consumers'
     keys, each consumer taking half of the head dim (both dS^T in shared memory, buffered by step parity, ds_ready
@@ -456,7 +435,7 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
-    DQ: gl.constexpr = desc_dq.block_type.shape[3]  # dQ columns this consumer reduces: D / 2 when split, else D
+    DQ: gl.constexpr = dq_smem.shape[4]  # dQ columns this consumer reduces: D / 2 when split, else D
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     k_c = _as_2d(k_smem, CID)
     q_s = _as_2d(q_ring, idx)
@@ -479,16 +458,15 @@ def _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
     dq = _dq_issue(ds_buf, k_smem, DQ, CID, SPLIT_DQ)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
     mbarrier.arrive(empty.index(idx), count=1)  # every wgmma reading Q_i and dO_i has retired
-    _dq_drain(dq, dq_smem, desc_dq, dq_ptr, stride_dqn, n_queries, b, h, q_row, step, CID, SPLIT_DQ, DQ_ATOMIC)
+    _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID, SPLIT_DQ)
     nidx, nphase = _next_slot(idx, phase, NUM)
     return dk, dv, nidx, nphase
 
 
 @gluon.jit
 def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem, ds_ready, go, dq_smem,
-                   desc_dq, dq_ptr, stride_dqn, n_queries, dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale,
-                   masked, CID: gl.constexpr, SPLIT_DQ: gl.constexpr, PINGPONG: gl.constexpr,
-                   DQ_ATOMIC: gl.constexpr, EXACT: gl.constexpr):
+                   desc_dq, dk, dv, idx, phase, step, b, h, q_row, offs_n, qk_scale, masked, CID: gl.constexpr,
+                   SPLIT_DQ: gl.constexpr, PINGPONG: gl.constexpr, EXACT: gl.constexpr):
     """One query tile, the deferred-dQ schedule (BwdTile.defer_dq): the previous step's dQ wgmmas are issued here,
     ahead of this step's S^T, and drained (stored, reduced) while S^T runs, so the dQ tail no longer stands between
     two steps' tensor-core work; dP^T is issued after the drain, so at most two accumulators besides dK and dV are
@@ -505,14 +483,14 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     NUM: gl.constexpr = q_ring.shape[0]
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
-    DQ: gl.constexpr = desc_dq.block_type.shape[3]
+    DQ: gl.constexpr = dq_smem.shape[4]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     k_c = _as_2d(k_smem, CID)
     q_s = _as_2d(q_ring, idx)
     do_s = _as_2d(do_ring, idx)
     s_shape = gl.zeros([BNC, BM], gl.float32, s_layout)  # only gives S^T and dP^T their layout (use_acc=False)
     gl.static_assert(SPLIT_DQ, "the deferred-dQ schedule is written for the split dQ only")
-    gl.static_assert(DQ_ATOMIC or NUM % 2 == 0 or dq_smem.shape[0] == _CONSUMERS, "two dQ buffers need an even ring")
+    gl.static_assert(NUM % 2 == 0 or dq_smem.shape[0] == _CONSUMERS, "two dQ buffers need an even ring")
     LAG: gl.constexpr = 2 if PINGPONG else 1  # dQ issued LAG steps late
     gl.static_assert(ds_smem.shape[0] == 2 * LAG, "2 dS^T buffers, 4 with pingpong")
 
@@ -527,8 +505,7 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
     if step >= LAG:
         # step - LAG by its slot (same parity with an even ring, BwdTile checks): a dQ buffer picked from step - 1
         # itself kept one more value live and spilled 4 B at d=128 with two dQ buffers
-        _dq_drain(dq, dq_smem, desc_dq, dq_ptr, stride_dqn, n_queries, b, h, q_row - LAG * BM, idx + NUM - LAG, CID,
-                  SPLIT_DQ, DQ_ATOMIC)
+        _dq_drain(dq, dq_smem, desc_dq, b, h, q_row - LAG * BM, idx + NUM - LAG, CID, SPLIT_DQ)
     if PINGPONG:
         if CID == 0:
             if step == 0:  # the other consumer starts now, a fraction of a step behind (see _consumer)
@@ -557,22 +534,19 @@ def _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, emp
 
 
 @gluon.jit
-def _dq_last(ds_smem, k_smem, dq_smem, desc_dq, dq_ptr, stride_dqn, n_queries, b, h, m_first, step,
-             CID: gl.constexpr, SPLIT_DQ: gl.constexpr, DQ_ATOMIC: gl.constexpr):
+def _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, step, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
     """The deferred schedule's epilogue: one of the last steps' dQ, issued, waited for and drained."""
     BM: gl.constexpr = ds_smem.shape[2]
-    dq = _dq_issue(_ds_buffer(ds_smem, step, SPLIT_DQ), k_smem, desc_dq.block_type.shape[3], CID, SPLIT_DQ)
+    dq = _dq_issue(_ds_buffer(ds_smem, step, SPLIT_DQ), k_smem, dq_smem.shape[4], CID, SPLIT_DQ)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
-    _dq_drain(dq, dq_smem, desc_dq, dq_ptr, stride_dqn, n_queries, b, h, (m_first + step) * BM, step, CID, SPLIT_DQ,
-              DQ_ATOMIC)
+    _dq_drain(dq, dq_smem, desc_dq, b, h, (m_first + step) * BM, step, CID, SPLIT_DQ)
 
 
 @gluon.jit
-def _consumer(desc_dk, desc_dv, desc_dq, dq_ptr, stride_dqn, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring,
-              ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, n_queries,
-              qk_scale, sm_scale, CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr,
-              DEFER_DQ: gl.constexpr, PINGPONG: gl.constexpr, DQ_ATOMIC: gl.constexpr, EXACT: gl.constexpr,
-              MASKED_STEPS: gl.constexpr):
+def _consumer(desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem, dq_smem,
+              kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale, sm_scale,
+              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
+              PINGPONG: gl.constexpr, EXACT: gl.constexpr, MASKED_STEPS: gl.constexpr):
     BM: gl.constexpr = q_ring.shape[3]
     BNC: gl.constexpr = k_smem.shape[3]
     D: gl.constexpr = k_smem.shape[4]
@@ -601,9 +575,9 @@ def _consumer(desc_dk, desc_dv, desc_dq, dq_ptr, stride_dqn, k_smem, v_smem, q_r
                     mbarrier.wait(go, 0)
         for i in range(0, n_steps):
             dk, dv, idx, phase = _deferred_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty,
-                                                ds_smem, ds_ready, go, dq_smem, desc_dq, dq_ptr, stride_dqn,
-                                                n_queries, dk, dv, idx, phase, i, b, h, (m_first + i) * BM, offs_n,
-                                                qk_scale, i < n_masked, CID, SPLIT_DQ, PINGPONG, DQ_ATOMIC, EXACT)
+                                                ds_smem, ds_ready, go, dq_smem, desc_dq, dk, dv, idx, phase, i, b,
+                                                h, (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
+                                                PINGPONG, EXACT)
         # the dQ of the last steps, which no next step issues (pingpong: the last two; one loop, as two copies
         # kept more values live through the main loop and spilled there)
         LAG: gl.constexpr = 2 if PINGPONG else 1
@@ -611,14 +585,13 @@ def _consumer(desc_dk, desc_dv, desc_dq, dq_ptr, stride_dqn, k_smem, v_smem, q_r
             if PINGPONG:
                 if t == n_steps - 1:  # the other consumer's last step (step - 2's was waited for in the loop)
                     mbarrier.wait(ds_ready.index(t % 4), (t // 4) & 1)
-            _dq_last(ds_smem, k_smem, dq_smem, desc_dq, dq_ptr, stride_dqn, n_queries, b, h, m_first, t, CID,
-                     SPLIT_DQ, DQ_ATOMIC)
+            _dq_last(ds_smem, k_smem, dq_smem, desc_dq, b, h, m_first, t, CID, SPLIT_DQ)
     else:
         for i in range(0, n_steps):
             dk, dv, idx, phase = _query_step(k_smem, v_c, q_ring, do_ring, l2_ring, delta_ring, ready, empty, ds_smem,
-                                             ds_ready, dq_smem, desc_dq, dq_ptr, stride_dqn, n_queries, dk, dv, idx,
-                                             phase, i, b, h, (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID,
-                                             SPLIT_DQ, DQ_ATOMIC, EXACT)
+                                             ds_ready, dq_smem, desc_dq, dk, dv, idx, phase, i, b, h,
+                                             (m_first + i) * BM, offs_n, qk_scale, i < n_masked, CID, SPLIT_DQ,
+                                             EXACT)
 
     # dK and dV leave through this consumer's K and V buffers, rows past the last key clipped. Split dQ: the other
     # consumer's dQ wgmmas read this one's K rows too, so wait until both have left the loop (each retired its
@@ -637,10 +610,10 @@ def _consumer(desc_dk, desc_dv, desc_dq, dq_ptr, stride_dqn, k_smem, v_smem, q_r
 
 # Lengths and counts enter only addresses and loop bounds: not specialised on, so new lengths do not recompile.
 @gluon.jit(do_not_specialize=["H", "n_queries", "n_kv_tiles"])
-def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta, dq_acc,
-                            H, n_queries, n_kv_tiles, stride_dqb, stride_dqh, stride_dqn, qk_scale, sm_scale,
+def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_dq, desc_l2, desc_delta,
+                            H, n_queries, n_kv_tiles, qk_scale, sm_scale,
                             IS_CAUSAL: gl.constexpr, SPLIT_DQ: gl.constexpr, DEFER_DQ: gl.constexpr,
-                            PINGPONG: gl.constexpr, DQ_ATOMIC: gl.constexpr,
+                            PINGPONG: gl.constexpr,
                             EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
@@ -655,10 +628,7 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
     do_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BM, D], desc_do.layout)
     ds_smem = gl.allocate_shared_memory(dtype, [DS_BUFFERS, _CONSUMERS * BNC, BM],
                                         gl.NVMMASharedLayout.get_default_for([_CONSUMERS * BNC, BM], dtype))
-    if DQ_ATOMIC:  # no float32 dQ buffers: a placeholder, which only _dq_drain's TMA branch would read
-        dq_smem = ds_smem
-    else:
-        dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS * DQ_BUFFERS, 1, 1, BM, DQ], desc_dq.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [_CONSUMERS * DQ_BUFFERS, 1, 1, BM, DQ], desc_dq.layout)
     l2_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_l2.layout)
     delta_ring = gl.allocate_shared_memory(gl.float32, [NUM_SLOTS, 1, BM], desc_delta.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -691,16 +661,13 @@ def _flash_bwd_gluon_kernel(desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, d
         m_first = n0 // BM
     n_steps = gl.maximum(gl.cdiv(n_queries, BM) - m_first, 0)
     MASKED_STEPS: gl.constexpr = _CONSUMERS * BNC // BM
-    dq_ptr = dq_acc + b.to(gl.int64) * stride_dqb + h.to(gl.int64) * stride_dqh  # this head's accumulator rows
     gl.warp_specialize([
-        (_consumer, (desc_dk, desc_dv, desc_dq, dq_ptr, stride_dqn, k_smem, v_smem, q_ring, do_ring, l2_ring,
-                     delta_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first,
-                     n_steps, n_queries, qk_scale, sm_scale, 0, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG,
-                     DQ_ATOMIC, EXACT, MASKED_STEPS)),
-        (_consumer, (desc_dk, desc_dv, desc_dq, dq_ptr, stride_dqn, k_smem, v_smem, q_ring, do_ring, l2_ring,
-                     delta_ring, ds_smem, dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first,
-                     n_steps, n_queries, qk_scale, sm_scale, 1, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG,
-                     DQ_ATOMIC, EXACT, MASKED_STEPS)),
+        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
+                     dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale,
+                     sm_scale, 0, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG, EXACT, MASKED_STEPS)),
+        (_consumer, (desc_dk, desc_dv, desc_dq, k_smem, v_smem, q_ring, do_ring, l2_ring, delta_ring, ds_smem,
+                     dq_smem, kv_bar, ready, empty, ds_ready, go, done, b, h, n0, m_first, n_steps, qk_scale,
+                     sm_scale, 1, IS_CAUSAL, SPLIT_DQ, DEFER_DQ, PINGPONG, EXACT, MASKED_STEPS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_l2, desc_delta, k_smem, v_smem, q_ring, do_ring, l2_ring,
                      delta_ring, kv_bar, ready, empty, b, h, bh, n0, m_first, n_steps)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -740,9 +707,9 @@ def kernel_launch(q, k, v, do, dk, dv, dq_acc, lse2, delta, is_causal: bool, sca
     args = (_descriptor(q, tile.block_m), _descriptor(k, bnc), _descriptor(v, bnc), _descriptor(do, tile.block_m),
             _descriptor(dk, bnc), _descriptor(dv, bnc),
             _float32_descriptor(dq_acc, [1, 1, tile.block_m, tile.dq_columns], _dq_layout(tile.dq_swizzle)),
-            _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]), dq_acc,
-            heads, n_queries, n_kv_tiles, *dq_acc.stride()[:3], scale * LOG2E, scale, is_causal,
-            tile.split_dq, tile.defer_dq, tile.pingpong, tile.dq_atomic, exact, tile.num_slots, tile.dq_buffers,
+            _float32_descriptor(lse2, [1, tile.block_m]), _float32_descriptor(delta, [1, tile.block_m]),
+            heads, n_queries, n_kv_tiles, scale * LOG2E, scale, is_causal,
+            tile.split_dq, tile.defer_dq, tile.pingpong, exact, tile.num_slots, tile.dq_buffers,
             tile.consumer_registers, tile.producer_registers)
     grid = (n_kv_tiles * batch * heads,)
     return args, grid, {"num_warps": 4, "maxnreg": tile.maxnreg}
@@ -850,7 +817,7 @@ def _backward(q, k, v, o, do, lse, causal: bool, scale: float | None = None, til
     torch.mul(dq_acc, scale, out=dq4)
     if fast_launch:  # only once it ran: a call that raised leaves no plan
         preprocess = _PREPROCESS.bound(pre_grid, pre_args, pre_options)
-        main = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=1)
+        main = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=0)
         if preprocess is not None and main is not None:
             plan = _PLANS[key] = _BackwardPlan(copy_do, lse2.shape, (preprocess[0], (*pre_args[6:], *preprocess[1]),
                                                                      *preprocess[2:]), main, scale)
@@ -894,7 +861,7 @@ class _BackwardPlan:
         delta = torch.empty_like(lse2)
         run, rest = self.preprocess[:2]
         run(o, do, lse, lse2, delta, dq_acc, *rest)
-        self.main.launch((q, k, v, do, dk, dv, dq_acc, lse2, delta), dq_acc)
+        self.main.launch((q, k, v, do, dk, dv, dq_acc, lse2, delta))
         torch.mul(dq_acc, self.scale, out=dq4)
         return dq, dk, dv
 
@@ -906,7 +873,7 @@ class _BackwardPlan:
         _, rest, compiled, grid = self.preprocess
         preprocess = flash_native.KernelCall(compiled, grid, (*flash_native.slots("out", "grad_out", "lse", "lse2",
                                                                                   "delta", "dq_acc"), *rest))
-        main = self.main.native_call(("q", "k", "v", "grad_out", "dk", "dv", "dq_acc", "lse2", "delta"), ("dq_acc",))
+        main = self.main.native_call(("q", "k", "v", "grad_out", "dk", "dv", "dq_acc", "lse2", "delta"))
         rows = (tuple(self.rows_shape), contiguous_strides(self.rows_shape))
         scratch = [("dq_acc", tuple(q_shape), tuple(dq_strides)), ("lse2", *rows), ("delta", *rows)]
         return [preprocess, main], scratch, self.scale
