@@ -387,17 +387,37 @@ def _grads_of_step(s_t, dp_t, q_s, do_s, l2_row, delta_row, ds_buf, dk, dv, q_ro
 
 @gluon.jit
 def _dq_issue(ds_buf, k_smem, DQ: gl.constexpr, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
-    """DIAGNOSIS (reverted below): no dQ wgmma, zeros (and _dq_drain does nothing)."""
+    """The async wgmma(s) of a step's dQ rows from its dS^T buffer (in flight on return). Split: dQ_i[:, this
+    half] = sum over the consumers' key blocks j of dS_ij K_j[:, this half]; else dS_i K over this consumer's keys."""
     BM: gl.constexpr = ds_buf.shape[1]
+    BNC: gl.constexpr = k_smem.shape[3]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ, 16])
-    return gl.zeros([BM, DQ], gl.float32, dq_layout)
+    if SPLIT_DQ:
+        dq = warpgroup_mma(ds_buf.slice(0, BNC).permute((1, 0)), _as_2d(k_smem, 0).slice(CID * DQ, DQ, dim=1),
+                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_buf.slice(BNC, BNC).permute((1, 0)), _as_2d(k_smem, 1).slice(CID * DQ, DQ, dim=1),
+                           dq, is_async=True)
+    else:
+        dq = warpgroup_mma(ds_buf.slice(CID * BNC, BNC).permute((1, 0)), _as_2d(k_smem, CID),
+                           gl.zeros([BM, DQ], gl.float32, dq_layout), use_acc=False, is_async=True)
+    return dq
 
 
 @gluon.jit
 def _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID: gl.constexpr, SPLIT_DQ: gl.constexpr):
     """A retired dQ part of a step into this consumer's float32 buffer (one, or two by step parity: BwdTile.
     dq_buffers; `step` is only read for its parity) and on by TMA reduce-add into the accumulator."""
-    pass  # DIAGNOSIS (reverted below): nothing stored, nothing reduced
+    NB: gl.constexpr = dq_smem.shape[0] // _CONSUMERS  # dQ buffers per consumer: 1 or 2
+    BM: gl.constexpr = dq_smem.shape[3]
+    DQ: gl.constexpr = dq_smem.shape[4]
+    if NB == 1:
+        dq_c = dq_smem.index(CID)
+    else:
+        dq_c = dq_smem.index(CID * 2 + (step & 1))
+    # the reduce-add that last read dq_c (NB steps ago) has finished; the NB - 1 later ones may still run
+    tma.store_wait(NB - 1)
+    dq_c.reshape([BM, DQ]).store(dq)
+    fence_async_shared()  # DIAGNOSIS (reverted): no TMA reduce-add; the dQ tile still goes to shared memory
 
 
 @gluon.jit
