@@ -417,7 +417,11 @@ def _dq_drain(dq, dq_smem, desc_dq, b, h, q_row, step, CID: gl.constexpr, SPLIT_
     # the reduce-add that last read dq_c (NB steps ago) has finished; the NB - 1 later ones may still run
     tma.store_wait(NB - 1)
     dq_c.reshape([BM, DQ]).store(dq)
-    fence_async_shared()  # DIAGNOSIS (reverted): no TMA reduce-add; the dQ tile still goes to shared memory
+    fence_async_shared()
+    if SPLIT_DQ:
+        _tma_reduce_add(desc_dq, [b, h, q_row, CID * DQ], dq_c)
+    else:
+        _tma_reduce_add(desc_dq, [b, h, q_row, 0], dq_c)
 
 
 @gluon.jit
