@@ -15,9 +15,8 @@ Run in a process of its own (see bench.flash_gluon_resources).
 from __future__ import annotations
 
 import argparse
-import sys
 
-from cs336_systems.bench.flash_gluon_resources import compiled_row, use_compile_only_driver
+from cs336_systems.bench.flash_gluon_resources import compiled_row, finish, use_compile_only_driver
 
 # (head dim, causal, dtype, variant): what the launcher ships, then (bf16) the alternative dQ scheme, for the record:
 # "shipped" is TILES' tile; "split_dq" / "per_consumer_dq" force that dQ scheme (flash_gluon_bwd.BwdTile.split_dq);
@@ -155,8 +154,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")
     args = parser.parse_args(argv)
     use_compile_only_driver()
-    from cs336_systems.provenance import provenance
-    from cs336_systems.results import write_rows
 
     configs = CONFIGS
     if args.d64_tiles:
@@ -181,11 +178,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"d={head_dim} causal={causal} {dtype} {variant}: {shown}", flush=True)
         if args.only_first:
             break
-    if args.out:
-        prov = provenance("cpu")
-        write_rows([{**row, **prov} for row in rows], args.out)
-    if any(row["status"] != "ok" for row in rows):
-        sys.exit(1)
+    finish(rows, args.out)
 
 
 if __name__ == "__main__":

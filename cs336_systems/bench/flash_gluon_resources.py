@@ -118,6 +118,19 @@ def compiled_row(kernel, args, grid, options, row: dict, ptx_counts: dict[str, s
             "compile_s": round(time.time() - start, 1), "status": "ok"}
 
 
+def finish(rows: list[dict], out: str | None) -> None:
+    """The compile table's end: its rows to `out` (if given) with this machine's provenance, then exit 1 if a
+    configuration failed to compile (its row holds the error)."""
+    from cs336_systems.provenance import provenance
+    from cs336_systems.results import write_rows
+
+    if out:
+        prov = provenance("cpu")
+        write_rows([{**row, **prov} for row in rows], out)
+    if any(row["status"] != "ok" for row in rows):
+        sys.exit(1)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", nargs="+", type=int, default=None, help="only these head dims (64, 128)")
@@ -130,8 +143,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")
     args = parser.parse_args(argv)
     use_compile_only_driver()
-    from cs336_systems.provenance import provenance
-    from cs336_systems.results import write_rows
 
     rows = []
     for head_dim, causal, dtype, exact, persistent, num_slots in (D64_CONFIGS if args.d64_tiles else CONFIGS):
@@ -147,11 +158,7 @@ def main(argv: list[str] | None = None) -> None:
               f"num_slots={row['num_slots']}: {shown}", flush=True)
         if args.only_first:
             break
-    if args.out:
-        prov = provenance("cpu")
-        write_rows([{**row, **prov} for row in rows], args.out)
-    if any(row["status"] != "ok" for row in rows):
-        sys.exit(1)
+    finish(rows, args.out)
 
 
 if __name__ == "__main__":
