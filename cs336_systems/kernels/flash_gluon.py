@@ -119,9 +119,7 @@ class GluonTile:
     the next tile's Q loads under this one's last P V and epilogue; else one program per tile. named_turns: the
     consumers take turns through named barriers (bar.sync / bar.arrive), else through a pair of mbarriers.
     causal_q_registers: in causal calls each consumer loads its Q sub-tile into registers once per tile and issues
-    S = Q K^T with Q as the register A operand, so that its key steps read only K and V from shared memory.
-    o_direct: O goes from the consumers' registers to global memory by plain stores, with no O buffers in shared
-    memory (on the persistent grid they take what a third K/V slot needs at d=128)."""
+    S = Q K^T with Q as the register A operand, so that its key steps read only K and V from shared memory."""
 
     head_dim: int
     block_m: int = 64
@@ -133,7 +131,6 @@ class GluonTile:
     persistent: bool = False
     named_turns: bool = True
     causal_q_registers: bool = False
-    o_direct: bool = False
 
     def __post_init__(self):
         if self.block_n != CONSUMERS * self.block_m:
@@ -145,7 +142,7 @@ class GluonTile:
 
     def shared_bytes(self, element_size: int = 2) -> int:
         """Tiles only (the barriers add a few hundred bytes): Q, (persistent) O, and the K/V ring."""
-        q_and_o = self.rows * (2 if self.persistent and not self.o_direct else 1)
+        q_and_o = self.rows * (2 if self.persistent else 1)
         return element_size * self.head_dim * (q_and_o + 2 * self.num_slots * self.block_n)
 
 
@@ -474,9 +471,9 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
 
 @gluon.jit
 def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                 L, O, stride_ob, stride_oh, stride_on, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx,
-                 phase, turn_phase, q_phase, CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr,
-                 NAMED_TURNS: gl.constexpr, Q_REGS: gl.constexpr, O_DIRECT: gl.constexpr):
+                 L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+                 CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NAMED_TURNS: gl.constexpr,
+                 Q_REGS: gl.constexpr):
     """One consumer's 64 rows of one tile, from Q's arrival to O's store. The barrier state (idx, phase: the
     ring slot of the last key tile read; turn_phase; q_phase) comes from the previous tile and goes to the next."""
     NUM: gl.constexpr = k_ring.shape[0]
@@ -535,26 +532,20 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
         acc = acc / gl.convert_layout(l_i, row_o)[:, None]
         lse = (m_i + gl.log2(l_i)) * _LN2
         gl.store(L + bh * n_queries + offs_m, lse, mask=offs_m < n_queries)
-    if O_DIRECT:  # from registers, rows past the end left out
-        rows = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        o_rows = O + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh + rows.to(gl.int64) * stride_on
-        gl.store(o_rows[:, None] + cols[None, :], acc.to(dtype), mask=rows[:, None] < n_queries)
-    else:
-        # O leaves through o_smem (one-tile grid: Q's own buffer, whose wgmmas have all retired); rows past the end
-        # are clipped. Persistent: this consumer's previous O store must have read the buffer first.
-        tma.store_wait(0)
-        _as_2d(o_smem, CID).store(acc.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem.index(CID))
+    # O leaves through o_smem (one-tile grid: Q's own buffer, whose wgmmas have all retired); rows past the end
+    # are clipped. Persistent: this consumer's previous O store must have read the buffer first.
+    tma.store_wait(0)
+    _as_2d(o_smem, CID).store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem.index(CID))
     return idx, phase, turn_phase, q_phase ^ 1
 
 
 @gluon.jit
 def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
-              O, stride_ob, stride_oh, stride_on, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale,
-              CID: gl.constexpr, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
-              NAMED_TURNS: gl.constexpr, Q_REGS: gl.constexpr, O_DIRECT: gl.constexpr):
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, CID: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr, NAMED_TURNS: gl.constexpr,
+              Q_REGS: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
@@ -574,32 +565,31 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
                                               group, ROWS, BN, IS_CAUSAL)
             idx, phase, turn_phase, q_phase = _attend_tile(
                 desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                L, O, stride_ob, stride_oh, stride_on, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase,
-                turn_phase, q_phase, CID, IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS, O_DIRECT)
+                L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
+                IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS)
     else:
         b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
                                           ROWS, BN, IS_CAUSAL)
         _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     turn, L, O, stride_ob, stride_oh, stride_on, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale,
-                     idx, phase, turn_phase, q_phase, CID, IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS, O_DIRECT)
+                     turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
+                     CID, IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS)
     tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
 
 # Lengths and counts enter only addresses and loop bounds: not specialised on, so new lengths do not recompile.
 @gluon.jit(do_not_specialize=["H", "batch_heads", "n_queries", "n_keys", "n_q_tiles", "group"])
-def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, O, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
-                            group, stride_ob, stride_oh, stride_on, qk_scale, IS_CAUSAL: gl.constexpr,
-                            EXACT: gl.constexpr, PERSISTENT: gl.constexpr, NUM_SLOTS: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, NAMED_TURNS: gl.constexpr,
-                            Q_REGS: gl.constexpr, O_DIRECT: gl.constexpr):
+def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
+                            group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
+                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            NAMED_TURNS: gl.constexpr, Q_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_q.layout)
-    if PERSISTENT and not O_DIRECT:  # O gets its own buffers, so the next tile's Q can land while O is stored
+    if PERSISTENT:  # O gets its own buffers, so the next tile's Q can land while O is stored
         o_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_o.layout)
-    else:  # one-tile grid: Q's buffer; O_DIRECT: unused
+    else:
         o_smem = q_smem
     k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_k.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_v.layout)
@@ -624,11 +614,11 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, O, sched, H, batc
     # (argument tuples written inline: a tuple bound to a local variable first turns constexprs into tensors)
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     turn, L, O, stride_ob, stride_oh, stride_on, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
-                     group, qk_scale, 0, IS_CAUSAL, EXACT, PERSISTENT, NAMED_TURNS, Q_REGS, O_DIRECT)),
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
+                     EXACT, PERSISTENT, NAMED_TURNS, Q_REGS)),
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     turn, L, O, stride_ob, stride_oh, stride_on, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
-                     group, qk_scale, 1, IS_CAUSAL, EXACT, PERSISTENT, NAMED_TURNS, Q_REGS, O_DIRECT)),
+                     turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
+                     EXACT, PERSISTENT, NAMED_TURNS, Q_REGS)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
                      v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -726,10 +716,10 @@ def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group
     else:
         programs, sched = n_tiles, None
     args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
-            _descriptor(out, tile.block_m), lse, out, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
-            group, *out.stride()[:3], head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
+            _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
+            group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
             tile.consumer_registers, tile.producer_registers, tile.named_turns,
-            tile.causal_q_registers and is_causal, tile.o_direct)
+            tile.causal_q_registers and is_causal)
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
@@ -822,7 +812,7 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = 
     if plan is not None:  # this layout ran (checked) before: the same checks would pass
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-        plan.launch((q, k, v, out), lse, out)
+        plan.launch((q, k, v, out), lse)
         return out, lse
     problem = None if checked else layout_problem(q, k, v) or device_problem(q)
     if problem:
@@ -837,7 +827,7 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = 
                                         tile)
     _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
     if fast_launch:
-        plan = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=2)
+        plan = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=1)
         if plan is not None:  # only once it ran: a call that raised leaves no plan
             _PLANS[key] = plan
     return out, lse
@@ -860,4 +850,4 @@ def native_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     """The forward's launch for flash_native's C++ plan of these inputs' layout, once a call of that layout has run
     here with fast launch (its plan holds the binary); None before."""
     plan = _PLANS.get((launch.layout(q, k, v), is_causal, False, None, None))
-    return None if plan is None else [plan.native_call(("q", "k", "v", "out"), ("lse", "out"))]
+    return None if plan is None else [plan.native_call(("q", "k", "v", "out"), ("lse",))]

@@ -2,9 +2,6 @@
 
     python results/diagnosis/flash_gluon_d128_forward.py [--out-dir DIR] [--rounds 5]
 
-(Run 2, in run2/: the shipped persistent two-slot tile against a third K/V slot, which fits beside the persistent
-grid only with O stored from registers, GluonTile.o_direct, and against the one-tile grid with three slots.)
-
 Stage 3 (results/diagnosis/flash_gluon_stage3/, 0037fdf) timed the two d=128 forwards at two shapes only: the
 persistent one 0.91-0.94x the one-tile one at 4 x 32 x 4096 causal, even at the 8B shape; it stayed unshipped for
 the noise of its forward+backward. Since then the d=64 search shipped the persistent forward there (flash_gluon_d64.py,
@@ -40,12 +37,8 @@ from cs336_systems.results import write_rows
 
 HEAD_DIM = 128
 SHIPPED = flash_gluon.tile_for(HEAD_DIM)
-# Run 2 (session 27): a third K/V slot, which fits beside the persistent grid only with O stored from registers
-# (GluonTile.o_direct: no O buffers in shared memory), or on the one-tile grid; and O from registers alone
 VARIANTS = {"shipped_one_tile_s2" if not SHIPPED.persistent else "shipped": SHIPPED,
-            "o_direct_s2": dataclasses.replace(SHIPPED, persistent=True, num_slots=2, o_direct=True),
-            "o_direct_s3": dataclasses.replace(SHIPPED, persistent=True, num_slots=3, o_direct=True),
-            "one_tile_s3": dataclasses.replace(SHIPPED, persistent=False, num_slots=3)}
+            "persistent_s2": dataclasses.replace(SHIPPED, num_slots=2, persistent=True)}
 # (name, batch, heads, seq, causal): flash_llm_shapes' d=128 points that take Gluon (flash_dispatch: from 1024 keys
 # and 2^27 scores), short to long
 SHAPES = [("8x32x1024_causal", 8, 32, 1024, True), ("2x32x2048_causal", 2, 32, 2048, True),
