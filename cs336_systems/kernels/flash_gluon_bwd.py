@@ -199,7 +199,7 @@ SCHEDULES = {
 # run 0.937-1.026x at seven d=64 points, median 0.986 (results/diagnosis/flash_gluon_ab/backward_dq_swizzle32_*.csv,
 # H100; kernels/NOTES.md, "Two softmax changes and the dQ tile's swizzle": its 32-byte reduce-adds load L2 more).
 TILES = {64: BwdTile(64, block_m=128, num_slots=2, dq_swizzle=32),
-         128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True, dq_swizzle=64)}
+         128: BwdTile(128, num_slots=2, defer_dq=True, pingpong=True)}
 
 
 def tile_for(head_dim: int) -> BwdTile:
