@@ -989,9 +989,12 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
     # the prose quotes each batch's latest run
     ours_b2 = timed[(timed["provider"] == "ours") & (timed["batch"] == 2)]["step_ms"].iloc[-1]
     sac_b2 = timed[(timed["provider"] == "torch_plain_sac") & (timed["batch"] == 2)]["step_ms"].iloc[-1]
+    mfu_b2 = timed[(timed["provider"] == "ours") & (timed["batch"] == 2)]["mfu"].iloc[-1]
     gap = body.checked[0]
     batch2_missed = "not met yet" in gap or "not yet at batch 2" in gap
-    assert f"{ours_b2 / sac_b2:.3f}×" in gap and batch2_missed == (ours_b2 / sac_b2 > 0.9)
+    assert f"{ours_b2 / sac_b2:.3f}×" in gap and batch2_missed == (ours_b2 / sac_b2 > 0.9 or mfu_b2 < 0.54)
+    # the MFU is quoted finely enough to show which side of the 54% target it falls (53.98% is not "54.0%")
+    assert f"at {100 * mfu_b2:.2f}% MFU" in gap
     ablations = ablation_table(frame)
     sdpa = int(ablations.data.index[ablations.data["ablation"] == "ours-sdpa_attention"][-1])
     batch, run = int(ablations.data.at[sdpa, "batch"]), ablations.data.at[sdpa, "run"]

@@ -288,7 +288,7 @@ def _ratio_to_anchor(q: Quotes, provider: str, batch: int, run: str | None = Non
 
 
 def _mfu_percent(q: Quotes, provider: str, batch: int) -> str:
-    return q.derive(lambda t: 100 * _cell(t, provider, "MFU", batch), ".1f", f"{provider} MFU %, batch {batch}")
+    return q.derive(lambda t: 100 * _cell(t, provider, "MFU", batch), ".2f", f"{provider} MFU %, batch {batch}")
 
 
 def _gap_paragraph(q: Quotes, batches: list[int]) -> str:
