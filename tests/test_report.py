@@ -1146,6 +1146,38 @@ def test_leaderboard_profile_section_quotes_its_time_table(tmp_path, dropped):
         assert any("miss of the total" in problem for problem in unquoted(moved))
 
 
+@pytest.mark.parametrize("swapped", [True, False])
+def test_leaderboard_profile_compares_our_attention_with_sdpas_in_the_step(tmp_path, swapped):
+    """Where the profiled run has ours beside `ours-sdpa_attention`, the section states ours' attention device time
+    over SDPA's (forward, backward, both), recomputed here from the rows, as formulas over the time table's cells (a
+    moved cell is caught); without that ablation it says nothing of it."""
+    from tests.test_report_frames import _step_profile_rows
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.leaderboard import render_profile
+
+    rows = _step_profile_rows(np.random.default_rng(11), dropped=False)
+    if swapped:
+        rows["provider"] = rows["provider"].replace("ours-mm:6", "ours-sdpa_attention")
+    rows.to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
+    make_tables(tmp_path, ["leaderboard_8b_profile", "leaderboard_8b_memory"])
+    body = render_profile(Context(tmp_path, tmp_path, tmp_path, {}))
+    assert unquoted(body) == []
+    said = [p for p in body.checked if p.startswith("Ours' attention against SDPA's")]
+    assert len(said) == int(swapped)
+    if not swapped:
+        return
+    times = rows[rows["kind"] == "time"].pivot(index="category", columns="provider", values="value")
+    ours, sdpa = times["ours"], times["ours-sdpa_attention"]
+    both = ["attention forward", "attention backward"]
+    assert (f"takes {ours[both].sum() / sdpa[both].sum():.3f}× SDPA's device time (forward "
+            f"{ours['attention forward'] / sdpa['attention forward']:.3f}×, backward "
+            f"{ours['attention backward'] / sdpa['attention backward']:.3f}×)") in said[0]
+    data = body.table.data.copy()
+    data.loc[data["category"] == "attention backward", "ours"] *= 0.5  # a rebuilt table whose cell moved
+    moved = replace(body, table=NumericTable(data, body.table.columns, body.table.status))
+    assert any("SDPA's in the step" in problem for problem in unquoted(moved))
+
+
 @pytest.mark.parametrize("bf16_change", [+500.0, -500.0])
 def test_memory_section_quotes_the_recorded_phase_columns(tmp_path, bf16_change):
     """With the columns bench/memory.py now records (phase levels, what the forward saves), the 1.1.6 table

@@ -211,10 +211,32 @@ def render_profile(ctx: Context) -> Section:
             "parameters, gradients and optimizer state counted from the tensors at the step's end; the rest is "
             "activations and workspace at the peak (a lower bound where some gradients did not exist yet at the "
             "peak). On CUDA the step's allocator snapshot is pickled beside the results (not committed).")
-    note = _unlinked_note(q, ctx.frame("leaderboard_8b_profile"))
-    checked = [text, *([note] if note else [])]
-    parts = [text, ctx.table("leaderboard_8b_profile"), *([note] if note else []), ctx.table("leaderboard_8b_memory")]
+    notes = [n for n in (_unlinked_note(q, ctx.frame("leaderboard_8b_profile")), _attention_note(q)) if n]
+    checked = [text, *notes]
+    parts = [text, ctx.table("leaderboard_8b_profile"), *notes, ctx.table("leaderboard_8b_memory")]
     return Section(parts, q.table, checked, q.derived)
+
+
+SWAPPED = "ours-sdpa_attention"  # the ablation that runs SDPA's attention in ours' step
+
+
+def _attention_note(q: Quotes) -> str:
+    """Where the profiled run has ours beside the ablation with SDPA's attention: ours' attention device time over
+    SDPA's, forward, backward and both, in the same step of the same run (formulas over the time table's cells)."""
+    ms = _per_category(q.frame)
+    if not {"ours", SWAPPED} <= set(ms.columns):
+        return ""
+
+    def ratio(categories: tuple[str, ...], what: str) -> str:
+        return q.derive(lambda t: (_per_category(t).loc[list(categories), "ours"].sum()
+                                   / _per_category(t).loc[list(categories), SWAPPED].sum()), ".3f", what)
+
+    both = ratio(("attention forward", "attention backward"), "ours' attention over SDPA's in the step")
+    forward = ratio(("attention forward",), "ours' attention forward over SDPA's in the step")
+    backward = ratio(("attention backward",), "ours' attention backward over SDPA's in the step")
+    return (f"Ours' attention against SDPA's inside the same step: `{SWAPPED}` is ours with SDPA's attention (cuDNN "
+            f"on Hopper) in place of our kernels, profiled in the same run: the same step but for its attention. Ours' "
+            f"attention takes {both}× SDPA's device time (forward {forward}×, backward {backward}×).")
 
 
 def _per_category(times: pd.DataFrame) -> pd.DataFrame:
