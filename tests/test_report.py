@@ -364,7 +364,7 @@ def test_each_section_embeds_only_the_tables_and_figures_it_owns():
     os.chdir(ROOT)
     try:
         for item in DELIVERABLES:
-            ctx = Recording(Path("results"), Path("figures"), Path("results"), {})
+            ctx = Recording(Path("results"), Path("figures"), Path("results"))
             ctx.embedded = []
             if any(ctx.frame(name) is None for name in item.data):
                 continue  # not measured yet (the writeup says pending); the smoke run renders it
