@@ -95,7 +95,7 @@ def test_attention_section_quotes_its_table(tmp_path):
 
     _attention_rows().to_csv(tmp_path / "attention.csv", index=False)
     make_tables(tmp_path, ["attention"])
-    section = render_attention(Context(tmp_path, tmp_path, tmp_path, {}))
+    section = render_attention(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(section) == []
     assert any("seq ≈" in p for p in section.checked) and "pending" in section.markdown()  # no measured peak
 
@@ -125,7 +125,7 @@ def test_accuracy_verdict_and_section(tmp_path):
 
     pd.DataFrame(_accuracy_rows(1.05)).to_csv(tmp_path / "flash_accuracy.csv", index=False)
     make_tables(tmp_path, ["flash_accuracy"])
-    section = render_flash_accuracy(Context(tmp_path, tmp_path, tmp_path, {}))
+    section = render_flash_accuracy(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(section) == [] and "1.05–1.05× SDPA's" in section.checked[0]
 
 
@@ -148,7 +148,7 @@ def test_attention_section_quotes_a_measured_backward_peak(tmp_path):
     rows["peak_memory_mib"] = rows["memory_before_backward_mib"] + 2 * 8 * rows["seq_len"] ** 2 * 4 / 2**20 + 3
     rows.to_csv(tmp_path / "attention.csv", index=False)
     make_tables(tmp_path, ["attention"])
-    section = render_attention(Context(tmp_path, tmp_path, tmp_path, {}))
+    section = render_attention(Context(tmp_path, tmp_path, tmp_path))
     assert "measured backward peak (MiB)" in section.table.headers and unquoted(section) == []
     assert "; measured: 1619 MiB." in section.checked[1]  # 512 + 8 × 2 + 64 MiB before, + 2 × 512 + 3
 
@@ -161,7 +161,7 @@ def test_correctness_section_counts_repeated_runs(tmp_path):
             for r in range(5) for test in ("test_a[triton-cuda]", "test_b[pytorch-cuda]")]
     pd.DataFrame(rows).to_csv(tmp_path / "flash_correctness.csv", index=False)
     make_tables(tmp_path, ["flash_correctness"])
-    section = render_flash_correctness(Context(tmp_path, tmp_path, tmp_path, {}))
+    section = render_flash_correctness(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(section) == []
     text = section.checked[0]
     assert text.startswith("2 of 2 tests") and "in each of their 5 runs" in text and "(10 of 10 runs passed)" in text

@@ -244,7 +244,7 @@ def test_report_reads_the_rerun_columns(rerun_results):
     from tests.test_report import unquoted
 
     make_tables(rerun_results, ["ddp_naive", "ddp_individual", "sharding"])  # as the `table` rule does
-    ctx = Context(rerun_results, rerun_results, rerun_results, {})
+    ctx = Context(rerun_results, rerun_results, rerun_results)
     for render in (render_ddp_naive, render_ddp_individual, render_sharding):
         body = render(ctx)
         assert unquoted(body) == [], render.__name__
@@ -260,7 +260,7 @@ def test_committed_rows_say_what_waits_for_the_rerun():
     from cs336_systems.report.sections.distributed import render_ddp_bucketed, render_ddp_naive
     from cs336_systems.report.sections.sharding import render_sharding
 
-    ctx = Context(ROOT / "results", ROOT / "figures", ROOT / "results", {})
+    ctx = Context(ROOT / "results", ROOT / "figures", ROOT / "results")
     naive, bucketed, sharding = (render(ctx).markdown() for render in (render_ddp_naive, render_ddp_bucketed,
                                                                        render_sharding))
     assert "predate the compute-stream events" in naive and RERUN in naive

@@ -231,7 +231,7 @@ def committed(request):
     here = Path.cwd()
     os.chdir(ROOT)  # figure links are relative to the working directory
     try:
-        ctx = Context(Path("results"), Path("figures"), Path("results"), {})
+        ctx = Context(Path("results"), Path("figures"), Path("results"))
         # sections whose data is not measured yet render as the writeup shows them: a pending line
         yield {item.section: item.render(ctx) if all(ctx.frame(name) is not None for name in item.data)
                else render(item, ctx) for item in DELIVERABLES}
@@ -337,7 +337,7 @@ def test_sections_without_data_say_pending_naming_their_rule(tmp_path):
     from cs336_systems.report.section import Context
     from cs336_systems.report.writeup import render
 
-    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    ctx = Context(tmp_path, tmp_path, tmp_path)
     for item in DELIVERABLES:
         body = render(item, ctx, device="cpu")
         if item.data and item.cuda_only:
@@ -364,7 +364,7 @@ def test_each_section_embeds_only_the_tables_and_figures_it_owns():
     os.chdir(ROOT)
     try:
         for item in DELIVERABLES:
-            ctx = Recording(Path("results"), Path("figures"), Path("results"), {})
+            ctx = Recording(Path("results"), Path("figures"), Path("results"))
             ctx.embedded = []
             if any(ctx.frame(name) is None for name in item.data):
                 continue  # not measured yet (the writeup says pending); the smoke run renders it
@@ -384,14 +384,14 @@ def drawn(monkeypatch):
     import matplotlib.pyplot as plt
 
     from cs336_systems.report import figures, memory, traces
-    from cs336_systems.report.sections import edition2026
+    from cs336_systems.report.sections import checkpointing
 
     captured = {}
 
     def capture(fig, path, title, rows=None):
         captured[title] = (fig, None if rows is None else figures.provenance_stamp(rows))
 
-    for module in (figures, memory, traces, edition2026):  # every module that draws a figure
+    for module in (figures, memory, traces, checkpointing):  # every module that draws a figure
         monkeypatch.setattr(module, "save_figure", capture)
     yield captured
     for fig, _ in captured.values():
@@ -624,7 +624,7 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
                                           warmup=1, steps=1, device="cpu", tool="torch")),
                tmp_path / "profile_bf16.csv")
     make_tables(tmp_path, ["baseline_timing", "kernel_vs_wall"])  # what the `table` rule writes, the sections read
-    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    ctx = Context(tmp_path, tmp_path, tmp_path)
     baseline = benchmarking.render_baseline(ctx)
     host = benchmarking.render_host_bound(ctx)
     for body in (baseline, host):
@@ -663,7 +663,7 @@ def test_warmup_text_follows_the_per_step_times(tmp_path):
             for size, scale in (("small", 1.0), ("xl", 10.0)) for w, t in times.items()]
     write_rows(rows, tmp_path / "e2e_warmup.csv")
     make_tables(tmp_path, ["e2e_warmup"])
-    body = benchmarking.render_warmup(Context(tmp_path, tmp_path, tmp_path, {}))
+    body = benchmarking.render_warmup(Context(tmp_path, tmp_path, tmp_path))
     assert "pending" not in body.markdown() and unquoted(body) == []
     per_step = body.checked[1]
     # warm-up 0: the first step carries the excess, at both sizes (600 ms against a warmed mean of ~54 ms)
@@ -687,7 +687,7 @@ def test_profile_text_compares_gemm_kernels_with_softmax_and_reads_the_diagnosis
     oom = {**rows[0], "size": "mini", "kind": "point", "status": "oom"}
     write_rows([*rows, oom], tmp_path / "profile.csv")
     make_tables(tmp_path, ["profile_grid", "profile_kernels"])
-    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    ctx = Context(tmp_path, tmp_path, tmp_path)
     body = profiling.render_profile(ctx)
     assert unquoted(body) == []  # (a) quotes the grid's cells
     text = body.markdown()
@@ -700,7 +700,7 @@ def test_profile_text_compares_gemm_kernels_with_softmax_and_reads_the_diagnosis
                  "forward peak (MiB)": 10.0, "backward peak (MiB)": 12.0},
                 {"run": "memory harness", "size": "mini", "context_length": 16, "status": "ok", "device_name": "GPU",
                  "step peak (MiB)": 11.0}], tmp_path / "diagnosis" / "profile_oom.csv")
-    text = profiling.render_profile(Context(tmp_path, tmp_path, tmp_path, {})).markdown()
+    text = profiling.render_profile(Context(tmp_path, tmp_path, tmp_path)).markdown()
     assert "the first harness (OOM), the harness now (peak 12 MiB), 1.1.6's memory harness (peak 11 MiB)" in text
     assert "So the cause was the harness" in text
 
@@ -1018,7 +1018,7 @@ def test_leaderboard_8b_section_renders_at_smoke_scale(tmp_path):
                                                    device_name="cpu (x86_64, 2 cores)")
     smoke.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
     make_tables(tmp_path, ["leaderboard_8b", "leaderboard_8b_ablations"])  # as the `table` rule does
-    body = render_leaderboard(Context(tmp_path, tmp_path, tmp_path, {}))
+    body = render_leaderboard(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(body) == [] and "nan" not in body.markdown()
     assert "this device measures no MFU" in body.markdown() and "`ours-full_ac` takes" in body.markdown()
     assert "SDPA attention in place" not in body.markdown()  # no such ablation in this run
@@ -1090,7 +1090,7 @@ def test_linear_ce_section_renders_other_settings(tmp_path, mixed):
     point, a device name with a number in it) the prose is still the table's cells; where the rows differ in
     d_model the intro states none and points at the columns, and where no peak was measured it says so."""
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.edition2026 import render_linear_ce
+    from cs336_systems.report.sections.linear_ce import render_linear_ce
 
     rng = np.random.default_rng(5 + mixed)
     d_models = [16, 24] if mixed else [int(rng.integers(8, 64))]
@@ -1099,7 +1099,7 @@ def test_linear_ce_section_renders_other_settings(tmp_path, mixed):
         rows["peak_mib"] = np.nan
     rows.to_csv(tmp_path / "linear_ce.csv", index=False)
     make_tables(tmp_path, ["linear_ce"])  # as the `table` rule does
-    body = render_linear_ce(Context(tmp_path, tmp_path, tmp_path, {}))
+    body = render_linear_ce(Context(tmp_path, tmp_path, tmp_path))
     intro = body.checked[0]
     assert unquoted(body) == [] and "nan" not in body.markdown()
     assert "chunks of 16 tokens" in intro and "-token rows" not in intro and "8B size's" not in intro
@@ -1128,7 +1128,7 @@ def test_leaderboard_profile_section_quotes_its_time_table(tmp_path, dropped):
     from cs336_systems.report.sections.leaderboard import PROFILE_CATEGORIES, render_profile
 
     results = _profile_results(tmp_path, dropped)
-    body = render_profile(Context(results, results, results, {}))
+    body = render_profile(Context(results, results, results))
     assert isinstance(body, Section) and unquoted(body) == []
     assert body.table.to_markdown() in body.markdown()
     assert (results / "tables" / "leaderboard_8b_memory.md").read_text() in body.markdown()
@@ -1160,7 +1160,7 @@ def test_leaderboard_profile_compares_our_attention_with_sdpas_in_the_step(tmp_p
         rows["provider"] = rows["provider"].replace("ours-mm:6", "ours-sdpa_attention")
     rows.to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
     make_tables(tmp_path, ["leaderboard_8b_profile", "leaderboard_8b_memory"])
-    body = render_profile(Context(tmp_path, tmp_path, tmp_path, {}))
+    body = render_profile(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(body) == []
     said = [p for p in body.checked if p.startswith("Ours' attention against SDPA's")]
     assert len(said) == int(swapped)
@@ -1198,7 +1198,7 @@ def test_memory_section_quotes_the_recorded_phase_columns(tmp_path, bf16_change)
     (tmp_path / "tables").mkdir()
     rows.to_csv(tmp_path / "memory.csv", index=False)
     section.memory_peaks(rows).save(tmp_path / "tables" / "memory_peaks.json")
-    body = section.render_memory(Context(tmp_path, tmp_path, tmp_path, {}))
+    body = section.render_memory(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(body) == []
     point = rows[bf16 & (rows["context_length"] == rows["context_length"].max())].iloc[0]
     precision = next(p for p in body.checked if p.startswith("(c)"))
@@ -1227,17 +1227,17 @@ def test_fsdp_overlap_section_quotes_its_table(tmp_path):
     traces' report writes), each wrapper's line is its cells as the table prints them, the baseline without
     communication says so, and a changed number is caught."""
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.edition2026 import render_fsdp_overlap
+    from cs336_systems.report.sections.distributed import render_fsdp_overlap
     from cs336_systems.report.writeup import render
 
     item = next(item for item in DELIVERABLES if item.section.startswith("2026 §7 fsdp_accounting (b)"))
-    ctx = Context(tmp_path, tmp_path, tmp_path, {})
+    ctx = Context(tmp_path, tmp_path, tmp_path)
     assert render(item, ctx) == f"pending: rule `fsdp_overlap` has not produced {tmp_path / 'fsdp_overlap.csv'} yet\n"
 
     rows = _fsdp_overlap_rows(np.random.default_rng(7))
     rows.to_csv(tmp_path / "fsdp_overlap.csv", index=False)
     make_tables(tmp_path, ["fsdp_overlap"])  # as the `table` rule does
-    body = render_fsdp_overlap(Context(tmp_path, tmp_path, tmp_path, {}))
+    body = render_fsdp_overlap(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(body) == [] and "nan" not in body.markdown()
     lines = body.checked[1]
     assert "- none_baseline: no communication kernels." in lines
@@ -1257,7 +1257,7 @@ def test_fsdp_section_quotes_its_table(tmp_path):
     The intro's ranks, batch and context are the table's cells, each size's line its cells and ratio, and a
     changed number is caught."""
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.edition2026 import render_fsdp
+    from cs336_systems.report.sections.distributed import render_fsdp
 
     rng = np.random.default_rng(11)
     template = pd.read_csv(ROOT / "results" / "sharding.csv").iloc[0]
@@ -1270,7 +1270,7 @@ def test_fsdp_section_quotes_its_table(tmp_path):
                          for config in ("fsdp", "torch_fsdp2", "bucketed:100")])
     rows.to_csv(tmp_path / "fsdp.csv", index=False)
     make_tables(tmp_path, ["fsdp"])  # as the `table` rule does
-    body = render_fsdp(Context(tmp_path, tmp_path, tmp_path, {}))
+    body = render_fsdp(Context(tmp_path, tmp_path, tmp_path))
     assert unquoted(body) == [] and "nan" not in body.markdown()
     intro = body.checked[0]
     for said in (f"{setting['world_size']} ranks", f"batch {setting['batch_per_rank']} per rank",

@@ -161,7 +161,7 @@ def test_the_writeup_embeds_the_frames_it_quotes():
     here = os.getcwd()
     os.chdir(ROOT)
     try:
-        ctx = Context(Path("results"), Path("figures"), Path("results"), {})
+        ctx = Context(Path("results"), Path("figures"), Path("results"))
         numeric = 0
         for item in DELIVERABLES:
             if not item.data or any(ctx.frame(n) is None for n in item.data):
@@ -210,7 +210,7 @@ def test_converted_sections_never_rebuild_their_tables(monkeypatch):
     here = os.getcwd()
     os.chdir(ROOT)
     try:
-        ctx = Context(Path("results"), Path("figures"), Path("results"), {})
+        ctx = Context(Path("results"), Path("figures"), Path("results"))
         converted = [item for item in DELIVERABLES if item.tables and all(
             (ROOT / "results" / "tables" / f"{t.name}.json").exists() and
             any(c.numeric for c in NumericTable.load(ROOT / "results" / "tables" / f"{t.name}.json").columns)
@@ -372,7 +372,7 @@ def test_checkpoint_cost_table_models_the_eager_blocks_measured_sizes(seed, tmp_
     """3.2 (a)'s table: the cost model at the eager block's residuals and boundary, each storage once; no rows
     where the results hold no eager block."""
     from cs336_systems.model import CheckpointPolicy, checkpoint_cost
-    from cs336_systems.report.sections.edition2026 import cost_model_table
+    from cs336_systems.report.sections.checkpointing import cost_model_table
 
     rows = _saved_rows(np.random.default_rng(seed))
     eager = rows[rows["mode"] == "eager"].set_index("kind")["storage_mib"]
@@ -393,7 +393,7 @@ def test_checkpointing_table_prints_the_model_state_in_every_row(tmp_path):
     the float32 weights and two AdamW moments of the swept model in every row (12 B per parameter, counted
     here from the config's shapes)."""
     from cs336_systems.model import MODEL_SIZES_2026
-    from cs336_systems.report.sections.edition2026 import checkpointing_table
+    from cs336_systems.report.sections.checkpointing import checkpointing_table
 
     rng = np.random.default_rng(5)
     policies = [("none", "none", 0, "oom"), ("every:1", "every", 1, "ok"), ("every:4", "every", 4, "ok"),

@@ -304,7 +304,7 @@ def _render(results):
 
     make_tables(results, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_profile",
                           "leaderboard_8b_memory"])  # those whose data is present
-    ctx = Context(results, results, results, {})
+    ctx = Context(results, results, results)
     return render_leaderboard(ctx), render(DELIVERABLES[1], ctx)
 
 

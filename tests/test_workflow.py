@@ -92,7 +92,7 @@ def test_committed_writeup_is_what_the_code_makes_of_the_committed_results(monke
     from cs336_systems.report.writeup import Context, build
 
     monkeypatch.chdir(ROOT)  # figure links are relative to the working directory
-    ctx = Context(Path("results"), Path("figures"), Path("results"), {})
+    ctx = Context(Path("results"), Path("figures"), Path("results"))
     assert build(ctx, "full", "cuda") == (ROOT / "results" / "writeup.md").read_text()
 
 

@@ -30,7 +30,6 @@ class Context:
     results: Path
     figures: Path
     out_dir: Path
-    anchors: dict
 
     @functools.cache
     def frame(self, name: str) -> pd.DataFrame | None:
@@ -161,3 +160,10 @@ def column_values(table: NumericTable | pd.DataFrame, column: str,
     frame = formula_frame(table) if isinstance(table, NumericTable) else table
     selected = frame if rows is None else frame[rows(frame)]
     return pd.to_numeric(selected[column], errors="raise").astype(float)
+
+
+def shared_cell(table: NumericTable, header: str) -> str | None:
+    """A column's cell for the prose where every row prints the same one (None where the rows differ), so that
+    a run's setting is stated once."""
+    texts = {table.cell_text(row, header) for row in range(len(table))}
+    return table.quote(header, 0) if len(texts) == 1 else None

@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     out = Path(args.out)
-    ctx = Context(Path(args.results), Path(args.figures), out.parent, {})
+    ctx = Context(Path(args.results), Path(args.figures), out.parent)
     out.write_text(build(ctx, args.scale, args.device))
 
 

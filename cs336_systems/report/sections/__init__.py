@@ -1,8 +1,10 @@
 """The deliverable registry: every section of the writeup, with the tables and figures it owns.
 
-One module per handout part, as workflow/rules/ is split; a new section is a Deliverable in one of them
-(or a new module listed in PARTS). The writeup is built from DELIVERABLES, and the workflow's `table`
-and `figure` rules take their names and inputs from `table_inputs` and `figure_inputs`.
+One module per topic, as workflow/rules/ is split: a topic's sections of both handouts sit in its module, and a
+rule with much to say has a module of its own named for it (memory, flash_shapes, sharding, training,
+linear_ce). A new section is a Deliverable in one of them (or a new module listed in PARTS). The writeup is
+built from DELIVERABLES, and the workflow's `table` and `figure` rules take their names and inputs from
+`table_inputs` and `figure_inputs`.
 """
 
 from __future__ import annotations
@@ -11,20 +13,24 @@ import math
 import re
 
 from cs336_systems.report.section import Deliverable, Figure, Table
-from cs336_systems.report.sections import (attention, benchmarking, distributed, edition2026, flash_shapes, leaderboard,
-                                           memory, profiling, sharding, training)
+from cs336_systems.report.sections import (attention, benchmarking, checkpointing, distributed, flash_shapes,
+                                           leaderboard, linear_ce, memory, profiling, sharding, training)
 
-# The 2026 handout's sections come last (their "2026 §..." labels sort after every 2025 number).
-PARTS = (benchmarking, profiling, memory, attention, flash_shapes, distributed, sharding, training, edition2026, leaderboard)
+# Grouped by rule file: benchmarking.smk, attention.smk, checkpointing.smk, distributed.smk, leaderboard.smk (whose
+# 2026 §9 sections read the loss's, linear_ce, before the whole step's)
+PARTS = (benchmarking, profiling, memory, attention, flash_shapes, checkpointing, distributed, sharding, training,
+         linear_ce, leaderboard)
+EDITIONS = {"": 2025, "2026 §": 2026}  # a section's label starts with its handout's numbering, the 2026 one prefixed
 
 
-def handout_order(item: Deliverable) -> tuple[tuple[float, ...], str]:
-    """The section's handout numbering and part letter ('1.3.1 (b) …' -> ((1, 3, 1), 'b')); sections
+def handout_order(item: Deliverable) -> tuple[float, tuple[int, ...], str]:
+    """The section's handout edition, numbering and part letter ('1.3.1 (b) …' -> (2025, (1, 3, 1), 'b'),
+    '2026 §3.2 …' -> (2026, (3, 2), '')): the 2025 handout's sections first, then the 2026 handout's; sections
     without a number go last."""
-    found = re.match(r"([\d.]+)\s*(?:\((\w))?", item.section)
+    found = re.match(r"(2026 §)?([\d.]+)\s*(?:\((\w))?", item.section)
     if not found:
-        return (math.inf,), ""
-    return tuple(int(n) for n in found[1].strip(".").split(".")), found[2] or ""
+        return math.inf, (), ""
+    return EDITIONS[found[1] or ""], tuple(int(n) for n in found[2].strip(".").split(".")), found[3] or ""
 
 
 # sorted() is stable: deliverables with the same numbering keep the order their module lists them in

@@ -14,8 +14,8 @@ from cs336_systems.model import forward_flops, get_config
 from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.profile_tables import kernel_vs_wall
-from cs336_systems.report.tables import (OPTIMIZER_STEP, SIZE_ORDER, VERSUS_TORCH, baseline_timing, compile_column,
-                                         compile_scope, compile_timing, mixed_precision)
+from cs336_systems.report.tables import (OPTIMIZER_STEP, VERSUS_TORCH, baseline_timing, compile_column, compile_scope,
+                                         compile_timing, mixed_precision)
 
 
 def _steps(frame: pd.DataFrame, **where) -> pd.DataFrame:
@@ -23,11 +23,6 @@ def _steps(frame: pd.DataFrame, **where) -> pd.DataFrame:
     for key, value in where.items():
         rows = rows[rows[key] == value]
     return rows
-
-
-def _by_size(rows: pd.DataFrame, column: str) -> pd.Series:
-    series = rows.set_index("size")[column]
-    return series.reindex([s for s in SIZE_ORDER if s in series.index])
 
 
 def stds(table: pd.DataFrame, column: str) -> pd.Series:

@@ -1,5 +1,7 @@
-"""Handout 2.1–2.4 (workflow/rules/distributed.smk): all-reduce, naive, flat, overlapped and bucketed
-DDP, their profiler traces and the communication accounting."""
+"""Handout 2.1–2.4 and the 2026 handout's sections 7 and 8 (workflow/rules/distributed.smk): all-reduce,
+naive, flat, overlapped and bucketed DDP, their profiler traces and the communication accounting; our FSDP
+against torch's FSDP2, its model-state accounting and exposed communication; the analysis of parallelism
+strategies."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
 from cs336_systems.report import figures, tables
 from cs336_systems.report.ddp_analysis import (RERUN, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
                                                timing_method)
-from cs336_systems.report.frame import NumericTable
-from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
+from cs336_systems.report.frame import Col, NumericTable
+from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
+                                          shared_cell)
+from cs336_systems.report.sections.leaderboard import NUMBER
 from cs336_systems.report.tables import DDP_STEP
 
 if TYPE_CHECKING:  # the report's table and figure jobs run without torch; distributed/ needs it
@@ -416,10 +420,142 @@ def render_traces(ctx: Context) -> str:
 def render_accounting(ctx: Context) -> str:
     path = ctx.results / "communication_accounting.md"
     return path.read_text() if path.exists() else "pending: rule `communication_accounting`\n"
+
+
+# ---- 2026 §7: FSDP ------------------------------------------------------------------------------------
+FSDP_MS = {"step (ms, mean)": "step_ms", "forward+backward (ms)": "forward_backward_ms",
+           "communication wait (ms)": "communication_ms", "optimizer (ms)": "optimizer_ms"}
+FSDP_MIB = {"after init (MiB)": "peak_after_init_mib", "peak fwd+bwd (MiB)": "peak_before_step_mib",
+            "peak optimizer step (MiB)": "peak_after_step_mib"}
+
+
+FSDP_SETTINGS = {"world_size": "ranks", "batch_per_rank": "batch per rank", "context_length": "context"}
+
+
+def fsdp_table(frame: pd.DataFrame) -> NumericTable:
+    """Per size, precision and wrapper: the step and its parts (means, as the DDP tables: the parts add up
+    to the step) and each phase's peak memory."""
+    rows = frame.sort_values(["size", "precision", "config"])
+    ok = rows["status"].eq("ok")
+    data = pd.DataFrame({"size": rows["size"], "precision": rows["precision"], "config": rows["config"],
+                         "status": rows["status"],
+                         **{label: rows[column].where(ok) for label, column in {**FSDP_MS, **FSDP_MIB}.items()},
+                         # the run's setting, which the prose states from these cells
+                         **{label: rows[column] for column, label in FSDP_SETTINGS.items()}})
+    return NumericTable(data, (Col("size"), Col("precision"), Col("config"), Col("status"),
+                               *(Col(c, ".1f") for c in FSDP_MS), *(Col(c, ",.0f") for c in FSDP_MIB),
+                               *(Col(c, "d") for c in FSDP_SETTINGS.values())))
+
+
+def render_fsdp(ctx: Context) -> Section:
+    frame = ctx.frame("fsdp")
+    table = ctx.numeric("fsdp")
+    q = Quotes(table)
+    first = frame.iloc[0]
+    said = {h: shared_cell(table, h) for h in FSDP_SETTINGS.values()}
+    setting = (f"{said['ranks']} ranks, batch {said['batch per rank']} per rank, context {said['context']}"
+               if None not in said.values() else "each row's ranks, batch per rank and context (the table's columns)")
+    intro = (f"Answers the 2026 handout, section 7 (fsdp). `cs336_systems.distributed.FSDP` against torch's FSDP2 "
+             f"(`fully_shard` per block, same mixed-precision policy), our bucketed DDP and our ZeRO-1 in one run per "
+             f"size: {setting}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
+             "Times are means over the measured steps (the parts add up to the step); peaks are each phase's own "
+             "(the peak counter is reset before forward+backward and before the step).")
+    step, peaks = "step (ms, mean)", ("peak fwd+bwd (MiB)", "peak optimizer step (MiB)")
+    t = q.frame
+    checked = []
+    for size, precision in dict.fromkeys(zip(t["size"], t["precision"])):
+        keys = {"size": size, "precision": precision}
+        if not all(table.has(**keys, config=c) and pd.notna(table.value(step, **keys, config=c))
+                   for c in ("fsdp", "torch_fsdp2")):
+            continue
+
+        def peak(config: str) -> str:  # the larger of the phase peaks, as its cell prints it
+            return table.quote(max(peaks, key=lambda h: table.value(h, **keys, config=config)), **keys, config=config)
+
+        ratio = q.derive(lambda t, k=keys: _fsdp_cell(t, k, "fsdp", step) / _fsdp_cell(t, k, "torch_fsdp2", step),
+                         ".2f", f"{size} {precision} ours over FSDP2")
+        measured = all(pd.notna(table.value(h, **keys, config=c)) for h in peaks for c in ("fsdp", "torch_fsdp2"))
+        memory = (f"peak {peak('fsdp')} MiB against {peak('torch_fsdp2')} MiB" if measured else
+                  "memory is measured on CUDA only")
+        checked.append(f"{size}, {precision}: ours {table.quote(step, **keys, config='fsdp')} ms per step against "
+                       f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); {memory}.")
+    # the handout's numbering, ZeRO-1's stage and the device's name (a CPU's names its cores) are words of the
+    # sentence
+    return Section([intro, *checked, ctx.table("fsdp")], table, [intro, *checked], q.derived,
+                   wording=("2026", "7", "1", *NUMBER.findall(str(first["device_name"]))))
+
+
+def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
+    chosen = t[(t["size"] == keys["size"]) & (t["precision"] == keys["precision"]) & (t["config"] == config)]
+    return float(chosen[column].iloc[0])
+
+
+# parallelism_render imports sympy (~0.8 s), which only these three functions need: imported in them, so that the
+# report's other table and figure jobs do not pay it
+def fsdp_accounting_table(frame: pd.DataFrame) -> NumericTable:
+    from cs336_systems.report.parallelism_render import fsdp_accounting_of_runs
+
+    return fsdp_accounting_of_runs(frame)
+
+
+def render_fsdp_accounting_section(ctx: Context) -> Section:
+    from cs336_systems.report.parallelism_render import fsdp_accounting_section
+
+    return fsdp_accounting_section(ctx.numeric("fsdp_accounting"), ctx.frame("sharding"), ctx.table("fsdp_accounting"))
+
+
+# the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
+FSDP_OVERLAP = {"communication (ms)": "communication_ms", "exposed in forward (ms)": "exposed_in_forward_ms",
+                "exposed in backward (ms)": "exposed_in_backward_ms",
+                "exposed in step (ms)": "exposed_communication_ms"}
+
+
+def fsdp_overlap_table(frame: pd.DataFrame) -> NumericTable:
+    """One row per traced wrapper: its communication kernels' time and the part of it during which no compute
+    kernel ran (exposed), in the forward, in the backward and over the whole step."""
+    rows = frame.sort_values("trace")
+    data = pd.DataFrame({"trace": rows["trace"], **{label: rows[column] for label, column in FSDP_OVERLAP.items()}})
+    return NumericTable(data, (Col("trace"), *(Col(c, ".1f") for c in FSDP_OVERLAP)))
+
+
+def _fsdp_overlap_line(q: Quotes, trace: str) -> str:
+    """One trace's line: its cells, or that it communicated nothing (the no-data-parallelism baseline)."""
+    communication = q.table.value("communication (ms)", trace=trace)
+    if pd.isna(communication) or communication == 0:
+        return f"- {trace}: no communication kernels."
+    forward, backward, step = (q.cell(h, trace=trace) for h in list(FSDP_OVERLAP)[1:])
+    return (f"- {trace}: {q.cell('communication (ms)', trace=trace)} ms of communication, {forward} ms exposed in "
+            f"the forward, {backward} ms in the backward ({step} ms in the whole step).")
+
+
+def render_fsdp_overlap(ctx: Context) -> Section:
+    table = ctx.numeric("fsdp_overlap")
+    q = Quotes(table)
+    intro = ("Answers the 2026 handout, section 7 (fsdp_accounting (b)): do the all-gathers finish before the "
+             "forward needs them? From a PyTorch-profiler trace of one step per wrapper (`bench.ddp --trace-dir`, "
+             "the first rank; Nsight Systems cannot make reports on our machines): communication kernels while no "
+             "compute kernel runs are exposed, the time a layer waited for its weights (forward) or the step waited "
+             "for gathers and reduce-scatters (backward).")
+    traces = list(table.data["trace"])
+    lines = "\n".join(_fsdp_overlap_line(q, trace) for trace in traces)
+    figures = [ctx.figure(f"fsdp_traces/{trace}", f"trace {trace}") for trace in traces]
+    # the handout's numbering is a word of the sentence
+    return Section([intro, lines, ctx.table("fsdp_overlap"), *figures], table, [intro, lines], q.derived,
+                   wording=("2026", "7"))
+
+
+# ---- 2026 §8: parallelism analysis -------------------------------------------------------------------
+def render_parallelism_section(ctx: Context) -> str:
+    from cs336_systems.report.parallelism_render import render_parallelism  # sympy: see fsdp_accounting_table
+
+    return render_parallelism(ctx.frame("allreduce"))
+
+
 # The caption of every DDP step table: which statistic it prints (tables.ddp).
 DDP_MEANS = ("Every time is a mean over the measured steps of all rounds (the step ± its standard deviation); "
              "forward+backward, communication wait and optimizer are means too, so they add up to the step, and the "
              "comm share is the mean communication wait over the mean step")
+
 
 DELIVERABLES = [
     Deliverable("2.1 distributed_communication_single_node: all-reduce", "allreduce", render_allreduce,
@@ -444,4 +580,20 @@ DELIVERABLES = [
                 figures=(Figure("ddp_bucketed", "ddp_bucketed", figures.ddp_bucketed,
                                 also=("ddp_naive", "ddp_individual")),)),
     Deliverable("2.4 communication_accounting (a–d)", "communication_accounting", render_accounting),
+    Deliverable("2026 §7 fsdp: ours against torch FSDP2, DDP and ZeRO-1", "fsdp_benchmark", render_fsdp,
+                ("fsdp",),
+                tables=(Table("fsdp", "fsdp", fsdp_table,
+                              "FSDP step time and per-phase peak memory beside torch FSDP2, DDP and ZeRO-1"),)),
+    Deliverable("2026 §7 fsdp_accounting (a)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",),
+                tables=(Table("fsdp_accounting", "sharding", fsdp_accounting_table,
+                              "Model state per rank under DDP, ZeRO-1 and FSDP, counted from each size's parameters "
+                              "(analysis.fsdp_accounting, not measured) at the ranks of the DDP benchmark's runs "
+                              "(2026 handout, 7 (a)); the provenance is those runs'"),)),
+    Deliverable("2026 §7 fsdp_accounting (b): exposed communication per wrapper", "fsdp_overlap", render_fsdp_overlap,
+                ("fsdp_overlap",),
+                tables=(Table("fsdp_overlap", "fsdp_overlap", fsdp_overlap_table,
+                              "FSDP step traces, first rank: communication kernel time and the part of it no compute "
+                              "kernel overlapped (exposed), per phase"),)),
+    Deliverable("2026 §8 analysing parallelism strategies (DP, FSDP, TP, 2D)", "allreduce",
+                render_parallelism_section, ("allreduce",)),
 ]

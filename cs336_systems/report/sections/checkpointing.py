@@ -1,7 +1,5 @@
-"""The 2026 handout's additions (workflow/rules/checkpointing.smk and the fsdp rules of distributed.smk):
-saved tensors and activation checkpointing (section 3), fully-sharded data parallelism and its accounting
-(section 7), and the analysis of parallelism strategies (section 8). Every section says which handout it
-answers; the 2025 sections above keep their own numbering."""
+"""The 2026 handout's sections 3.1 and 3.2 (workflow/rules/checkpointing.smk): what autograd saves for the
+backward pass (saved tensors), the activation-checkpointing cost model and the checkpoint-policy sweep."""
 
 from __future__ import annotations
 
@@ -13,7 +11,8 @@ import pandas as pd
 from cs336_systems.model import get_config, parameter_count
 from cs336_systems.report.figures import pyplot, save_figure
 from cs336_systems.report.frame import Col, NumericTable
-from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
+from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
+                                          shared_cell)
 from cs336_systems.report.sections.leaderboard import NUMBER
 
 GIB = 1024.0
@@ -60,7 +59,7 @@ def _saved_tensors_intro(table: NumericTable, device: str) -> str:
     t = table.data
     stated = {}
     for header in ("batch", "d_model", "d_ff", "heads", "precision"):
-        stated[header] = _shared_cell(table, header) or f"each row's {header} (the table's column)"
+        stated[header] = shared_cell(table, header) or f"each row's {header} (the table's column)"
     contexts = {case: table.quote("context", int(t.index[t["case"] == case][0]))
                 for case in ("block", "rmsnorm") if (t["case"] == case).any()}
     context = (f"context {contexts['block']} (RMSNorm alone: {contexts['rmsnorm']})" if len(contexts) == 2 else
@@ -409,7 +408,7 @@ def model_state_sentence(q: Quotes, ran: list[str]) -> str:
 
 def _sweep_setting(table: NumericTable) -> str:
     """The sweep's blocks, batch and context, each a cell of the table where every row prints the same one."""
-    said = {h: _shared_cell(table, h) for h in SWEEP_SETTINGS.values()}
+    said = {h: shared_cell(table, h) for h in SWEEP_SETTINGS.values()}
     if None in said.values():
         return "at each row's blocks, batch and context (the table's columns)"
     return f"({said['blocks']} blocks), batch {said['batch']}, context {said['context']}"
@@ -491,236 +490,6 @@ def nesting_sentence(q: Quotes, nested: list[str]) -> str:
             "records no timeline that shows where its peak falls).")
 
 
-# ---- 7: FSDP ------------------------------------------------------------------------------------------
-FSDP_MS = {"step (ms, mean)": "step_ms", "forward+backward (ms)": "forward_backward_ms",
-           "communication wait (ms)": "communication_ms", "optimizer (ms)": "optimizer_ms"}
-FSDP_MIB = {"after init (MiB)": "peak_after_init_mib", "peak fwd+bwd (MiB)": "peak_before_step_mib",
-            "peak optimizer step (MiB)": "peak_after_step_mib"}
-
-
-FSDP_SETTINGS = {"world_size": "ranks", "batch_per_rank": "batch per rank", "context_length": "context"}
-
-
-def fsdp_table(frame: pd.DataFrame) -> NumericTable:
-    """Per size, precision and wrapper: the step and its parts (means, as the DDP tables: the parts add up
-    to the step) and each phase's peak memory."""
-    rows = frame.sort_values(["size", "precision", "config"])
-    ok = rows["status"].eq("ok")
-    data = pd.DataFrame({"size": rows["size"], "precision": rows["precision"], "config": rows["config"],
-                         "status": rows["status"],
-                         **{label: rows[column].where(ok) for label, column in {**FSDP_MS, **FSDP_MIB}.items()},
-                         # the run's setting, which the prose states from these cells
-                         **{label: rows[column] for column, label in FSDP_SETTINGS.items()}})
-    return NumericTable(data, (Col("size"), Col("precision"), Col("config"), Col("status"),
-                               *(Col(c, ".1f") for c in FSDP_MS), *(Col(c, ",.0f") for c in FSDP_MIB),
-                               *(Col(c, "d") for c in FSDP_SETTINGS.values())))
-
-
-def render_fsdp(ctx: Context) -> Section:
-    frame = ctx.frame("fsdp")
-    table = ctx.numeric("fsdp")
-    q = Quotes(table)
-    first = frame.iloc[0]
-    said = {h: _shared_cell(table, h) for h in FSDP_SETTINGS.values()}
-    setting = (f"{said['ranks']} ranks, batch {said['batch per rank']} per rank, context {said['context']}"
-               if None not in said.values() else "each row's ranks, batch per rank and context (the table's columns)")
-    intro = (f"Answers the 2026 handout, section 7 (fsdp). `cs336_systems.distributed.FSDP` against torch's FSDP2 "
-             f"(`fully_shard` per block, same mixed-precision policy), our bucketed DDP and our ZeRO-1 in one run per "
-             f"size: {setting}, {first['backend']}, {first['adamw']} AdamW, eager, on {first['device_name']}. "
-             "Times are means over the measured steps (the parts add up to the step); peaks are each phase's own "
-             "(the peak counter is reset before forward+backward and before the step).")
-    step, peaks = "step (ms, mean)", ("peak fwd+bwd (MiB)", "peak optimizer step (MiB)")
-    t = q.frame
-    checked = []
-    for size, precision in dict.fromkeys(zip(t["size"], t["precision"])):
-        keys = {"size": size, "precision": precision}
-        if not all(table.has(**keys, config=c) and pd.notna(table.value(step, **keys, config=c))
-                   for c in ("fsdp", "torch_fsdp2")):
-            continue
-
-        def peak(config: str) -> str:  # the larger of the phase peaks, as its cell prints it
-            return table.quote(max(peaks, key=lambda h: table.value(h, **keys, config=config)), **keys, config=config)
-
-        ratio = q.derive(lambda t, k=keys: _fsdp_cell(t, k, "fsdp", step) / _fsdp_cell(t, k, "torch_fsdp2", step),
-                         ".2f", f"{size} {precision} ours over FSDP2")
-        measured = all(pd.notna(table.value(h, **keys, config=c)) for h in peaks for c in ("fsdp", "torch_fsdp2"))
-        memory = (f"peak {peak('fsdp')} MiB against {peak('torch_fsdp2')} MiB" if measured else
-                  "memory is measured on CUDA only")
-        checked.append(f"{size}, {precision}: ours {table.quote(step, **keys, config='fsdp')} ms per step against "
-                       f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); {memory}.")
-    # the handout's numbering, ZeRO-1's stage and the device's name (a CPU's names its cores) are words of the
-    # sentence
-    return Section([intro, *checked, ctx.table("fsdp")], table, [intro, *checked], q.derived,
-                   wording=("2026", "7", "1", *NUMBER.findall(str(first["device_name"]))))
-
-
-def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
-    chosen = t[(t["size"] == keys["size"]) & (t["precision"] == keys["precision"]) & (t["config"] == config)]
-    return float(chosen[column].iloc[0])
-
-
-# parallelism_render imports sympy (~0.8 s), which only these three functions need: imported in them, so that the
-# report's other table and figure jobs do not pay it
-def fsdp_accounting_table(frame: pd.DataFrame) -> NumericTable:
-    from cs336_systems.report.parallelism_render import fsdp_accounting_of_runs
-
-    return fsdp_accounting_of_runs(frame)
-
-
-def render_fsdp_accounting_section(ctx: Context) -> Section:
-    from cs336_systems.report.parallelism_render import fsdp_accounting_section
-
-    return fsdp_accounting_section(ctx.numeric("fsdp_accounting"), ctx.frame("sharding"), ctx.table("fsdp_accounting"))
-
-
-# the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
-FSDP_OVERLAP = {"communication (ms)": "communication_ms", "exposed in forward (ms)": "exposed_in_forward_ms",
-                "exposed in backward (ms)": "exposed_in_backward_ms",
-                "exposed in step (ms)": "exposed_communication_ms"}
-
-
-def fsdp_overlap_table(frame: pd.DataFrame) -> NumericTable:
-    """One row per traced wrapper: its communication kernels' time and the part of it during which no compute
-    kernel ran (exposed), in the forward, in the backward and over the whole step."""
-    rows = frame.sort_values("trace")
-    data = pd.DataFrame({"trace": rows["trace"], **{label: rows[column] for label, column in FSDP_OVERLAP.items()}})
-    return NumericTable(data, (Col("trace"), *(Col(c, ".1f") for c in FSDP_OVERLAP)))
-
-
-def _fsdp_overlap_line(q: Quotes, trace: str) -> str:
-    """One trace's line: its cells, or that it communicated nothing (the no-data-parallelism baseline)."""
-    communication = q.table.value("communication (ms)", trace=trace)
-    if pd.isna(communication) or communication == 0:
-        return f"- {trace}: no communication kernels."
-    forward, backward, step = (q.cell(h, trace=trace) for h in list(FSDP_OVERLAP)[1:])
-    return (f"- {trace}: {q.cell('communication (ms)', trace=trace)} ms of communication, {forward} ms exposed in "
-            f"the forward, {backward} ms in the backward ({step} ms in the whole step).")
-
-
-def render_fsdp_overlap(ctx: Context) -> Section:
-    table = ctx.numeric("fsdp_overlap")
-    q = Quotes(table)
-    intro = ("Answers the 2026 handout, section 7 (fsdp_accounting (b)): do the all-gathers finish before the "
-             "forward needs them? From a PyTorch-profiler trace of one step per wrapper (`bench.ddp --trace-dir`, "
-             "the first rank; Nsight Systems cannot make reports on our machines): communication kernels while no "
-             "compute kernel runs are exposed, the time a layer waited for its weights (forward) or the step waited "
-             "for gathers and reduce-scatters (backward).")
-    traces = list(table.data["trace"])
-    lines = "\n".join(_fsdp_overlap_line(q, trace) for trace in traces)
-    figures = [ctx.figure(f"fsdp_traces/{trace}", f"trace {trace}") for trace in traces]
-    # the handout's numbering is a word of the sentence
-    return Section([intro, lines, ctx.table("fsdp_overlap"), *figures], table, [intro, lines], q.derived,
-                   wording=("2026", "7"))
-
-
-# ---- 8: parallelism analysis ------------------------------------------------------------------------
-def render_parallelism_section(ctx: Context) -> str:
-    from cs336_systems.report.parallelism_render import render_parallelism  # sympy: see fsdp_accounting_table
-
-    return render_parallelism(ctx.frame("allreduce"))
-
-
-# ---- 9: the leaderboard's parts ----------------------------------------------------------------------
-HANDOUT_BATCH = 2  # the handout's §9 timing sample: batch 2 at the 8B size's context length
-CE_MS, CE_PEAK, CHUNK = "forward+backward (ms, median)", "peak (MiB)", "chunk (tokens)"
-
-
-def linear_ce_table(frame: pd.DataFrame) -> NumericTable:
-    """One row per (tokens, provider): the run's head shape and dtype and the tokens per chunk (the fused op's
-    chunk, the whole call for the plain loss), beside the measured time, TFLOP/s, peak and loss."""
-    rows = frame.sort_values(["tokens", "provider"])
-    ok = rows["status"].eq("ok")
-    data = pd.DataFrame({
-        "tokens": rows["tokens"], "provider": rows["provider"], "status": rows["status"],
-        "d_model": rows["d_model"], "vocab": rows["vocab"], "dtype": rows["dtype"], CHUNK: rows["chunk_tokens"],
-        CE_MS: rows["median_ms"].where(ok), "TFLOP/s": rows["tflops"].where(ok),
-        CE_PEAK: rows["peak_mib"].where(ok), "loss": rows["loss"].where(ok)})
-    return NumericTable(data, (Col("tokens", "d"), Col("provider"), Col("status"), Col("d_model", "d"),
-                               Col("vocab", "d"), Col("dtype"), Col(CHUNK, "d"), Col(CE_MS, ".1f"),
-                               Col("TFLOP/s", ".0f"), Col(CE_PEAK, ",.0f"), Col("loss", ".4f")))
-
-
-def _shared_cell(table: NumericTable, header: str) -> str | None:
-    """A column's cell for the prose where every row prints the same one (None where the rows differ)."""
-    texts = {table.cell_text(row, header) for row in range(len(table))}
-    return table.quote(header, 0) if len(texts) == 1 else None
-
-
-def _linear_ce_intro(table: NumericTable, device: str) -> str:
-    """The section's intro: the handout's setting (given: its batch and the 8B size's context) and the run's
-    (the head's shape, dtype and chunk, each a cell of the table, stated once where every row shares it)."""
-    eight_b = get_config("8B", edition="2026")
-    t = table.data
-    sample = HANDOUT_BATCH * eight_b.context_length
-    at_sample = (f", the table's {table.quote('tokens', int(t.index[t['tokens'] == sample][0]))}-token rows"
-                 if (t["tokens"] == sample).any() else "")
-    d_model, vocab, dtype = (_shared_cell(table, h) for h in ("d_model", "vocab", "dtype"))
-    if None in (d_model, vocab, dtype):
-        shape = "at each row's d_model, vocab and dtype (the table's columns)"
-    else:
-        same_as_8b = t["d_model"].iloc[0] == eight_b.d_model and t["vocab"].iloc[0] == eight_b.vocab_size
-        whose = "the 8B size's " if same_as_8b else ""
-        shape = f"at {whose}d_model {d_model} and vocab {vocab}, {dtype}"
-    fused = t.index[t["provider"] == "fused"]
-    # the largest call's chunk: a call smaller than the chunk is one chunk of its own size
-    chunk = (f"chunks of {table.quote(CHUNK, int(t.loc[fused, 'tokens'].idxmax()))} tokens" if len(fused) else
-             "chunks (column `chunk (tokens)`)")
-    return (f"Part of the 2026 handout's section 9 leaderboard, a full training step of the 8B model on the "
-            f"handout's sample: batch {HANDOUT_BATCH} at the size's context of {eight_b.context_length} tokens"
-            f"{at_sample}. The whole step, measured on one H200, is the section \"2026 §9 leaderboard: the 8B "
-            f"training step on one H200\". This is its loss alone: the LM head and cross-entropy {shape}, on "
-            f"{device}. `linear_cross_entropy` (kernels/fused_linear_ce.py) runs the head in {chunk}; a Triton "
-            "kernel turns each chunk's logits into the loss and, in place, the logits' gradient, whose two matmuls "
-            "give the hidden states' and the weight's gradients in the same pass, so the [tokens, vocab] logits "
-            "never exist at once. The anchors are the plain loss (the model's fp32 cross-entropy of the full "
-            "logits: its chunk is the whole call), eager and `torch.compile`d, in the same run.")
-
-
-def _linear_ce_results(q: Quotes) -> str:
-    """Per token count, fused against the compiled plain loss (time, their ratio, peak), and who ran out of
-    memory: cells of the table and one formula per ratio."""
-    table, t = q.table, q.frame
-    lines = []
-    ran = set(zip(t.loc[t["status"] == "ok", "tokens"], t.loc[t["status"] == "ok", "provider"]))
-    for tokens in sorted(set(t["tokens"])):
-        if {(tokens, "fused"), (tokens, "plain_compiled")} <= ran:
-            def cell(column: str, provider: str, n=tokens) -> str:
-                return table.quote(column, tokens=n, provider=provider)
-
-            def fused_over_compiled(t: pd.DataFrame, n=tokens) -> float:
-                return _ce_cell(t, n, "fused", CE_MS) / _ce_cell(t, n, "plain_compiled", CE_MS)
-
-            ratio = q.derive(fused_over_compiled, ".2f", f"{tokens} tokens, fused over plain compiled")
-            peaks = all(pd.notna(_ce_cell(t, tokens, p, CE_PEAK)) for p in ("fused", "plain_compiled"))
-            memory = (f"peak {cell(CE_PEAK, 'fused')} MiB against {cell(CE_PEAK, 'plain_compiled')} MiB" if peaks
-                      else "no peak memory (this device keeps no allocator statistics)")
-            lines.append(f"- {cell('tokens', 'fused')} tokens: {cell(CE_MS, 'fused')} ms against "
-                         f"{cell(CE_MS, 'plain_compiled')} ms compiled ({ratio}×), {memory}.")
-        oom = t.index[(t["tokens"] == tokens) & (t["status"] == "oom")]
-        if len(oom):
-            lines.append(f"- {table.quote('tokens', int(oom[0]))} tokens: out of memory for "
-                         f"{', '.join(t.loc[oom, 'provider'])}.")
-    return "\n".join(lines)
-
-
-def render_linear_ce(ctx: Context) -> Section:
-    table = ctx.numeric("linear_ce")
-    q = Quotes(table)
-    device = str(ctx.frame("linear_ce")["device_name"].iloc[0])
-    intro = _linear_ce_intro(table, device)
-    results = _linear_ce_results(q)
-    eight_b = get_config("8B", edition="2026")
-    # the handout's numbering, its sample's batch, the 8B size's context and the device's name (a CPU's names
-    # its cores) are words of the sentence
-    given = ("2026", "9", str(HANDOUT_BATCH), str(eight_b.context_length), *NUMBER.findall(device))
-    return Section([intro, results, ctx.table("linear_ce")], table, [intro] + ([results] if results else []),
-                   q.derived, wording=given)
-
-
-def _ce_cell(t: pd.DataFrame, tokens: int, provider: str, column: str) -> float:
-    return float(t.loc[(t["tokens"] == tokens) & (t["provider"] == provider), column].iloc[0])
-
-
 DELIVERABLES = [
     Deliverable("2026 §3.1 autograd residuals: saved tensors", "saved_tensors", render_saved_tensors,
                 ("saved_tensors",),
@@ -736,25 +505,4 @@ DELIVERABLES = [
                               "Step time and peak memory per checkpoint policy (2026 handout, 3.2 (b)); weights + "
                               "moments = 3 × 4 B per parameter, not measured"),),
                 figures=(Figure("checkpointing", "checkpointing", checkpointing_figure),)),
-    Deliverable("2026 §7 fsdp: ours against torch FSDP2, DDP and ZeRO-1", "fsdp_benchmark", render_fsdp,
-                ("fsdp",),
-                tables=(Table("fsdp", "fsdp", fsdp_table,
-                              "FSDP step time and per-phase peak memory beside torch FSDP2, DDP and ZeRO-1"),)),
-    Deliverable("2026 §7 fsdp_accounting (a)", "ddp_benchmark", render_fsdp_accounting_section, ("sharding",),
-                tables=(Table("fsdp_accounting", "sharding", fsdp_accounting_table,
-                              "Model state per rank under DDP, ZeRO-1 and FSDP, counted from each size's parameters "
-                              "(analysis.fsdp_accounting, not measured) at the ranks of the DDP benchmark's runs "
-                              "(2026 handout, 7 (a)); the provenance is those runs'"),)),
-    Deliverable("2026 §7 fsdp_accounting (b): exposed communication per wrapper", "fsdp_overlap", render_fsdp_overlap,
-                ("fsdp_overlap",),
-                tables=(Table("fsdp_overlap", "fsdp_overlap", fsdp_overlap_table,
-                              "FSDP step traces, first rank: communication kernel time and the part of it no compute "
-                              "kernel overlapped (exposed), per phase"),)),
-    Deliverable("2026 §8 analysing parallelism strategies (DP, FSDP, TP, 2D)", "allreduce",
-                render_parallelism_section, ("allreduce",)),
-    Deliverable("2026 §9 leaderboard parts: the fused LM head + cross-entropy", "linear_ce", render_linear_ce,
-                ("linear_ce",),
-                tables=(Table("linear_ce", "linear_ce", linear_ce_table,
-                              "LM head + cross-entropy, forward+backward: fused against the plain loss; chunk: "
-                              "tokens per chunk of the fused op (the plain loss takes the whole call at once)"),)),
 ]
