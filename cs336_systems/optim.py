@@ -81,7 +81,7 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 if group["fused"]:
                     # Launched at once: the GPU starts on the first tensor while Python walks the rest
-                    # (waiting for the whole walk left the GPU idle: kernels/NOTES.md, session 6).
+                    # (waiting for the whole walk left the GPU idle: cs336_systems/kernels/DECISIONS.md).
                     self._update([p], group)
                     continue
                 key = (p.device, p.dtype, state_dtype, state["step"]) if group["foreach"] else (id(p),)

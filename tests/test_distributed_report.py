@@ -92,13 +92,27 @@ def test_rounds_needed_follows_the_standard_error_of_the_round_medians():
 
 def test_config_runs_at_least_the_rounds_the_committed_spread_needs():
     from cs336_systems.analysis.ddp import rounds_needed
-    from cs336_systems.report.ddp_analysis import DIAGNOSIS_ROUNDS
+    from cs336_systems.report.ddp_analysis import SPREAD
 
-    need = rounds_needed(pd.read_csv(ROOT / "results" / DIAGNOSIS_ROUNDS))["rounds"]
+    need = rounds_needed(pd.read_csv(ROOT / "results" / f"{SPREAD}.csv"))["rounds"]
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     assert config["scales"]["full"]["ddp"]["rounds"] >= need > 2
     full = config["scales"]["full"]["ddp"]["configs"]
     assert all({"none", "torch_ddp"} <= set(configs) for configs in full.values()), full
+
+
+def test_committed_spread_is_what_rule_ddp_spread_runs():
+    """results/ddp_spread.csv's rows carry the arguments config.yaml gives rule ddp_spread at full scale."""
+    spread = pd.read_csv(ROOT / "results" / "ddp_spread.csv")
+    ddp = yaml.safe_load((ROOT / "config.yaml").read_text())["scales"]["full"]["ddp"]
+    assert spread["config"].tolist() == ddp["spread"]["configs"]
+    assert (spread["precision"] == ddp["spread"]["precision"]).all()
+    assert (spread["rounds"] == ddp["spread"]["rounds"]).all()
+    arguments = {"world_size": "world_size", "backend": "backend", "size": "size", "batch_per_rank": "batch_size",
+                 "context_length": "context_length", "attention": "attention", "warmup": "warmup", "steps": "steps",
+                 "compile": "compile", "adamw": "adamw"}
+    for column, key in arguments.items():
+        assert (spread[column] == ddp[key]).all(), (column, spread[column].tolist(), ddp[key])
 
 
 # --- all-reduce bursts and the per-call cost --------------------------------------------------------------
@@ -232,7 +246,7 @@ def rerun_results(tmp_path):
         if name != "allreduce":
             frame = frame.assign(timer="cuda_events", peak_scope="phase")
         frame.to_csv(tmp_path / f"{name}.csv", index=False)
-    shutil.copytree(ROOT / "results" / "diagnosis", tmp_path / "diagnosis")
+    shutil.copy(ROOT / "results" / "ddp_spread.csv", tmp_path)
     return tmp_path
 
 

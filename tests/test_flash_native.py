@@ -407,7 +407,7 @@ def test_compiled_calls_launch_through_the_plan(default_settings, monkeypatch, s
 def test_a_compiled_backwards_do_layout_gets_launches_of_its_own(default_settings, monkeypatch, head_dim, kernels):
     """Inputs in the model's layout, run eager first (the node's plan is made for dO in O's layout), then compiled
     with static shapes, where AOTAutograd hands the backward a dO of the layout it chose (contiguous, with torch 2.11
-    on a GPU: results/diagnosis/flash_compiled_do_strides/). The first such backward runs the Python path, which
+    on a GPU: cs336_systems/kernels/flash/DECISIONS.md). The first such backward runs the Python path, which
     plans that layout; from the next, the node's plan has launches for both layouts, the compiled backward goes
     through it with dO as it came (no copy of ours), and the results are the Python path's."""
     if kernels == "gluon":

@@ -80,8 +80,8 @@ def test_grad_in_output_strides_hands_on_the_gradient_in_the_outputs_strides(gra
                                                "compiled like_q"))])
 def test_sdpa_cudnn_gradients_whatever_the_do_layouts_before(seq, calls):
     """torch 2.11's cuDNN backward reuses the plan of a call layout's first dO strides for any later dO: without
-    GradInOutputStrides the second layout's dQ, dK, dV were off by a relative 1.41 (results/diagnosis/
-    sdpa_cudnn_grad_strides/). A call layout no other test runs, then dO in several layouts in turn, eager and, in
+    GradInOutputStrides the second layout's dQ, dK, dV were off by a relative 1.41 (cs336_systems/kernels/
+    DECISIONS.md). A call layout no other test runs, then dO in several layouts in turn, eager and, in
     the second case, compiled (where Inductor lays out what reaches cuDNN's backward itself)."""
     eager = get_attention("sdpa_cudnn")
     compiled = torch.compile(eager, fullgraph=True)

@@ -1,8 +1,8 @@
 """The GPU's SM clock and board power while a measurement runs, sampled by `nvidia-smi` in the background.
 
-A GPU at its board power limit lowers its SM clock. On an H200 (700 W) the 8B step's attention forward ran at
-1,500-1,700 MHz, against 1,980 MHz at shapes that stay under the limit (kernels/NOTES.md, "The H200's power limit
-at the 8B shape"). Two timings of one kernel can then differ by the clock they ran at. So a measurement
+A GPU at its board power limit lowers its SM clock: on an H200 the 8B step's attention forward runs at a lower
+clock than at shapes that stay under the limit (cs336_systems/kernels/flash/DECISIONS.md). Two timings of one
+kernel can then differ by the clock they ran at. So a measurement
 that records the clock and power beside its times says which of its differences the clock explains.
 
     with ClockSampler() as clocks:
@@ -59,8 +59,7 @@ def window_means(samples: list[Sample], start: float, end: float) -> dict:
 def cycle_ratio(ms: list[float], mhz: list[float], base_ms: list[float], base_mhz: list[float]) -> float:
     """The median over rounds of one kernel's cycles over another's, a round's cycles being its time × its sample's
     mean SM clock: where the power limit clocks two kernels differently, their time ratio mixes the clocks into
-    their cycles (kernels/NOTES.md, "The clocks measured per sample"). Rounds where either time or clock is NaN
-    are left out; NaN if none is left."""
+    their cycles. Rounds where either time or clock is NaN are left out; NaN if none is left."""
     if not len(ms) == len(mhz) == len(base_ms) == len(base_mhz):
         raise ValueError(f"cycle_ratio: one time and one clock per round for both kernels, got {len(ms)}, "
                          f"{len(mhz)}, {len(base_ms)} and {len(base_mhz)}")

@@ -105,7 +105,7 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
 
     # The ptxas Triton itself compiles with, whose version set the PTX's `.version`: on the GPU machines that is
     # not the one in Triton's wheel (CUDA 12.8's ptxas there refused the PTX 9.0 Triton wrote: "Unsupported
-    # .version 9.0", exit 255, H100 and H200 at a886410 and 50bc715).
+    # .version 9.0", exit 255, on the H100 and the H200).
     ptxas = knobs.nvidia.ptxas.path
     arch = re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:

@@ -124,7 +124,7 @@ def saved_mib(forward: Callable[[], torch.Tensor], parameters: Iterable[torch.Te
             storages.setdefault(storage.data_ptr(), (storage.nbytes(), kind))
         # Detached: a saved output packed as itself holds its own grad_fn, a cycle through autograd's C++
         # graph that Python's collector cannot see, so the whole model leaked with it (on the H100 every
-        # later point of the profile ran out of memory, 74fa72a).
+        # later point of the profile ran out of memory).
         return tensor.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -9,8 +9,8 @@ output on (a forward hook on the model's `ln_final` opens it: the LM head and cr
 history is recorded around the step and its snapshot pickled to DIR (`bench.e2e.dump_snapshot`, with the
 phases' host times, so `report.memory` can draw it), unless `history=False`: in torch 2.11 recording it breaks
 the backward of a step whose non-reentrant checkpoints recompute a compiled region (a SystemError, "returned NULL
-without setting an exception": pytorch/pytorch#179536; results/diagnosis/profile_system_error.py found it is the
-history, not the profiler), so the leaderboard profiles such a step again without it.
+without setting an exception": pytorch/pytorch#179536; the history breaks it, not the profiler:
+cs336_systems/bench/DECISIONS.md), so the leaderboard profiles such a step again without it.
 
 Device time: on CUDA each GPU kernel's duration, given to the CPU op that launched it (a kernel the profiler
 links to no op, as a Triton kernel launched from Python outside any op is on CUDA, to the phase that started
@@ -140,8 +140,8 @@ def _phase_started_before(intervals, t: float) -> str | None:
 # CUPTI's overhead records (kineto's "overhead" activities: the host blocked on a full launch queue, a buffer
 # request, ...) reach the profiler as CPU events that carry the correlation id of the op launching at the time, so
 # the profiler lists that op's kernels under them as well. A step whose host runs ahead of the GPU fills the queue
-# often: the 8B step (H200, 1757b49) counted 1,272 ms of ours' kernels twice, 9.3 s of the anchor's, until these
-# were left out. Names as CUPTI's overhead kinds (torch.profiler._cupti_monitor lists them).
+# often, and its kernels were counted twice until these were left out. Names as CUPTI's overhead kinds
+# (torch.profiler._cupti_monitor lists them).
 CUPTI_OVERHEADS = frozenset({"Unknown", "Driver Compiler", "Buffer Flush", "Instrumentation", "Resource",
                              "Runtime Triggered Module Loading", "Lazy Function Loading", "Command Buffer Full",
                              "Activity Buffer Request", "UVM Activity Init"})
@@ -161,7 +161,7 @@ def unlinked_kernels(events) -> list[tuple[str, float, float]]:
     found = []
     for event in events:
         # The profiler also puts record_function ranges on the GPU timeline (`step:forward`, ...): ranges, not
-        # kernels (an H200 run, a886410, counted its ten phase ranges as 2.75 s of `other`).
+        # kernels (counted as kernels, they made seconds of `other`).
         if (event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False)
                 or is_annotation(event.name)):
             continue

@@ -71,10 +71,10 @@ class AsyncAllReduce:
     them, in the order they were submitted; c10d releases the GIL while it issues one. The idea: a
     gradient hook runs on autograd's thread, and when the backward pass is limited by the host
     launching kernels the host cost of every all-reduce lands on its critical path. Measured on two
-    GPUs it does not pay, eager or with the blocks compiled (results/README.md, "Measurements behind
-    choices in the code"): the worker and the compiled backward's Python compete for the GIL. On a
-    GPU the caller records an event where the tensor is ready and the worker's stream waits for it,
-    so each collective starts after its tensor's producer and after nothing later.
+    GPUs it does not pay, eager or with the blocks compiled (cs336_systems/distributed/DECISIONS.md):
+    the worker and the compiled backward's Python compete for the GIL. On a GPU the caller records an
+    event where the tensor is ready and the worker's stream waits for it, so each collective starts
+    after its tensor's producer and after nothing later.
     """
 
     def __init__(self, device: torch.device, background: bool = False):

@@ -17,7 +17,7 @@ thread instead of the hooks (see `AsyncAllReduce`).
 
 Letting the buffers go brings the peak memory close to the per-parameter wrapper's, well below
 keeping them for the whole run or copying the gradients back out of the buckets (the measured peaks
-are in results/README.md, "Measurements behind choices in the code").
+are in cs336_systems/distributed/DECISIONS.md).
 """
 
 from __future__ import annotations

@@ -13,8 +13,7 @@ since every rank sees the same parameters in the same order). A step runs in two
      them one after the other; and the staging memory is bounded, 2 x (1 + world size) chunks,
      instead of a copy of a whole shard. Measured on two GPUs, the step is fastest with the largest
      chunks tried and beats both one flat broadcast per owner (which also needs far more memory at
-     peak) and torch's ZeroRedundancyOptimizer (results/README.md, "Measurements behind choices in
-     the code").
+     peak) and torch's ZeroRedundancyOptimizer (cs336_systems/distributed/DECISIONS.md).
 Gradients are expected to be synchronised already (e.g. by a DDP wrapper). With one rank it is the
 wrapped optimizer.
 """

@@ -77,7 +77,7 @@ class GradInOutputStrides(torch.autograd.Function):
     """The identity, whose backward hands the output's gradient on in the output's own strides (copied only where
     they differ). Why: torch 2.11's cuDNN attention backward keeps a cuDNN plan per call layout, built for the dO
     strides of the layout's first backward, and runs it on a later dO of other strides: dQ, dK and dV come back
-    wrong, with no error (H200, torch 2.11.0+cu130, cuDNN 9.19: results/diagnosis/sdpa_cudnn_grad_strides/). O's
+    wrong, with no error (cs336_systems/kernels/DECISIONS.md, "SDPA cuDNN's backward plan per call layout"). O's
     strides follow q's, so with dO always in O's strides a layout's dO strides never change; torch itself made dO
     match O before it let their strides differ (pytorch PR #141147). In a model, which transposes O back to
     (batch, seq, heads * dim), dO arrives in O's strides and nothing is copied."""

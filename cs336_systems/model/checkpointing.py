@@ -16,11 +16,10 @@ A policy is data: the block counts of the checkpointed segments, outermost first
     CheckpointPolicy.selective(0, 8) selective, but blocks 0-7 also save their matrix products' outputs
                                     (`aten::mm`: q, k, v, the output projection, w1, w3): their rerun
                                     skips every GEMM and redoes only the elementwise work. Per token
-                                    that is (4 d_model + 2 d_ff) x 2 B in bf16; measured at the 8B
-                                    model's batch 1 x 32768 on an H200 (results/diagnosis/
-                                    leaderboard_8b_allocator): 2.35 GiB and 15.2 ms of the step per
-                                    block, against 3.78 GiB and 22.5 ms for a block kept whole
-                                    (selective(4)): about the same time per GiB, in smaller steps
+                                    that is (4 d_model + 2 d_ff) x 2 B in bf16. At the 8B step it
+                                    buys about as much time per GiB as a block kept whole
+                                    (selective(4)), in smaller steps (cs336_systems/bench/DECISIONS.md,
+                                    "Spending the 8B step's free memory")
 
 A segment at the end of the stack (or of its parent segment) may be shorter when the size does not
 divide the count. `apply_activation_checkpointing(model, policy)` rewraps a built `TransformerLM`'s
@@ -406,27 +405,3 @@ def checkpoint_cost(policy: CheckpointPolicy, num_layers: int, block_bytes: floa
 def divisor_policies(num_layers: int) -> list[CheckpointPolicy]:
     """No checkpointing, then every-k for each k dividing num_layers (the handout's sweep in §3.2(b))."""
     return [NO_CHECKPOINTING, *(CheckpointPolicy.every(k) for k in range(1, num_layers + 1) if num_layers % k == 0)]
-
-
-def best_every(num_layers: int, block_bytes: float, boundary_bytes: float) -> CheckpointPolicy:
-    """The every-k policy (one level of recomputation) with the lowest modelled peak, the smallest k of
-    those tied."""
-    return min((CheckpointPolicy.every(k) for k in range(1, num_layers + 1)),
-               key=lambda p: checkpoint_cost(p, num_layers, block_bytes, boundary_bytes).peak_bytes)
-
-
-def cost_rows(layer_counts: Sequence[int], block_bytes: float, boundary_bytes: float) -> list[dict]:
-    """Tidy rows of the cost model for each N: no checkpointing, every block, the best every-k, the
-    two-level `sqrt` policy and recursive halving (`binary`), for memory and recomputation against N."""
-    rows = []
-    for n in layer_counts:
-        named = {"none": NO_CHECKPOINTING, "every_block": CheckpointPolicy.every(1),
-                 "best_every": best_every(n, block_bytes, boundary_bytes), "sqrt": CheckpointPolicy.sqrt(n),
-                 "binary": CheckpointPolicy.binary(n)}
-        for strategy, policy in named.items():
-            cost = checkpoint_cost(policy, n, block_bytes, boundary_bytes)
-            rows.append({"num_layers": n, "strategy": strategy, "policy": str(policy),
-                         "peak_blocks": cost.peak_bytes / block_bytes, "stored_blocks": cost.stored_bytes / block_bytes,
-                         "block_forwards": cost.block_forwards, "block_bytes": block_bytes,
-                         "boundary_bytes": boundary_bytes})
-    return rows

@@ -5,14 +5,11 @@ which writes the sections from them."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pandas as pd
 
 from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost, optimal_bucket_bytes, rounds_needed
 from cs336_systems.model import get_config
 from cs336_systems.report.section import Context
-from cs336_systems.results import read_table
 
 # The command that reruns every two-GPU DDP table (the lead's rerun; one node with 2 GPUs).
 # Targets come before --forcerun and --resources, which would take every word after them; the committed
@@ -39,25 +36,28 @@ def timing_method(frame: pd.DataFrame) -> str:
             f"communication waits for the two-GPU rerun (pending: `{RERUN}`).")
 
 
-DIAGNOSIS_ROUNDS = Path("diagnosis") / "ddp_bucketed_rounds.csv"
+# The run that sets config.yaml's `ddp.rounds`: two configs close in speed in more interleaved rounds than the
+# tables run (rule ddp_spread).
+SPREAD = "ddp_spread"
 
 
 def rounds_paragraph(ctx: Context, frame: pd.DataFrame) -> str:
-    """Why the DDP rules run the rounds they do, computed from the committed five-round run."""
-    path = ctx.results / DIAGNOSIS_ROUNDS
-    if not path.exists():
-        return f"(The number of rounds is justified from `results/{DIAGNOSIS_ROUNDS.as_posix()}`, absent here.)"
-    need = rounds_needed(read_table(path))
+    """Why the DDP rules run the rounds they do, computed from the round-to-round spread of rule ddp_spread's run."""
+    spread = ctx.frame(SPREAD)
+    if spread is None:
+        return f"(The number of rounds is justified from `results/{SPREAD}.csv` (rule `ddp_spread`), absent here.)"
+    need = rounds_needed(spread)
     (a, b), (sa, sb) = need["configs"], need["sigma_ms"]
     here = int(frame["rounds"].max()) if "rounds" in frame and frame["rounds"].notna().any() else 1
     short = "" if here >= need["rounds"] else ", so it separates only larger differences"
-    return (f"How many rounds: in `results/{DIAGNOSIS_ROUNDS.as_posix()}` ({need['measured_rounds']} interleaved rounds "
-            f"of {a} and {b}, bf16) the per-round medians vary with a standard deviation of about {sa:.1f} and "
-            f"{sb:.1f} ms (range / d2). Two configs 5% apart ({need['difference_ms']:.1f} ms at their "
+    return (f"How many rounds: in `results/{SPREAD}.csv` ({need['measured_rounds']} interleaved rounds "
+            f"of {a} and {b}, {spread['precision'].iloc[0]}) the per-round medians vary with a standard deviation "
+            f"of about {sa:.1f} and {sb:.1f} ms (range / d2). Two configs 5% apart ({need['difference_ms']:.1f} ms at their "
             f"{need['level_ms']:.1f} ms) are {need['z']:g} standard errors apart when "
             f"R ≥ ({need['z']:g}·√({sa:.1f}² + {sb:.1f}²) / {need['difference_ms']:.1f})², i.e. "
             f"{need['rounds']} rounds; config.yaml's `ddp.rounds` is at least that (a test checks it). This table's "
             f"run has {here}{short}.")
+
 
 def _trainable_parameters(size: str) -> list:
     """The model's trainable parameters, built on the meta device (no memory, no initialisation)."""

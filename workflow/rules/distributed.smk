@@ -12,6 +12,7 @@ needs_gpus(max(S["allreduce"]["nccl_world_sizes"], default=0), f"{R}/allreduce.c
 needs_gpus(
     DDP["gpus"],
     *(f"{R}/{name}.csv" for name in DDP["configs"]),
+    f"{R}/ddp_spread.csv",
     f"{R}/ddp_traces.csv",
     f"{R}/ddp_traces",
     f"{R}/ddp_overlap.csv",
@@ -91,6 +92,31 @@ rule ddp_benchmark:
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
         " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]}"
         " --rounds {params.ddp[rounds]} --configs {params.configs} --out {output} 2> {log}"
+
+
+# The round-to-round spread that sets `ddp.rounds` (report.ddp_analysis.rounds_paragraph): two configs close
+# in speed, the tables' settings otherwise, in more interleaved rounds.
+rule ddp_spread:
+    output:
+        f"{R}/ddp_spread.csv",
+    log:
+        f"{LOGS}/ddp_spread.log",
+    conda:
+        ENV
+    resources:
+        gpu=DDP["gpus"],
+    params:
+        configs=join(DDP["spread"]["configs"]),
+        spread=DDP["spread"],
+        ddp=DDP,
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
+        " --nproc_per_node {params.ddp[world_size]} -m cs336_systems.bench.ddp"
+        " --backend {params.ddp[backend]} --size {params.ddp[size]} --batch-size {params.ddp[batch_size]}"
+        " --context-length {params.ddp[context_length]} --precisions {params.spread[precision]}"
+        " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
+        " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]}"
+        " --rounds {params.spread[rounds]} --configs {params.configs} --out {output} 2> {log}"
 
 
 rule ddp_traces:

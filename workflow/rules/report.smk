@@ -61,6 +61,7 @@ rule writeup_md:
         accounting=f"{R}/communication_accounting.md",
         mixed_precision=wanted(f"{R}/mixed_precision.csv"),
         overlap=wanted(f"{R}/ddp_overlap.csv"),
+        spread=wanted(f"{R}/ddp_spread.csv"),
         fsdp_overlap=wanted(f"{R}/fsdp_overlap.csv"),
         memory=(
             wanted(f"{R}/memory.csv", f"{R}/memory_allocations.csv")

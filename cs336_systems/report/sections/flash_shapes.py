@@ -193,9 +193,8 @@ def render_llm_shapes(ctx: Context) -> Section:
                 "standalone region a contiguous dO, copied at every call. Our C++ node keeps backward launches for "
                 "that layout as well as for O's, so it copies nothing more; traced with torch's "
                 "guess_tangent_strides_as_outputs on, torch's copy goes too, and so does the compiled call's extra "
-                "time at the device-bound points timed that way (kernels/NOTES.md, \"The compiled backward's dO\" "
-                "and \"The grid at 0dae280\"). A region that goes on as a model's layer does hands our backward dO "
-                "in O's layout, with no copy.")
+                "time at the device-bound points timed that way (kernels/flash/DECISIONS.md). A region that goes on "
+                "as a model's layer does hands our backward dO in O's layout, with no copy.")
         elif "do_layout" in frame and (frame["do_layout"] == "model").all():
             checked[-1] += (
                 " Here dO is in the model's layout too (column do_layout of the results). The compiled provider is "
@@ -203,7 +202,7 @@ def render_llm_shapes(ctx: Context) -> Section:
                 "dynamic sizes; for such a graph AOTAutograd copies the incoming dO into a contiguous layout, and our "
                 "C++ node, whose backward plan was made for O's layout, copies it back (kernels/csrc/flash_node.cpp). "
                 "A graph compiled for one shape, or a region that ends as a model's layer does, hands our backward dO "
-                "in O's layout, with no copy (kernels/NOTES.md, on the grid with dO in the model's layout). Where "
+                "in O's layout, with no copy (kernels/flash/DECISIONS.md). Where "
                 "ours is not fixed-cost bound, the compiled call's extra time grows with dO's size.")
     parts = [intro, *checked, ctx.table("flash_llm_shapes")]
     first = ctx.frame("flash_first_call")

@@ -64,8 +64,8 @@ def _timed(frame: pd.DataFrame) -> pd.DataFrame:
 # table: the mean (with its std) is what the ratios, MFU and prose use, so the table shows no median beside it.
 MEASURED = {"MFU": ("mfu", ".3f"), "TFLOP/s": ("tflops", ",.1f"),
             "peak (GiB)": ("peak_mem_gib", ",.2f"), "first step (s)": ("first_step_s", ",.1f")}
-# The timed steps' mean SM clock and board power (bench.gpu_clock): recorded from 7cf4009 on, so shown only once
-# some row has them (the runs before print '—').
+# The timed steps' mean SM clock and board power (bench.gpu_clock): recorded by the later runs only, so shown only
+# once some row has them (the runs before print '—').
 CLOCKS = {"SM clock (MHz)": ("sm_clock_mhz", ",.0f"), "power (W)": ("power_w", ",.0f")}
 
 
@@ -335,11 +335,11 @@ def _gap_paragraph(q: Quotes, batches: list[int]) -> str:
             "at least 54% MFU, is " + verdict + spreads + _power_sentence(q))
 
 
-POWER_LIMIT_W = 700  # the H200's board power limit, as nvidia-smi -q reports it (diagnosis/flash_gluon_ab/)
+POWER_LIMIT_W = 700  # the H200's board power limit, as `nvidia-smi -q -d POWER` reports it
 
 
 def _powered_rows(t: pd.DataFrame) -> pd.DataFrame:
-    """The measured rows of the latest run that recorded the GPU's power (none before 5c82de7's run)."""
+    """The measured rows of the latest run that recorded the GPU's power (earlier runs did not)."""
     if "power (W)" not in t:
         return t.iloc[:0]
     powered = t[t["power (W)"].notna() & t[STEP].notna()]
@@ -534,8 +534,8 @@ def render_leaderboard(ctx: Context) -> Section:
              "`leaderboard_8b`; from commit 7b9d7c8 on with expandable allocator segments for every provider, column "
              "`cuda_alloc_conf`). `ours` is our TransformerLM with our FlashAttention (on this GPU the Gluon "
              "kernels: the forward in every run; the backward in the runs of 7b9d7c8 (its lockstep schedule) and from "
-             "a886410 on (the ping-pong schedule at head dim 128, kernels/NOTES.md), FA2's Triton backward in those "
-             "of 4857650), fused LM head + "
+             "a886410 on (the ping-pong schedule at head dim 128, kernels/flash/DECISIONS.md), FA2's Triton backward "
+             "in those of 4857650), fused LM head + "
              "cross-entropy and fused AdamW, selective checkpointing and per-block compile" + _accumulation_words(timed)
              + "; `torch_plain_sac` and "
              "`torch_plain_ac` are plain PyTorch (SDPA, chunked checkpointed LM head + CE, torch's fused AdamW) with "
@@ -565,7 +565,7 @@ def render_leaderboard(ctx: Context) -> Section:
     parts.append(pointer)
     checked += [intro, pointer]  # after the gap paragraph, which tests find first
     wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), str(POWER_LIMIT_W), "3,837", "27", "10,000", "24", "2026",
-               "128",  # the head dim the ping-pong backward ships at (kernels/NOTES.md)
+               "128",  # the head dim the ping-pong backward ships at (kernels/flash/DECISIONS.md)
                "4857650")  # a commit the intro's kernel history names (given, whether or not these runs hold it)
     kept = tuple(sized[1] for sized in map(_sized, set(q.frame["provider"])) if sized)
     runs = tuple(dict.fromkeys(q.frame["run"]))

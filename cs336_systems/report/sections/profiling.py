@@ -56,8 +56,6 @@ def render_profile(ctx: Context) -> Section:
         f"inference.",
     ]
     parts.append(_attention_paragraph(rows, stages, get_config(size).head_dim))
-    if len(ooms):
-        parts.append(_oom_paragraph(ctx, ooms))
     # (a) is the grid's cells; the other answers are sums over the profile rows (and (b) the top-kernels table)
     return Section([*parts, ctx.table("profile_grid"), ctx.table("profile_kernels")], q.table, [parts[1]],
                    q.derived)
@@ -108,45 +106,6 @@ def _attention_paragraph(rows, stages, head_dim: int) -> str:
         text += (f" Per FLOP the softmax is {bound}{per_flop:.1f}× slower: it reads and writes the whole T×T matrix with a "
                  f"few operations per element, so it is bound by memory traffic, while the products run on the "
                  f"matrix units.")
-    return text
-
-
-def _oom_paragraph(ctx: Context, ooms) -> str:
-    """Why a point ran out of memory here that 1.1.6's memory harness ran, from results/diagnosis/profile_oom.csv
-    (the same point run three ways in one process) once it has been measured."""
-    found = ctx.frame("diagnosis/profile_oom")
-    hypothesis = ("the first harness re-ran each forward pass for the profiler while the timed pass's loss, and so its "
-                  "whole autograd graph, was still held (two sets of activations on top of the weights and AdamW "
-                  "state), and re-ran the forward pass before the profiled backward with the timed backward's "
-                  "gradients still allocated; 1.1.6's harness runs each phase once")
-    if found is None:
-        return (f"Why the profile ran out of memory where 1.1.6 measured the same point (suspected: {hypothesis}; the "
-                f"harness now drops both first): pending: `PYTHONPATH=$PWD python results/diagnosis/profile_oom.py "
-                f"--out results/diagnosis/profile_oom.csv` on the GPU.")
-    runs = found.set_index("run")
-    point = found.iloc[0]
-    status = {run: row["status"] for run, row in runs.iterrows()}
-
-    def peak(run: str) -> str:
-        row = runs.loc[run]
-        values = [row.get(c) for c in row.index if str(c).endswith("peak (MiB)") and row.get(c) == row.get(c)]
-        return f"peak {max(values):,.0f} MiB" if values else str(row["status"]).upper()
-
-    held, fixed = status.get("profile, hold_previous_graph"), status.get("profile, fixed")
-    text = (f"Diagnosis of the out-of-memory points ({point['size']} at {int(point['context_length'])}, "
-            f"results/diagnosis/profile_oom.csv, {point['device_name']}): the first harness "
-            f"({peak('profile, hold_previous_graph')}), the harness now ({peak('profile, fixed')}), 1.1.6's memory "
-            f"harness ({peak('memory harness')}).")
-    if held == "oom" and fixed == "ok":
-        text += f" So the cause was the harness: {hypothesis}."
-        grid = ctx.frame("profile")
-        point_rows = grid[(grid["size"] == point["size"]) & (grid["context_length"] == point["context_length"])]
-        if len(point_rows) and (point_rows["status"] == "ok").all():
-            text += " The grid above was measured with the harness as it is now: the point ran."
-        else:
-            text += " The grid above predates the fix."
-    else:
-        text += " The held graph does not explain it alone: the difference lies elsewhere."
     return text
 
 
