@@ -76,6 +76,20 @@ def test_a_fresh_checkout_plans_no_measuring_job(fresh_checkout, config):
     assert planned <= REPORT_RULES, f"planned besides the report: {sorted(planned - REPORT_RULES)}"
 
 
+@pytest.mark.parametrize("forced,follows", [
+    ("compile_timing_size", "compile_timing"),
+    ("results/raw/compile/xl.csv", "compile_timing"),
+    ("flash_llm_shapes_point", "flash_llm_shapes"),
+    ("memory_profile", "memory_timelines"),
+])
+def test_a_forced_measurement_still_reaches_what_reads_it(forced, follows):
+    """The committed pieces a merge reads are ancient() so that file times do not merge them again, and Snakemake
+    does not rerun a job for ancient inputs even when their rule runs: a run told to measure them takes them as
+    plain inputs, so the new pieces are merged (and new snapshots drawn), not left beside a stale table."""
+    planned = planned_rules(snakemake(ROOT, "writeup", "--dry-run", "--cores", "1", "--forcerun", forced))
+    assert follows in planned, sorted(planned)
+
+
 def test_a_report_only_run_has_no_measuring_rule():
     """measure=false leaves every other rule out of the workflow, so no rerun trigger (changed params or code in
     .snakemake's records, which a fresh clone lacks but a measuring machine has) can plan one."""

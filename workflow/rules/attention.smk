@@ -158,12 +158,12 @@ rule flash_llm_shapes_point:
 # minutes a GPU job was given (results/README.md, "Still to run"); a job cut short keeps only its own points.
 rule flash_llm_shapes:
     input:
-        # committed pieces: ancient, as compile_timing's
-        ancient(
-            expand(
+        committed(
+            "flash_llm_shapes_point",
+            *expand(
                 f"{R}/raw/flash_llm_shapes/d{{head_dim}}.csv",
                 head_dim=S["flash_llm_shapes"]["head_dims"],
-            )
+            ),
         ),
     output:
         csv=update(f"{R}/flash_llm_shapes.csv"),

@@ -92,12 +92,13 @@ rule compile_timing_size:
         " && cp {log} {output.log}"
 
 
-# One job per model size: the large compiled points take longest, and a cut-short run keeps the rest. The pieces are
-# committed, so ancient(): a checkout that writes them after the table does not merge them again (a piece measured
-# again in the same run still is: --forcerun results/raw/compile/xl.csv).
+# One job per model size: the large compiled points take longest, and a cut-short run keeps the rest.
 rule compile_timing:
     input:
-        ancient(expand(f"{R}/raw/compile/{{size}}.csv", size=S["model_sizes"])),
+        committed(
+            "compile_timing_size",
+            *expand(f"{R}/raw/compile/{{size}}.csv", size=S["model_sizes"]),
+        ),
     output:
         csv=update(f"{R}/e2e_compile.csv"),
         log=update(f"{LOGS}/compile_timing.log"),
@@ -273,9 +274,10 @@ rule memory_profile:
 
 rule memory_timelines:
     input:
-        # ancient: the committed rows newer than the committed table (git's checkout order) do not rebuild it
-        snapshots=ancient(f"{R}/memory_snapshots"),
-        rows=ancient(f"{R}/memory.csv"),  # the snapshots' run: device and commit for the figures
+        # not committed: made on this machine, so memory_profile's run reaches this rule
+        snapshots=f"{R}/memory_snapshots",
+        # the snapshots' run: device and commit for the figures (committed: ancient, as common.smk's committed())
+        rows=ancient(f"{R}/memory.csv"),
     output:
         csv=update(f"{R}/memory_allocations.csv"),
         log=update(f"{LOGS}/memory_timelines.log"),

@@ -78,6 +78,22 @@ def wanted(*paths):
     return [p for p in paths if usable(p)]
 
 
+def committed(maker, *paths):
+    """Input function for committed files that the rule named `maker` makes, where others read them (a merge of
+    committed pieces): ancient() where this run does not make them again. A checkout writes files in its own
+    order, and a piece newer than its table must not merge it again (merging reformats the numbers). Snakemake
+    does not rerun a job for ancient inputs even when their rule runs, so a run told to make them (--forcerun
+    RULE or PATH, --forceall) takes them as plain inputs, and its new pieces are merged.
+    """
+
+    def inputs(wildcards):
+        force = workflow.dag_settings
+        again = force.forceall or maker in force.forcerun
+        return [p if again or p in force.forcerun else ancient(p) for p in paths]
+
+    return inputs
+
+
 def measured_inputs(**named):
     """Input function (use with unpack) for what reads the uncommitted outputs (traces) of a job that takes more
     GPUs than one: a run whose max_gpus is too small stops and names the setting, rather than start without its
@@ -96,7 +112,6 @@ def measured_inputs(**named):
                     f"{path} needs {gpus} GPUs and this run allows max_gpus={MAX_GPUS}:"
                     f" add --config max_gpus={gpus} --resources gpu={gpus}"
                 )
-        # ancient: committed rows newer than the committed table (git's checkout order) do not rebuild it
-        return {name: ancient(path) for name, path in named.items()}
+        return dict(named)
 
     return inputs

@@ -150,7 +150,12 @@ rule ddp_correctness:
 # The rows are the traces' run: device and commit for the figures.
 rule ddp_overlap:
     input:
-        unpack(measured_inputs(traces=f"{R}/ddp_traces", rows=f"{R}/ddp_traces.csv")),
+        # the traces are not committed, so ddp_traces' run reaches this rule; the rows are (ancient: common.smk)
+        unpack(
+            measured_inputs(
+                traces=f"{R}/ddp_traces", rows=ancient(f"{R}/ddp_traces.csv")
+            )
+        ),
     output:
         csv=update(f"{R}/ddp_overlap.csv"),
         log=update(f"{LOGS}/ddp_overlap.log"),
@@ -253,8 +258,7 @@ rule fsdp_point:
 
 rule fsdp_benchmark:
     input:
-        # committed pieces: ancient, as compile_timing's
-        ancient(expand(f"{R}/fsdp/{{size}}.csv", size=FSDP_CFG["sizes"])),
+        committed("fsdp_point", *expand(f"{R}/fsdp/{{size}}.csv", size=FSDP_CFG["sizes"])),
     output:
         csv=update(f"{R}/fsdp.csv"),
         log=update(f"{LOGS}/fsdp.log"),
@@ -296,7 +300,12 @@ rule fsdp_traces:
 # The rows are the traces' run: device and commit for the figures.
 rule fsdp_overlap:
     input:
-        unpack(measured_inputs(traces=f"{R}/fsdp_traces", rows=f"{R}/fsdp_traces.csv")),
+        # the traces are not committed, so fsdp_traces' run reaches this rule; the rows are (ancient: common.smk)
+        unpack(
+            measured_inputs(
+                traces=f"{R}/fsdp_traces", rows=ancient(f"{R}/fsdp_traces.csv")
+            )
+        ),
     output:
         csv=update(f"{R}/fsdp_overlap.csv"),
         log=update(f"{LOGS}/fsdp_overlap.log"),
