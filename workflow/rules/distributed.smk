@@ -258,7 +258,9 @@ rule fsdp_point:
 
 rule fsdp_benchmark:
     input:
-        committed("fsdp_point", *expand(f"{R}/fsdp/{{size}}.csv", size=FSDP_CFG["sizes"])),
+        committed(
+            "fsdp_point", *expand(f"{R}/fsdp/{{size}}.csv", size=FSDP_CFG["sizes"])
+        ),
     output:
         csv=update(f"{R}/fsdp.csv"),
         log=update(f"{LOGS}/fsdp.log"),
