@@ -3,9 +3,10 @@
 
 rule attention_timing:
     output:
-        f"{R}/attention.csv",
+        csv=update(f"{R}/attention.csv"),
+        log=update(f"{LOGS}/attention_timing.log"),
     log:
-        f"{LOGS}/attention_timing.log",
+        f"{ATTEMPTS}/attention_timing.log",
     conda:
         ENV
     resources:
@@ -20,17 +21,19 @@ rule attention_timing:
     shell:
         "python -m cs336_systems.bench.attention_sweep {params.device} --impls eager compiled"
         " --head-dims {params.head_dims} --seqs {params.seqs} --batch-size {params.batch}"
-        " --warmup {params.warmup} --iters {params.iters} --out {output} 2> {log}"
+        " --warmup {params.warmup} --iters {params.iters} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The tests, `repeats` times on fresh inputs (a smoke run: the representative subset `select`), and the
 # bfloat16 accuracy check against SDPA (seconds; a GPU run adds our Triton kernels to it).
 rule flash_correctness:
     output:
-        tests=f"{R}/flash_correctness.csv",
-        accuracy=f"{R}/flash_accuracy.csv",
+        tests=update(f"{R}/flash_correctness.csv"),
+        accuracy=update(f"{R}/flash_accuracy.csv"),
+        log=update(f"{LOGS}/flash_correctness.log"),
     log:
-        f"{LOGS}/flash_correctness.log",
+        f"{ATTEMPTS}/flash_correctness.log",
     conda:
         ENV
     # Triton compiles are single-threaded CPU work; the tests are dealt out to this many processes.
@@ -49,13 +52,15 @@ rule flash_correctness:
         "python -m cs336_systems.bench.flash_check {params.device} --workers {threads}"
         " --repeats {params.c[repeats]} {params.select} --accuracy-seeds {params.c[accuracy_seeds]}"
         " --out {output.tests} --accuracy-out {output.accuracy} > {log} 2>&1"
+        " && cp {log} {output.log}"
 
 
 rule flash_benchmark_point:
     output:
-        temp(f"{R}/raw/flash/{{dtype}}_d{{head_dim}}.csv"),
+        csv=temp(f"{R}/raw/flash/{{dtype}}_d{{head_dim}}.csv"),
+        log=update(f"{LOGS}/flash_benchmark/{{dtype}}_d{{head_dim}}.log"),
     log:
-        f"{LOGS}/flash_benchmark/{{dtype}}_d{{head_dim}}.log",
+        f"{ATTEMPTS}/flash_benchmark/{{dtype}}_d{{head_dim}}.log",
     wildcard_constraints:
         head_dim=r"\d+",
     conda:
@@ -73,7 +78,8 @@ rule flash_benchmark_point:
         "python -m cs336_systems.bench.flash_bench sweep {params.device} --seqs {params.seqs}"
         " --head-dims {wildcards.head_dim} --dtypes {wildcards.dtype} --providers {params.providers}"
         " --pytorch-max-seq {params.pytorch_max_seq} --warmup-ms {params.warmup_ms}"
-        " --rep-ms {params.rep_ms} --out {output} 2> {log}"
+        " --rep-ms {params.rep_ms} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # One job per (dtype, head dim): a float32 sweep over every head dim in one job outlasted the time a
@@ -86,21 +92,24 @@ rule flash_benchmark:
             head_dim=S["flash"]["head_dims"],
         ),
     output:
-        f"{R}/flash_sweep.csv",
+        csv=update(f"{R}/flash_sweep.csv"),
+        log=update(f"{LOGS}/flash_benchmark.log"),
     log:
-        f"{LOGS}/flash_benchmark.log",
+        f"{ATTEMPTS}/flash_benchmark.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # Compiled for the GPU architecture on the CPU: runs anywhere, no GPU resource.
 rule flash_resources:
     output:
-        f"{R}/flash_resources.csv",
+        csv=update(f"{R}/flash_resources.csv"),
+        log=update(f"{LOGS}/flash_resources.log"),
     log:
-        f"{LOGS}/flash_resources.log",
+        f"{ATTEMPTS}/flash_resources.log",
     conda:
         ENV
     params:
@@ -112,15 +121,17 @@ rule flash_resources:
     shell:
         "python -m cs336_systems.bench.kernel_resources --arch {params.r[arch]} --kernels {params.kernels}"
         " --head-dims {params.head_dims} --dtypes {params.dtypes} --float32-dots {params.dots}"
-        " --out {output} 2> {log}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule flash_llm_shapes_point:
     output:
         # kept, not temp(): one head dim can be measured again and merged with the other's committed piece
-        f"{R}/raw/flash_llm_shapes/d{{head_dim}}.csv",
+        csv=update(f"{R}/raw/flash_llm_shapes/d{{head_dim}}.csv"),
+        log=update(f"{LOGS}/flash_llm_shapes/d{{head_dim}}.log"),
     log:
-        f"{LOGS}/flash_llm_shapes/d{{head_dim}}.log",
+        f"{ATTEMPTS}/flash_llm_shapes/d{{head_dim}}.log",
     wildcard_constraints:
         head_dim=r"\d+",
     conda:
@@ -139,25 +150,31 @@ rule flash_llm_shapes_point:
         " --seqs {params.seqs} --head-dims {wildcards.head_dim} --causal {params.causal}"
         " --max-tokens {params.f[max_tokens]} --providers {params.providers}"
         " --warmup-ms {params.f[warmup_ms]} --rep-ms {params.f[rep_ms]} --rounds {params.f[rounds]}"
-        " --out {output} 2> {log}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # One job per head dim: the whole grid in one job ran close to, and with a cold Triton cache past, the 10
 # minutes a GPU job was given (results/README.md, "Still to run"); a job cut short keeps only its own points.
 rule flash_llm_shapes:
     input:
-        expand(
-            f"{R}/raw/flash_llm_shapes/d{{head_dim}}.csv",
-            head_dim=S["flash_llm_shapes"]["head_dims"],
+        committed(
+            "flash_llm_shapes_point",
+            *expand(
+                f"{R}/raw/flash_llm_shapes/d{{head_dim}}.csv",
+                head_dim=S["flash_llm_shapes"]["head_dims"],
+            ),
         ),
     output:
-        f"{R}/flash_llm_shapes.csv",
+        csv=update(f"{R}/flash_llm_shapes.csv"),
+        log=update(f"{LOGS}/flash_llm_shapes.log"),
     log:
-        f"{LOGS}/flash_llm_shapes.log",
+        f"{ATTEMPTS}/flash_llm_shapes.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The first call at the leaderboard's shape in a fresh process (Triton compiling and autotuning): GPU scales only.
@@ -165,9 +182,10 @@ if S["flash_llm_shapes"]["first_call"]:
 
     rule flash_first_call:
         output:
-            f"{R}/flash_first_call.csv",
+            csv=update(f"{R}/flash_first_call.csv"),
+            log=update(f"{LOGS}/flash_first_call.log"),
         log:
-            f"{LOGS}/flash_first_call.log",
+            f"{ATTEMPTS}/flash_first_call.log",
         conda:
             ENV
         resources:
@@ -175,14 +193,16 @@ if S["flash_llm_shapes"]["first_call"]:
         params:
             device=DEVICE_ARGS,
         shell:
-            "python -m cs336_systems.bench.flash_bench first-call {params.device} --out {output} 2> {log}"
+            "python -m cs336_systems.bench.flash_bench first-call {params.device} --out {output.csv} 2> {log}"
+            " && cp {log} {output.log}"
 
 
 rule flash_leaderboard:
     output:
-        f"{R}/flash_leaderboard.csv",
+        csv=update(f"{R}/flash_leaderboard.csv"),
+        log=update(f"{LOGS}/flash_leaderboard.log"),
     log:
-        f"{LOGS}/flash_leaderboard.log",
+        f"{ATTEMPTS}/flash_leaderboard.log",
     conda:
         ENV
     resources:
@@ -195,4 +215,5 @@ rule flash_leaderboard:
         "python -m cs336_systems.bench.flash_bench leaderboard {params.device} --heads {params.lb[heads]}"
         " --seq-len {params.lb[seq_len]} --head-dim {params.lb[head_dim]} --dtype {params.lb[dtype]}"
         " --compile {params.lb[compile]} --providers {params.providers}"
-        " --warmup-ms {params.lb[warmup_ms]} --rep-ms {params.lb[rep_ms]} --out {output} 2> {log}"
+        " --warmup-ms {params.lb[warmup_ms]} --rep-ms {params.lb[rep_ms]} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"

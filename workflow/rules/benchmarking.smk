@@ -3,9 +3,10 @@
 
 rule e2e_timing:
     output:
-        f"{R}/e2e.csv",
+        csv=update(f"{R}/e2e.csv"),
+        log=update(f"{LOGS}/e2e_timing.log"),
     log:
-        f"{LOGS}/e2e_timing.log",
+        f"{ATTEMPTS}/e2e_timing.log",
     conda:
         ENV
     resources:
@@ -20,14 +21,16 @@ rule e2e_timing:
     shell:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes}"
         " --modes forward_backward --precisions {params.precisions} --attention {params.attention}"
-        " --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
+        " --warmup {params.warmup} --steps {params.steps} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule e2e_warmup_point:
     output:
-        temp(f"{R}/raw/warmup/{{size}}_w{{warmup}}.csv"),
+        csv=temp(f"{R}/raw/warmup/{{size}}_w{{warmup}}.csv"),
+        log=update(f"{LOGS}/warmup/{{size}}_w{{warmup}}.log"),
     log:
-        f"{LOGS}/warmup/{{size}}_w{{warmup}}.log",
+        f"{ATTEMPTS}/warmup/{{size}}_w{{warmup}}.log",
     conda:
         ENV
     resources:
@@ -38,7 +41,8 @@ rule e2e_warmup_point:
     shell:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {wildcards.size}"
         " --modes forward_backward --warmup {wildcards.warmup} --steps {params.steps}"
-        " --out {output} 2> {log}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule e2e_warmup:
@@ -49,22 +53,25 @@ rule e2e_warmup:
             warmup=S["warmup_sweep"]["warmups"],
         ),
     output:
-        f"{R}/e2e_warmup.csv",
+        csv=update(f"{R}/e2e_warmup.csv"),
+        log=update(f"{LOGS}/e2e_warmup.log"),
     log:
-        f"{LOGS}/e2e_warmup.log",
+        f"{ATTEMPTS}/e2e_warmup.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule compile_timing_size:
     output:
         # kept, not temp(): the sizes' files are committed (results/raw/compile/) so that one size can be measured
         # again and merged with the others; as temp() a rebuild of the report deleted them after merging
-        f"{R}/raw/compile/{{size}}.csv",
+        csv=update(f"{R}/raw/compile/{{size}}.csv"),
+        log=update(f"{LOGS}/compile/{{size}}.log"),
     log:
-        f"{LOGS}/compile/{{size}}.log",
+        f"{ATTEMPTS}/compile/{{size}}.log",
     conda:
         ENV
     resources:
@@ -81,30 +88,37 @@ rule compile_timing_size:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {wildcards.size}"
         " --modes forward train_step --precisions {params.precision} --attention {params.attention}"
         " --compile-scopes {params.scopes} --optimizers {params.optimizer}"
-        " --warmup {params.warmup} --steps {params.steps} --out {output} 2> {log}"
+        " --warmup {params.warmup} --steps {params.steps} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # One job per model size: the large compiled points take longest, and a cut-short run keeps the rest.
 rule compile_timing:
     input:
-        expand(f"{R}/raw/compile/{{size}}.csv", size=S["model_sizes"]),
+        committed(
+            "compile_timing_size",
+            *expand(f"{R}/raw/compile/{{size}}.csv", size=S["model_sizes"]),
+        ),
     output:
-        f"{R}/e2e_compile.csv",
+        csv=update(f"{R}/e2e_compile.csv"),
+        log=update(f"{LOGS}/compile_timing.log"),
     log:
-        f"{LOGS}/compile_timing.log",
+        f"{ATTEMPTS}/compile_timing.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # 1.3.1(b): our model and the plain-PyTorch baseline (same config, SDPA, torch.compile, torch's fused AdamW)
 # timed in one process, one after the other, so the comparison is within one run on one GPU.
 rule e2e_baseline:
     output:
-        f"{R}/e2e_baseline.csv",
+        csv=update(f"{R}/e2e_baseline.csv"),
+        log=update(f"{LOGS}/e2e_baseline.log"),
     log:
-        f"{LOGS}/e2e_baseline.log",
+        f"{ATTEMPTS}/e2e_baseline.log",
     conda:
         ENV
     resources:
@@ -118,16 +132,18 @@ rule e2e_baseline:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes train_step"
         " --models ours plain --precisions {params.b[precision]} --attention {params.b[attention]}"
         " --compile-scopes {params.scopes} --optimizers {params.b[optimizer]}"
-        " --warmup {params.b[warmup]} --steps {params.b[steps]} --out {output} 2> {log}"
+        " --warmup {params.b[warmup]} --steps {params.b[steps]} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The optimizer step: our AdamW's two update paths against torch's fused AdamW, every model size. Eager,
 # since the optimizer step is not compiled either way and the compiled points cost minutes each.
 rule optimizer_timing:
     output:
-        f"{R}/optimizer.csv",
+        csv=update(f"{R}/optimizer.csv"),
+        log=update(f"{LOGS}/optimizer_timing.log"),
     log:
-        f"{LOGS}/optimizer_timing.log",
+        f"{ATTEMPTS}/optimizer_timing.log",
     conda:
         ENV
     resources:
@@ -140,14 +156,16 @@ rule optimizer_timing:
     shell:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes train_step"
         " --precisions {params.o[precision]} --attention {params.o[attention]} --optimizers {params.optimizers}"
-        " --warmup {params.o[warmup]} --steps {params.o[steps]} --out {output} 2> {log}"
+        " --warmup {params.o[warmup]} --steps {params.o[steps]} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule mixed_precision:
     output:
-        f"{R}/mixed_precision.csv",
+        csv=update(f"{R}/mixed_precision.csv"),
+        log=update(f"{LOGS}/mixed_precision.log"),
     log:
-        f"{LOGS}/mixed_precision.log",
+        f"{ATTEMPTS}/mixed_precision.log",
     conda:
         ENV
     resources:
@@ -155,14 +173,16 @@ rule mixed_precision:
     params:
         device=DEVICE_ARGS,
     shell:
-        "python -m cs336_systems.bench.mixed_precision {params.device} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.mixed_precision {params.device} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule profile_size:
     output:
-        temp(f"{R}/raw/profile/{{size}}.csv"),
+        csv=temp(f"{R}/raw/profile/{{size}}.csv"),
+        log=update(f"{LOGS}/profile/{{size}}.log"),
     log:
-        f"{LOGS}/profile/{{size}}.log",
+        f"{ATTEMPTS}/profile/{{size}}.log",
     conda:
         ENV
     resources:
@@ -178,7 +198,8 @@ rule profile_size:
     shell:
         "python -m cs336_systems.bench.profile {params.device} --sizes {wildcards.size}"
         " --context-lengths {params.contexts} --batch-size {params.batch} --warmup {params.warmup}"
-        " --steps {params.steps} --nsys-reports {params.reports} --out {output} 2> {log}"
+        " --steps {params.steps} --nsys-reports {params.reports} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # One job per model size, so a size that fails or is cut short costs only its own points.
@@ -186,21 +207,24 @@ rule profile:
     input:
         expand(f"{R}/raw/profile/{{size}}.csv", size=S["model_sizes"]),
     output:
-        f"{R}/profile.csv",
+        csv=update(f"{R}/profile.csv"),
+        log=update(f"{LOGS}/profile.log"),
     log:
-        f"{LOGS}/profile.log",
+        f"{ATTEMPTS}/profile.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # 1.1.5(c): kernel time against wall time of eager bf16 steps, every size (is the step host-bound?).
 rule profile_bf16:
     output:
-        f"{R}/profile_bf16.csv",
+        csv=update(f"{R}/profile_bf16.csv"),
+        log=update(f"{LOGS}/profile_bf16.log"),
     log:
-        f"{LOGS}/profile_bf16.log",
+        f"{ATTEMPTS}/profile_bf16.log",
     conda:
         ENV
     resources:
@@ -215,7 +239,8 @@ rule profile_bf16:
     shell:
         "python -m cs336_systems.bench.profile {params.device} --tool torch --precision bf16 --sizes {params.sizes}"
         " --context-lengths {params.contexts} --batch-size {params.batch} --warmup {params.warmup}"
-        " --steps {params.steps} --out {output} 2> {log}"
+        " --steps {params.steps} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The allocator history is CUDA's: a scale without a GPU switches 1.1.6 off, and its section says pending.
@@ -225,10 +250,11 @@ if not S["memory"]["enabled"]:
 
 rule memory_profile:
     output:
-        peaks=f"{R}/memory.csv",
+        peaks=update(f"{R}/memory.csv"),
         snapshots=directory(f"{R}/memory_snapshots"),
+        log=update(f"{LOGS}/memory_profile.log"),
     log:
-        f"{LOGS}/memory_profile.log",
+        f"{ATTEMPTS}/memory_profile.log",
     conda:
         ENV
     resources:
@@ -243,20 +269,25 @@ rule memory_profile:
         "python -m cs336_systems.bench.memory {params.device} --size {params.mem[size]}"
         " --context-lengths {params.contexts} --precisions {params.precisions} --batch-size {params.batch}"
         " --snapshot-dir {output.snapshots} --out {output.peaks} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule memory_timelines:
     input:
+        # not committed: made on this machine, so memory_profile's run reaches this rule
         snapshots=f"{R}/memory_snapshots",
-        rows=f"{R}/memory.csv",  # the snapshots' run: device and commit for the figures
+        # the snapshots' run: device and commit for the figures (committed: ancient, as common.smk's committed())
+        rows=ancient(f"{R}/memory.csv"),
     output:
-        f"{R}/memory_allocations.csv",
+        csv=update(f"{R}/memory_allocations.csv"),
+        log=update(f"{LOGS}/memory_timelines.log"),
     log:
-        f"{LOGS}/memory_timelines.log",
+        f"{ATTEMPTS}/memory_timelines.log",
     conda:
         ENV
     params:
         figures=f"{F}/memory",
     shell:
         "python -m cs336_systems.report.memory {input.snapshots}/*.pickle --rows {input.rows} --figures-dir {params.figures}"
-        " --out {output} 2> {log}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"

@@ -4,10 +4,11 @@
 
 rule saved_tensors:
     output:
-        totals=f"{R}/saved_tensors.csv",
-        tensors=f"{R}/saved_tensors_list.csv",
+        totals=update(f"{R}/saved_tensors.csv"),
+        tensors=update(f"{R}/saved_tensors_list.csv"),
+        log=update(f"{LOGS}/saved_tensors.log"),
     log:
-        f"{LOGS}/saved_tensors.log",
+        f"{ATTEMPTS}/saved_tensors.log",
     conda:
         ENV
     resources:
@@ -25,13 +26,15 @@ rule saved_tensors:
         " --norm-context-length {params.s[norm_context_length]}"
         " --precision {params.s[precision]} --out {output.totals}"
         " --tensors-out {output.tensors} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule checkpoint_sweep:
     output:
-        f"{R}/checkpointing.csv",
+        csv=update(f"{R}/checkpointing.csv"),
+        log=update(f"{LOGS}/checkpoint_sweep.log"),
     log:
-        f"{LOGS}/checkpoint_sweep.log",
+        f"{ATTEMPTS}/checkpoint_sweep.log",
     conda:
         ENV
     resources:
@@ -46,4 +49,5 @@ rule checkpoint_sweep:
         " --context-length {params.s[context_length]} --precision {params.s[precision]}"
         " --attention {params.s[attention]} --compile {params.s[compile]}"
         " --optimizer {params.s[optimizer]} --policies {params.policies}"
-        " --warmup {params.s[warmup]} --steps {params.s[steps]} --out {output} 2> {log}"
+        " --warmup {params.s[warmup]} --steps {params.s[steps]} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"

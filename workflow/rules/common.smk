@@ -8,9 +8,16 @@ R = S["results"]  # results directory of this scale
 F = S["figures"]  # figures directory of this scale
 GPUS = S["gpus_per_job"]
 LOGS = f"{R}/logs"  # run logs travel with the results they explain
+# A failed job leaves the results and logs already here as they were. Snakemake deletes a job's outputs and logs
+# before it starts and again when it fails, except outputs flagged update(): those it backs up
+# (.snakemake/backups) and restores when the job fails. So every rule flags what it writes under R update(), writes
+# its log to ATTEMPTS while it runs (a failed attempt's log stays there, and Snakemake's error names it) and, once
+# it has succeeded, copies that log to LOGS, an update() output too.
+ATTEMPTS = f"logs/{SCALE}"  # gitignored
 ENV = "../envs/cs336.yaml"
 # measure=false builds tables, figures and the writeup from the results already present (e.g. the
 # committed GPU results on a machine without a GPU) and leaves deliverables without data pending.
+# The Snakefile leaves the measuring rules out of such a run.
 MEASURE = str(config.get("measure", True)).lower() != "false"
 
 # Arguments every benchmark CLI gets at this scale.
@@ -71,15 +78,29 @@ def wanted(*paths):
     return [p for p in paths if usable(p)]
 
 
-def measured_inputs(**named):
-    """Input function (use with unpack) for what reads the uncommitted outputs (traces) of a job that takes more
-    GPUs than one: a report-only run asks for none of them (it keeps the committed result), a measuring run for all,
-    and a run whose max_gpus is too small stops and names the setting, rather than start without its inputs.
+def committed(maker, *paths):
+    """Input function for committed files that the rule named `maker` makes, where others read them (a merge of
+    committed pieces): ancient() where this run does not make them again. A checkout writes files in its own
+    order, and a piece newer than its table must not merge it again (merging reformats the numbers). Snakemake
+    does not rerun a job for ancient inputs even when their rule runs, so a run told to make them (--forcerun
+    RULE or PATH, --forceall) takes them as plain inputs, and its new pieces are merged.
     """
 
     def inputs(wildcards):
-        if not MEASURE:
-            return {name: path for name, path in named.items() if usable(path)}
+        force = workflow.dag_settings
+        again = force.forceall or maker in force.forcerun
+        return [p if again or p in force.forcerun else ancient(p) for p in paths]
+
+    return inputs
+
+
+def measured_inputs(**named):
+    """Input function (use with unpack) for what reads the uncommitted outputs (traces) of a job that takes more
+    GPUs than one: a run whose max_gpus is too small stops and names the setting, rather than start without its
+    inputs (a report-only run has no such rule: it keeps the committed result).
+    """
+
+    def inputs(wildcards):
         for path in named.values():
             if path in SWITCHED_OFF:
                 raise ValueError(

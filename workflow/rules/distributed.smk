@@ -29,9 +29,10 @@ needs_gpus(
 
 rule allreduce_point:
     output:
-        temp(f"{R}/raw/allreduce/{{backend}}_{{world}}.csv"),
+        csv=temp(f"{R}/raw/allreduce/{{backend}}_{{world}}.csv"),
+        log=update(f"{LOGS}/allreduce/{{backend}}_{{world}}.log"),
     log:
-        f"{LOGS}/allreduce/{{backend}}_{{world}}.log",
+        f"{ATTEMPTS}/allreduce/{{backend}}_{{world}}.log",
     wildcard_constraints:
         backend="gloo|nccl",
         world=r"\d+",
@@ -53,27 +54,31 @@ rule allreduce_point:
         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 torchrun --standalone"
         " --nproc_per_node {wildcards.world} -m cs336_systems.bench.allreduce"
         " --backend {wildcards.backend} --sizes-mb {params.sizes} --iters {params.iters} --ops {params.ops}"
-        " {params.burst} --out {output} 2> {log}"
+        " {params.burst} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule allreduce:
     input:
         expand(f"{R}/raw/allreduce/{{point}}.csv", point=ALLREDUCE_POINTS),
     output:
-        f"{R}/allreduce.csv",
+        csv=update(f"{R}/allreduce.csv"),
+        log=update(f"{LOGS}/allreduce.log"),
     log:
-        f"{LOGS}/allreduce.log",
+        f"{ATTEMPTS}/allreduce.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule ddp_benchmark:
     output:
-        f"{R}/{{deliverable}}.csv",
+        csv=update(f"{R}/{{deliverable}}.csv"),
+        log=update(f"{LOGS}/{{deliverable}}.log"),
     log:
-        f"{LOGS}/{{deliverable}}.log",
+        f"{ATTEMPTS}/{{deliverable}}.log",
     wildcard_constraints:
         deliverable="|".join(DDP["configs"]),
     conda:
@@ -91,7 +96,8 @@ rule ddp_benchmark:
         " --context-length {params.ddp[context_length]} --precisions {params.precisions}"
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
         " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]}"
-        " --rounds {params.ddp[rounds]} --configs {params.configs} --out {output} 2> {log}"
+        " --rounds {params.ddp[rounds]} --configs {params.configs} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The round-to-round spread that sets `ddp.rounds` (report.ddp_analysis.rounds_paragraph): two configs close
@@ -121,10 +127,11 @@ rule ddp_spread:
 
 rule ddp_traces:
     output:
-        timings=f"{R}/ddp_traces.csv",
+        timings=update(f"{R}/ddp_traces.csv"),
         traces=directory(f"{R}/ddp_traces"),
+        log=update(f"{LOGS}/ddp_traces.log"),
     log:
-        f"{LOGS}/ddp_traces.log",
+        f"{ATTEMPTS}/ddp_traces.log",
     conda:
         ENV
     resources:
@@ -141,43 +148,53 @@ rule ddp_traces:
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps 2"
         " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]} --configs {params.configs}"
         " --trace-dir {output.traces} --out {output.timings} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # Correctness in the writeup: the wrapper and sharded-optimizer tests (CPU, gloo) rerun with fresh seeds,
-# counted per test. Needs the tests/ folder of this checkout.
+# counted per test. Needs the tests/ folder of this checkout. The tests are code, like the library: not input files
+# (a checkout writes them after the committed table), so a change to them is measured with --forcerun.
 rule ddp_correctness:
-    input:
-        DDP["correctness_tests"],
     output:
-        f"{R}/ddp_correctness.csv",
+        csv=update(f"{R}/ddp_correctness.csv"),
+        log=update(f"{LOGS}/ddp_correctness.log"),
     log:
-        f"{LOGS}/ddp_correctness.log",
+        f"{ATTEMPTS}/ddp_correctness.log",
     conda:
         ENV
     params:
+        tests=join(DDP["correctness_tests"]),
         repeats=DDP["correctness_repeats"],
         select=DDP["correctness_select"],
     shell:
-        "python -m cs336_systems.bench.ddp_correctness {input} -k '{params.select}' --repeats {params.repeats}"
-        " --out {output} 2> {log}"
+        "python -m cs336_systems.bench.ddp_correctness {params.tests} -k '{params.select}' --repeats {params.repeats}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
 # The rows are the traces' run: device and commit for the figures.
 rule ddp_overlap:
     input:
-        unpack(measured_inputs(traces=f"{R}/ddp_traces", rows=f"{R}/ddp_traces.csv")),
+        # the traces are not committed, so ddp_traces' run reaches this rule; the rows are (ancient: common.smk)
+        unpack(
+            measured_inputs(
+                traces=f"{R}/ddp_traces", rows=ancient(f"{R}/ddp_traces.csv")
+            )
+        ),
     output:
-        f"{R}/ddp_overlap.csv",
+        csv=update(f"{R}/ddp_overlap.csv"),
+        log=update(f"{LOGS}/ddp_overlap.log"),
     log:
-        f"{LOGS}/ddp_overlap.log",
+        f"{ATTEMPTS}/ddp_overlap.log",
     conda:
         ENV
     params:
         figures=f"{F}/ddp_traces",
     shell:
         "python -m cs336_systems.report.traces {input.traces}/*.json --rows {input.rows} --figures-dir {params.figures}"
-        " --out {output} 2> {log}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # End to end: short training runs of our model, attention backend x data-parallel wrapper (train.py).
@@ -187,9 +204,10 @@ rule ddp_overlap:
 # `none` is the single-GPU run: one process on the whole global batch, so every run sees the same tokens.
 rule train_point:
     output:
-        temp(f"{R}/raw/train/{{attention}}_{{wrapper}}.csv"),
+        csv=temp(f"{R}/raw/train/{{attention}}_{{wrapper}}.csv"),
+        log=update(f"{LOGS}/train/{{attention}}_{{wrapper}}.log"),
     log:
-        f"{LOGS}/train/{{attention}}_{{wrapper}}.log",
+        f"{ATTEMPTS}/train/{{attention}}_{{wrapper}}.log",
     wildcard_constraints:
         attention="|".join(re.escape(a) for a in TRAIN["attention"]),
         wrapper="|".join(re.escape(w) for w in TRAIN["wrappers"]),
@@ -210,7 +228,8 @@ rule train_point:
         " --wrapper {wildcards.wrapper} --attention {wildcards.attention} --batch-size {params.batch}"
         " --context-length {params.t[context_length]} --precision {params.t[precision]}"
         " --steps {params.t[steps]} --backend {params.t[backend]} --log-every 1000000"
-        " --loss-log {output} > {log} 2>&1"
+        " --loss-log {output.csv} > {log} 2>&1"
+        " && cp {log} {output.log}"
 
 
 rule train_matrix:
@@ -221,13 +240,15 @@ rule train_matrix:
             wrapper=TRAIN["wrappers"],
         ),
     output:
-        f"{R}/train_matrix.csv",
+        csv=update(f"{R}/train_matrix.csv"),
+        log=update(f"{LOGS}/train_matrix.log"),
     log:
-        f"{LOGS}/train_matrix.log",
+        f"{ATTEMPTS}/train_matrix.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # 2026 handout, section 7 (fsdp, fsdp_accounting): our FSDP against torch's FSDP2, our bucketed DDP and our
@@ -236,9 +257,10 @@ rule train_matrix:
 
 rule fsdp_point:
     output:
-        f"{R}/fsdp/{{size}}.csv",
+        csv=update(f"{R}/fsdp/{{size}}.csv"),
+        log=update(f"{LOGS}/fsdp/{{size}}.log"),
     log:
-        f"{LOGS}/fsdp/{{size}}.log",
+        f"{ATTEMPTS}/fsdp/{{size}}.log",
     wildcard_constraints:
         size="|".join(re.escape(s) for s in FSDP_CFG["sizes"]),
     conda:
@@ -256,28 +278,34 @@ rule fsdp_point:
         " --context-length {params.f[context_length]} --precisions {params.precisions}"
         " --attention {params.f[attention]} --warmup {params.f[warmup]} --steps {params.f[steps]}"
         " --compile none --adamw {params.f[adamw]} --rounds {params.f[rounds]}"
-        " --configs {params.configs} --out {output} 2> {log}"
+        " --configs {params.configs} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule fsdp_benchmark:
     input:
-        expand(f"{R}/fsdp/{{size}}.csv", size=FSDP_CFG["sizes"]),
+        committed(
+            "fsdp_point", *expand(f"{R}/fsdp/{{size}}.csv", size=FSDP_CFG["sizes"])
+        ),
     output:
-        f"{R}/fsdp.csv",
+        csv=update(f"{R}/fsdp.csv"),
+        log=update(f"{LOGS}/fsdp.log"),
     log:
-        f"{LOGS}/fsdp.log",
+        f"{ATTEMPTS}/fsdp.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.bench.merge {input} --out {output} 2> {log}"
+        "python -m cs336_systems.bench.merge {input} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule fsdp_traces:
     output:
-        timings=f"{R}/fsdp_traces.csv",
+        timings=update(f"{R}/fsdp_traces.csv"),
         traces=directory(f"{R}/fsdp_traces"),
+        log=update(f"{LOGS}/fsdp_traces.log"),
     log:
-        f"{LOGS}/fsdp_traces.log",
+        f"{ATTEMPTS}/fsdp_traces.log",
     conda:
         ENV
     resources:
@@ -293,21 +321,29 @@ rule fsdp_traces:
         " --attention {params.f[attention]} --warmup {params.f[warmup]} --steps 2 --compile none"
         " --adamw {params.f[adamw]} --configs {params.configs} --trace-dir {output.traces}"
         " --out {output.timings} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The traces are not committed (large): a report-only run (measure=false) keeps the committed table.
 # The rows are the traces' run: device and commit for the figures.
 rule fsdp_overlap:
     input:
-        unpack(measured_inputs(traces=f"{R}/fsdp_traces", rows=f"{R}/fsdp_traces.csv")),
+        # the traces are not committed, so fsdp_traces' run reaches this rule; the rows are (ancient: common.smk)
+        unpack(
+            measured_inputs(
+                traces=f"{R}/fsdp_traces", rows=ancient(f"{R}/fsdp_traces.csv")
+            )
+        ),
     output:
-        f"{R}/fsdp_overlap.csv",
+        csv=update(f"{R}/fsdp_overlap.csv"),
+        log=update(f"{LOGS}/fsdp_overlap.log"),
     log:
-        f"{LOGS}/fsdp_overlap.log",
+        f"{ATTEMPTS}/fsdp_overlap.log",
     conda:
         ENV
     params:
         figures=f"{F}/fsdp_traces",
     shell:
         "python -m cs336_systems.report.traces {input.traces}/*.json --rows {input.rows} --figures-dir {params.figures}"
-        " --out {output} 2> {log}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"

@@ -20,12 +20,13 @@ rule table:
     input:
         lambda wc: TABLE_INPUTS[wc.name],
     output:
-        md=f"{R}/tables/{{name}}.md",
-        tex=f"{R}/tables/{{name}}.tex",
+        md=update(f"{R}/tables/{{name}}.md"),
+        tex=update(f"{R}/tables/{{name}}.tex"),
         # the numeric frame the Markdown prints: the writeup quotes its cells (one build per table)
-        json=f"{R}/tables/{{name}}.json",
+        json=update(f"{R}/tables/{{name}}.json"),
+        log=update(f"{LOGS}/tables/{{name}}.log"),
     log:
-        f"{LOGS}/tables/{{name}}.log",
+        f"{ATTEMPTS}/tables/{{name}}.log",
     wildcard_constraints:
         name="|".join(TABLE_INPUTS),
     conda:
@@ -33,21 +34,24 @@ rule table:
     shell:
         "python -m cs336_systems.report table {wildcards.name} {input}"
         " --md {output.md} --tex {output.tex} --json {output.json} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule figure:
     input:
         lambda wc: [FIGURE_INPUTS[wc.name], *wanted(*FIGURE_EXTRA_INPUTS[wc.name])],
     output:
-        f"{F}/{{name}}.png",
+        png=update(f"{F}/{{name}}.png"),
+        log=update(f"{LOGS}/figures/{{name}}.log"),
     log:
-        f"{LOGS}/figures/{{name}}.log",
+        f"{ATTEMPTS}/figures/{{name}}.log",
     wildcard_constraints:
         name="|".join(FIGURE_INPUTS),
     conda:
         ENV
     shell:
-        "python -m cs336_systems.report figure {wildcards.name} {input} --out {output} 2> {log}"
+        "python -m cs336_systems.report figure {wildcards.name} {input} --out {output.png} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule writeup_md:
@@ -69,9 +73,10 @@ rule writeup_md:
             else []
         ),
     output:
-        f"{R}/writeup.md",
+        md=update(f"{R}/writeup.md"),
+        log=update(f"{LOGS}/writeup.log"),
     log:
-        f"{LOGS}/writeup.log",
+        f"{ATTEMPTS}/writeup.log",
     conda:
         ENV
     params:
@@ -83,28 +88,33 @@ rule writeup_md:
         device=S["device"],
     shell:
         "python -m cs336_systems.report.writeup --results {params.results} --figures {params.figures}"
-        " --scale {params.scale} --device {params.device} --out {output} 2> {log}"
+        " --scale {params.scale} --device {params.device} --out {output.md} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule writeup_html:
     input:
         f"{R}/writeup.md",
     output:
-        f"{R}/writeup.html",
+        html=update(f"{R}/writeup.html"),
+        log=update(f"{LOGS}/writeup_html.log"),
     log:
-        f"{LOGS}/writeup_html.log",
+        f"{ATTEMPTS}/writeup_html.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.report.html {input} --out {output} 2> {log}"
+        "python -m cs336_systems.report.html {input} --out {output.html} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule communication_accounting:
     output:
-        f"{R}/communication_accounting.md",
+        md=update(f"{R}/communication_accounting.md"),
+        log=update(f"{LOGS}/communication_accounting.log"),
     log:
-        f"{LOGS}/communication_accounting.log",
+        f"{ATTEMPTS}/communication_accounting.log",
     conda:
         ENV
     shell:
-        "python -m cs336_systems.report.accounting --out {output} > {log} 2>&1"
+        "python -m cs336_systems.report.accounting --out {output.md} > {log} 2>&1"
+        " && cp {log} {output.log}"
