@@ -104,9 +104,10 @@ rule ddp_benchmark:
 # in speed, the tables' settings otherwise, in more interleaved rounds.
 rule ddp_spread:
     output:
-        f"{R}/ddp_spread.csv",
+        csv=update(f"{R}/ddp_spread.csv"),
+        log=update(f"{LOGS}/ddp_spread.log"),
     log:
-        f"{LOGS}/ddp_spread.log",
+        f"{ATTEMPTS}/ddp_spread.log",
     conda:
         ENV
     resources:
@@ -122,7 +123,8 @@ rule ddp_spread:
         " --context-length {params.ddp[context_length]} --precisions {params.spread[precision]}"
         " --attention {params.ddp[attention]} --warmup {params.ddp[warmup]} --steps {params.ddp[steps]}"
         " --compile {params.ddp[compile]} --adamw {params.ddp[adamw]}"
-        " --rounds {params.spread[rounds]} --configs {params.configs} --out {output} 2> {log}"
+        " --rounds {params.spread[rounds]} --configs {params.configs} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 rule ddp_traces:
