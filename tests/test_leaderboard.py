@@ -363,3 +363,35 @@ def test_data_parallelism_names_what_does_not_fit():
     with pytest.raises(ValueError, match="ours-full_ac at batch 4 on 2 ranks passes 1 of its 2 sequences"):
         leaderboard.check_world(_tiny(batches=(4,), ablation_batches=(4,), providers=(), check_size="none",
                                       ablations=("ours-whole_batch", "ours-full_ac"), data_parallel="naive"), 2)
+
+
+# ---- run files and their merge ---------------------------------------------------------------------------------
+
+
+def test_each_run_writes_files_of_its_own_and_the_merge_quotes_the_configured_run(tmp_path):
+    """`{run_id}` in --out and --check-out: two runs, two timing files and two check files (the check's rows apart
+    from the timing rows); the merge orders the runs by timestamp and marks per batch the quoted run: the latest, or
+    the latest of the listed ones; a listed run id no run has is an error naming it."""
+    from cs336_systems.bench import merge
+
+    runs = tmp_path / "runs"
+    args = [*TINY, "--providers", "torch_plain_ac", "--ablations", "--out", str(runs / "lb" / "{run_id}.csv"),
+            "--check-out", str(runs / "lb_check" / "{run_id}.csv")]
+    leaderboard.main(args)
+    leaderboard.main(args)
+    files = sorted((runs / "lb").glob("*.csv"))
+    assert len(files) == 2 and sorted(p.name for p in (runs / "lb_check").glob("*.csv")) == [p.name for p in files]
+    for path in files:
+        timed, checks = pd.read_csv(path, dtype={"run_id": str}), pd.read_csv(runs / "lb_check" / path.name)
+        assert list(timed["status"]) == ["ok"] and list(checks["status"]) == ["check_ok"]
+        assert timed["run_id"].iloc[0] == path.stem and "check_grad_err" not in timed and "step_ms" not in checks
+    first, last = (pd.read_csv(p, dtype={"run_id": str}) for p in files)
+    if first["timestamp"].iloc[0] > last["timestamp"].iloc[0]:
+        first, last = last, first
+    latest = merge.merge([str(p) for p in files], "timestamp", ("latest",), ("batch",))
+    assert list(latest["run_id"]) == [first["run_id"].iloc[0], last["run_id"].iloc[0]]
+    assert list(latest["quoted"]) == [False, True]
+    pinned = merge.merge([str(p) for p in files], "timestamp", (first["run_id"].iloc[0][:6],), ("batch",))
+    assert list(pinned["quoted"]) == [True, False]
+    with pytest.raises(ValueError, match="no run 'abcdef'"):
+        merge.merge([str(p) for p in files], "timestamp", ("abcdef",), ("batch",))
