@@ -12,7 +12,6 @@ import pandas as pd
 
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, formula_frame
-from cs336_systems.timing import peak_flops
 
 ANCHOR = "torch_plain_sac"  # the strongest plain-PyTorch anchor (issue 24): torchtitan's selective checkpointing
 MAIN = ("ours", "torch_plain_sac", "torch_plain_ac")
@@ -522,13 +521,16 @@ def _provenance_words(first: pd.Series, commits: list[str]) -> tuple[str, ...]:
 
 def _peak_tflops(device: str) -> float:
     """The device's dense bf16 datasheet peak in TFLOP/s, the MFU denominator (`timing.peak_flops`; NaN: none)."""
+    from cs336_systems.timing import peak_flops  # here, not above: timing imports torch, which a report job need not
+
     return peak_flops(device, "bf16") / 1e12
 
 
 def _peak_words(device: str) -> str:
     peak = _peak_tflops(device)
     if not _measured(peak):
-        return "MFU divides TFLOP/s by the device's dense bf16 datasheet peak (`timing.PEAK_FLOPS`), which is not known for this device."
+        return ("MFU divides TFLOP/s by the device's dense bf16 datasheet peak (`timing.PEAK_FLOPS`), which is not "
+                "known for this device.")
     return f"MFU divides TFLOP/s by {peak:g} TFLOP/s, the {device}'s dense bf16 datasheet peak (`timing.PEAK_FLOPS`)."
 
 
