@@ -38,10 +38,11 @@ from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.bench.cli import non_negative_int, positive_float, positive_int
 from cs336_systems.distributed.parallelize import (KINDS, SHARDINGS, add_plan_arguments, argument_type, parallelize,
                                                    plan_from_args)
-from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
+from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, get_attention, get_config
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
-from cs336_systems.timing import DTYPES, autocast, peak_memory_mib, timed
+from cs336_systems.timing import DTYPES, peak_memory_mib, timed
+from cs336_systems.train_step import autocast_loss, forwards, train_step
 
 TOKEN_DTYPE = np.uint16
 COMPLETE = "COMPLETE"  # the marker file of a step every rank has saved
@@ -164,24 +165,14 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             print(f"resuming after step {start}" if state else f"no complete checkpoint in {ckpt_dir}: from scratch",
                   flush=True)
     log = []
+    loss_fn = autocast_loss(ddp, args.precision, device)
     for step in range(start, args.steps):
         inputs, targets = batches(data, model.config.vocab_size, args.batch_size, args.context_length, world, rank,
                                   args.seed, step)
         inputs, targets = inputs.to(device), targets.to(device)
-
-        def train_step():
-            ddp.on_train_batch_start()
-            optimizer.zero_grad(set_to_none=True)
-            with autocast(args.precision, device):
-                loss = cross_entropy(ddp(inputs), targets)
-            loss.backward()
-            ddp.finish_gradient_synchronization()
-            optimizer.step()
-            return loss
-
         losses = []
-        step_ms = timed(lambda: losses.append(train_step()), device)
-        mean_loss = losses[0].detach().clone()
+        step_ms = timed(lambda: losses.append(train_step(ddp, optimizer, forwards(loss_fn, inputs, targets))), device)
+        mean_loss = losses[0].clone()
         dist.all_reduce(mean_loss)
         mean_loss /= world
         log.append({"step": step + 1, "loss": float(mean_loss), "step_ms": step_ms})

@@ -13,7 +13,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cs336_systems.bench import leaderboard
+from cs336_systems.bench.leaderboard import check, memory_probe, points, provider, recipes
 from cs336_systems.bench.plain_model import SDPA_OPS, PlainTransformerLM, plain_state_dict
+from cs336_systems.distributed.parallelize import NoDataParallel
 from cs336_systems.model import TransformerLM, cross_entropy, get_config
 from tests.kernel_devices import cpu_kernels
 
@@ -112,10 +114,10 @@ def test_check_passes_the_anchors_and_fails_a_wrong_model(param_dtype, monkeypat
     """The correctness check against the float32 reference: the plain anchors pass; a provider whose loss
     is 3% off (a wrong model) fails with its error named."""
     config = _tiny(providers=("torch_plain_sac", "torch_plain_ac"), param_dtype=param_dtype)
-    rows = list(leaderboard.run_check(config, torch.device("cpu")))
+    rows = list(check.run_check(config, torch.device("cpu")))
     assert [r["status"] for r in rows] == ["check_ok", "check_ok"]
     assert all(r["check_grad_err"] <= r["check_grad_tol"] for r in rows)
-    real_build = leaderboard.build
+    real_build = check.build
 
     def off_by_three_percent(provider, *args, **kwargs):
         trainee = real_build(provider, *args, **kwargs)
@@ -124,8 +126,8 @@ def test_check_passes_the_anchors_and_fails_a_wrong_model(param_dtype, monkeypat
             trainee.loss = lambda x, y: 1.03 * loss(x, y)
         return trainee
 
-    monkeypatch.setattr(leaderboard, "build", off_by_three_percent)
-    ok, failed = leaderboard.run_check(config, torch.device("cpu"))
+    monkeypatch.setattr(check, "build", off_by_three_percent)
+    ok, failed = check.run_check(config, torch.device("cpu"))
     assert ok["status"] == "check_ok" and failed["status"] == "check_fail"
     assert "torch_plain_ac differs" in failed["error"] and failed["check_loss_err"] == pytest.approx(0.03, abs=3e-3)
 
@@ -148,7 +150,7 @@ def test_every_flag_has_help_text(monkeypatch):
 
 
 def test_rows_name_what_each_provider_runs():
-    columns = {name: leaderboard.recipe_columns(name, _tiny(param_dtype="bf16"), 2) for name in leaderboard.RECIPES}
+    columns = {name: provider.recipe_columns(name, _tiny(param_dtype="bf16"), 2) for name in leaderboard.RECIPES}
     assert columns["ours"] == {"provider": "ours", "model": "ours", "attention": "flash_triton", "loss_path": "fused",
                                "optimizer": "ours_fused", "checkpoint": "selective:auto", "compile": "none",
                                "param_dtype": "bf16", "optimizer_state_dtype": "bf16", "microbatch": 1,
@@ -171,7 +173,7 @@ def test_ours_saves_the_matmuls_of_as_many_blocks_as_the_free_memory_holds(tmp_p
     config = get_config("tiny", edition="2026", context_length=24)
     block = 1 * 24 * (4 * config.d_model + 2 * config.d_ff) * 4
     gib = 2**30
-    monkeypatch.setattr(leaderboard, "_peak_bytes", lambda device: 10 * gib)
+    monkeypatch.setattr(memory_probe, "peak_bytes", lambda device: 10 * gib)
     rows = {}
     for capacity, name in [(10 + 1 + 1.5 * block / gib, "one"), (10 + 1 + 0.5 * block / gib, "none")]:
         leaderboard.main([*TINY, "--check-size", "none", "--providers", "ours", "--ablations",
@@ -195,13 +197,14 @@ def test_microbatches_accumulate_the_whole_batchs_loss_and_gradients(batch, sequ
     model = TransformerLM(config)
     tokens = torch.randint(config.vocab_size, (batch, 16))
     targets = torch.randint(config.vocab_size, (batch, 16))
-    whole = leaderboard.Trainee(loss=lambda x, y: cross_entropy(model(x), y), optimizer=None,
-                                parameters=dict(model.named_parameters()), as_plain_names=dict)
-    loss = leaderboard.forward_backward(whole, tokens, targets)
+    whole = provider.Trainee(loss=lambda x, y: cross_entropy(model(x), y), optimizer=None,
+                             parameters=dict(model.named_parameters()), as_plain_names=dict,
+                             wrapper=NoDataParallel(model))
+    loss = provider.forward_backward(whole, tokens, targets)
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
     sliced = dataclasses.replace(whole, microbatch=sequences)
-    assert leaderboard.forward_backward(sliced, tokens, targets).item() == pytest.approx(loss.item(), rel=1e-6)
+    assert provider.forward_backward(sliced, tokens, targets).item() == pytest.approx(loss.item(), rel=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
     slices = microbatches(tokens, targets, sequences)
@@ -228,10 +231,10 @@ def test_the_first_pass_saves_more_blocks_than_the_passes_holding_gradients(tmp_
     config = get_config("tiny", edition="2026", context_length=24)
     block = 1 * 24 * (4 * config.d_model + 2 * config.d_ff) * 4
     gib = 2**30
-    monkeypatch.setattr(leaderboard, "_pass_peaks", lambda *args: [10 * gib, 10 * gib + block])
+    monkeypatch.setattr(memory_probe, "pass_peaks", lambda *args: [10 * gib, 10 * gib + block])
     switched = []
-    real_switch = leaderboard.switch_selective
-    monkeypatch.setattr(leaderboard, "switch_selective",
+    real_switch = provider.switch_selective
+    monkeypatch.setattr(provider, "switch_selective",
                         lambda model, policy: (switched.append(str(policy)), real_switch(model, policy)))
     out = tmp_path / "lb.csv"
     leaderboard.main([*TINY, "--check-size", "none", "--providers", "ours", "--ablations", "--memory-margin-gib", "1",
@@ -241,7 +244,7 @@ def test_the_first_pass_saves_more_blocks_than_the_passes_holding_gradients(tmp_
     assert (row["matmul_blocks"], row["matmul_blocks_later"]) == (2, 1)
     assert switched[:2] == ["selective:0,2", "selective:0,1"] and len(switched) == 2 * 2  # two passes, two steps
     with pytest.raises(ValueError, match="two selective ones"):
-        leaderboard.pass_policies("every:1 then selective")
+        recipes.pass_policies("every:1 then selective")
 
 
 def test_points_run_ablations_only_at_their_batches():
@@ -270,13 +273,14 @@ def test_cli_runs_at_tiny_and_writes_the_columns(tmp_path, kernel_device):
     out = tmp_path / "lb.csv"
     args = [*TINY[:-1], kernel_device, "--ablations", "ours-sdpa_attention", "--ablation-batch", "2", "--out", str(out)]
     leaderboard.main(args)
-    rows = pd.read_csv(out)
+    timed, checks = pd.read_csv(out), pd.read_csv(tmp_path / "lb_check.csv")
+    rows = pd.concat([checks, timed])
     required = ["provider", "step_ms", "step_std_ms", "step_median_ms", "mfu", "tflops", "peak_mem_gib", "world_size",
                 "batch", "context_length", "param_dtype", "optimizer_state_dtype", "status", "run_id",
                 "first_step_s", "sm_clock_mhz", "power_w", "device_name", "torch_version", "triton_version",
                 "git_commit", "timestamp"]
-    assert not set(required) - set(rows.columns)
-    checks, timed = rows[rows["size"] == "check:tiny"], rows[rows["size"] == "tiny"]
+    assert not set(required) - set(timed.columns)
+    assert (checks["size"] == "check:tiny").all() and (timed["size"] == "tiny").all()  # the check's rows apart
     assert list(checks["status"]) == ["check_ok"] * 3 and list(checks["provider"]) == list(leaderboard.PROVIDERS)
     assert list(timed["provider"]) == [*leaderboard.PROVIDERS, "ours-sdpa_attention"]
     assert (timed["status"] == "ok").all() and (timed["step_ms"] > 0).all() and (timed["first_step_s"] > 0).all()
@@ -291,14 +295,14 @@ def test_cli_runs_at_tiny_and_writes_the_columns(tmp_path, kernel_device):
 
 
 def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
-    real_measure = leaderboard.measure
+    real_measure = points.measure
 
     def measure(provider, *args):
         if provider == "torch_plain_sac":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real_measure(provider, *args)
 
-    monkeypatch.setattr(leaderboard, "measure", measure)
+    monkeypatch.setattr(points, "measure", measure)
     out = tmp_path / "lb.csv"
     leaderboard.main([*TINY, "--check-size", "none", "--providers", "torch_plain_sac", "torch_plain_ac", "--ablations",
                       "--out", str(out)])
@@ -312,7 +316,7 @@ def test_8b_is_the_default_size_and_its_flops_are_the_documented_formula():
     config = dataclasses.replace(_tiny(), size="8B", context_length=32768)
     model_config = config.model_config()
     assert (model_config.d_model, model_config.num_layers, model_config.vocab_size) == (4096, 34, 151936)
-    assert leaderboard.leaderboard_flops(model_config, 2, 32768) == _documented_flops(model_config, 2, 32768)
+    assert points.leaderboard_flops(model_config, 2, 32768) == _documented_flops(model_config, 2, 32768)
     assert leaderboard.LeaderboardConfig.__dataclass_fields__["size"].default == "8B"
 
 
@@ -336,8 +340,8 @@ def test_two_ranks_check_and_time_the_step_with_data_parallelism(tmp_path):
     out = tmp_path / "lb.csv"
     with interpreter_in_child_processes():
         run_distributed(_two_rank_run, 2, str(out))
-    rows = pd.read_csv(out)
-    checks, timed = rows[rows["size"] == "check:tiny"], rows[rows["size"] == "tiny"]
+    timed, checks = pd.read_csv(out), pd.read_csv(tmp_path / "lb_check.csv")
+    rows = pd.concat([checks, timed])
     assert list(checks["status"]) == ["check_ok", "check_ok"], checks.get("error")
     assert list(timed["provider"]) == ["ours", "torch_plain_sac"] and (timed["status"] == "ok").all()
     assert (rows["world_size"] == 2).all() and list(timed["data_parallel"]) == ["bucketed:1", "torch_ddp"]
@@ -359,3 +363,35 @@ def test_data_parallelism_names_what_does_not_fit():
     with pytest.raises(ValueError, match="ours-full_ac at batch 4 on 2 ranks passes 1 of its 2 sequences"):
         leaderboard.check_world(_tiny(batches=(4,), ablation_batches=(4,), providers=(), check_size="none",
                                       ablations=("ours-whole_batch", "ours-full_ac"), data_parallel="naive"), 2)
+
+
+# ---- run files and their merge ---------------------------------------------------------------------------------
+
+
+def test_each_run_writes_files_of_its_own_and_the_merge_quotes_the_configured_run(tmp_path):
+    """`{run_id}` in --out and --check-out: two runs, two timing files and two check files (the check's rows apart
+    from the timing rows); the merge orders the runs by timestamp and marks per batch the quoted run: the latest, or
+    the latest of the listed ones; a listed run id no run has is an error naming it."""
+    from cs336_systems.bench import merge
+
+    runs = tmp_path / "runs"
+    args = [*TINY, "--providers", "torch_plain_ac", "--ablations", "--out", str(runs / "lb" / "{run_id}.csv"),
+            "--check-out", str(runs / "lb_check" / "{run_id}.csv")]
+    leaderboard.main(args)
+    leaderboard.main(args)
+    files = sorted((runs / "lb").glob("*.csv"))
+    assert len(files) == 2 and sorted(p.name for p in (runs / "lb_check").glob("*.csv")) == [p.name for p in files]
+    for path in files:
+        timed, checks = pd.read_csv(path, dtype={"run_id": str}), pd.read_csv(runs / "lb_check" / path.name)
+        assert list(timed["status"]) == ["ok"] and list(checks["status"]) == ["check_ok"]
+        assert timed["run_id"].iloc[0] == path.stem and "check_grad_err" not in timed and "step_ms" not in checks
+    first, last = (pd.read_csv(p, dtype={"run_id": str}) for p in files)
+    if first["timestamp"].iloc[0] > last["timestamp"].iloc[0]:
+        first, last = last, first
+    latest = merge.merge([str(p) for p in files], "timestamp", ("latest",), ("batch",))
+    assert list(latest["run_id"]) == [first["run_id"].iloc[0], last["run_id"].iloc[0]]
+    assert list(latest["quoted"]) == [False, True]
+    pinned = merge.merge([str(p) for p in files], "timestamp", (first["run_id"].iloc[0][:6],), ("batch",))
+    assert list(pinned["quoted"]) == [True, False]
+    with pytest.raises(ValueError, match="no run 'abcdef'"):
+        merge.merge([str(p) for p in files], "timestamp", ("abcdef",), ("batch",))

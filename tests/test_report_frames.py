@@ -532,7 +532,7 @@ def _step_profile_rows(rng: np.random.Generator, dropped: bool) -> pd.DataFrame:
             parts["peak"] = parts["activations + workspace"] = np.nan
         rows += [{"provider": provider, "kind": "memory", "category": c, "value": v} for c, v in parts.items()]
     rows.append({"provider": "torch_plain_sac", "kind": "error", "category": "error", "value": np.nan})
-    return pd.DataFrame(rows).assign(run_id="a1b2c3d4e5f6", batch=2)
+    return pd.DataFrame(rows).assign(run_id="a1b2c3d4e5f6", batch=2, quoted=True)  # one run, as merged (bench.merge)
 
 
 @pytest.mark.parametrize("dropped", [True, False])

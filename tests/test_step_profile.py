@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.bench import leaderboard, step_profile
+from cs336_systems.bench import leaderboard, merge, step_profile
 from cs336_systems.bench.step_profile import categorize, classify
 from cs336_systems.model import get_config
 from tests.kernel_devices import cpu_kernels
@@ -317,14 +317,14 @@ def test_section_renders_the_profile_and_is_pending_without_it(profiled, tmp_pat
     from tests.test_report import unquoted
 
     rows, tmp = profiled
-    (tmp_path / "leaderboard_8b.csv").write_text((tmp / "lb.csv").read_text())
+    merge.main([str(tmp / "lb.csv"), "--out", str(tmp_path / "leaderboard_8b.csv"), "--quote", "latest"])  # as the rule
     body, profile = _render(tmp_path)
     assert "Pending (needs a GPU run with the profiler)" in body.markdown()
     assert "--profile results/leaderboard_8b_snapshots" in body.markdown()
     assert "ours-keep:1" in body.markdown() and unquoted(body) == [] and "nan" not in body.markdown()
     assert profile.startswith("pending: rule `leaderboard_8b`")
 
-    rows.to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
+    rows.assign(quoted=True).to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
     body, profile = _render(tmp_path)
     assert "Pending (needs a GPU run with the profiler)" not in body.markdown() and "next section" in body.markdown()
     assert "nan" not in profile

@@ -49,13 +49,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
-from cs336_systems.timing import DTYPES, annotate, autocast, is_oom, oom_message, reset_memory, synchronize
+from cs336_systems.timing import DTYPES, annotate, is_oom, oom_message, reset_memory, synchronize
 from cs336_systems.distributed import DataParallelSpec, build_optimizer
 from cs336_systems.distributed.parallelize import (FULLY_SHARDED_KINDS, KINDS, SHARDINGS, ParallelPlan, argument_type,
                                                    parallelize)
 from cs336_systems.distributed.launch import init_from_env, shutdown
-from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_config
+from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, get_config
 from cs336_systems.optim import ADAMW_IMPLEMENTATIONS
+from cs336_systems.train_step import autocast_loss, forwards, train_step
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,45 @@ class PhaseClock:
         return out
 
 
+class StepMeter:
+    """The phase hook (`train_step.Phase`) of one measured step: the step is timed from its first forward (after
+    zero_grad and the wrapper's on_train_batch_start), with a mark after forward+backward, after
+    finish_gradient_synchronization and after the optimizer step; each phase's own peak memory (reset before
+    forward+backward and again before the optimizer step, so "peak after step" is the step's alone); named ranges
+    for forward, backward and optimizer in a trace."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.clock = PhaseClock(device)
+        self.memory: dict[str, tuple[float, float]] = {}
+        self.start = self.host_forward_backward_ms = float("nan")  # set by the forward and backward phases
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if name == "forward":
+            reset_peak(self.device)
+            synchronize(self.device)
+            self.start = timeit.default_timer()
+            self.clock.mark("start")
+        with contextlib.nullcontext() if name == "communication" else annotate(name):
+            yield
+        if name == "backward":
+            self.host_forward_backward_ms = (timeit.default_timer() - self.start) * 1e3
+            self.clock.mark("forward_backward")
+        elif name == "communication":
+            self.clock.mark("communication")
+            self.memory["before_step"] = memory_mib(self.device)  # the allocator's counts are on the host: no sync
+            reset_peak(self.device)
+        elif name == "optimizer":
+            self.clock.mark("optimizer")
+            self.memory["after_step"] = memory_mib(self.device)
+
+    def step_ms(self) -> float:
+        """The whole step's host time, synchronized at its end."""
+        synchronize(self.device)
+        return (timeit.default_timer() - self.start) * 1e3
+
+
 @contextlib.contextmanager
 def trace_to(path: Path | None, device: torch.device):
     """Profile the enclosed step and export a Chrome trace to path (nothing when path is None)."""
@@ -169,54 +209,25 @@ def run_config(spec: DataParallelSpec, precision: str, cfg: DDPBenchConfig, rank
     times = {"forward_backward": [], "communication": [], "optimizer": [], "step": [], "host_forward_backward": []}
     memory = {}
     losses = []
+    loss_fn = autocast_loss(ddp, precision, device)
     for step in range(cfg.warmup + cfg.steps):
         tokens = torch.randint(model.config.vocab_size, (cfg.batch_size * world, cfg.context_length + 1),
                                generator=data).chunk(world)[rank].to(device)
-        ddp.on_train_batch_start()
-        optimizer.zero_grad(set_to_none=True)
-
-        def forward_backward():
-            with annotate("forward"), autocast(precision, device):
-                loss = cross_entropy(ddp(tokens[:, :-1]), tokens[:, 1:])
-            with annotate("backward"):
-                loss.backward()
-            losses.append(loss.detach())
-
-        def optimizer_step():
-            with annotate("optimizer"):  # a named range in the trace, beside forward and backward
-                optimizer.step()
-
         tracing = cfg.trace_dir and rank == 0 and step == cfg.warmup + cfg.steps - 1
+        meter = StepMeter(device)
         with trace_to(Path(cfg.trace_dir) / f"{spec}_{precision}.json" if tracing else None, device):
-            # Each phase's own peak: reset before forward+backward (and the wait for communication)
-            # and again before the optimizer step, so "peak after step" is the step's alone.
-            reset_peak(device)
-            clock = PhaseClock(device)
-            synchronize(device)
-            start = timeit.default_timer()
-            clock.mark("start")
-            forward_backward()
-            host_forward_backward = (timeit.default_timer() - start) * 1e3
-            clock.mark("forward_backward")
-            ddp.finish_gradient_synchronization()
-            clock.mark("communication")
-            before_step = memory_mib(device)  # the allocator's counts are kept on the host: no sync needed
-            reset_peak(device)
-            optimizer_step()
-            clock.mark("optimizer")
-            after_step = memory_mib(device)
-            synchronize(device)
-            step_ms = (timeit.default_timer() - start) * 1e3
+            losses.append(train_step(ddp, optimizer, forwards(loss_fn, tokens[:, :-1], tokens[:, 1:]), meter.phase))
+            step_ms = meter.step_ms()
         if step >= cfg.warmup:
-            for key, value in clock.phases().items():
+            for key, value in meter.clock.phases().items():
                 times[key].append(value)
             times["step"].append(step_ms)
-            times["host_forward_backward"].append(host_forward_backward)
-            memory = {"after_init": after_init, "before_step": before_step, "after_step": after_step}
+            times["host_forward_backward"].append(meter.host_forward_backward_ms)
+            memory = {"after_init": after_init, **meter.memory}
     loss = float(torch.stack(losses[-cfg.steps:]).mean())
-    del ddp, optimizer, model
+    del ddp, optimizer, model, loss_fn
     return {"times": times, "memory": memory, "at_start": at_start, "loss": loss, "param_bytes": params,
-            "timer": clock.timer}
+            "timer": meter.clock.timer}
 
 
 def spec_columns(spec: DataParallelSpec) -> dict:

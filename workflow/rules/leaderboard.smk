@@ -23,12 +23,20 @@ rule linear_ce:
 
 # The whole 8B training step (2026 §9, issue 24): ours against the plain-PyTorch anchors (selective and full
 # checkpointing) and the ablations of ours, one process, after a small-scale correctness check. After each
-# point's timed steps one more step runs under the profiler: its time by category and peak memory split are the
-# second output; on CUDA its allocator snapshot goes to leaderboard_8b_snapshots/ (large: not committed).
-rule leaderboard_8b:
+# point's timed steps one more step runs under the profiler (time by category, peak memory split); on CUDA its
+# allocator snapshot goes to leaderboard_8b_snapshots/ (large: not committed).
+# Each run writes files of its own, never rewritten: runs/leaderboard_8b/<run_id>.csv (timing rows),
+# runs/leaderboard_8b_check/<run_id>.csv (the correctness check) and runs/leaderboard_8b_profile/<run_id>.csv.
+# A run is added by `snakemake results/leaderboard_8b.csv --forcerun leaderboard_8b_run --cores 1 --resources gpu=1`;
+# its marker (committed) keeps a plain rebuild from measuring again, as a committed results file does.
+import glob
+
+LEADERBOARD_RUNS = f"{R}/runs"
+
+
+checkpoint leaderboard_8b_run:
     output:
-        steps=f"{R}/leaderboard_8b.csv",
-        profile=f"{R}/leaderboard_8b_profile.csv",
+        touch(f"{LEADERBOARD_RUNS}/leaderboard_8b.measured"),
     log:
         f"{LOGS}/leaderboard_8b.log",
     conda:
@@ -43,6 +51,7 @@ rule leaderboard_8b:
         ablations=join(S["leaderboard_8b"]["ablations"]),
         ablation_batches=join(S["leaderboard_8b"]["ablation_batches"]),
         snapshots=f"{R}/leaderboard_8b_snapshots",
+        runs=LEADERBOARD_RUNS,
     shell:
         "python -m cs336_systems.bench.leaderboard {params.device} --size {params.c[size]}"
         " --batch {params.batches} --context {params.c[context_length]} --providers {params.providers}"
@@ -50,4 +59,42 @@ rule leaderboard_8b:
         " --warmup {params.c[warmup]} --steps {params.c[steps]} --compile {params.c[compile]}"
         " --param-dtype {params.c[param_dtype]} --check-size {params.c[check_size]}"
         " --check-context {params.c[check_context]} --profile {params.snapshots}"
-        " --profile-out {output.profile} --out {output.steps} 2> {log}"
+        " --out '{params.runs}/leaderboard_8b/{{run_id}}.csv'"
+        " --check-out '{params.runs}/leaderboard_8b_check/{{run_id}}.csv'"
+        " --profile-out '{params.runs}/leaderboard_8b_profile/{{run_id}}.csv' 2> {log}"
+
+
+def leaderboard_run_files(table):
+    """Input function: every run file of `table` (after the measuring run, where this run measures)."""
+
+    def inputs(wildcards):
+        if MEASURE:
+            checkpoints.leaderboard_8b_run.get()
+        return sorted(glob.glob(f"{LEADERBOARD_RUNS}/{table}/*.csv"))
+
+    return inputs
+
+
+# The tables are merged from every run's files, in the order the runs ran; `quoted` marks the rows of the run the
+# writeup quotes: per batch in the step table, by config leaderboard_8b.quote; the latest profiled run in the profile.
+rule leaderboard_8b:
+    input:
+        steps=leaderboard_run_files("leaderboard_8b"),
+        checks=leaderboard_run_files("leaderboard_8b_check"),
+        profile=leaderboard_run_files("leaderboard_8b_profile"),
+    output:
+        steps=f"{R}/leaderboard_8b.csv",
+        checks=f"{R}/leaderboard_8b_check.csv",
+        profile=f"{R}/leaderboard_8b_profile.csv",
+    log:
+        f"{LOGS}/leaderboard_8b_merge.log",
+    conda:
+        ENV
+    params:
+        quote=join(S["leaderboard_8b"]["quote"]),
+    shell:
+        "(python -m cs336_systems.bench.merge {input.steps} --out {output.steps} --sort-by timestamp"
+        " --quote {params.quote} --quote-per batch"
+        " && python -m cs336_systems.bench.merge {input.checks} --out {output.checks} --sort-by timestamp"
+        " && python -m cs336_systems.bench.merge {input.profile} --out {output.profile} --sort-by timestamp"
+        " --quote latest) 2> {log}"

@@ -52,12 +52,7 @@ def _is_ablation(providers: pd.Series) -> pd.Series:
 STEP = "step (ms, mean ± std)"
 SEQUENCES = "sequences / pass"  # per forward and backward pass; fewer than the batch: gradients accumulated
 RATIO = "÷ SAC anchor"
-PEAK_TFLOPS = 989  # the H200's dense bf16 datasheet peak, the MFU denominator (timing.peak_flops)
-
-
-def _timed(frame: pd.DataFrame) -> pd.DataFrame:
-    """The timing rows (the correctness check's rows have no step time and a check_* status)."""
-    return frame[~frame["status"].astype(str).str.startswith("check")]
+QUOTED = "quoted"  # the merged table's column marking, per batch, the run the prose quotes (config leaderboard_8b.quote)
 
 
 # The step table's numeric columns: results column and format (OOM rows print OOM in each). One statistic per
@@ -78,17 +73,17 @@ def _step_columns(rows: pd.DataFrame) -> dict[str, tuple[str, str]]:
 def step_table(frame: pd.DataFrame) -> NumericTable:
     """One row per provider per run: step mean ± std, MFU, TFLOP/s, peak memory, first step, (once recorded) SM
     clock and board power, checkpointing, dtypes, status, and the step's mean over the SAC anchor's of the same run
-    and batch. A measurement this device does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM."""
-    rows = _timed(frame).reset_index(drop=True)
+    and batch. A measurement this device does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM.
+    Rows in the order the runs ran (the merge sorts them by timestamp); the data keeps `quoted` (not printed)."""
+    rows = frame.reset_index(drop=True)
     measured = _step_columns(rows)
-    # rows from before gradient accumulation (no `microbatch` column) passed the whole batch at once
-    per_pass = rows["microbatch"].fillna(rows["batch"]) if "microbatch" in rows else rows["batch"]
     data = pd.DataFrame({
         "run": rows["run_id"].astype(str).str[:6], "provider": rows["provider"], "batch": rows["batch"],
         STEP: rows["step_ms"], "step std (ms)": rows["step_std_ms"],
         **{label: rows[column] for label, (column, _) in measured.items()},
-        "checkpoint": rows["checkpoint"], SEQUENCES: per_pass,
-        "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"], "status": rows["status"]})
+        "checkpoint": rows["checkpoint"], SEQUENCES: rows["microbatch"],
+        "params / moments": rows["param_dtype"] + " / " + rows["optimizer_state_dtype"], "status": rows["status"],
+        QUOTED: rows[QUOTED].astype(bool)})
     anchor = data[data["provider"] == ANCHOR].set_index(["run", "batch"])[STEP]
     data[RATIO] = [m / anchor.get((run, batch), float("nan")) for m, run, batch in
                    zip(data[STEP], data["run"], data["batch"])]
@@ -105,8 +100,8 @@ def _ablation_runs(table: pd.DataFrame) -> list[str]:
 
 
 def _row(table: pd.DataFrame, provider: str, run: str | None = None, batch: int | None = None) -> int | None:
-    """The position of one row of the step table (None if absent): without a run, the latest run's."""
-    chosen = table[(table["provider"] == provider) & ((table["run"] == run) if run else True)
+    """The position of one row of the step table (None if absent): without a run, the quoted run's."""
+    chosen = table[(table["provider"] == provider) & ((table["run"] == run) if run else table[QUOTED].astype(bool))
                    & ((table["batch"] == batch) if batch else True)]
     return int(chosen.index[-1]) if len(chosen) else None
 
@@ -144,19 +139,19 @@ PROFILE_CATEGORIES = ("attention forward", "attention backward", "GEMM", "loss",
                       "copies", "recompute", "other")  # bench/step_profile.CATEGORIES, in that order
 PROFILE_TOTALS = ("profiled ops (total)", "step (wall)")
 MEMORY_PARTS = ("peak", "parameters", "gradients", "optimizer state", "activations + workspace")
-PROFILE_COMMAND = "snakemake results/leaderboard_8b.csv results/leaderboard_8b_profile.csv --cores 1 --resources gpu=1"
-PROFILE_FLAGS = "--profile results/leaderboard_8b_snapshots --profile-out results/leaderboard_8b_profile.csv"
+PROFILE_COMMAND = "snakemake results/leaderboard_8b.csv --forcerun leaderboard_8b_run --cores 1 --resources gpu=1"
+PROFILE_FLAGS = ("--profile results/leaderboard_8b_snapshots "
+                 "--profile-out 'results/runs/leaderboard_8b_profile/{run_id}.csv'")
 
 
 def _profiled(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
-    """The rows of one kind (time or memory) of the last run's largest profiled batch, providers in run order."""
-    run = frame["run_id"].iloc[-1]
-    rows = frame[(frame["run_id"] == run) & (frame["kind"] == kind)]
+    """The rows of one kind (time or memory) of the quoted profiled run's largest batch, providers in run order."""
+    rows = frame[frame[QUOTED].astype(bool) & (frame["kind"] == kind)]
     return rows[rows["batch"] == rows["batch"].max()]
 
 
 def profile_table(frame: pd.DataFrame) -> NumericTable:
-    """ms of each category in the profiled step, one column per provider (the largest batch of the last run);
+    """ms of each category in the profiled step, one column per provider (the largest batch of the quoted run);
     then the same device time summed another way (the categories' check) and the step's wall time."""
     rows = _profiled(frame, "time")
     providers = list(dict.fromkeys(rows["provider"]))
@@ -339,11 +334,13 @@ POWER_LIMIT_W = 700  # the H200's board power limit, as `nvidia-smi -q -d POWER`
 
 
 def _powered_rows(t: pd.DataFrame) -> pd.DataFrame:
-    """The measured rows of the latest run that recorded the GPU's power (earlier runs did not)."""
-    if "power (W)" not in t:
+    """The measured rows of the quoted run of the largest batch, where it recorded the GPU's power (the earliest runs
+    did not; a CPU has none to record)."""
+    if "power (W)" not in t:  # the step table prints the clocks only where some run recorded them
         return t.iloc[:0]
-    powered = t[t["power (W)"].notna() & t[STEP].notna()]
-    return powered[powered["run"] == powered["run"].iloc[-1]] if len(powered) else powered
+    quoted = t[t[QUOTED].astype(bool)]
+    powered = quoted[(quoted["batch"] == quoted["batch"].max()) & quoted["power (W)"].notna() & quoted[STEP].notna()]
+    return powered[powered["run"] == powered["run"].iloc[0]] if len(powered) else powered
 
 
 def _span(q: Quotes, column: str, fmt: str, what: str) -> str:
@@ -379,7 +376,7 @@ def _power_sentence(q: Quotes) -> str:
 
 
 def _same_recipe_rows(t: pd.DataFrame, batch: int) -> pd.DataFrame:
-    """Ours' measured rows at `batch` in every run of the latest run's recipe: as many sequences per pass and the same
+    """Ours' measured rows at `batch` in every run of the quoted run's recipe: as many sequences per pass and the same
     checkpoint policy (the probe's choice)."""
     last = _row(t, "ours", batch=batch)
     return t[(t["provider"] == "ours") & (t["batch"] == batch) & (t[SEQUENCES] == t.at[last, SEQUENCES])
@@ -403,14 +400,18 @@ def _spread_sentence(q: Quotes, batch: int) -> str:
     held = int(_target_met(rows).sum())
     verdict = ("in every one" if held == len(rows) else f"in {met} of them: the margin is within the runs' spread"
                if held else "in none")
-    return (f" At batch {batch}, over the {runs} runs of the latest run's recipe (the same checkpoint policy and "
+    ours = q.frame[(q.frame["provider"] == "ours") & (q.frame["batch"] == batch)]
+    quoted = "latest" if ours[QUOTED].astype(bool).iloc[-1] else "quoted"  # rows in the order the runs ran
+    return (f" At batch {batch}, over the {runs} runs of the {quoted} run's recipe (the same checkpoint policy and "
             f"sequences per pass: {', '.join(rows['run'])}), ours took {lowest}–{highest}× the anchor's step; the "
             f"target held {verdict}.")
 
 
 def _last_run_with(rows: pd.DataFrame, provider: str) -> tuple[str, int] | None:
-    """(run, batch) of the last ablation row of `provider`."""
+    """(run, batch) of the ablation rows of `provider` the prose names: the quoted run's, else the latest run's (rows
+    are in the order the runs ran)."""
     mine = rows[rows["provider"] == provider]
+    mine = mine[mine[QUOTED].astype(bool)] if mine[QUOTED].astype(bool).any() else mine
     return (mine["run"].iloc[-1], int(mine["batch"].iloc[-1])) if len(mine) else None
 
 
@@ -484,8 +485,8 @@ def _memory_sentence(q: Quotes, rows: pd.DataFrame) -> str:
 def _auto_sentence(q: Quotes, frame: pd.DataFrame) -> str:
     """Whether the runs' `ours` chose its matmul-saving blocks itself (bench/leaderboard.py, `AUTO`): which rows
     chose is read from the results (`matmul_blocks`), what they chose is their step-table cells."""
-    ours = _timed(frame)
-    ours = ours[(ours["provider"] == "ours") & (ours["status"] == "ok")]
+    ours = frame[(frame["provider"] == "ours") & (frame["status"] == "ok")]
+    # a run of ours without `AUTO` (e.g. only the anchors and sized ablations) writes no matmul_blocks column
     chosen = ours.dropna(subset=["matmul_blocks"]) if "matmul_blocks" in ours.columns else ours.iloc[:0]
     if not len(chosen):
         return (" In these runs `ours` used plain selective checkpointing; it now chooses how many blocks save "
@@ -499,7 +500,7 @@ def _auto_sentence(q: Quotes, frame: pd.DataFrame) -> str:
 def _accumulation_words(timed: pd.DataFrame) -> str:
     """Whether any run's `ours` accumulated gradients over passes of fewer sequences than its batch."""
     ours = timed[timed["provider"] == "ours"]
-    accumulated = ours[ours["microbatch"] < ours["batch"]] if "microbatch" in ours else ours.iloc[:0]
+    accumulated = ours[ours["microbatch"] < ours["batch"]]
     if not len(accumulated):
         return ""
     runs = ", ".join(dict.fromkeys(accumulated["run_id"].astype(str).str[:6]))
@@ -518,13 +519,40 @@ def _provenance_words(first: pd.Series, commits: list[str]) -> tuple[str, ...]:
     return tuple(number for name in names for number in NUMBER.findall(name)) + tuple(commits)
 
 
+def _peak_tflops(device: str) -> float:
+    """The device's dense bf16 datasheet peak in TFLOP/s, the MFU denominator (`timing.peak_flops`; NaN: none)."""
+    from cs336_systems.timing import peak_flops  # here, not above: timing imports torch, which a report job need not
+
+    return peak_flops(device, "bf16") / 1e12
+
+
+def _peak_words(device: str) -> str:
+    peak = _peak_tflops(device)
+    if not _measured(peak):
+        return ("MFU divides TFLOP/s by the device's dense bf16 datasheet peak (`timing.PEAK_FLOPS`), which is not "
+                "known for this device.")
+    return f"MFU divides TFLOP/s by {peak:g} TFLOP/s, the {device}'s dense bf16 datasheet peak (`timing.PEAK_FLOPS`)."
+
+
+def _check_sentence(checks: pd.DataFrame | None) -> str:
+    """What the runs' correctness checks gave (results/leaderboard_8b_check.csv; none where no run ran one)."""
+    if checks is None or not len(checks):
+        return ""
+    failed = checks[checks["status"] != "check_ok"]
+    said = ("every provider checked passed (`check_ok`) in every run" if not len(failed) else
+            "; ".join(f"`{p}` {s} in run {str(r)[:6]}" for p, s, r in
+                      zip(failed["provider"], failed["status"], failed["run_id"])) + "; the others passed")
+    return ("Before the timings of each run, the correctness check at a scaled-down config with the same code paths "
+            "compared each provider's loss and every gradient with a float32 reference (`results/leaderboard_8b_check.csv`): "
+            + said + ".")
+
+
 def render_leaderboard(ctx: Context) -> Section:
     frame = ctx.frame("leaderboard_8b")
     table = ctx.numeric("leaderboard_8b")
     q = Quotes(table)
-    timed = _timed(frame)
-    first = timed.iloc[0] if len(timed) else frame.iloc[0]
-    checks = frame[frame["status"].astype(str).str.startswith("check")]
+    timed = frame
+    first = frame.iloc[0]
     intro = (f"Answers the 2026 handout, section 9 (issue 24's step). {first['device_name']}, torch "
              f"{first['torch_version']}, Triton {first['triton_version']}; runs (run: commit) "
              + ", ".join(f"{str(r)[:6]}: {str(c)[:7]}" for r, c in
@@ -540,16 +568,13 @@ def render_leaderboard(ctx: Context) -> Section:
              + "; `torch_plain_sac` and "
              "`torch_plain_ac` are plain PyTorch (SDPA, chunked checkpointed LM head + CE, torch's fused AdamW) with "
              "selective and with full per-block checkpointing. "
-             + (f"Before the timings the correctness check at a scaled-down config with the same code paths gave "
-                f"{', '.join(f'`{p}` {s}' for p, s in zip(checks['provider'], checks['status']))} (loss and every "
-                "gradient against a float32 reference)." if len(checks) else "") + _auto_sentence(q, frame))
+             + _check_sentence(ctx.frame("leaderboard_8b_check")) + _auto_sentence(q, frame))
     batches = sorted(set(q.frame.loc[q.frame["provider"] == "ours", "batch"]), reverse=True)
     gap = _gap_paragraph(q, batches)
     flops = ("FLOPs per step are counted as the leaderboard counts them (`model.accounting.leaderboard_flops`): "
              "6 × the non-embedding matmul parameters (the blocks' projections and MLP and the LM head) × tokens, "
              "plus 6 × layers × tokens × context × d_model for causal attention; recomputation is not counted, "
-             f"so checkpointing costs time, not FLOPs. MFU divides TFLOP/s by {PEAK_TFLOPS} TFLOP/s, the H200's dense "
-             "bf16 datasheet peak. The published leaderboard, as issue 24 quotes the 2026 handout's: the class's "
+             f"so checkpointing costs time, not FLOPs. {_peak_words(first['device_name'])} The published leaderboard, as issue 24 quotes the 2026 handout's: the class's "
              "best entry took 3,837 ms on two B200s, about 27% of their dense bf16 peak, and the naive baseline "
              "10,000 ms; " + (f"ours reaches {_mfu_percent(q, 'ours', batches[0])}% MFU on one {first['device_name']} "
                               f"at batch {batches[0]}." if batches and _measured(_cell(q.frame, "ours", "MFU", batches[0]))
@@ -564,7 +589,8 @@ def render_leaderboard(ctx: Context) -> Section:
     pointer = _profile_pointer(ctx)
     parts.append(pointer)
     checked += [intro, pointer]  # after the gap paragraph, which tests find first
-    wording = ("9", "0.9", "54", "6", str(PEAK_TFLOPS), str(POWER_LIMIT_W), "3,837", "27", "10,000", "24", "2026",
+    peak = _peak_tflops(first["device_name"])
+    wording = ("9", "0.9", "54", "6", *((f"{peak:g}",) if _measured(peak) else ()), str(POWER_LIMIT_W), "3,837", "27", "10,000", "24", "2026",
                "128",  # the head dim the ping-pong backward ships at (kernels/flash/DECISIONS.md)
                "4857650")  # a commit the intro's kernel history names (given, whether or not these runs hold it)
     kept = tuple(sized[1] for sized in map(_sized, set(q.frame["provider"])) if sized)
