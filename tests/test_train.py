@@ -13,17 +13,8 @@ import torch
 
 from cs336_systems.distributed import DataParallelSpec, parallelize
 from cs336_systems.model import get_config
-from cs336_systems.train import (
-    COMPLETE,
-    build_parser,
-    load_checkpoint,
-    load_tokens,
-    main,
-    parse_args,
-    saved_steps,
-    step_dir,
-    train,
-)
+from cs336_systems.checkpoint import COMPLETE, RunIdentity, load_checkpoint, saved_steps, step_dir
+from cs336_systems.train import build_parser, load_tokens, main, parse_args, train
 from tests.distributed_helpers import run_distributed
 
 COMMON = ["--size", "tiny", "--context-length", "16", "--batch-size", "2", "--precision", "fp32",
@@ -120,7 +111,10 @@ def test_resume_after_a_kill_between_two_ranks_saves(tmp_path):
     np.testing.assert_allclose(rest, full[4:], rtol=1e-6)
     assert saved_steps(ckpt) == [4, 6]
     assert {p.name for p in step_dir(ckpt, 6).iterdir()} == {"rank0.pt", "rank1.pt", COMPLETE}
-    assert json.loads((step_dir(ckpt, 6) / COMPLETE).read_text()) == {"step": 6, "world_size": 2}
+    marker = json.loads((step_dir(ckpt, 6) / COMPLETE).read_text())
+    assert (marker["step"], marker["world_size"], sorted(marker["files"])) == (6, 2, ["rank0.pt", "rank1.pt"])
+    assert marker["run"] == {"size": "tiny", "wrapper": "individual", "optimizer_sharding": "sharded",
+                             "world_size": 2}
 
 
 def test_token_file(tmp_path):
@@ -206,9 +200,10 @@ def test_bad_arguments(tmp_path, capsys):
 def _resume_with_another_world_size(rank, world, root):
     folder = step_dir(root, 5)
     folder.mkdir(parents=True)
-    (folder / COMPLETE).write_text(json.dumps({"step": 5, "world_size": 2}))
-    with pytest.raises(ValueError, match=f"checkpoint {folder} was saved by 2 ranks; this run has 1"):
-        load_checkpoint(root, rank, world, torch.device("cpu"))
+    saved = {"size": "tiny", "wrapper": "bucketed", "optimizer_sharding": "none", "world_size": 2}
+    (folder / COMPLETE).write_text(json.dumps({"step": 5, "world_size": 2, "run": saved, "files": {}}))
+    with pytest.raises(ValueError, match=r"holds the checkpoints of another run: world_size 2 \(this run: 1\)"):
+        load_checkpoint(root, rank, RunIdentity(**{**saved, "world_size": world}), torch.device("cpu"))
 
 
 def test_resume_refuses_a_checkpoint_of_another_world_size(tmp_path):
