@@ -45,6 +45,11 @@ LOCK = "LOCK"
 _CHUNK = 1 << 24  # bytes hashed at a time
 
 
+class CheckpointError(ValueError):
+    """A checkpoint folder this run cannot use: another run's checkpoints, no intact step, or the folder in use.
+    Raised on every rank alike (rank 0 decides and tells the others), so a CLI can report it and exit."""
+
+
 @dataclass(frozen=True)
 class RunIdentity:
     """What a checkpoint must match to be resumed: the state's shapes (size), its layout (the data-parallel kind,
@@ -185,7 +190,7 @@ def _choose_step(root: Path, rank: int, run: RunIdentity) -> int | None:
                              "with that run's settings, or name another folder")
     dist.broadcast_object_list(candidates, src=0)
     if candidates[1]:
-        raise ValueError(candidates[1])
+        raise CheckpointError(candidates[1])
     skipped = []
     for step in candidates[0]:
         marker = [markers.get(step)]
@@ -205,15 +210,15 @@ def _choose_step(root: Path, rank: int, run: RunIdentity) -> int | None:
             return step
         skipped.append(f"step {step} ({', '.join(problems)})")
     if skipped:
-        raise ValueError(f"--checkpoint-dir {str(root)!r} holds no intact checkpoint: " + "; ".join(skipped)
+        raise CheckpointError(f"--checkpoint-dir {str(root)!r} holds no intact checkpoint: " + "; ".join(skipped)
                          + ". Move the folder away to start afresh")
     return None
 
 
 def load_checkpoint(root: Path, rank: int, run: RunIdentity, device: torch.device) -> dict | None:
     """This rank's state at the newest complete, verified step of this run (all ranks load the same step), or
-    None when there is no complete step. A ValueError for another run's checkpoints, or when every complete
-    step is damaged."""
+    None when there is no complete step. A CheckpointError for another run's checkpoints, or when every
+    complete step is damaged."""
     step = _choose_step(Path(root), rank, run)
     if step is None:
         return None
@@ -230,7 +235,7 @@ def _lock_holder(path: Path) -> str:
 @contextmanager
 def checkpoint_lock(root: Path | None, rank: int):
     """Hold root's LOCK for the block (rank 0 takes it; every rank learns whether it could, so all stop
-    together): a ValueError naming the holder when another run has the folder. root None: no lock."""
+    together): a CheckpointError naming the holder when another run has the folder. root None: no lock."""
     held, error = None, [None]
     if root is not None and rank == 0:
         Path(root).mkdir(parents=True, exist_ok=True)
@@ -250,7 +255,7 @@ def checkpoint_lock(root: Path | None, rank: int):
     if root is not None:
         dist.broadcast_object_list(error, src=0)
     if error[0]:
-        raise ValueError(error[0])
+        raise CheckpointError(error[0])
     try:
         yield
     finally:

@@ -41,6 +41,17 @@ def _temporary_beside(path: Path) -> Path:
     return tmp
 
 
+def _replace_text(path: Path, text: str) -> None:
+    """path's content replaced by text through a temporary file and a rename."""
+    tmp = _temporary_beside(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink()
+        raise
+
+
 def write_rows(rows: Iterable[Mapping], path: str | os.PathLike) -> pd.DataFrame:
     """Write rows as CSV through a temporary file and a rename, so an interrupted run never leaves a
     half-written file in place of an earlier result."""
@@ -84,21 +95,23 @@ class AppendedRows:
     point leaves every row it finished (flushed to the OS: it survives the process, not a power cut).
 
     `keep_until=None` starts the file afresh; `keep_until=N` (a resumed run) keeps the existing rows whose
-    `key` column is at most N and drops the later ones, which the resumed run writes again. A row whose
-    columns differ from the file's header rewrites the file (atomically) with the union of columns."""
+    `key` column is at most N, byte for byte, and drops the later ones (and a last line cut off by a kill),
+    which the resumed run writes again. A row whose columns differ from the file's header rewrites the file
+    (atomically) with the union of columns."""
 
     def __init__(self, path: str | os.PathLike, key: str = "step", keep_until: int | None = None):
         self.path = check_output_file(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = pd.DataFrame()
-        if keep_until is not None and self.path.exists() and self.path.stat().st_size:
-            kept = read_table(self.path)
-            kept = kept[kept[key] <= keep_until]
-        self.columns = list(kept.columns)
-        if self.columns:
-            write_rows(kept.to_dict("records"), self.path)
-        else:
-            self.path.write_text("")
+        lines = self.path.read_text().splitlines(keepends=True) if keep_until is not None and self.path.exists() else []
+        lines = [line for line in lines if line.endswith("\n")]  # a row cut off by a kill is dropped
+        self.columns = next(csv.reader(lines[:1]), [])
+        if lines:
+            if key not in self.columns:
+                raise ValueError(f"{str(self.path)!r} has no {key!r} column, so its rows past {keep_until} cannot be "
+                                 "told apart: name a new file")
+            at = self.columns.index(key)
+            lines = lines[:1] + [line for line in lines[1:] if float(next(csv.reader([line]))[at]) <= keep_until]
+        _replace_text(self.path, "".join(lines))
 
     def append(self, row: Mapping) -> None:
         if self.columns and list(row) != self.columns:

@@ -39,12 +39,13 @@ from cs336_systems.distributed import DataParallelSpec, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.bench.checks import check_context_length
 from cs336_systems.bench.cli import non_negative_int, positive_float, positive_int
-from cs336_systems.checkpoint import RunIdentity, checkpoint_lock, load_checkpoint, save_checkpoint, saved_steps
+from cs336_systems.checkpoint import (CheckpointError, RunIdentity, checkpoint_lock, load_checkpoint, save_checkpoint,
+                                      saved_steps)
 from cs336_systems.distributed.parallelize import (KINDS, SHARDINGS, add_plan_arguments, argument_type, parallelize,
                                                    plan_from_args)
 from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, cross_entropy, get_attention, get_config
-from cs336_systems.provenance import provenance
 from cs336_systems.model.attention import SDPA_KERNELS
+from cs336_systems.provenance import provenance
 from cs336_systems.results import AppendedRows, check_output_file
 from cs336_systems.timing import DTYPES, autocast, peak_memory_mib, timed
 
@@ -285,7 +286,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as error:
         parser.error(str(error))
     rank, world, device = init_from_env(args.backend)
-    train(args, rank, world, device)
+    try:
+        train(args, rank, world, device)
+    except CheckpointError as error:  # raised on every rank alike: report it as the usage error it is
+        shutdown()
+        parser.error(str(error))
     shutdown()
 
 

@@ -96,7 +96,8 @@ from cs336_systems.bench.gpu_clock import ClockSampler
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS, PlainTransformerLM, plain_state_dict
 from cs336_systems.distributed.launch import init_from_env, shutdown
 from cs336_systems.distributed.parallelize import DataParallelSpec, ParallelPlan, apply_data_parallel, parallelize
-from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops
+from cs336_systems.model import (CheckpointPolicy, ModelConfig, TransformerLM, get_config, leaderboard_flops,
+                                 parameter_count)
 from cs336_systems.model.checkpointing import matmul_block_bytes, matmul_blocks_that_fit, switch_selective
 from cs336_systems.optim import AdamW
 from cs336_systems.provenance import device_name, provenance
@@ -859,6 +860,16 @@ def main(argv: list[str] | None = None) -> None:
         chunk_tokens=args.chunk_tokens, check_size=args.check_size, check_context=args.check_context,
         memory_margin_gib=args.memory_margin_gib, memory_capacity_gib=args.memory_capacity_gib,
         profile_dir=args.profile, profile_out=args.profile_out, data_parallel=args.data_parallel, device=args.device)
+    if resolve_device(config.device).type != "cuda":  # refused now, not after minutes of compiling
+        state_gib = 16 * parameter_count(config.model_config()) / 2**30  # fp32 weights, gradients, AdamW's 2 moments
+        reasons = [*(["our kernels run under Triton's interpreter, which cannot multiply bfloat16"]
+                     if config.param_dtype == "bf16" else []),
+                   *([f"the model's fp32 state ({state_gib:.0f} GiB) outgrows this machine's memory"]
+                     if state_gib * 2**30 > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") else [])]
+        if reasons:
+            parser.error(f"size {config.size!r} in {config.param_dtype} on device {config.device!r}: "
+                         f"{'; '.join(reasons)}. The leaderboard step is a GPU benchmark; for a CPU smoke run pass "
+                         "--size tiny --param-dtype fp32 --compile none --check-size tiny (see --help)")
     run(config, args.out)
 
 
