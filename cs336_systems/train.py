@@ -11,8 +11,9 @@ and `--checkpoint` it makes the run's ParallelPlan, which `parallelize` applies 
 Data: `--data` names a flat file of token ids, each an unsigned 16-bit little-endian integer (numpy
 `ids.astype("<u2").tofile(path)`: no header, 2 bytes a token), read through np.memmap; without it, random
 tokens. The file is checked up front: a whole number of tokens, at least one window, every id in the
-vocabulary, and not an int32/int64 file of small ids (`check_token_width`). Every step draws a global batch of `batch_size * world` windows from one seeded generator;
-rank r takes rows r, r+world, ... so ranks see disjoint data and the run does not depend on timing.
+vocabulary, and not an int32/int64 file of small ids (`check_token_width`). Every step draws a global
+batch of `batch_size * world` windows from one seeded generator; rank r takes rows r, r+world, ... so
+ranks see disjoint data and the run does not depend on timing.
 Checkpoints (cs336_systems.checkpoint): one folder per saved step, one file per rank, marked complete with
 every file's checksum and the run's identity once every rank has written its file; `--resume` continues from
 the newest complete step whose files verify (a damaged newer step is skipped with a warning), refuses another

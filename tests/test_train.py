@@ -95,7 +95,8 @@ def test_one_plain_process_without_torchrun(tmp_path):
 def test_resume_after_a_kill_between_two_ranks_saves(tmp_path):
     """Checkpoints every 2 steps, the last 2 kept; then step 6 is made to look as if rank 1 was killed
     before saving it (rank 0's file there, rank 1's missing, no COMPLETE marker). The resumed run must
-    ignore step 6, continue from step 4, and give the uninterrupted run's losses."""
+    ignore step 6, continue from step 4, and give the uninterrupted run's losses; and again once rank 1's
+    file of step 6 is damaged (each rank verifies its own file against the recorded checksum)."""
     args = ["--wrapper", "individual", "--sharded-optimizer"]
     full = _losses(tmp_path, "full", *args, "--steps", "6")
     ckpt = tmp_path / "ckpt"
@@ -115,6 +116,16 @@ def test_resume_after_a_kill_between_two_ranks_saves(tmp_path):
     assert (marker["step"], marker["world_size"], sorted(marker["files"])) == (6, 2, ["rank0.pt", "rank1.pt"])
     assert marker["run"] == {"size": "tiny", "wrapper": "individual", "optimizer_sharding": "sharded",
                              "world_size": 2}
+
+    # rank 1's file of step 6 damaged after the fact: rank 1 finds it, both ranks fall back to step 4 together
+    with open(step_dir(ckpt, 6) / "rank1.pt", "r+b") as f:
+        f.seek(1 << 16)  # inside the embedding's weights: not zeros already
+        assert f.read(4096).count(0) < 4096
+        f.seek(1 << 16)
+        f.write(b"\0" * 4096)
+    again = _losses(tmp_path, "again", *saving, "--steps", "6", "--resume")
+    np.testing.assert_allclose(again, full[4:], rtol=1e-6)
+    assert json.loads((step_dir(ckpt, 6) / COMPLETE).read_text())["files"] == marker["files"]  # saved as before
 
 
 def test_token_file(tmp_path):

@@ -15,8 +15,9 @@ from pathlib import Path
 
 # The only globals a snapshot pickle may name: plain containers and values (protocols 0-3 write a set as a call
 # to builtins.set; a complex or a bytearray likewise).
-ALLOWED_GLOBALS = frozenset({(module, name) for module in ("builtins", "__builtin__") for name in ("set", "frozenset", "bytearray", "complex", "int",
-                                                              "float", "str", "bytes", "bool")})
+ALLOWED_GLOBALS = frozenset((module, name) for module in ("builtins", "__builtin__")  # protocol 3, and 0-2
+                             for name in ("set", "frozenset", "bytearray", "complex", "int", "float", "str", "bytes",
+                                          "bool"))
 
 
 class _PlainDataUnpickler(pickle.Unpickler):
