@@ -8,23 +8,26 @@
 cs336_systems.distributed.parallelize); started without torchrun, the run is one rank. With `--compile`
 and `--checkpoint` it makes the run's ParallelPlan, which `parallelize` applies in its fixed order
 (checkpointing, compilation, data parallelism).
-Data: `--data` names a flat file of uint16 token ids (read through np.memmap); without it, random
-tokens. Every step draws a global batch of `batch_size * world` windows from one seeded generator;
-rank r takes rows r, r+world, ... so ranks see disjoint data and the run does not depend on timing.
-Checkpoints: one folder per saved step (`step_000100/rank0.pt`, one file per rank since with a sharded
-optimizer each rank owns a different shard), marked complete by rank 0 (`COMPLETE`) only once every
-rank has written its file; `--resume` continues from the newest complete step, so a run killed between
-two ranks' saves resumes from the previous step, not from a mix. The last `--keep-checkpoints` stay.
-The loss of every step is written by rank 0 (`--loss-log`), so runs can be compared curve against curve,
-with the step's wall time (synchronized), the run's settings, its peak memory and provenance on each row.
+Data: `--data` names a flat file of token ids, each an unsigned 16-bit little-endian integer (numpy
+`ids.astype("<u2").tofile(path)`: no header, 2 bytes a token), read through np.memmap; without it, random
+tokens. The file is checked up front: a whole number of tokens, at least one window, every id in the
+vocabulary, and not an int32/int64 file of small ids (`check_token_width`). Every step draws a global
+batch of `batch_size * world` windows from one seeded generator; rank r takes rows r, r+world, ... so
+ranks see disjoint data and the run does not depend on timing.
+Checkpoints (cs336_systems.checkpoint): one folder per saved step, one file per rank, marked complete with
+every file's checksum and the run's identity once every rank has written its file; `--resume` continues from
+the newest complete step whose files verify (a damaged newer step is skipped with a warning), refuses another
+run's checkpoints, and a second run on the same folder is refused while the first holds it. The last
+`--keep-checkpoints` stay.
+The loss of every step is appended by rank 0 to `--loss-log` (CSV, flushed each step, so a killed run keeps
+every step it finished; a resumed run keeps the rows up to the step it resumes from), with the step's wall
+time (synchronized), the run's settings, its peak memory so far and provenance on each row.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -35,39 +38,62 @@ import torch.distributed as dist
 
 from cs336_systems.distributed import DataParallelSpec, build_optimizer
 from cs336_systems.distributed.launch import init_from_env, shutdown
+from cs336_systems.bench.checks import check_context_length
 from cs336_systems.bench.cli import non_negative_int, positive_float, positive_int
+from cs336_systems.checkpoint import (CheckpointError, RunIdentity, checkpoint_lock, load_checkpoint, save_checkpoint,
+                                      saved_steps)
 from cs336_systems.distributed.parallelize import (KINDS, SHARDINGS, add_plan_arguments, argument_type, parallelize,
                                                    plan_from_args)
 from cs336_systems.model import ATTENTION_BACKENDS, MODEL_SIZES, TransformerLM, get_attention, get_config
+from cs336_systems.model.attention import SDPA_KERNELS
 from cs336_systems.provenance import provenance
-from cs336_systems.results import write_rows
+from cs336_systems.results import AppendedRows, check_output_file
 from cs336_systems.timing import DTYPES, peak_memory_mib, timed
 from cs336_systems.train_step import autocast_loss, forwards, train_step
 
-TOKEN_DTYPE = np.uint16
-COMPLETE = "COMPLETE"  # the marker file of a step every rank has saved
+TOKEN_DTYPE = np.dtype("<u2")  # unsigned 16-bit little-endian, whatever the machine's byte order
 
 
 # ---- data -------------------------------------------------------------------------------------
 
 def load_tokens(path: str | Path, vocab_size: int, context_length: int) -> np.ndarray:
-    """The token file as a read-only memmap, checked up front: at least one window of context_length
-    inputs plus one target, and every id below vocab_size (a ValueError naming the file otherwise)."""
+    """The token file as a read-only memmap, checked up front: a whole number of 2-byte ids, at least one
+    window of context_length inputs plus one target, ids 16 bits wide (`check_token_width`), and every id
+    below vocab_size (a ValueError naming the file otherwise)."""
+    if Path(path).is_dir():
+        raise ValueError(f"--data {str(path)!r} is a directory, not a token file")
+    if not Path(path).is_file():
+        raise ValueError(f"--data {str(path)!r} does not exist")
     nbytes = os.path.getsize(path)
-    itemsize = np.dtype(TOKEN_DTYPE).itemsize
+    itemsize = TOKEN_DTYPE.itemsize
     if nbytes % itemsize:
-        raise ValueError(f"--data {str(path)!r} has {nbytes} bytes, not a whole number of {TOKEN_DTYPE.__name__} "
+        raise ValueError(f"--data {str(path)!r} has {nbytes} bytes, not a whole number of {TOKEN_DTYPE.name} "
                          "token ids")
     needed = context_length + 1
     if nbytes // itemsize < needed:
         raise ValueError(f"--data {str(path)!r} holds {nbytes // itemsize} tokens, fewer than one training window "
                          f"needs: {needed} (--context-length {context_length} inputs, then one more target)")
     data = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    check_token_width(data, path)
     largest = int(data.max())
     if largest >= vocab_size:
         raise ValueError(f"--data {str(path)!r} holds token id {largest}, beyond the model's vocabulary of "
                          f"{vocab_size} ids (0..{vocab_size - 1})")
     return data
+
+
+def check_token_width(data: np.ndarray, path: str | Path, sample: int = 1 << 16) -> None:
+    """Refuse a file of wider ids read as uint16. Small ids (< 65536) written as int32 or int64 read back, as
+    little-endian uint16, with every second value 0 (the high halves): a file whose first `sample` values are
+    0 at every odd position but not at every even one is such a file. Real 16-bit token streams do not put id 0
+    at every other position of tens of thousands of tokens, so this refuses rather than warns: training on it
+    would silently learn a stream of interleaved zeros. Reads at most `sample` values; a file of fewer than 32
+    values is not judged."""
+    head = np.asarray(data[: min(len(data), sample) // 2 * 2])
+    if head.size >= 32 and not head[1::2].any() and head[0::2].any():
+        raise ValueError(f"--data {str(path)!r} looks like int32 or int64 token ids, not uint16: every second "
+                         f"16-bit value of its first {head.size} is 0. Convert it: "
+                         "np.fromfile(path, np.int32).astype('<u2').tofile(new_path)")
 
 
 def batches(data: np.ndarray | None, vocab: int, batch: int, context: int, world: int, rank: int, seed: int, step: int):
@@ -82,70 +108,48 @@ def batches(data: np.ndarray | None, vocab: int, batch: int, context: int, world
     return mine[:, :-1], mine[:, 1:]
 
 
-# ---- checkpoints ------------------------------------------------------------------------------
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:06d}"
-
-
-def saved_steps(root: Path, complete_only: bool = True) -> list[int]:
-    """Steps with a folder under root, oldest first (only those marked complete, by default)."""
-    steps = []
-    for path in root.glob("step_*"):
-        number = path.name.removeprefix("step_")
-        if path.is_dir() and number.isdigit() and (not complete_only or (path / COMPLETE).exists()):
-            steps.append(int(number))
-    return sorted(steps)
-
-
-def _atomic_write(write, path: Path) -> None:
-    """write(tmp) then rename over path: a save killed midway leaves no half-written file under path."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def save_checkpoint(root: Path, step: int, state: dict, rank: int, world: int, keep: int) -> None:
-    """Every rank writes its file of the step; once all have (a barrier), rank 0 marks the step
-    complete and deletes the older steps beyond the newest `keep` complete ones."""
-    folder = step_dir(root, step)
-    folder.mkdir(parents=True, exist_ok=True)
-    _atomic_write(lambda tmp: torch.save(state, tmp), folder / f"rank{rank}.pt")
-    dist.barrier()
-    if rank != 0:
-        return
-    _atomic_write(lambda tmp: tmp.write_text(json.dumps({"step": step, "world_size": world})), folder / COMPLETE)
-    kept = set(saved_steps(root)[-keep:])
-    # Only older steps: nothing there is being written (every rank is past them), and a partial
-    # folder left by a killed run is cleared once a newer step is complete.
-    for old in saved_steps(root, complete_only=False):
-        if old < step and old not in kept:
-            shutil.rmtree(step_dir(root, old), ignore_errors=True)
-
-
-def load_checkpoint(root: Path, rank: int, world: int, device: torch.device) -> dict | None:
-    """This rank's state at the newest step that every rank saved (rank 0 decides, so all ranks
-    load the same step), or None when there is none."""
-    choice = [None, None]  # (step, error), decided by rank 0 and sent to all, so that all fail alike
-    if rank == 0 and saved_steps(root):
-        choice[0] = saved_steps(root)[-1]
-        saved_world = json.loads((step_dir(root, choice[0]) / COMPLETE).read_text())["world_size"]
-        if saved_world != world:
-            choice[1] = f"checkpoint {step_dir(root, choice[0])} was saved by {saved_world} ranks; this run has {world}"
-    dist.broadcast_object_list(choice, src=0)
-    if choice[1]:
-        raise ValueError(choice[1])
-    if choice[0] is None:
-        return None
-    folder = step_dir(root, choice[0])
-    return torch.load(folder / f"rank{rank}.pt", map_location=device)
-
-
 # ---- training ---------------------------------------------------------------------------------
+
+def run_identity(args: argparse.Namespace, world: int) -> RunIdentity:
+    """What this run's checkpoints record, and what a checkpoint must match to be resumed."""
+    return RunIdentity(size=args.size, wrapper=args.wrapper.kind, optimizer_sharding=args.wrapper.optimizer_sharding,
+                       world_size=world)
+
+
+def run_columns(args: argparse.Namespace, world: int, device: torch.device) -> dict:
+    """The columns of every loss-log row beside the step's own: the run's settings and provenance
+    (peak_memory_mib is filled in per row)."""
+    spec = args.wrapper
+    return {"size": args.size, "attention": args.attention, "wrapper": str(spec.wrapper),
+            "sharded_optimizer": spec.optimizer_sharding != "none", **spec.to_columns(), "world_size": world,
+            "batch_per_rank": args.batch_size, "context_length": args.context_length, "precision": args.precision,
+            "backend": args.backend, "tokens_per_step": args.batch_size * world * args.context_length,
+            "peak_memory_mib": peak_memory_mib(device), **provenance(device)}
+
+
+class LossLog(list):
+    """The rows of the steps run: a list whose `append` also appends the row, with the run's columns and the
+    peak memory so far, to the --loss-log CSV and flushes it (results.AppendedRows). A resumed run (`resumed`
+    the step it continues after) keeps the file's rows up to that step and drops the later ones."""
+
+    def __init__(self, path: str, columns: dict, device: torch.device, resumed: int | None):
+        super().__init__()
+        self.file = AppendedRows(path, key="step", keep_until=resumed)
+        self.columns, self.device = columns, device
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        self.file.append({**row, **self.columns, "peak_memory_mib": peak_memory_mib(self.device)})
+
 
 def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
     """Run (or continue) the training of args (from `parse_args`), one rank of world; the rows of the
-    steps it ran."""
+    steps it ran. The checkpoint folder, if any, is locked for the run (checkpoint.checkpoint_lock)."""
+    with checkpoint_lock(Path(args.checkpoint_dir) if args.checkpoint_dir else None, rank):
+        return _train(args, rank, world, device)
+
+
+def _train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> list[dict]:
     spec = args.wrapper
     torch.manual_seed(args.seed + rank)  # ranks start apart: the wrappers broadcast rank 0's weights
     with device:
@@ -156,7 +160,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     start = 0
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if args.resume and ckpt_dir:
-        state = load_checkpoint(ckpt_dir, rank, world, device)
+        state = load_checkpoint(ckpt_dir, rank, run_identity(args, world), device)
         if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -164,7 +168,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if rank == 0:
             print(f"resuming after step {start}" if state else f"no complete checkpoint in {ckpt_dir}: from scratch",
                   flush=True)
-    log = []
+    log = []  # with --loss-log, rank 0's list also writes each row as it is appended
+    if rank == 0 and args.loss_log:
+        log = LossLog(args.loss_log, run_columns(args, world, device), device, start if args.resume else None)
     loss_fn = autocast_loss(ddp, args.precision, device)
     for step in range(start, args.steps):
         inputs, targets = batches(data, model.config.vocab_size, args.batch_size, args.context_length, world, rank,
@@ -180,7 +186,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             print(f"step {step + 1}: loss {float(mean_loss):.4f}", flush=True)
         if ckpt_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1}
-            save_checkpoint(ckpt_dir, step + 1, state, rank, world, args.keep_checkpoints)
+            save_checkpoint(ckpt_dir, step + 1, state, rank, run_identity(args, world), args.keep_checkpoints)
     return log
 
 
@@ -205,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=positive_float, default=3e-4, help="AdamW learning rate")
     parser.add_argument("--steps", type=positive_int, default=100, help="train until this step (resumed runs too)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the weights and the batches")
-    parser.add_argument("--data", default=None, help="uint16 token file (np.memmap); default: random tokens")
+    parser.add_argument("--data", default=None,
+                        help="token file: flat unsigned 16-bit little-endian ids, no header (numpy "
+                             "ids.astype('<u2').tofile(path)); default: random tokens")
     parser.add_argument("--checkpoint-dir", default=None, help="folder of the per-step checkpoints")
     parser.add_argument("--checkpoint-every", type=positive_int, default=100,
                         help="save every this many steps (and after the last)")
@@ -213,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest complete checkpoint in --checkpoint-dir, if any")
     parser.add_argument("--log-every", type=positive_int, default=10, help="print the loss every this many steps")
-    parser.add_argument("--loss-log", default=None, help="CSV of the loss per step (rank 0)")
+    parser.add_argument("--loss-log", default=None,
+                        help="CSV of the loss per step (rank 0), appended as the run goes; a --resume run keeps "
+                             "the rows up to the step it resumes from")
     parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo",
                         choices=["nccl", "gloo"], help="torch.distributed backend (default: nccl with a GPU)")
     return parser
@@ -238,17 +248,25 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 def check_args(args: argparse.Namespace) -> None:
     """Errors argparse's per-flag checks cannot see, raised as ValueError before any rank starts."""
     get_attention(args.attention)  # imports the backend's module: an error there shows before any rank starts
+    check_context_length(args.context_length, {args.size: get_config(args.size).context_length})
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("--backend nccl needs CUDA, which this machine does not have: use --backend gloo (the CPU)")
+    if args.attention in SDPA_KERNELS and args.backend != "nccl":  # gloo ranks train on the CPU
+        raise ValueError(f"--attention {args.attention} is one of SDPA's CUDA kernels; with --backend "
+                         f"{args.backend} the run is on the CPU: use --attention sdpa (or naive, flash_pytorch)")
+    if args.loss_log:
+        check_output_file(args.loss_log, "--loss-log")
     plan_from_args(args, args.wrapper)  # a plan the flags cannot make (fsdp with --compile) fails here
     args.checkpoint.check(get_config(args.size).num_layers)  # and a policy longer than the model's stack
     if args.resume and not args.checkpoint_dir:
         raise ValueError("--resume needs --checkpoint-dir")
+    if args.checkpoint_dir and Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} is a file, not a folder")
     if args.checkpoint_dir and not args.resume and saved_steps(Path(args.checkpoint_dir), complete_only=False):
         # a fresh run would mix its checkpoints with the old run's newer ones
         raise ValueError(f"--checkpoint-dir {args.checkpoint_dir!r} already holds checkpoints: pass --resume to "
                          "continue that run, or name an empty folder")
     if args.data:
-        if not Path(args.data).is_file():
-            raise ValueError(f"--data {args.data!r} does not exist")
         load_tokens(args.data, get_config(args.size).vocab_size, args.context_length)
 
 
@@ -259,16 +277,12 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args)
     except ValueError as error:
         parser.error(str(error))
-    spec = args.wrapper
     rank, world, device = init_from_env(args.backend)
-    log = train(args, rank, world, device)
-    if rank == 0 and args.loss_log:
-        run = {"size": args.size, "attention": args.attention, "wrapper": str(spec.wrapper),
-               "sharded_optimizer": spec.optimizer_sharding != "none", **spec.to_columns(), "world_size": world,
-               "batch_per_rank": args.batch_size, "context_length": args.context_length, "precision": args.precision,
-               "backend": args.backend, "tokens_per_step": args.batch_size * world * args.context_length,
-               "peak_memory_mib": peak_memory_mib(device), **provenance(device)}
-        write_rows([{**row, **run} for row in log], args.loss_log)
+    try:
+        train(args, rank, world, device)
+    except CheckpointError as error:  # raised on every rank alike: report it as the usage error it is
+        shutdown()
+        parser.error(str(error))
     shutdown()
 
 

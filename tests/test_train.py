@@ -13,17 +13,8 @@ import torch
 
 from cs336_systems.distributed import DataParallelSpec, parallelize
 from cs336_systems.model import get_config
-from cs336_systems.train import (
-    COMPLETE,
-    build_parser,
-    load_checkpoint,
-    load_tokens,
-    main,
-    parse_args,
-    saved_steps,
-    step_dir,
-    train,
-)
+from cs336_systems.checkpoint import COMPLETE, RunIdentity, load_checkpoint, saved_steps, step_dir
+from cs336_systems.train import build_parser, load_tokens, main, parse_args, train
 from tests.distributed_helpers import run_distributed
 
 COMMON = ["--size", "tiny", "--context-length", "16", "--batch-size", "2", "--precision", "fp32",
@@ -104,7 +95,8 @@ def test_one_plain_process_without_torchrun(tmp_path):
 def test_resume_after_a_kill_between_two_ranks_saves(tmp_path):
     """Checkpoints every 2 steps, the last 2 kept; then step 6 is made to look as if rank 1 was killed
     before saving it (rank 0's file there, rank 1's missing, no COMPLETE marker). The resumed run must
-    ignore step 6, continue from step 4, and give the uninterrupted run's losses."""
+    ignore step 6, continue from step 4, and give the uninterrupted run's losses; and again once rank 1's
+    file of step 6 is damaged (each rank verifies its own file against the recorded checksum)."""
     args = ["--wrapper", "individual", "--sharded-optimizer"]
     full = _losses(tmp_path, "full", *args, "--steps", "6")
     ckpt = tmp_path / "ckpt"
@@ -120,7 +112,20 @@ def test_resume_after_a_kill_between_two_ranks_saves(tmp_path):
     np.testing.assert_allclose(rest, full[4:], rtol=1e-6)
     assert saved_steps(ckpt) == [4, 6]
     assert {p.name for p in step_dir(ckpt, 6).iterdir()} == {"rank0.pt", "rank1.pt", COMPLETE}
-    assert json.loads((step_dir(ckpt, 6) / COMPLETE).read_text()) == {"step": 6, "world_size": 2}
+    marker = json.loads((step_dir(ckpt, 6) / COMPLETE).read_text())
+    assert (marker["step"], marker["world_size"], sorted(marker["files"])) == (6, 2, ["rank0.pt", "rank1.pt"])
+    assert marker["run"] == {"size": "tiny", "wrapper": "individual", "optimizer_sharding": "sharded",
+                             "world_size": 2}
+
+    # rank 1's file of step 6 damaged after the fact: rank 1 finds it, both ranks fall back to step 4 together
+    with open(step_dir(ckpt, 6) / "rank1.pt", "r+b") as f:
+        f.seek(1 << 16)  # inside the embedding's weights: not zeros already
+        assert f.read(4096).count(0) < 4096
+        f.seek(1 << 16)
+        f.write(b"\0" * 4096)
+    again = _losses(tmp_path, "again", *saving, "--steps", "6", "--resume")
+    np.testing.assert_allclose(again, full[4:], rtol=1e-6)
+    assert json.loads((step_dir(ckpt, 6) / COMPLETE).read_text())["files"] == marker["files"]  # saved as before
 
 
 def test_token_file(tmp_path):
@@ -206,9 +211,10 @@ def test_bad_arguments(tmp_path, capsys):
 def _resume_with_another_world_size(rank, world, root):
     folder = step_dir(root, 5)
     folder.mkdir(parents=True)
-    (folder / COMPLETE).write_text(json.dumps({"step": 5, "world_size": 2}))
-    with pytest.raises(ValueError, match=f"checkpoint {folder} was saved by 2 ranks; this run has 1"):
-        load_checkpoint(root, rank, world, torch.device("cpu"))
+    saved = {"size": "tiny", "wrapper": "bucketed", "optimizer_sharding": "none", "world_size": 2}
+    (folder / COMPLETE).write_text(json.dumps({"step": 5, "world_size": 2, "run": saved, "files": {}}))
+    with pytest.raises(ValueError, match=r"holds the checkpoints of another run: world_size 2 \(this run: 1\)"):
+        load_checkpoint(root, rank, RunIdentity(**{**saved, "world_size": world}), torch.device("cpu"))
 
 
 def test_resume_refuses_a_checkpoint_of_another_world_size(tmp_path):

@@ -5,7 +5,7 @@ reported as a usage error before anything is built; these checks hold for librar
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 
 def check_positive(name: str, *values: float) -> None:
@@ -29,3 +29,11 @@ def check_known(name: str, values: Iterable[str], known: Collection[str]) -> Non
 def check_not_empty(name: str, values: Collection) -> None:
     if not values:
         raise ValueError(f"{name} must name at least one value, got none")
+
+
+def check_context_length(context_length: int, limits: Mapping[str, int]) -> None:
+    """context_length within the longest context of every named model size (size -> its limit): the check of
+    the benchmark grids and of the training CLI, before a model that would run out of memory is built."""
+    for size, limit in limits.items():
+        if context_length > limit:
+            raise ValueError(f"context length {context_length} exceeds the {limit} tokens size {size!r} supports")

@@ -31,11 +31,12 @@ from pathlib import Path
 import torch
 
 from cs336_systems.bench.plain_model import PlainTransformerLM
-from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
+from cs336_systems.bench.checks import (check_context_length, check_known, check_non_negative, check_not_empty,
+                                        check_positive)
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.distributed.parallelize import ParallelPlan, parallelize
 from cs336_systems.provenance import device_name, provenance
-from cs336_systems.results import PartialRows
+from cs336_systems.results import PartialRows, check_output_file
 from cs336_systems.timing import (
     annotate,
     autocast,
@@ -270,11 +271,7 @@ class Sweep:
         check_positive("context length", self.context_length)
         check_positive("measured steps", self.steps)
         check_non_negative("warm-up steps", *self.warmups)
-        for size in self.sizes:
-            limit = MODEL_SIZES[size].context_length
-            if self.context_length > limit:
-                raise ValueError(f"context length {self.context_length} exceeds the {limit} tokens size {size!r} "
-                                 "supports")
+        check_context_length(self.context_length, {size: MODEL_SIZES[size].context_length for size in self.sizes})
         device = resolve_device(self.device)
         for precision in self.precisions:
             check_precision(precision, device)
@@ -353,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        check_output_file(args.out, "--out")  # before the sweep, not after its first point
+    except ValueError as error:
+        parser.error(str(error))
     config = config_or_usage_error(
         parser, Sweep, sizes=tuple(args.sizes), modes=tuple(args.modes), precisions=tuple(args.precisions),
         attention=tuple(args.attention), compile_scopes=tuple(args.compile_scopes), warmups=tuple(args.warmup),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import pickle
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from cs336_systems.bench.checks import check_known, check_non_negative, check_no
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
 from cs336_systems.model import MODEL_SIZES, cross_entropy
 from cs336_systems.provenance import provenance
+from cs336_systems.analysis.snapshot_file import load_snapshot
 from cs336_systems.analysis.snapshot import phase_levels
 from cs336_systems.results import write_rows
 from cs336_systems.timing import DTYPES, autocast, resolve_device
@@ -77,8 +77,7 @@ def memory_rows(config: MemoryConfig) -> list[dict]:
         step = [r for r in e2e.run(spec) if r["phase"] == "step"][0]
         extra = {}
         if step["status"] == "ok":
-            with open(snapshot, "rb") as f:
-                extra = phase_levels(pickle.load(f))
+            extra = phase_levels(load_snapshot(snapshot))
             if mode == "train_step":
                 extra |= saved_for_backward(spec)
         rows.append({**step, "snapshot": snapshot.name if step["status"] == "ok" else "", **extra,

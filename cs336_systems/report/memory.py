@@ -15,11 +15,11 @@ drawn without phases, and one whose events carry no time stamps is drawn over th
 from __future__ import annotations
 
 import argparse
-import pickle
 from pathlib import Path
 
 import pandas as pd
 
+from cs336_systems.analysis.snapshot_file import load_snapshot
 from cs336_systems.analysis.snapshot import phase_spans, timed_timeline, trace
 from cs336_systems.results import read_rows, write_rows
 from cs336_systems.report.figures import pyplot, save_figure
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     provenance = read_rows(args.rows) if args.rows else None
     rows = []
     for path in map(Path, args.snapshots):
-        with open(path, "rb") as f:
-            snapshot = pickle.load(f)
+        snapshot = load_snapshot(path)  # plain data only: a snapshot from elsewhere runs no code
         draw_timeline(snapshot, Path(args.figures_dir) / f"{path.stem}.png", f"Active memory: {path.stem}",
                       provenance)
         rows += [{"snapshot": path.stem, "rank": i + 1, **row}

@@ -21,6 +21,7 @@ from cs336_systems.bench.leaderboard.provider import rank_and_world
 from cs336_systems.bench.leaderboard.recipes import ABLATIONS, PROVIDERS
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS
 from cs336_systems.distributed.launch import init_from_env, shutdown
+from cs336_systems.model import parameter_count
 from cs336_systems.provenance import provenance
 from cs336_systems.results import PartialRows
 from cs336_systems.timing import resolve_device
@@ -204,7 +205,25 @@ def main(argv: list[str] | None = None) -> None:
         chunk_tokens=args.chunk_tokens, check_size=args.check_size, check_context=args.check_context,
         memory_margin_gib=args.memory_margin_gib, memory_capacity_gib=args.memory_capacity_gib,
         profile_dir=args.profile, profile_out=args.profile_out, data_parallel=args.data_parallel, device=args.device)
+    check_runs_here(parser, config)
     run(config, args.out, args.check_out)
+
+
+def check_runs_here(parser: argparse.ArgumentParser, config: LeaderboardConfig) -> None:
+    """Off CUDA, refuse at once (not after minutes of compiling) what cannot run: bfloat16 through our kernels under
+    Triton's interpreter, or a model whose fp32 state outgrows the machine's memory."""
+    if resolve_device(config.device).type == "cuda":
+        return
+    state_gib = 16 * parameter_count(config.model_config()) / 2**30  # fp32 weights, gradients, AdamW's 2 moments
+    ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    reasons = [*(["our kernels run under Triton's interpreter, which cannot multiply bfloat16"]
+                 if config.param_dtype == "bf16" else []),
+               *([f"the model's fp32 state ({state_gib:.0f} GiB) outgrows this machine's memory"]
+                 if state_gib > ram_gib else [])]
+    if reasons:
+        parser.error(f"size {config.size!r} in {config.param_dtype} on device {config.device!r}: {'; '.join(reasons)}. "
+                     "The leaderboard step is a GPU benchmark; for a CPU smoke run pass --size tiny --param-dtype fp32 "
+                     "--compile none --check-size tiny (see --help)")
 
 
 if __name__ == "__main__":
