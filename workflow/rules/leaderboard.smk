@@ -4,9 +4,10 @@
 
 rule linear_ce:
     output:
-        f"{R}/linear_ce.csv",
+        csv=update(f"{R}/linear_ce.csv"),
+        log=update(f"{LOGS}/linear_ce.log"),
     log:
-        f"{LOGS}/linear_ce.log",
+        f"{ATTEMPTS}/linear_ce.log",
     conda:
         ENV
     resources:
@@ -18,7 +19,8 @@ rule linear_ce:
     shell:
         "python -m cs336_systems.bench.linear_ce {params.device} --tokens {params.tokens}"
         " --d-model {params.c[d_model]} --vocab {params.c[vocab]} --dtype {params.c[dtype]}"
-        " --chunk-tokens {params.c[chunk_tokens]} --out {output} 2> {log}"
+        " --chunk-tokens {params.c[chunk_tokens]} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
 
 
 # The whole 8B training step (2026 §9, issue 24): ours against the plain-PyTorch anchors (selective and full
@@ -36,9 +38,10 @@ LEADERBOARD_RUNS = f"{R}/runs"
 
 checkpoint leaderboard_8b_run:
     output:
-        touch(f"{LEADERBOARD_RUNS}/leaderboard_8b.measured"),
+        marker=touch(f"{LEADERBOARD_RUNS}/leaderboard_8b.measured"),
+        log=update(f"{LOGS}/leaderboard_8b.log"),
     log:
-        f"{LOGS}/leaderboard_8b.log",
+        f"{ATTEMPTS}/leaderboard_8b.log",
     conda:
         ENV
     resources:
@@ -62,15 +65,18 @@ checkpoint leaderboard_8b_run:
         " --out '{params.runs}/leaderboard_8b/{{run_id}}.csv'"
         " --check-out '{params.runs}/leaderboard_8b_check/{{run_id}}.csv'"
         " --profile-out '{params.runs}/leaderboard_8b_profile/{{run_id}}.csv' 2> {log}"
+        " && cp {log} {output.log}"
 
 
 def leaderboard_run_files(table):
-    """Input function: every run file of `table` (after the measuring run, where this run measures)."""
+    """Input function: every run file of `table` (after the measuring run, where this run measures), committed ones
+    ancient (common.smk: a checkout's file times never merge them again)."""
 
     def inputs(wildcards):
         if MEASURE:
             checkpoints.leaderboard_8b_run.get()
-        return sorted(glob.glob(f"{LEADERBOARD_RUNS}/{table}/*.csv"))
+        runs = sorted(glob.glob(f"{LEADERBOARD_RUNS}/{table}/*.csv"))
+        return committed("leaderboard_8b_run", *runs)(wildcards)
 
     return inputs
 
@@ -83,11 +89,12 @@ rule leaderboard_8b:
         checks=leaderboard_run_files("leaderboard_8b_check"),
         profile=leaderboard_run_files("leaderboard_8b_profile"),
     output:
-        steps=f"{R}/leaderboard_8b.csv",
-        checks=f"{R}/leaderboard_8b_check.csv",
-        profile=f"{R}/leaderboard_8b_profile.csv",
+        steps=update(f"{R}/leaderboard_8b.csv"),
+        checks=update(f"{R}/leaderboard_8b_check.csv"),
+        profile=update(f"{R}/leaderboard_8b_profile.csv"),
+        log=update(f"{LOGS}/leaderboard_8b_merge.log"),
     log:
-        f"{LOGS}/leaderboard_8b_merge.log",
+        f"{ATTEMPTS}/leaderboard_8b_merge.log",
     conda:
         ENV
     params:
@@ -98,3 +105,4 @@ rule leaderboard_8b:
         " && python -m cs336_systems.bench.merge {input.checks} --out {output.checks} --sort-by timestamp"
         " && python -m cs336_systems.bench.merge {input.profile} --out {output.profile} --sort-by timestamp"
         " --quote latest) 2> {log}"
+        " && cp {log} {output.log}"
