@@ -1207,7 +1207,8 @@ def _fsdp_overlap_rows(rng: np.random.Generator) -> pd.DataFrame:
               {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm", "ts": 110, "dur": 50},
               {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_f32", "ts": 150, "dur": 100}]
     columns = list(traces.trace_row("x", events, traces.lanes(events)))
-    rows = [{c: rng.uniform(0.1, 100) for c in columns} | {"trace": trace} for trace in ("torch_fsdp2", "fsdp")]
+    rows = [{c: rng.uniform(0.1, 100) for c in columns} | {"trace": trace, "gpu_busy_in_backward": rng.uniform(0.05, 1)}
+            for trace in ("torch_fsdp2", "fsdp")]
     rows.append({c: 0.0 for c in columns} | {"trace": "none_baseline", "host_ms_per_collective": np.nan})
     return pd.DataFrame(rows, columns=columns)
 
@@ -1234,11 +1235,39 @@ def test_fsdp_overlap_section_quotes_its_table(tmp_path):
     for _, row in rows[rows["communication_ms"] > 0].iterrows():
         said = (f"- {row['trace']}: {row['communication_ms']:.1f} ms of communication, "
                 f"{row['exposed_in_forward_ms']:.1f} ms exposed in the forward, {row['exposed_in_backward_ms']:.1f} ms "
-                f"in the backward ({row['exposed_communication_ms']:.1f} ms in the whole step).")
+                f"in the backward ({row['exposed_communication_ms']:.1f} ms in the whole step); GPU kernels run in "
+                f"{row['gpu_busy_in_backward']:.0%} of its {row['backward_ms']:.1f} ms backward.")
         assert said in lines
         for number in re.findall(r"\d+\.\d", said):
-            wrong = lines.replace(said, said.replace(number, f"{float(number) + 1:.1f}"))
-            assert unquoted(replace(body, checked=[body.checked[0], wrong])), number
+            wrong = lines.replace(said, said.replace(number, f"{float(number) + 1000:.1f}"))  # no cell's number
+            assert unquoted(replace(body, checked=[body.checked[0], wrong, *body.checked[2:]])), number
+
+
+@pytest.mark.parametrize("busy", [(0.26, 0.34), (0.9, 0.95), (0.3, 0.8)])
+def test_fsdp_overlap_verdict_follows_the_gpu_busy_share(tmp_path, busy):
+    """fsdp_accounting (b) calls exposed communication 'the time a layer waited for its weights' only where the GPU
+    is busy in the backward; where it runs kernels in under half of it (the committed traces: 26% and 34%), the step
+    is host-bound and the section says the measurement cannot tell that wait. The shares are the table's cells."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.distributed import render_fsdp_overlap
+
+    rows = _fsdp_overlap_rows(np.random.default_rng(3))
+    rows.loc[rows["trace"] != "none_baseline", "gpu_busy_in_backward"] = busy
+    rows.to_csv(tmp_path / "fsdp_overlap.csv", index=False)
+    make_tables(tmp_path, ["fsdp_overlap"])
+    body = render_fsdp_overlap(Context(tmp_path, tmp_path, tmp_path))
+    assert unquoted(body) == []
+    verdict = body.checked[2]
+    host_bound = [f"{share:.0%} ({trace})" for trace, share in zip(rows["trace"], rows["gpu_busy_in_backward"])
+                  if trace != "none_baseline" and share < 0.5]
+    assert ("step is host-bound" in verdict) == bool(host_bound)
+    assert ("cannot tell how long a layer waited for its weights" in verdict) == bool(host_bound)
+    assert ("exposed communication is time the compute waited" in verdict) == (max(busy) >= 0.5)
+    assert all(share in verdict for share in host_bound)
+    assert "the time a layer waited for its weights" not in body.checked[0]  # the intro claims no interpretation
+    committed = pd.read_csv(ROOT / "results" / "fsdp_overlap.csv")
+    if (committed["gpu_busy_in_backward"] < 0.5).all():
+        assert "cannot tell how long a layer waited" in (ROOT / "results" / "writeup.md").read_text()
 
 
 def test_fsdp_section_quotes_its_table(tmp_path):

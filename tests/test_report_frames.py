@@ -191,7 +191,7 @@ def test_table_rule_writes_the_frame(tmp_path):
     main(["table", "allreduce", str(tmp_path / "allreduce.csv"), *[f"--{e}={p}" for e, p in out.items()]])
     table = NumericTable.load(out["json"])
     assert out["md"].read_text().startswith(table.to_markdown())
-    assert table.quote("median (ms)", processes=2, **{"size (MB)": 10}) == "1.950"
+    assert table.quote("median (ms)", processes=2, **{"size (MiB)": 10}) == "1.950"
     assert re.search(r"1\.950", out["tex"].read_text())
 
 

@@ -95,13 +95,13 @@ def bucket_model(allreduce: pd.DataFrame | None, model_bytes: float, best_mb: di
         text += (" The per-call cost of back-to-back all-reduces, and the b\\* it gives, are pending "
                  "(`snakemake results/allreduce.csv --forcerun allreduce --cores 1 --resources gpu=2`, burst rows); the "
                  "sweep measures "
-                 "250 and 500 MB buckets around the optimum either fit gives.")
+                 "250 and 500 MiB buckets around the optimum either fit gives.")
     else:
         ob, wb = burst
         text += (f" Fitted to bursts of back-to-back calls (time per call): o = {ob * 1e6:.1f} µs, "
                  f"w = {wb / 1e9:.1f} GB/s, b\\* = {optimal_bucket_bytes(model_bytes, ob, wb) / 2**20:.0f} MiB.")
     if best_mb:
-        text += " Measured best of the sweep: " + ", ".join(f"{mb:g} MB in {p}" for p, mb in best_mb.items()) + "."
+        text += " Measured best of the sweep: " + ", ".join(f"{mb:g} MiB in {p}" for p, mb in best_mb.items()) + "."
     return text
 
 

@@ -314,9 +314,20 @@ def ddp_bucketed(frame: pd.DataFrame, path: str | Path) -> None:
             line.set_linestyle("none")  # configs are categories: no line between them
         ax.set(title=precision, ylabel="ms per step\n(mean ± std)")
         plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    axes[-1, 0].set_xlabel("wrapper (none = one process, no communication)")
+    axes[-1, 0].set_xlabel(ddp_wrapper_axis_label(rows))
     _legend_beside(fig, axes[0, 0], "run (commit)")
     save_figure(fig, path, "Data-parallel step time: bucket sizes and baselines", frame)
+
+
+def ddp_wrapper_axis_label(rows: pd.DataFrame) -> str:
+    """The DDP figure's x label: what the baseline `none` ran, from its rows (every rank trains alone on its own
+    batch, with no gradient communication)."""
+    none = rows[rows["config"] == "none"]
+    if none.empty:
+        return "wrapper"
+    ranks = sorted({int(w) for w in none["world_size"].dropna()}) if "world_size" in none else []
+    who = (f"{' or '.join(map(str, ranks))} ranks" if ranks else "every rank") + " training alone"
+    return f"wrapper (none = {who}, no gradient communication)"
 
 
 def train_matrix(frame: pd.DataFrame, path: str | Path) -> None:

@@ -255,9 +255,10 @@ def fsdp_accounting_section(table: NumericTable, measured: pd.DataFrame | None =
     checked = [heading, intro, answer]
     parts = [heading, intro, table.to_markdown() if embed is None else embed, answer]
     if measured is not None:
-        peaks = predicted_peaks(measured)
+        peaks = predicted_peaks(measured, peak="peak_before_step_mib")
         if len(peaks):
-            parts += ["Measured peaks (after the optimizer step, `results/sharding.csv`) against the accounting; "
+            parts += ["Measured forward+backward peaks (`peak_before_step_mib` of `results/sharding.csv`) against the "
+                      "accounting; "
                       "the predicted FSDP peak is the measured ZeRO-1 peak less the parameter and gradient state "
                       "FSDP also shards:", peaks.to_markdown(index=False, floatfmt=",.0f")]
     # the handout's numbering and the constants of the two formulas (8 B of parameter and gradient; N − 1)

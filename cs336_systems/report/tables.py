@@ -360,14 +360,20 @@ def flash_resources(frame: pd.DataFrame) -> NumericTable:
                                *(Col(c, "d", second=f"{c} spilled (B)", joiner=" / ") for c in cases)), status)
 
 
+# The bench's size_mb is MiB: it allocates size_mb · 2**20 bytes of float32 (bench/allreduce.py); its bandwidths
+# are 10^9 bytes per second.
+ALLREDUCE_SIZE = "size (MiB)"
+
+
 def allreduce(frame: pd.DataFrame) -> NumericTable:
     """2.1: all-reduce time and bandwidth per backend, process count and size; one statistic, the median
     over the timed iterations (the bandwidths are computed from it)."""
     rows = all_reduce_rows(frame).sort_values(["backend", "world_size", "size_mb"])
-    data = pd.DataFrame({"backend": rows["backend"], "processes": rows["world_size"], "size (MB)": rows["size_mb"],
+    data = pd.DataFrame({"backend": rows["backend"], "processes": rows["world_size"], ALLREDUCE_SIZE: rows["size_mb"],
                          "median (ms)": rows["median_ms"], "algbw (GB/s)": rows["algbw_gbps"],
                          "busbw (GB/s)": rows["busbw_gbps"]})
-    return NumericTable(data, (Col("backend"), Col("processes", "d"), Col("size (MB)", "g"), Col("median (ms)", ".3f"),
+    return NumericTable(data, (Col("backend"), Col("processes", "d"), Col(ALLREDUCE_SIZE, "g"),
+                               Col("median (ms)", ".3f"),
                                Col("algbw (GB/s)", ".2f"), Col("busbw (GB/s)", ".2f")))
 
 
@@ -398,23 +404,34 @@ def ddp(frame: pd.DataFrame) -> NumericTable:
                                Col("final loss", ".4f")), status)
 
 
+# the training runs' speed over every step, beside the table's statistic (the second half's median)
+TOKENS_ALL_STEPS = "tokens/s, all steps"
+
+
+def timed_steps(run: pd.DataFrame) -> pd.DataFrame:
+    """The steps a training run's speed is the median of: the second half (the first includes warm-up and, for
+    flash_triton, autotuning)."""
+    return run[run["step"] > run["step"].max() // 2]
+
+
 def train_matrix(frame: pd.DataFrame) -> NumericTable:
-    """Training runs by attention backend and wrapper: speed over the second half of the steps (the
-    first half includes warm-up and, for flash_triton, autotuning; medians, the table's one statistic),
-    memory, and how far each loss curve strays from torch DDP's with the same backend."""
+    """Training runs by attention backend and wrapper: speed over the second half of the steps (`timed_steps`;
+    medians, the table's one statistic) and, beside it, over every step, memory, and how far each loss curve strays
+    from torch DDP's with the same backend."""
     out = []
     for (attention, wrapper), run in frame.groupby(["attention", "wrapper"], sort=False):
         run = run.sort_values("step")
-        timed_steps = run[run["step"] > run["step"].max() // 2]
-        step_ms = timed_steps["step_ms"].median()
+        step_ms = timed_steps(run)["step_ms"].median()
         reference = frame[(frame["attention"] == attention) & (frame["wrapper"] == "torch_ddp")].sort_values("step")
         drift = (abs(run["loss"].to_numpy() - reference["loss"].to_numpy()).max()
                  if len(reference) == len(run) else float("nan"))
+        tokens = run["tokens_per_step"].iloc[0]
         out.append({"attention": attention, "wrapper": "single GPU" if wrapper == "none" else wrapper,
                     "ranks": int(run["world_size"].iloc[0]), "step (ms, median)": step_ms,
-                    "tokens/s": run["tokens_per_step"].iloc[0] / step_ms * 1e3,
+                    "tokens/s": tokens / step_ms * 1e3, TOKENS_ALL_STEPS: tokens / run["step_ms"].median() * 1e3,
                     "peak memory (MiB)": run["peak_memory_mib"].iloc[0],  # NaN where not CUDA: printed '—'
                     "final loss": run["loss"].iloc[-1], "max |loss − torch DDP|": drift})
     return NumericTable(pd.DataFrame(out), (
         Col("attention"), Col("wrapper"), Col("ranks", "d"), Col("step (ms, median)", ".1f"), Col("tokens/s", ",.0f"),
-        Col("peak memory (MiB)", ".0f"), Col("final loss", ".4f"), Col("max |loss − torch DDP|", ".2g")))
+        Col(TOKENS_ALL_STEPS, ",.0f"), Col("peak memory (MiB)", ".0f"), Col("final loss", ".4f"),
+        Col("max |loss − torch DDP|", ".2g")))

@@ -295,25 +295,36 @@ def render_compile(ctx: Context) -> Section:
                    q.derived, wording=flop_growth)
 
 
+def size_trend(values: pd.Series) -> str:
+    """How a series ordered by model size moves: 'falls' or 'grows' only where every step goes that way."""
+    steps = values.diff().dropna()
+    if (steps < 0).all():
+        return "falls with size"
+    if (steps > 0).all():
+        return "grows with size"
+    return "no steady trend with size"
+
+
 def _speedup_by_size(q: Quotes, blocks: str, kept) -> str:
-    """How the block-compiled speed-up changes from the smallest to the largest size, per mode: the text
-    says which way it goes in this run, with the table's cells."""
-    sentences = []
+    """The block-compiled speed-up at every size, per mode, and which way it moves with size in this run: a trend
+    is named only where every size continues it."""
+    sentences, trends = [], []
     for mode in sorted(set(q.frame["mode"])):
         rows = q.frame[(q.frame["mode"] == mode) & kept(q.frame)]
         values = column_values(rows, blocks).dropna()
         if len(values) < 2:
             continue
-        first, last = values.index[0], values.index[-1]  # row positions of the table
-        way = ("falls" if values.iloc[-1] < values.iloc[0] else "grows") + " with size"
-        sentences.append(f"{mode}: {q.cell(blocks, first)}× for {rows.at[first, 'size']}, "
-                         f"{q.cell(blocks, last)}× for {rows.at[last, 'size']} ({way})")
+        trends.append(size_trend(values))
+        sentences.append(f"{mode} ({trends[-1]}): "
+                         + ", ".join(f"{q.cell(blocks, i)}× ({rows.at[i, 'size']})" for i in values.index))
     if not sentences:
         return ""
-    return ("The block-compiled speed-up by size, " + "; ".join(sentences) + ". Where it falls with size, what "
-            "compilation removes (the separate elementwise kernels and their launches) is a larger part of a small "
-            "model's eager step than of a large one's; the eager bf16 steps' kernel time against their wall time "
-            "is in `1.1.5 (c), continued`.")
+    text = "The block-compiled speed-up by size, smallest first, " + "; ".join(sentences) + "."
+    if "falls with size" in trends:
+        return text + (" Where it falls with size, what compilation removes (the separate elementwise kernels and "
+                       "their launches) is a larger part of a small model's eager step than of a large one's; the "
+                       "eager bf16 steps' kernel time against their wall time is in `1.1.5 (c), continued`.")
+    return text + " This run does not show the speed-up shrinking as the model grows."
 
 
 def _compile_gaps(frame: pd.DataFrame, table: pd.DataFrame, scopes: list[str]) -> str:

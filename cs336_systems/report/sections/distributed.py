@@ -17,6 +17,7 @@ from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
                                           shared_cell)
 from cs336_systems.report.sections.leaderboard import NUMBER
+from cs336_systems.report.tables import ALLREDUCE_SIZE as SIZE
 from cs336_systems.report.tables import DDP_STEP
 
 if TYPE_CHECKING:  # the report's table and figure jobs run without torch; distributed/ needs it
@@ -30,15 +31,16 @@ def render_allreduce(ctx: Context) -> Section:
     def cell(header: str, row: int) -> str:
         return table.quote(header, row)
 
-    largest = data[data["size (MB)"] == data["size (MB)"].max()]
+    largest = data[data[SIZE] == data[SIZE].max()]
     parts = []
     for backend, rows in largest.groupby("backend"):
         rows = rows.sort_values("processes")
-        parts.append(f"{backend}: {cell('size (MB)', rows.index[0])} MB all-reduced in "
+        parts.append(f"{backend}: {cell(SIZE, rows.index[0])} MiB all-reduced in "
                      + ", ".join(f"{cell('median (ms)', i)} ms with {cell('processes', i)} processes "
                                  f"({cell('busbw (GB/s)', i)} GB/s bus bandwidth)" for i in rows.index))
-    smallest = data[data["size (MB)"] == data["size (MB)"].min()]
-    checked = ["Times are medians over the timed iterations (table and figure). " + "; ".join(parts) + ".", (
+    smallest = data[data[SIZE] == data[SIZE].min()]
+    checked = ["Times are medians over the timed iterations (table and figure); sizes are MiB (2²⁰ bytes, as the "
+               "bench allocates them), bandwidths GB/s (10⁹ bytes per second). " + "; ".join(parts) + ".", (
         "At the smallest size the time is latency: "
         + ", ".join(f"{data.at[i, 'backend']} × {cell('processes', i)}: {cell('median (ms)', i)} ms"
                     for i in smallest.index)
@@ -172,6 +174,7 @@ def render_ddp_naive(ctx: Context) -> Section:
                      f"o = {ob * 1e6:.1f} µs, w = {wb / 1e9:.0f} GB/s, so {tensors} calls should take "
                      f"{(tensors * ob + grad_bytes / wb) * 1e3:.1f} ms.")
         parts.append(text)
+    q = Quotes(table)
     shares = {p: table.value("comm share", precision=p, config="naive") for p in sorted(set(ok["precision"]))
               if _measured(table, p, "naive")}
     if shares:
@@ -179,16 +182,40 @@ def render_ddp_naive(ctx: Context) -> Section:
             f"{table.quote('comm share', precision=p, config='naive')} of naive DDP's mean step in {p}" for p in shares)
         if shares.get("bf16", 0) > shares.get("fp32", 1):
             text += (": the faster the computation, the larger the share of the step that waits for gradients, "
-                     "which is what overlapping communication with backward (2.3) recovers")
-        parts.append(text + ".")
+                     "and the more overlapping communication with backward (2.3) could hide")
+        parts.append(text + "." + overlap_in_this_table(table, q, max(shares, key=shares.get)))
         checked.append(parts[-1])
-    q = Quotes(table)
     hidden = fp32_overlap_question(table, q)
     if hidden:
         parts.append(hidden)
         checked.append(hidden)
     parts.append(rounds_paragraph(ctx, frame))
     return Section([*parts, ctx.table("ddp_naive")], table, checked, q.derived, wording=("2.3",))
+
+
+def overlap_in_this_table(table: NumericTable, q: Quotes, precision: str) -> str:
+    """Whether torch DDP, which overlaps its all-reduces with backward, hid naive DDP's wait in this table: how
+    much longer its forward+backward is than none's (its wait is inside it), against naive's wait."""
+    if not all(_measured(table, precision, c) for c in ("none", "naive", "torch_ddp")):
+        return ""
+    fb, wait = "forward+backward (ms)", "communication wait (ms)"
+
+    def extra(t: pd.DataFrame) -> float:
+        return _cell(t, precision, "torch_ddp", fb) - _cell(t, precision, "none", fb)
+
+    added = extra(q.frame)
+    naive_wait = table.value(wait, precision=precision, config="naive")
+    torch_step, naive_step = (table.quote(DDP_STEP, precision=precision, config=c) for c in ("torch_ddp", "naive"))
+    text = (f" In this table torch DDP, which overlaps, takes {torch_step} ms per {precision} step against naive's "
+            f"{naive_step} ms, "
+            f"and its forward+backward (which holds its communication) is "
+            f"{q.derive(extra, '.1f', f'{precision} torch DDP forward+backward over none')} ms longer than none's, "
+            f"against naive's wait of {table.quote(wait, precision=precision, config='naive')} ms: ")
+    if added >= naive_wait / 2:
+        return text + ("overlapping hid at most half of that wait here. Whether the rest is a slower backward or "
+                       "all-reduces still running when backward ends is what the traces of 2.3 (b) and the rerun of "
+                       "the timing note above tell apart.")
+    return text + "overlapping hid most of that wait here."
 
 
 def _cell(table: pd.DataFrame, precision: str, config: str, column: str) -> float:
@@ -275,7 +302,7 @@ def render_ddp_individual(ctx: Context) -> Section:
         "traces of 2.3(b) (compute-kernel time in backward, exposed communication, host time per collective) say "
         "which of the causes it is."]
     return Section([parts[0], *checked, *waiting, ctx.table("ddp_individual")], table, checked, q.derived,
-                   wording=("1",))  # torch DDP's 1 MB buckets, named in a variant's label
+                   wording=("1",))  # torch DDP's 1 MiB buckets, named in a variant's label
 
 
 # Configs that tell where overlapped-individual's time goes: the same all-reduces issued from another
@@ -283,7 +310,7 @@ def render_ddp_individual(ctx: Context) -> Section:
 VARIANTS_OF_INDIVIDUAL = (
     ("individual-thread", "the same all-reduces issued from a worker thread instead of by each gradient hook "
                           "on autograd's thread (individual-thread)"),
-    ("torch_ddp:1", "torch DDP with 1 MB buckets, its C++ reducer issuing about one all-reduce per gradient "
+    ("torch_ddp:1", "torch DDP with 1 MiB buckets, its C++ reducer issuing about one all-reduce per gradient "
                     "(torch_ddp:1)"),
 )
 
@@ -315,7 +342,7 @@ def render_ddp_bucketed(ctx: Context) -> Section:
             best_mb[precision] = specs[best].bucket_mb
             ratio = q.derive(lambda t, p=precision, b=best: means(t)[(p, b)] / means(t)[(p, "torch_ddp")],
                              ".2f", f"{precision} best bucketed over torch DDP (means)")
-            text = (f"{precision}: the best bucket size is {best_mb[precision]:g} MB, its mean step "
+            text = (f"{precision}: the best bucket size is {best_mb[precision]:g} MiB, its mean step "
                     f"{ratio}× torch DDP's.")
             a, b = ranges.loc[(precision, best)], ranges.loc[(precision, "torch_ddp")]
             if frame["rounds"].max() > 1 and not (a.iloc[0] > b.iloc[1] or a.iloc[1] < b.iloc[0]):
@@ -356,8 +383,8 @@ def small_buckets_paragraph(frame: pd.DataFrame, table: NumericTable, q: Quotes,
     text = ("Expectations against results (bf16): smaller buckets start communicating earlier in backward, so "
             "less is left after it, but cost one call each; if each call costs only its o of the model below and "
             "the GPU is free to overlap, "
-            + " or ".join(f"{counts[mb]} buckets of {mb:g} MB" for mb, _ in smalls)
-            + f" should cost little more than {counts[large_mb]} of {large_mb:g} MB (the model below). Measured "
+            + " or ".join(f"{counts[mb]} buckets of {mb:g} MiB" for mb, _ in smalls)
+            + f" should cost little more than {counts[large_mb]} of {large_mb:g} MiB (the model below). Measured "
             f"against {large}'s {table.quote(step, precision='bf16', config=large)} ms: {measured}. The cost is on the host: "
             f"the bf16 step is limited by the CPU issuing kernels (earlier traces: the GPU busy in well under half "
             f"of the backward range), and each bucket adds host work on autograd's thread: a copy of each gradient "
@@ -412,7 +439,7 @@ def render_traces(ctx: Context) -> str:
     if "compute_kernel_ms_in_backward" not in frame:
         parts.append("These traces predate the per-variant columns (exposed communication, compute-kernel time in "
                      "backward, communication after backward, host time per collective) and cover only naive and "
-                     "individual in bf16; traces of none, naive, individual, bucketed (1 and 500 MB) and torch DDP in "
+                     "individual in bf16; traces of none, naive, individual, bucketed (1 and 500 MiB) and torch DDP in "
                      f"bf16 and fp32, which answer 2.2's fp32 question, are pending: `{RERUN}`.")
     return "\n\n".join(parts)
 
@@ -425,8 +452,9 @@ def render_accounting(ctx: Context) -> str:
 # ---- 2026 §7: FSDP ------------------------------------------------------------------------------------
 FSDP_MS = {"step (ms, mean)": "step_ms", "forward+backward (ms)": "forward_backward_ms",
            "communication wait (ms)": "communication_ms", "optimizer (ms)": "optimizer_ms"}
-FSDP_MIB = {"after init (MiB)": "peak_after_init_mib", "peak fwd+bwd (MiB)": "peak_before_step_mib",
-            "peak optimizer step (MiB)": "peak_after_step_mib"}
+# memory: what is allocated once the model is built and wrapped, and each phase's own peak (init included)
+FSDP_MIB = {"allocated after init (MiB)": "mem_after_init_mib", "peak during init (MiB)": "peak_after_init_mib",
+            "peak fwd+bwd (MiB)": "peak_before_step_mib", "peak optimizer step (MiB)": "peak_after_step_mib"}
 
 
 FSDP_SETTINGS = {"world_size": "ranks", "batch_per_rank": "batch per rank", "context_length": "context"}
@@ -475,14 +503,27 @@ def render_fsdp(ctx: Context) -> Section:
         ratio = q.derive(lambda t, k=keys: _fsdp_cell(t, k, "fsdp", step) / _fsdp_cell(t, k, "torch_fsdp2", step),
                          ".2f", f"{size} {precision} ours over FSDP2")
         measured = all(pd.notna(table.value(h, **keys, config=c)) for h in peaks for c in ("fsdp", "torch_fsdp2"))
-        memory = (f"peak {peak('fsdp')} MiB against {peak('torch_fsdp2')} MiB" if measured else
-                  "memory is measured on CUDA only")
+        memory = (f"peak {peak('fsdp')} MiB against {peak('torch_fsdp2')} MiB; {_allocated_after_init(table, keys)}"
+                  if measured else "memory is measured on CUDA only")
         checked.append(f"{size}, {precision}: ours {table.quote(step, **keys, config='fsdp')} ms per step against "
                        f"torch FSDP2's {table.quote(step, **keys, config='torch_fsdp2')} ms ({ratio}×); {memory}.")
     # the handout's numbering, ZeRO-1's stage and the device's name (a CPU's names its cores) are words of the
     # sentence
     return Section([intro, *checked, ctx.table("fsdp")], table, [intro, *checked], q.derived,
                    wording=("2026", "7", "1", *NUMBER.findall(str(first["device_name"]))))
+
+
+def _allocated_after_init(table: NumericTable, keys: dict) -> str:
+    """What each wrapper holds once built (the table's 'allocated after init'), the unsharded DDP beside FSDP."""
+    init = "allocated after init (MiB)"
+    configs = [c for c in ("fsdp", "torch_fsdp2") if table.has(**keys, config=c)]
+    configs += [c for c in table.data.loc[(table.data["size"] == keys["size"])
+                                          & (table.data["precision"] == keys["precision"]), "config"]
+                if c not in configs and "+" not in c]  # DDP without optimizer-state sharding
+    names = {"fsdp": "ours", "torch_fsdp2": "FSDP2"}
+    return "allocated after init " + ", ".join(
+        f"{table.quote(init, **keys, config=c)} MiB ({names.get(c, c)})" for c in configs
+        if pd.notna(table.value(init, **keys, config=c)))
 
 
 def _fsdp_cell(t: pd.DataFrame, keys: dict, config: str, column: str) -> float:
@@ -504,28 +545,69 @@ def render_fsdp_accounting_section(ctx: Context) -> Section:
     return fsdp_accounting_section(ctx.numeric("fsdp_accounting"), ctx.frame("sharding"), ctx.table("fsdp_accounting"))
 
 
-# the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU)
+# the overlap table's columns: what report/traces.py writes per trace (ms of kernel time on rank 0's GPU, and the
+# share of the backward range in which some GPU kernel ran)
 FSDP_OVERLAP = {"communication (ms)": "communication_ms", "exposed in forward (ms)": "exposed_in_forward_ms",
                 "exposed in backward (ms)": "exposed_in_backward_ms",
                 "exposed in step (ms)": "exposed_communication_ms"}
+FSDP_BUSY = {"backward (ms)": "backward_ms", "GPU busy in backward": "gpu_busy_in_backward"}
+# A backward in which the GPU runs kernels less than this share of the time is host-bound: the GPU mostly waits for
+# the host to launch work, so communication with no compute kernel beside it is not time the compute waited for.
+HOST_BOUND_BUSY = 0.5
 
 
 def fsdp_overlap_table(frame: pd.DataFrame) -> NumericTable:
     """One row per traced wrapper: its communication kernels' time and the part of it during which no compute
-    kernel ran (exposed), in the forward, in the backward and over the whole step."""
+    kernel ran (exposed), in the forward, in the backward and over the whole step; the backward range and the
+    share of it in which the GPU ran any kernel (which says whether exposed time is time the compute waited)."""
     rows = frame.sort_values("trace")
-    data = pd.DataFrame({"trace": rows["trace"], **{label: rows[column] for label, column in FSDP_OVERLAP.items()}})
-    return NumericTable(data, (Col("trace"), *(Col(c, ".1f") for c in FSDP_OVERLAP)))
+    data = pd.DataFrame({"trace": rows["trace"],
+                         **{label: rows[column] for label, column in {**FSDP_OVERLAP, **FSDP_BUSY}.items()}})
+    return NumericTable(data, (Col("trace"), *(Col(c, ".1f") for c in FSDP_OVERLAP), Col("backward (ms)", ".1f"),
+                               Col("GPU busy in backward", ".0%")))
+
+
+def _communicates(table: NumericTable, trace: str) -> bool:
+    communication = table.value("communication (ms)", trace=trace)
+    return pd.notna(communication) and communication > 0
 
 
 def _fsdp_overlap_line(q: Quotes, trace: str) -> str:
     """One trace's line: its cells, or that it communicated nothing (the no-data-parallelism baseline)."""
-    communication = q.table.value("communication (ms)", trace=trace)
-    if pd.isna(communication) or communication == 0:
+    if not _communicates(q.table, trace):
         return f"- {trace}: no communication kernels."
     forward, backward, step = (q.cell(h, trace=trace) for h in list(FSDP_OVERLAP)[1:])
+    busy = ("" if pd.isna(q.table.value("GPU busy in backward", trace=trace)) else
+            f"; GPU kernels run in {q.cell('GPU busy in backward', trace=trace)} of its "
+            f"{q.cell('backward (ms)', trace=trace)} ms backward")
     return (f"- {trace}: {q.cell('communication (ms)', trace=trace)} ms of communication, {forward} ms exposed in "
-            f"the forward, {backward} ms in the backward ({step} ms in the whole step).")
+            f"the forward, {backward} ms in the backward ({step} ms in the whole step){busy}.")
+
+
+def fsdp_overlap_verdict(table: NumericTable, traces: list[str]) -> str:
+    """What the exposed time measures, from each trace's GPU-busy share of the backward: time the compute waited
+    for communication only where the GPU is busy; where it is mostly idle the step is host-bound."""
+    busy = {t: table.value("GPU busy in backward", trace=t) for t in traces if _communicates(table, t)}
+    idle = [t for t, share in busy.items() if share < HOST_BOUND_BUSY]
+    busy_ones = [t for t, share in busy.items() if share >= HOST_BOUND_BUSY]
+
+    def shares(names: list[str]) -> str:
+        return " and ".join(f"{table.quote('GPU busy in backward', trace=t)} ({t})" for t in names)
+
+    text = ""
+    if idle:
+        text += (f"The GPU runs kernels in only {shares(idle)} of the backward: under half, so the step is host-bound "
+                 "(the GPU mostly waits for the host to launch the next kernels). A communication kernel with no "
+                 "compute kernel beside it is then mostly the GPU waiting for the host, not the compute waiting for "
+                 "the communication, and this measurement cannot tell how long a layer waited for its weights "
+                 "(forward) or the step for its gathers and reduce-scatters (backward); the trace does not record "
+                 "the forward's busy share. Measuring that wait needs a step that keeps the GPU busy.")
+    if busy_ones:
+        text += (" " if text else "") + (
+            f"The GPU runs kernels in {shares(busy_ones)} of the backward, so there exposed communication is time the "
+            "compute waited: a layer for its weights (forward), the step for its gathers and reduce-scatters "
+            "(backward).")
+    return text
 
 
 def render_fsdp_overlap(ctx: Context) -> Section:
@@ -534,13 +616,14 @@ def render_fsdp_overlap(ctx: Context) -> Section:
     intro = ("Answers the 2026 handout, section 7 (fsdp_accounting (b)): do the all-gathers finish before the "
              "forward needs them? From a PyTorch-profiler trace of one step per wrapper (`bench.ddp --trace-dir`, "
              "the first rank; Nsight Systems cannot make reports on our machines): communication kernels while no "
-             "compute kernel runs are exposed, the time a layer waited for its weights (forward) or the step waited "
-             "for gathers and reduce-scatters (backward).")
+             "compute kernel runs are exposed.")
     traces = list(table.data["trace"])
     lines = "\n".join(_fsdp_overlap_line(q, trace) for trace in traces)
+    verdict = fsdp_overlap_verdict(table, traces)
+    checked = [intro, lines, *([verdict] if verdict else [])]
     figures = [ctx.figure(f"fsdp_traces/{trace}", f"trace {trace}") for trace in traces]
     # the handout's numbering is a word of the sentence
-    return Section([intro, lines, ctx.table("fsdp_overlap"), *figures], table, [intro, lines], q.derived,
+    return Section([*checked, ctx.table("fsdp_overlap"), *figures], table, checked, q.derived,
                    wording=("2026", "7"))
 
 

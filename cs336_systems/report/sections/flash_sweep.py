@@ -27,6 +27,12 @@ def _ratio(t: pd.DataFrame, numerator: str, denominator: str, **where) -> pd.Ser
     return (column_values(rows, numerator) / column_values(rows, denominator)).dropna()
 
 
+def _sdpa_dtypes(t: pd.DataFrame) -> list[str]:
+    """The dtypes in which SDPA's flash backend ran (16-bit only): those of the rows with a ratio against it."""
+    rows = _rows(t)
+    return sorted(set(rows.loc[column_values(rows, OURS_VS_SDPA).notna(), "dtype"]))
+
+
 def _crossover(t: pd.DataFrame) -> float:
     """The shortest length from which ours is faster than SDPA flash at every longer length and head dim
     (NaN if none)."""
@@ -78,16 +84,18 @@ def render_flash_sweep(ctx: Context) -> Section:
                 rows = _rows(t)
                 return column_values(rows[rows["seq"] < _crossover(t)], OURS_VS_SDPA).dropna()
 
-            def short_backward(t: pd.DataFrame) -> float:
+            def short_backward(t: pd.DataFrame) -> float:  # in the dtypes SDPA flash ran: this paragraph's
                 rows = _rows(t, "backward")
-                return column_values(rows[rows["seq"] <= 1024], "flash_triton").median()
+                rows = rows[rows["dtype"].isin(_sdpa_dtypes(t)) & (rows["seq"] <= 1024)]
+                return column_values(rows, "flash_triton").median()
 
             text += (f" From {crossover} tokens on ours is faster at every head dim (median "
                      f"{q.derive(long, '.2f', 'median ratio past the crossover')}× SDPA flash's time). Below "
                      f"that, with batch 1 and one head, both are bound by fixed per-call costs, and ours is faster "
                      f"in {q.derive(lambda t: (short(t) < 1).sum(), 'd', 'short cases ours is faster')} of "
                      f"{q.derive(lambda t: len(short(t)), 'd', 'short cases with both')}: at ≤ 1024 tokens our "
-                     f"backward alone takes a median {q.derive(short_backward, '.2f', 'our short backward (ms)')} ms "
+                     f"{'/'.join(_sdpa_dtypes(table))} backward alone takes a median "
+                     f"{q.derive(short_backward, '.3f', 'our short backward in the dtypes SDPA flash ran (ms)')} ms "
                      f"(three kernel launches from Python, where SDPA makes one call from C++).")
         else:
             text += " Ours is not faster at every head dim at any length of the grid."

@@ -22,6 +22,7 @@ FORWARD, TRAIN = "forward peak (MiB)", "train step peak (MiB)"
 # header -> how it is computed from the train_step row's columns.
 PHASE_COLUMNS = {
     "train: before forward (MiB)": lambda row: row["forward_start_mib"],
+    "train: forward peak (MiB)": lambda row: row["forward_peak_mib"],
     "train: forward+backward peak (MiB)": lambda row: max(row["forward_peak_mib"], row["backward_peak_mib"]),
     "saved activations (MiB)": lambda row: row["saved_activations_mib"],
     "of which fp32 (MiB)": lambda row: row["saved_fp32_activations_mib"],
@@ -114,10 +115,7 @@ def _timelines(q: Quotes, longest: int) -> str:
         f"({_times_weights(q, 3, 'weights and two AdamW moments')} MiB) when `zero_grad` frees the gradients. "
         f"The forward pass is a steady ramp up, each layer adding the activations it saves for the backward")
     if "train: before forward (MiB)" in q.table.headers:
-        rise = q.derive(lambda t: (column_values(t, "train: forward+backward peak (MiB)")
-                                   - column_values(t, "train: before forward (MiB)")).iloc[fp32],
-                        ",.0f", f"fp32 forward+backward peak less the level before the forward, context {longest}")
-        text += f" ({rise} MiB in fp32 at context {longest})"
+        text += f" ({_forward_rise(q, fp32)} MiB in fp32 at context {longest})"
     text += (
         "; the backward is a slower ramp down, freeing those activations layer by layer while it allocates the "
         "gradients, and ends at four times the weights; the optimizer step is a short plateau one weights' "
@@ -125,6 +123,14 @@ def _timelines(q: Quotes, longest: int) -> str:
         + (f" that sets the step's peak ({q.cell(TRAIN, fp32)} MiB)" if _optimizer_sets_step_peak(q) else "")
         + ", then falls back. So yes: ramp up, ramp down and plateau are forward, backward and optimizer.")
     return text
+
+
+def _forward_rise(q: Quotes, row: int) -> str:
+    """What the training step's forward adds: its own peak less the level before it (the backward's peak, a little
+    higher, is not the forward's)."""
+    return q.derive(lambda t: (column_values(t, "train: forward peak (MiB)")
+                               - column_values(t, "train: before forward (MiB)")).iloc[row],
+                    ",.0f", f"forward peak less the level before the forward, row {row}")
 
 
 def _above(header: str, factor: int, pick: str | None = None):
@@ -167,16 +173,14 @@ def _activations_next_to_peak(q: Quotes) -> str:
                 "climb by nearly twice the weights during the forward pass, to within a few GiB of the optimizer's "
                 "peak; the phase levels that measure this are pending (see (c)).")
 
-    def rise(t):
-        return (column_values(t, peak) - column_values(t, "train: before forward (MiB)")).iloc[row]
-
     def below(t):
         return (column_values(t, TRAIN) - column_values(t, peak)).iloc[row]
 
     return (f" The activations are not small, though: at context {q.cell('context', row)} ({precision}) the forward "
-            f"raises memory by {q.derive(rise, ',.0f', 'forward+backward peak less the level before it, longest context')} MiB, "
-            f"to a forward+backward peak {q.derive(below, ',.0f', 'step peak less forward+backward peak, longest context')} MiB "
-            f"below the optimizer's.")
+            f"raises memory by {_forward_rise(q, row)} MiB (its peak less the level before it), and the "
+            f"forward+backward peak, {q.cell(peak, row)} MiB, lies "
+            f"{q.derive(below, ',.0f', 'step peak less forward+backward peak, longest context')} MiB below the "
+            f"optimizer's.")
 
 
 def _optimizer_sets_step_peak(q: Quotes) -> bool:

@@ -11,9 +11,10 @@ from cs336_systems.report.section import Context, Deliverable, Quotes, Section, 
 from cs336_systems.report.sections.distributed import ddp_specs
 
 
-MEMORY = {"after init (MiB)": "mem_after_init_mib", "peak forward+backward (MiB)": "peak_before_step_mib",
-          "before step (MiB)": "mem_before_step_mib", "peak of the step (MiB)": "peak_after_step_mib",
-          "after step (MiB)": "mem_after_step_mib"}  # measured on CUDA only: NaN, printed '—', elsewhere
+# allocated memory at three points and each phase's own peak, each labelled for which it is (as the FSDP table)
+MEMORY = {"allocated after init (MiB)": "mem_after_init_mib", "peak forward+backward (MiB)": "peak_before_step_mib",
+          "allocated before step (MiB)": "mem_before_step_mib", "peak of the step (MiB)": "peak_after_step_mib",
+          "allocated after step (MiB)": "mem_after_step_mib"}  # measured on CUDA only: NaN, printed '—', elsewhere
 FORMULA = {"params by formula (MiB)": "param_mib", "grads by formula (MiB)": "grad_mib",
            "AdamW state by formula (MiB)": "optimizer_state_mib"}
 STEP = "step (ms)"
