@@ -7,10 +7,9 @@ import pandas as pd
 
 from cs336_systems.analysis.ddp import rounds_needed
 from cs336_systems.report import figures
-from cs336_systems.report.ddp_analysis import DIAGNOSIS_ROUNDS
+from cs336_systems.report.ddp_analysis import SPREAD
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.tables import DDP_STEP, TOKENS_ALL_STEPS, timed_steps, train_matrix
-from cs336_systems.results import read_table
 
 # Same seed, same global batch: runs may differ only by float rounding in reductions of another order.
 LOSS_AGREEMENT = 1e-3
@@ -83,13 +82,13 @@ DDP_RUNS = {"ddp_naive": "2.2", "ddp_individual": "2.3 (a)", "ddp_bucketed": "2.
 
 def xl_ranking(ctx: Context) -> str:
     """Whether the two-GPU xl runs of 2.2–2.3 rank the wrappers: their rounds against the rounds needed to separate
-    configs 5% apart (results/diagnosis), and torch DDP's mean step in each of their runs (a config every run has)."""
-    path = ctx.results / DIAGNOSIS_ROUNDS
+    configs 5% apart (rule ddp_spread's run), and torch DDP's mean step in each of their runs (a config every run has)."""
+    spread = ctx.frame(SPREAD)
     runs = {name: ctx.frame(name) for name in DDP_RUNS if (ctx.results / "tables" / f"{name}.json").exists()}
     runs = {name: frame for name, frame in runs.items() if frame is not None}
-    if not path.exists() or not runs:
-        return "Whether the xl measurements of 2.2–2.3 rank them needs their runs and the rounds diagnosis."
-    need = rounds_needed(read_table(path))["rounds"]
+    if spread is None or not runs:
+        return "Whether the xl measurements of 2.2–2.3 rank them needs their runs and the run of rule ddp_spread."
+    need = rounds_needed(spread)["rounds"]
     rounds = sorted({int(frame["rounds"].max()) for frame in runs.values()})
     if min(rounds) >= need:
         return (f"The xl measurements of 2.2–2.3 rank them: each run has at least the {need} interleaved rounds "
