@@ -100,11 +100,7 @@ TOOLS = ("auto", "torch", "nsys")
 class ProfileConfig:
     """What to profile: every (size, context length) point, `warmup` unprofiled steps then `steps`
     profiled ones. `tool` is torch (torch.profiler), nsys (Nsight Systems) or auto (nsys where it writes
-    reports, on CUDA; torch elsewhere). `nsys_child` marks the child process of the nsys path.
-    `hold_previous_graph` reproduces the harness of the first 1.1.4 run, for the diagnosis in
-    results/diagnosis/profile_oom.py: each re-run forward pass was built while the previous one's loss,
-    and so its whole autograd graph, was still held, and the profiled backward added into the timed
-    one's gradients."""
+    reports, on CUDA; torch elsewhere). `nsys_child` marks the child process of the nsys path."""
 
     sizes: tuple[str, ...] = ("small",)
     context_lengths: tuple[int, ...] = (128, 256, 512, 1024)
@@ -116,7 +112,6 @@ class ProfileConfig:
     tool: str = "auto"
     nsys_reports: Path | None = None
     nsys_child: bool = False
-    hold_previous_graph: bool = False
 
     def __post_init__(self):
         check_not_empty("sizes", self.sizes)
@@ -166,8 +161,7 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
     def forward():
         # Drop the previous pass's loss first: it holds that pass's activations, and a profiled phase re-runs
         # the forward pass right after the timed one, which would otherwise keep two graphs' worth alive.
-        if not config.hold_previous_graph:
-            state.pop("loss", None)
+        state.pop("loss", None)
         with annotate("forward"), autocast(config.precision, device):
             state["loss"] = cross_entropy(model(inputs), targets)
 
@@ -201,9 +195,8 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
                 torch.cuda.reset_peak_memory_stats(device)
             harness[name].append(timed(fn, device))  # the harness's time, unprofiled
             if name == "backward":  # backward needs a fresh graph to be profiled
-                if not config.hold_previous_graph:
-                    # and fresh gradients, as the timed backward had: accumulating into them adds kernels
-                    optimizer.zero_grad(set_to_none=True)
+                # and fresh gradients, as the timed backward had: accumulating into them adds kernels
+                optimizer.zero_grad(set_to_none=True)
                 forward()
             if config.nsys_child:
                 synchronize(device)
@@ -309,9 +302,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="kernel summaries from torch.profiler or Nsight Systems; auto: nsys where it writes "
                              "reports (on CUDA), else torch.profiler")
     parser.add_argument("--nsys-reports", type=Path, help="keep the Nsight reports here (with --tool nsys)")
-    parser.add_argument("--hold-previous-graph", action="store_true",
-                        help="diagnosis only: re-run each forward pass while the previous one's graph is still held, "
-                             "as the first 1.1.4 run did (results/diagnosis/profile_oom.py)")
     parser.add_argument("--nsys-child", action="store_true", help=argparse.SUPPRESS)  # set by the nsys path
     add_device_argument(parser)
     parser.add_argument("--out", required=True, help="CSV file for the rows")
@@ -319,8 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_or_usage_error(
         parser, ProfileConfig, sizes=tuple(args.sizes), context_lengths=tuple(args.context_lengths),
         batch_size=args.batch_size, precision=args.precision, warmup=args.warmup, steps=args.steps,
-        device=args.device, tool=args.tool, nsys_reports=args.nsys_reports, nsys_child=args.nsys_child,
-        hold_previous_graph=args.hold_previous_graph)
+        device=args.device, tool=args.tool, nsys_reports=args.nsys_reports, nsys_child=args.nsys_child)
     try:
         config = replace(config, tool=resolve_tool(config))
     except ValueError as error:

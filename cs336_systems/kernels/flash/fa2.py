@@ -131,7 +131,7 @@ def _even(name: str, block: str):
 
 
 def _tuned(kernel: str, extra_key: tuple[str, ...] = ()):
-    """Autotuning over the tiles of `kernel` (a name in flash_tuning.TILINGS), and the EVEN_*
+    """Autotuning over the tiles of `kernel` (a name in tuning.TILINGS), and the EVEN_*
     heuristics that drop masks where the lengths and head dim fill the tiles."""
     autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=[*TUNING_KEY, *extra_key],
                                prune_configs_by={"early_config_prune": announcing_prune(kernel)},
@@ -348,7 +348,7 @@ def _flash_bwd_dq_kernel(
                 stride_dqn, stride_dqd, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
 
 
-# The autotuned kernels by their names in flash_tuning.TILINGS, for pinned_tiles and bench/kernel_resources.py.
+# The autotuned kernels by their names in tuning.TILINGS, for pinned_tiles and bench/kernel_resources.py.
 TUNED_KERNELS = {"forward": _flash_fwd_kernel, "backward_dkdv": _flash_bwd_dkdv_kernel,
                  "backward_dq": _flash_bwd_dq_kernel}
 
@@ -360,7 +360,7 @@ LAUNCH = {name: FastLauncher(kernel) for name, kernel in TUNED_KERNELS.items()}
 @contextlib.contextmanager
 def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, int, int]):
     """Run the kernels with one tile config each, (outer, inner, warps, stages) as in
-    flash_tuning's FWD_TILES and BWD_TILES, instead of autotuning: a single config skips Triton's pruning
+    tuning.py's FWD_TILES and BWD_TILES, instead of autotuning: a single config skips Triton's pruning
     and benchmarking. For checking every tile config, and for quick GPU test runs, where autotuning every
     test shape compiles each config once per specialization (minutes)."""
     roles = [(TUNED_KERNELS[name], TILINGS[name], forward if name == "forward" else backward)
