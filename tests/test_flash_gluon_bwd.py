@@ -1,4 +1,4 @@
-"""The Gluon FlashAttention backward for Hopper (`kernels/flash_gluon_bwd.py`).
+"""The Gluon FlashAttention backward for Hopper (`kernels/bwd.py`).
 
 On CPU: its plain-Python parts (tiles, the program order, which query tiles a key tile visits and masks, the padded
 row length, the support checks and their errors, the TMA reduce-add's version check), the preprocessing kernel
@@ -18,11 +18,12 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.kernels import flash_dispatch, flash_triton, launch
-from cs336_systems.kernels import flash_gluon_bwd as bwd
-from cs336_systems.kernels.flash_dispatch import GLUON_BACKWARD_RULES, HOPPER
-from cs336_systems.kernels.flash_gluon import _as_4d, descriptor_launch_key
-from cs336_systems.kernels.flash_gluon_bwd import (
+from cs336_systems.kernels.flash import api, dispatch, fa2
+from cs336_systems.kernels.flash.host import launch
+from cs336_systems.kernels.flash import gluon_bwd as bwd
+from cs336_systems.kernels.flash.dispatch import GLUON_BACKWARD_RULES, HOPPER
+from cs336_systems.kernels.flash.gluon_common import as_4d, descriptor_launch_key
+from cs336_systems.kernels.flash.gluon_bwd import (
     SCHEDULES,
     TILES,
     BwdTile,
@@ -32,8 +33,8 @@ from cs336_systems.kernels.flash_gluon_bwd import (
     program_order,
     query_steps,
 )
-from cs336_systems.kernels.launch import cdiv
-from cs336_systems.kernels.settings import use_flash_settings
+from cs336_systems.kernels.flash.host.launch import cdiv
+from cs336_systems.kernels.flash.settings import use_flash_settings
 from cs336_systems.model.attention import naive_attention
 from tests.kernel_devices import gluon_call
 from tests.test_flash_gluon import needs_sm90
@@ -259,8 +260,8 @@ def _counted_checks(monkeypatch) -> list:
 
 def _pretend_hopper(monkeypatch):
     """The device checks answer as an H100 would, so that CPU tensors reach the Gluon backward's host code."""
-    monkeypatch.setattr(flash_dispatch, "INTERPRET", False)
-    monkeypatch.setattr(flash_dispatch, "device_capability", lambda q: HOPPER)
+    monkeypatch.setattr(dispatch, "INTERPRET", False)
+    monkeypatch.setattr(dispatch, "device_capability", lambda q: HOPPER)
     monkeypatch.setattr(bwd, "device_problem", lambda q: None)
 
 
@@ -278,7 +279,7 @@ _DISPATCHED = [("gluon", 2, 100), ("auto", *gluon_call(GLUON_BACKWARD_RULES[64],
 @pytest.mark.parametrize("fast_launch", [True, False])
 def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(monkeypatch, setting, heads, n,
                                                                              fast_launch):
-    """flash_triton.flash_backward, choosing Gluon (forced, or "auto" at a long shape): its inputs are checked once
+    """dispatch.flash_backward, choosing Gluon (forced, or "auto" at a long shape): its inputs are checked once
     per call (in the choice, not again in the entry); both kernels launch through their FastLaunchers with the
     setting the pass read (no launcher reads the settings again): the first call of a layout through Triton's
     public path, the next one (fresh tensors) through the layout's plan: the cached runners with that call's own
@@ -291,7 +292,7 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
     for call in range(2):
         q, k, v, o, do, lse = _model_layout_inputs(1, heads, n, 64)
         with use_flash_settings(backward=setting, fast_launch=fast_launch):
-            dq, dk, dv = flash_triton.flash_backward(q, k, v, o, lse, do, True)
+            dq, dk, dv = dispatch.flash_backward(q, k, v, o, lse, do, True)
         assert len(checks) == call + 1
         assert dq.stride() == q.stride() and dk.stride() == k.stride() and dv.stride() == v.stride()
     first, second = records[:2], records[2:]
@@ -307,7 +308,7 @@ def test_dispatched_backward_checks_once_and_launches_through_fast_launchers(mon
     assert len(args) == len(bwd._LAUNCHER.names)  # the whole signature
     for descriptor, t in zip(args, (q, k, v, do, dk, dv)):  # this call's tensors, not the first call's, in the
         assert descriptor.base.data_ptr() == t.data_ptr()  # geometry the launcher encodes (the plan's HostDescriptor)
-        assert list(descriptor.shape) == list(_as_4d(t).shape) and list(descriptor.strides) == list(_as_4d(t).stride())
+        assert list(descriptor.shape) == list(as_4d(t).shape) and list(descriptor.strides) == list(as_4d(t).stride())
 
 
 def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch):
@@ -327,7 +328,7 @@ def test_public_entry_checks_its_inputs_unless_told_they_are_checked(monkeypatch
     bwd.flash_backward_gluon(q, k, v, o, do, lse, True)
     assert len(checks) == 4 and len(records) == 2
     bwd.flash_backward_gluon(q, k, v, o, do, lse, True, checked=True)
-    flash_dispatch.gluon_backward(q, k, v, o, lse, do, True, chosen=True)
+    dispatch.gluon_backward(q, k, v, o, lse, do, True, chosen=True)
     assert len(checks) == 4 and len(records) == 6
 
 
@@ -348,7 +349,7 @@ def test_dq_is_the_accumulator_scaled_into_qs_dtype_and_layout(monkeypatch, shap
             assert args[14:18] == args[5].stride()  # the accumulator's own strides, after O's and dO's
         if name == "_flash_bwd_gluon_kernel":
             accumulator = args[6].base  # desc_dq: (batch, head, row, col) float32
-            assert accumulator.dtype == torch.float32 and accumulator.stride() == bwd._as_4d(q).stride()
+            assert accumulator.dtype == torch.float32 and accumulator.stride() == bwd.as_4d(q).stride()
             assert accumulator is zeroed[0] and list(args[6].strides) == list(accumulator.stride())
             written.append(accumulator.copy_(torch.randn(accumulator.shape) * 100).clone())
 
@@ -465,8 +466,8 @@ def _fresh(shape, model_layout, dtype=torch.bfloat16):
 
 
 def _check_against_float64_and_fa2(q, k, v, do, causal, tile=None):
-    from cs336_systems.kernels.flash_gluon import flash_attention_gluon_forward
-    from cs336_systems.kernels.flash_triton import flash_backward_triton, pinned_tiles
+    from cs336_systems.kernels.flash.gluon_fwd import flash_attention_gluon_forward
+    from cs336_systems.kernels.flash.fa2 import flash_backward_triton, pinned_tiles
 
     o, lse = flash_attention_gluon_forward(q, k, v, causal)
     grads = bwd.flash_backward_gluon(q, k, v, o, do, lse, causal, tile=tile)
@@ -539,7 +540,7 @@ def test_gpu_fast_launch_matches_the_public_path(head_dim):
     bit for bit. The real softmax: dK and dV bit for bit (one program writes each key tile), dQ within one bf16
     rounding step (2^-8) in norm: its float32 reduce-adds from different key tiles land in any order, so the fast
     and the public run may round differently."""
-    from cs336_systems.kernels.flash_gluon import flash_attention_gluon_forward
+    from cs336_systems.kernels.flash.gluon_fwd import flash_attention_gluon_forward
 
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     q_shape, k_shape = (2, 3, 777, head_dim), (2, 3, 1000, head_dim)
