@@ -1,4 +1,4 @@
-"""The C++ autograd node of the flash_triton backend (kernels/node.py, kernels/csrc/flash_node.cpp).
+"""The C++ autograd node of the flash_triton backend (kernels/flash/host/node.py and csrc/flash_node.cpp).
 
 On the CPU: the parameter packing against ctypes' own layout of the same C parameters and, for TMA descriptors,
 against the launcher Triton generates; the errors for what the node cannot pass or launch, the setting, what
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from cs336_systems.kernels.flash import api, dispatch, fa2
-from cs336_systems.kernels.flash.host import node
+from cs336_systems.kernels.flash.host import launch, node
 from cs336_systems.kernels.flash.host.node import DescriptorSlot, TensorSlot, pack_params
 from cs336_systems.kernels.flash.settings import FlashSettings, flash_settings, set_flash_settings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
@@ -230,10 +230,11 @@ def test_the_kernels_of_a_layout_are_chosen_once(monkeypatch):
     assert len(asked) == 4
 
 
-def test_clearing_the_launchers_forgets_the_nodes():
-    node._NODES[("layout", False)] = node._Node(FlashSettings(), None, pending=True)
-    fa2.LAUNCH["forward"].clear()
-    assert not node._NODES
+def test_clearing_the_plan_cache_forgets_the_nodes_and_the_launchers_binaries():
+    launch.PLANS.table("native_nodes")[("layout", False)] = node.Node(FlashSettings(), None, pending=True)
+    fa2.LAUNCH["forward"].entries[("layout",)] = ("binary",)
+    launch.PLANS.clear()
+    assert not launch.PLANS.table("native_nodes") and not fa2.LAUNCH["forward"].entries
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CPU path runs under the interpreter")
@@ -243,7 +244,7 @@ def test_cpu_calls_never_take_the_node():
         out = api.flash_attention_triton(q, k, v, True)
         out.sum().backward()
     assert "FlashNode" not in out.grad_fn.name()
-    assert not node._NODES
+    assert not launch.PLANS.table("native_nodes")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -386,13 +387,13 @@ def test_compiled_calls_launch_through_the_plan(default_settings, monkeypatch, s
                                                 model_layout, contiguous_grad, kernels):
     if kernels == "gluon":
         set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
-    taken = []  # (pass, whether flash_native launched it) for each operator call of the compiled graphs
+    taken = []  # (pass, whether the node launched it) for each operator call of the compiled graphs
     for name in ("forward", "backward"):
-        def spy(*args, _real=getattr(node, name), _name=name):
-            result = _real(*args)
-            taken.append((_name, result is not None))
-            return result
-        monkeypatch.setattr(node, name, spy)
+        for module, attribute, by_node in ((node, name, True), (dispatch, f"flash_{name}", False)):
+            def spy(*args, _real=getattr(module, attribute), _name=name, _by_node=by_node):
+                taken.append((_name, _by_node))
+                return _real(*args)
+            monkeypatch.setattr(module, attribute, spy)
     compiled = torch.compile(lambda q, k, v, c: api.flash_attention_triton(q, k, v, c), fullgraph=True)
     layouts = dict(model_layout=model_layout, contiguous_grad=contiguous_grad)
     _run(compiled, *_leaves(shape_q, shape_k, dtype, seed=4, **layouts), causal)  # plans the layout in Python
@@ -408,13 +409,14 @@ def test_compiled_calls_launch_through_the_plan(default_settings, monkeypatch, s
 def test_a_compiled_backwards_do_layout_gets_launches_of_its_own(default_settings, monkeypatch, head_dim, kernels):
     """Inputs in the model's layout, run eager first (the node's plan is made for dO in O's layout), then compiled
     with static shapes, where AOTAutograd hands the backward a dO of the layout it chose (contiguous, with torch 2.11
-    on a GPU: results/diagnosis/flash_compiled_do_strides/). The first such backward runs the Python path, which
+    on a GPU). The first such backward runs the Python path, which
     plans that layout; from the next, the node's plan has launches for both layouts, the compiled backward goes
     through it with dO as it came (no copy of ours), and the results are the Python path's."""
     if kernels == "gluon":
         set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
-    taken = []  # (whether flash_native launched it, dO's strides) for each backward operator call
-    monkeypatch.setattr(node, "backward", functools.partial(_spied, node.backward, taken))
+    taken = []  # (whether the node launched it, dO's strides) for each backward operator call
+    monkeypatch.setattr(node, "backward", functools.partial(_spied, node.backward, taken, True))
+    monkeypatch.setattr(dispatch, "flash_backward", functools.partial(_spied, dispatch.flash_backward, taken, False))
     shape, causal = (2, 3, 150, head_dim), True  # a layout no other test plans (plans outlive a test)
     _warm(*_leaves(shape, shape, torch.bfloat16, seed=6, model_layout=True), causal)
     compiled = torch.compile(lambda q, k, v, c: api.flash_attention_triton(q, k, v, c), dynamic=False,
@@ -423,18 +425,17 @@ def test_a_compiled_backwards_do_layout_gets_launches_of_its_own(default_setting
         q, k, v, do = _leaves(shape, shape, torch.bfloat16, seed=seed, model_layout=True)
         out, grads, _ = _run(compiled, q, k, v, do, causal)
     given = taken[-1][1]
-    node = node._NODES[(node.layout(q, k, v), causal)]
+    found = launch.PLANS.table("native_nodes")[(launch.layout(q, k, v), causal)]
     if given != tuple(out.stride()):  # a layout the eager calls did not plan: the first compiled backward plans it
         assert taken[0] == (False, given), taken
     assert taken[1:] == [(True, given)] * 2, taken
-    assert given in node.grad_layouts and tuple(out.stride()) in node.grad_layouts, node
+    assert given in found.grad_layouts and tuple(out.stride()) in found.grad_layouts, found
     _assert_python_paths_results(q, k, v, do, causal, out, grads)
 
 
-def _spied(real, taken, *args):
-    result = real(*args)
-    taken.append((result is not None, tuple(args[5].stride())))
-    return result
+def _spied(real, taken, by_node, *args):
+    taken.append((by_node, tuple(args[5].stride())))
+    return real(*args)
 
 
 @gpu

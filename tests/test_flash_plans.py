@@ -217,7 +217,8 @@ def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, recorded_
     assert len(plans) == 2 and len(runs) == 3
     planned = list(runs)
     runs.clear()
-    launch.PLANS.clear()  # the launchers keep their entries: their cached path, with these inputs
+    for table in ("fa2_forward", "fa2_backward", "fa2_backward_of_inputs"):  # the launchers keep their entries:
+        launch.PLANS.table(table).clear()  # their cached path, with these inputs
     fa2.flash_forward_triton(q, k, v, True)
     fa2.flash_backward_triton(q, k, v, out, lse, do, True)
     assert len(plans) == 4 and len(runs) == 3
