@@ -34,7 +34,7 @@ from cs336_systems.kernels.flash.dispatch import (
 from cs336_systems.kernels.flash.settings import FlashSettings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
 from tests.kernel_devices import gluon_call
-from tests.test_flash_gluon import FA2_TILE, _counting, _fresh, _rel_err, _with_grads, needs_sm90
+from tests.test_flash_gluon import reread_env, FA2_TILE, _counting, _fresh, _rel_err, _with_grads, needs_sm90
 
 
 def _backward_inputs(q_shape, k_shape, dtype=torch.bfloat16, device="cpu"):
@@ -47,8 +47,8 @@ def _backward_inputs(q_shape, k_shape, dtype=torch.bfloat16, device="cpu"):
 @pytest.fixture
 def no_flash_choice(monkeypatch):
     """Neither pass forced by the caller's shell."""
-    monkeypatch.delenv(FORWARD_ENV, raising=False)
-    monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    reread_env(monkeypatch, FORWARD_ENV)
+    reread_env(monkeypatch, BACKWARD_ENV)
     return monkeypatch
 
 
@@ -128,7 +128,7 @@ def test_cpu_and_interpreter_take_fa2(no_flash_choice):
     with pytest.raises(ValueError, match="Gluon backward was asked for .* " +
                        ("interpreter" if INTERPRET else "needs CUDA tensors, got device cpu")):
         choose_backward(*inputs, True, backward="gluon")
-    no_flash_choice.setenv(BACKWARD_ENV, "gluon")
+    reread_env(no_flash_choice, BACKWARD_ENV, "gluon")
     with pytest.raises(ValueError, match="FlashSettings.backward, CS336_FLASH_BACKWARD or backward='gluon'"):
         choose_backward(*inputs, True)
 
@@ -163,16 +163,16 @@ def test_backward_setting_is_read_at_each_call(no_flash_choice):
     inputs = _backward_inputs((1, 2, 40, 64), (1, 2, 40, 64))
     assert dispatch.backward_setting() == "auto"
     for value in dispatch.BACKWARDS:
-        no_flash_choice.setenv(BACKWARD_ENV, value)
+        reread_env(no_flash_choice, BACKWARD_ENV, value)
         assert dispatch.backward_setting() == value
     assert dispatch.backward_setting("triton") == "triton"  # the argument wins over the environment
     assert choose_backward(*inputs, False, backward="triton") == "triton"
     with use_flash_settings(backward="triton"):  # set from code: the environment is not read
         assert dispatch.backward_setting() == "triton" and choose_backward(*inputs, False) == "triton"
     # the two passes are set apart
-    no_flash_choice.setenv(FORWARD_ENV, "triton")
+    reread_env(no_flash_choice, FORWARD_ENV, "triton")
     assert dispatch.backward_setting() == "gluon" and dispatch.forward_setting() == "triton"
-    no_flash_choice.setenv(BACKWARD_ENV, "fast")
+    reread_env(no_flash_choice, BACKWARD_ENV, "fast")
     with pytest.raises(ValueError, match="CS336_FLASH_BACKWARD='fast': choose one of auto, triton, gluon"):
         choose_backward(*inputs, False)
     with pytest.raises(ValueError, match="backward='Gluon'"):
@@ -186,7 +186,7 @@ def test_forced_gluon_reaches_the_eager_path_and_the_custom_op(no_flash_choice, 
     Gluon kernel never takes, on any device) is the dispatcher's error in either, not a silent FA2 run; the forward
     (FA2's here) is not affected by the backward's setting."""
     q, k, v = (torch.randn(1, 2, 40, 64, device=kernel_device, requires_grad=True) for _ in range(3))
-    no_flash_choice.setenv(BACKWARD_ENV, "gluon")
+    reread_env(no_flash_choice, BACKWARD_ENV, "gluon")
     out = api.FlashAttentionTriton.apply(q, k, v, True)
     lse = out.grad_fn.saved_tensors[0]  # (lse, q, k, v, out), as the Function saves them
     with pytest.raises(ValueError, match="Gluon backward was asked for"):
@@ -223,7 +223,7 @@ def test_small_calls_run_fa2s_backward_everywhere(no_flash_choice, kernel_device
     compiled = torch.compile(api.flash_attention_triton, backend=_counting(compiles, "aot_eager"),
                              fullgraph=True)
     for fn, setting in ((api.flash_attention_triton, "auto"), (compiled, "triton"), (compiled, "auto")):
-        no_flash_choice.setenv(BACKWARD_ENV, setting)
+        reread_env(no_flash_choice, BACKWARD_ENV, setting)
         got = _with_grads(fn, q, k, v, do, True)
         for name, x, want in zip(("O", "dQ", "dK", "dV"), got, ref):
             assert _rel_err(x, want) < 1e-4, f"{setting}: {name}"
@@ -261,11 +261,11 @@ def test_gpu_autograd_function_with_the_gluon_backward(q_shape, k_shape, causal,
     q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
     spies = _Spies(no_flash_choice)
     takes_gluon = backward == "gluon" or gluon_backward_pays(HOPPER, q_shape, k_shape, causal)
-    no_flash_choice.setenv(FORWARD_ENV, forward)
+    reread_env(no_flash_choice, FORWARD_ENV, forward)
     with fa2.pinned_tiles(FA2_TILE, FA2_TILE):
-        no_flash_choice.setenv(BACKWARD_ENV, backward)
+        reread_env(no_flash_choice, BACKWARD_ENV, backward)
         got = _with_grads(api.FlashAttentionTriton.apply, q, k, v, do, causal)
-        no_flash_choice.setenv(BACKWARD_ENV, "triton")
+        reread_env(no_flash_choice, BACKWARD_ENV, "triton")
         fa2 = _with_grads(api.FlashAttentionTriton.apply, q, k, v, do, causal)
     assert spies.calls == ["gluon" if takes_gluon else "triton", "triton"]
     ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
@@ -311,7 +311,7 @@ def test_gpu_compiled_with_the_gluon_backward(no_flash_choice):
     spies = _Spies(no_flash_choice)
     compiles = {}
     for backward in ("triton", "gluon"):
-        no_flash_choice.setenv(BACKWARD_ENV, backward)
+        reread_env(no_flash_choice, BACKWARD_ENV, backward)
         torch.compiler.reset()
         graphs = []
         compiled = torch.compile(api.flash_attention_triton, backend=_counting(graphs, "inductor"),

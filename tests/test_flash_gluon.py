@@ -25,6 +25,7 @@ import torch
 
 from cs336_systems.kernels.flash import dispatch
 from cs336_systems.kernels.flash import gluon_fwd as fwd
+from cs336_systems.kernels.flash import settings as settings_module
 from cs336_systems.kernels.common import INTERPRET
 from cs336_systems.kernels.flash.dispatch import (BACKWARD_ENV, FORWARD_ENV, GLUON_FORWARD_RULES, HOPPER,
                                                   choose_forward, gluon_pays)
@@ -47,6 +48,16 @@ from cs336_systems.model.attention import attention_scores, naive_attention
 from tests.kernel_devices import gluon_call
 
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def reread_env(monkeypatch, var: str, value: str | None = None) -> None:
+    """Set (value None: unset) the CS336_FLASH_* variable `var` as for a process started with it: the settings read
+    the environment once, so the next read here reads it again (restored after the test)."""
+    if value is None:
+        monkeypatch.delenv(var, raising=False)
+    else:
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(settings_module, "_from_env", None)
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 GPU")
 
 
@@ -92,8 +103,7 @@ def test_key_tiles_reach_the_last_visible_key(n_q, n_k):
 def test_tiles_keep_the_masking_assumption_and_fit_shared_memory():
     for d, tile in TILES.items():
         assert tile.head_dim == d and tile.block_n == tile.rows
-        for persistent in (False, True):  # persistent: O's own buffers on top
-            assert dataclasses.replace(tile, persistent=persistent).shared_bytes() <= 227 * 1024
+        assert tile.shared_bytes() <= 227 * 1024
     with pytest.raises(ValueError, match="block_n must be 2 x block_m"):
         GluonTile(64, block_m=64, block_n=64)
 
@@ -149,12 +159,12 @@ def test_persistent_schedule_balances_causal_work_better_than_round_robin():
 
 
 def test_heads_per_group_rule():
-    """Causal calls on the persistent grid with at most MAX_GROUPED_KEYS keys take HEADS_PER_GROUP heads per group;
-    the one-tile grid, non-causal calls and longer sequences one head at a time."""
+    """Causal calls with at most MAX_GROUPED_KEYS keys take HEADS_PER_GROUP heads per group; non-causal calls and
+    longer sequences one head at a time."""
     assert HEADS_PER_GROUP == 4 and MAX_GROUPED_KEYS == 8192
-    assert heads_per_group(8192, True, True) == heads_per_group(1, True, True) == 4
-    assert heads_per_group(8193, True, True) == heads_per_group(32768, True, True) == 1  # the 8B shape: 32768
-    assert heads_per_group(1000, False, True) == heads_per_group(1000, True, False) == 1
+    assert heads_per_group(8192, True) == heads_per_group(1, True) == 4
+    assert heads_per_group(8193, True) == heads_per_group(32768, True) == 1  # the 8B shape: 32768
+    assert heads_per_group(1000, False) == 1
 
 
 def test_grouped_schedule_balances_few_tiles_per_sm():
@@ -174,32 +184,24 @@ def test_kernel_launch_passes_the_group_rule():
         q = torch.empty(1, 6, n, 128, dtype=torch.bfloat16)
         lse = torch.empty(1, 6, n)
         args, _, _ = fwd.kernel_launch(q, q, q, q, lse, causal)
-        assert args[11] == expected == heads_per_group(n, causal, TILES[128].persistent)
+        assert args[11] == expected == heads_per_group(n, causal)
     q = torch.empty(1, 3, 1000, 128, dtype=torch.bfloat16)  # fewer heads than the group
     assert fwd.kernel_launch(q, q, q, q, torch.empty(1, 3, 1000), True)[0][11] == 3
 
 
 def test_kernel_launch_holds_q_in_registers_in_causal_d64_calls_only():
-    """Q_REGS, the kernel's last argument, is on exactly where the A/B measured a gain: causal calls at head dim 64
-    (a tile's own flag, so a d=128 tile with it set turns it on at d=128 causal calls too)."""
+    """Q_REGS, the kernel's last argument, is on exactly where the A/B measured a gain: causal calls at head dim 64."""
     for head_dim in (64, 128):
         q = torch.empty(1, 2, 1000, head_dim, dtype=torch.bfloat16)
         lse = torch.empty(1, 2, 1000)
         for causal in (True, False):
             assert fwd.kernel_launch(q, q, q, q, lse, causal)[0][-1] == (causal and head_dim == 64)
-    q = torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16)
-    tile = dataclasses.replace(TILES[128], causal_q_registers=True)
-    assert fwd.kernel_launch(q, q, q, q, torch.empty(1, 2, 1000), True, tile=tile)[0][-1] is True
 
 
 def test_persistent_grid_and_schedule_errors():
     assert persistent_grid(2048, 132) == 132 and persistent_grid(48, 132) == 48 and persistent_grid(0, 132) == 1
     with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
         persistent_schedule([1, 2], 0)
-    q = torch.empty(1, 2, 100, 64, dtype=torch.bfloat16)
-    lse = torch.empty(1, 2, 100)
-    with pytest.raises(ValueError, match="head dim 128, the inputs have 64"):
-        fwd.kernel_launch(q, q, q, q, lse, True, tile=TILES[128])
 
 
 def test_dispatch_predicate_and_errors_name_the_problem():
@@ -226,21 +228,20 @@ def test_dispatch_predicate_and_errors_name_the_problem():
         fwd.flash_attention_gluon_forward(*[problems["head dim 32"]] * 3, False)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_compiles_for_sm90_without_spills(tmp_path, persistent):
+def test_compiles_for_sm90_without_spills(tmp_path):
     """One configuration (d=128, causal, bf16) compiled for the H100 on this machine, through the launcher's
     own host code: 0 spills and the tiles' shared memory; the consumers' turns are named barriers whose ids are
     clear of those Triton gives its partitions (a Triton that used ids from TURN_BARRIER up would share a barrier
     with them). In a process of its own (Triton's JIT, a stand-in driver)."""
     out = tmp_path / "gluon.csv"
     subprocess.run([sys.executable, "-m", "cs336_systems.bench.flash_gluon_resources", "--head-dims", "128",
-                    "--only-first", "--persistent", "yes" if persistent else "no", "--out", str(out)],
+                    "--only-first", "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=600)
     rows = pd.read_csv(out)
     assert len(rows) == 1 and (rows["status"] == "ok").all(), rows.to_dict("records")
     row = rows.iloc[0]
-    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0 and bool(row["persistent"]) == persistent
-    tile = dataclasses.replace(TILES[128], persistent=persistent)
+    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0
+    tile = TILES[128]
     assert tile.shared_bytes() <= row["shared_bytes"] <= tile.shared_bytes() + 1024
     triton_ids = [int(i) for i in str(row["triton_barrier_ids"]).split()]
     assert triton_ids and max(triton_ids) < fwd.TURN_BARRIER, triton_ids
@@ -264,20 +265,17 @@ GPU_CASES = [
 ]
 
 
-# The forward's variants on the GPU: (persistent, SMs the persistent grid is sized for; None: the device's, the
-# consumers' turns the other way than TILES has them at this head dim). Three SMs' worth of programs make each
-# program walk many tiles of several heads, whatever the test's size.
-VARIANTS = {"one_tile": (False, None, False), "persistent": (True, None, False),
-            "persistent_3_programs": (True, 3, False), "persistent_other_turns": (True, None, True)}
+# The forward's grids on the GPU, by the SMs the persistent grid is sized for (None: the device's). Three SMs' worth
+# of programs make each program walk many tiles of several heads, whatever the test's size.
+VARIANTS = {"persistent": None, "persistent_3_programs": 3}
 
 
 def _run_variant(monkeypatch, variant, q, k, v, causal, exact=False):
-    persistent, sms, other_turns = VARIANTS[variant]
-    if sms is not None:
+    sms = VARIANTS[variant]
+    if sms is not None:  # without fast launch: no plan of the device's grid is used, and none of this one kept
         monkeypatch.setattr(fwd, "sm_count", lambda device: sms)
-    tile = TILES[q.shape[-1]]
-    tile = dataclasses.replace(tile, persistent=persistent, named_turns=tile.named_turns != other_turns)
-    return fwd._forward(q, k, v, causal, exact=exact, tile=tile)
+        return fwd.flash_attention_gluon_forward(q, k, v, causal, exact=exact, fast_launch=False)
+    return fwd.flash_attention_gluon_forward(q, k, v, causal, exact=exact)
 
 
 def _rel_err(x, ref):
@@ -361,7 +359,7 @@ FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autot
 
 
 def test_cpu_and_interpreter_take_fa2(monkeypatch):
-    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    reread_env(monkeypatch, FORWARD_ENV)
     q = torch.empty(gluon_call(GLUON_FORWARD_RULES[64], 64, True), dtype=torch.bfloat16)  # all Gluon asks but the device
     assert layout_problem(q, q, q) is None and gluon_pays(HOPPER, q.shape, q.shape, True)
     assert choose_forward(q, q, q, True) == "triton"
@@ -372,14 +370,14 @@ def test_cpu_and_interpreter_take_fa2(monkeypatch):
 
 def test_forward_setting_is_read_at_each_call(monkeypatch):
     q = torch.empty(1, 2, 40, 64, dtype=torch.bfloat16)
-    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    reread_env(monkeypatch, FORWARD_ENV)
     assert dispatch.forward_setting() == "auto"
     for value in dispatch.FORWARDS:
-        monkeypatch.setenv(FORWARD_ENV, value)
+        reread_env(monkeypatch, FORWARD_ENV, value)
         assert dispatch.forward_setting() == value
     assert dispatch.forward_setting("triton") == "triton"  # the argument wins over the environment
     assert choose_forward(q, q, q, False, forward="triton") == "triton"
-    monkeypatch.setenv(FORWARD_ENV, "fast")
+    reread_env(monkeypatch, FORWARD_ENV, "fast")
     with pytest.raises(ValueError, match="CS336_FLASH_FORWARD='fast': choose one of auto, triton, gluon"):
         choose_forward(q, q, q, False)
     with pytest.raises(ValueError, match="forward='Gluon'"):
@@ -392,7 +390,7 @@ def test_forced_gluon_reaches_the_eager_path_and_the_custom_op(monkeypatch):
     from cs336_systems.kernels.flash.api import FlashAttentionTriton
 
     q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
-    monkeypatch.setenv(FORWARD_ENV, "gluon")
+    reread_env(monkeypatch, FORWARD_ENV, "gluon")
     with pytest.raises(ValueError, match="Gluon forward was asked for"):
         FlashAttentionTriton.apply(q, q, q, True)
     with pytest.raises(ValueError, match="Gluon forward was asked for"):
@@ -405,17 +403,16 @@ def test_auto_on_a_pretend_hopper_runs_the_gluon_forward_once_checked(monkeypatc
     looks for problems itself."""
     from cs336_systems.kernels.flash import api, dispatch, fa2
 
-    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    reread_env(monkeypatch, FORWARD_ENV)
     monkeypatch.setattr(dispatch, "device_capability", lambda q: HOPPER)
     monkeypatch.setattr(fwd, "device_problem", lambda q: None)
     calls = []
-    monkeypatch.setattr(fwd, "_forward", lambda q, k, v, is_causal, **options: calls.append(options) or "ran")
+    monkeypatch.setattr(fwd, "flash_attention_gluon_forward",
+                        lambda q, k, v, is_causal, **options: calls.append(options) or "ran")
     q = torch.empty(gluon_call(GLUON_FORWARD_RULES[64], 64, True), dtype=torch.bfloat16)
     assert dispatch.flash_forward(q, q, q, True) == "ran"
     assert choose_forward(q[..., :16, :], q, q, True) == "triton"  # causal rows of <= 16 keys: FA2's
     assert calls == [{"checked": True, "fast_launch": True}]
-    fwd.flash_attention_gluon_forward(q, q, q, True)
-    assert calls[-1] == {"checked": False, "fast_launch": None}
 
 
 def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
@@ -425,7 +422,7 @@ def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
     from cs336_systems.kernels.flash.host import launch
 
     monkeypatch.setattr(launch, "INTERPRET", False)
-    launcher = launch.FastLauncher(fwd._flash_fwd_gluon_kernel, key=fwd.descriptor_launch_key)
+    launcher = launch.FastLauncher(fwd.LAUNCHER.kernel, key=fwd.descriptor_launch_key)
     assert launcher.problem is None
     public, runs = [], []
     compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append((grid, args))})()
@@ -456,50 +453,52 @@ def test_forward_plan_launches_this_calls_tensors_in_the_first_calls_geometry(mo
     runner gets, without any check, what the first call's arguments were with this call's tensors in them: each TMA
     descriptor as a HostDescriptor of this call's tensor in the first descriptor's shape, strides and padding, which
     Triton's launcher turns into the same argument list as a TensorDescriptor of it; the rest equal. A new layout
-    (3-d inputs) misses; FastLauncher.clear drops the plans; with fast_launch off no plan is made or used."""
+    (3-d inputs) misses; PLANS.clear drops the plans; with fast_launch off no plan is made or used."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from cs336_systems.kernels.flash.gluon_common import HostDescriptor
     from cs336_systems.kernels.flash.host import launch
 
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(fwd, "device_problem", lambda q: None)
-    fwd._PLANS.clear()  # the module's own dict (launch.on_clear holds its clear): no plan around the stub
-    request.addfinalizer(fwd._PLANS.clear)  # is left to another test
+    plans = launch.PLANS.table("gluon_forward")
+    plans.clear()  # no plan around the stub
+    request.addfinalizer(plans.clear)  # is left to another test
     checks, real_check = [], fwd.layout_problem
     monkeypatch.setattr(fwd, "layout_problem", lambda *a: checks.append(a) or real_check(*a))
-    launcher = launch.FastLauncher(fwd._flash_fwd_gluon_kernel, key=fwd.descriptor_launch_key)
+    launcher = launch.FastLauncher(fwd.LAUNCHER.kernel, key=fwd.descriptor_launch_key)
     public, runs = [], []
     compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append(args)})()
     launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
                                           or compiled})()
-    monkeypatch.setattr(fwd, "_LAUNCHER", launcher)
+    monkeypatch.setattr(fwd, "LAUNCHER", launcher)
 
     def call(shape=(2, 3, 200, 64), fast_launch=True):
         q, k, v = (torch.randn(shape[0], shape[2], *shape[1:-2], shape[-1], dtype=torch.bfloat16).transpose(1, -2)
                    if len(shape) == 4 else torch.randn(shape, dtype=torch.bfloat16) for _ in range(3))
-        out, lse = fwd._forward(q, k, v, True, fast_launch=fast_launch)
+        out, lse = fwd.flash_attention_gluon_forward(q, k, v, True, fast_launch=fast_launch)
         return q, k, v, out, lse
 
     first = call()
-    assert len(public) == 1 and len(checks) == 1 and len(fwd._PLANS) == 1
+    assert len(public) == 1 and len(checks) == 1 and len(plans) == 1
     q, k, v, out, lse = call()
     assert len(public) == 1 and len(checks) == 1 and len(runs) == 1
     [args] = runs
     expected, _, _ = fwd.kernel_launch(*map(fwd.as_4d, (q, k, v, out)), lse, True)
     assert len(args) == len(expected) == len(launcher.names)
     for got, want, t in zip(args, expected, (q, k, v, out)):
-        assert isinstance(want, TensorDescriptor) and type(got) is fwd.HostDescriptor
+        assert isinstance(want, TensorDescriptor) and type(got) is HostDescriptor
         assert got.base.data_ptr() == t.data_ptr() and got.base.data_ptr() != first[0].data_ptr()
         assert make_tensordesc_arg(got, None) == make_tensordesc_arg(want, None)
     assert args[4] is lse and args[5:] == expected[5:]
     call((2, 200, 64))  # another layout: checked, public path, a plan of its own
-    assert len(public) == 2 and len(checks) == 2 and len(fwd._PLANS) == 2
-    launcher.clear()
-    assert fwd._PLANS == {}
+    assert len(public) == 2 and len(checks) == 2 and len(plans) == 2
+    launch.PLANS.clear()
+    assert plans == {}
     call(fast_launch=False)
     call(fast_launch=False)
-    assert len(public) == 4 and len(runs) == 1 and fwd._PLANS == {}
+    assert len(public) == 4 and len(runs) == 1 and plans == {}
 
 
 def _counting(compiles: list, backend: str):
@@ -537,7 +536,7 @@ def test_compiled_call_does_not_guard_on_the_forward_setting(monkeypatch):
     q, k, v, do = (torch.randn(1, 2, 24, 16, device=device) for _ in range(4))
     ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), True)
     for setting in ("triton", "auto", "triton"):
-        monkeypatch.setenv(FORWARD_ENV, setting)
+        reread_env(monkeypatch, FORWARD_ENV, setting)
         got = _with_grads(compiled, q, k, v, do, True)
         for name, x, want in zip(("O", "dQ", "dK", "dV"), got, ref):
             assert _rel_err(x, want) < 1e-4, f"{setting}: {name}"
@@ -581,14 +580,14 @@ def test_gpu_autograd_function_with_the_gluon_forward(q_shape, k_shape, causal, 
     from cs336_systems.kernels.flash.fa2 import pinned_tiles
 
     q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
-    monkeypatch.setenv(BACKWARD_ENV, "triton")
+    reread_env(monkeypatch, BACKWARD_ENV, "triton")
     calls = _spy_on_gluon(monkeypatch)
     takes_gluon = forward == "gluon" or gluon_pays(HOPPER, q_shape, k_shape, causal)
     with pinned_tiles(FA2_TILE, FA2_TILE):
-        monkeypatch.setenv(FORWARD_ENV, forward)
+        reread_env(monkeypatch, FORWARD_ENV, forward)
         got = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
         assert calls == [q_shape] * takes_gluon
-        monkeypatch.setenv(FORWARD_ENV, "triton")
+        reread_env(monkeypatch, FORWARD_ENV, "triton")
         fa2 = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
         assert calls == [q_shape] * takes_gluon
     ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
@@ -636,7 +635,7 @@ def test_gpu_compiled_with_the_gluon_forward_recompiles_as_fa2(monkeypatch):
     calls = _spy_on_gluon(monkeypatch)
     compiles = {}
     for forward in ("triton", "gluon"):
-        monkeypatch.setenv(FORWARD_ENV, forward)
+        reread_env(monkeypatch, FORWARD_ENV, forward)
         torch.compiler.reset()
         graphs = []
         compiled = torch.compile(flash_attention_triton, backend=_counting(graphs, "inductor"), fullgraph=True)
