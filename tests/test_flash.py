@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cs336_systems.kernels.common import INTERPRET
-from cs336_systems.kernels.flash import api, dispatch, fa2
+from cs336_systems.kernels.flash import fa2
 from cs336_systems.kernels.flash.fa2 import TUNED_KERNELS, pinned_tiles
 from cs336_systems.kernels.flash.tuning import (
     BWD_TILES,

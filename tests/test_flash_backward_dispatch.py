@@ -266,7 +266,7 @@ def test_gpu_autograd_function_with_the_gluon_backward(q_shape, k_shape, causal,
         reread_env(no_flash_choice, BACKWARD_ENV, backward)
         got = _with_grads(api.FlashAttentionTriton.apply, q, k, v, do, causal)
         reread_env(no_flash_choice, BACKWARD_ENV, "triton")
-        fa2 = _with_grads(api.FlashAttentionTriton.apply, q, k, v, do, causal)
+        fa2_grads = _with_grads(api.FlashAttentionTriton.apply, q, k, v, do, causal)
     assert spies.calls == ["gluon" if takes_gluon else "triton", "triton"]
     ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
     own = _with_grads(naive_attention, q, k, v, do, causal)  # PyTorch's own attention in bf16
@@ -274,7 +274,7 @@ def test_gpu_autograd_function_with_the_gluon_backward(q_shape, k_shape, causal,
     for i, name in enumerate(("O", "dQ", "dK", "dV")):
         assert torch.isfinite(got[i]).all(), f"{what}: {name} not finite"
         limit = 2 * _rel_err(own[i], ref[i]) + 2e-3
-        err, err_fa2 = _rel_err(got[i], ref[i]), _rel_err(got[i], fa2[i].double())
+        err, err_fa2 = _rel_err(got[i], ref[i]), _rel_err(got[i], fa2_grads[i].double())
         assert err < limit and err_fa2 < limit, f"{what}: {name} error {err:.2e}, vs FA2 {err_fa2:.2e} ({limit:.2e})"
 
 

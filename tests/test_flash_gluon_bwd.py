@@ -10,7 +10,6 @@ against our Triton FA2 backward on awkward shapes (lengths not tile multiples, c
 the fast launch path against Triton's public one.
 """
 
-import dataclasses
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.kernels.flash import api, dispatch, fa2
+from cs336_systems.kernels.flash import dispatch
 from cs336_systems.kernels.flash.host import launch
 from cs336_systems.kernels.flash import gluon_bwd as bwd
 from cs336_systems.kernels.flash.dispatch import GLUON_BACKWARD_RULES, HOPPER
@@ -413,8 +412,8 @@ def _check_against_float64_and_fa2(q, k, v, do, causal):
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     ref = torch.autograd.grad(naive_attention(*leaves, causal), leaves, do.double())
     with pinned_tiles(FA2_TILE, FA2_TILE):
-        fa2 = flash_backward_triton(q, k, v, o, lse, do, causal)
-    for name, g, f, r, t in zip(("dQ", "dK", "dV"), grads, fa2, ref, (q, k, v)):
+        fa2_grads = flash_backward_triton(q, k, v, o, lse, do, causal)
+    for name, g, f, r, t in zip(("dQ", "dK", "dV"), grads, fa2_grads, ref, (q, k, v)):
         assert g.dtype == t.dtype and g.stride() == t.stride(), name
         assert torch.isfinite(g).all(), name
         # our FA2 backward's own error on the same O and L, with a floor for the one-token cases (errors ~0)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cs336_systems.kernels.flash import api, dispatch, fa2
+from cs336_systems.kernels.flash import api, fa2
 from cs336_systems.kernels.flash.host import launch
 from cs336_systems.kernels.flash.settings import ENV_VARS, FlashSettings, set_flash_settings, use_flash_settings
 from cs336_systems.model.attention import naive_attention

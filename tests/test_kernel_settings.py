@@ -1,5 +1,5 @@
-"""The kernels' settings (kernels/settings.py) read at call time, the launch fast path's check of
-Triton (kernels/launch.py) and its fallback, and what a kernel says when it cannot run on a tensor."""
+"""The kernels' settings (kernels/flash/settings.py), read once, the launch fast path's check of
+Triton (kernels/flash/host/launch.py) and its fallback, and what a kernel says when it cannot run on a tensor."""
 
 import os
 import re
@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-from cs336_systems.kernels.flash import api, dispatch, fa2
+from cs336_systems.kernels.flash import api, fa2
 from cs336_systems.kernels.flash import gluon_bwd as bwd
 from cs336_systems.kernels.flash import settings as settings_module
 from cs336_systems.kernels.flash.host import launch

@@ -72,7 +72,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.kernels.flash.gluon_common import (
     CONSUMERS,

@@ -20,7 +20,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from cs336_systems.kernels.common import check_inputs, cuda_capability
 from cs336_systems.kernels.flash.host import node
