@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from cs336_systems.kernels.common import INTERPRET
-from cs336_systems.kernels import flash_triton
-from cs336_systems.kernels.flash_triton import TUNED_KERNELS, pinned_tiles
-from cs336_systems.kernels.flash_tuning import (
+from cs336_systems.kernels.flash import fa2
+from cs336_systems.kernels.flash.fa2 import TUNED_KERNELS, pinned_tiles
+from cs336_systems.kernels.flash.tuning import (
     BWD_TILES,
     FLOAT32_DOTS,
     FLOAT32_TILES,
@@ -34,7 +34,7 @@ from cs336_systems.kernels.flash_tuning import (
     tile_config,
     tile_configs,
 )
-from cs336_systems.kernels.settings import flash_settings, use_flash_settings
+from cs336_systems.kernels.flash.settings import flash_settings, use_flash_settings
 from cs336_systems.model.attention import attention_scores, naive_attention
 from tests.adapters import get_flashattention_autograd_function_pytorch, get_flashattention_autograd_function_triton
 from tests.kernel_devices import KERNEL_DEVICE
@@ -318,9 +318,9 @@ def test_every_tuning_key_is_an_argument_the_launchers_fill():
         assert list(kernel.keys[:len(TUNING_KEY)]) == TUNING_KEY, name
     settings = flash_settings()
     q, k = torch.empty(3, 5, 100, 64), torch.empty(3, 5, 600, 64)
-    params = flash_triton._launch_params(q, k, settings)
+    params = fa2._launch_params(q, k, settings)
     assert (params["SEQ_KEY_Q"], params["SEQ_KEY_K"], params["BATCH_HEADS_KEY"]) == (128, 1024, 16)
-    params = flash_triton._launch_params(q[0], k[0], settings)  # (batch, n, d): 5 batch entries of one head
+    params = fa2._launch_params(q[0], k[0], settings)  # (batch, n, d): 5 batch entries of one head
     assert (params["SEQ_KEY_Q"], params["SEQ_KEY_K"], params["BATCH_HEADS_KEY"]) == (128, 1024, 8)
 
 

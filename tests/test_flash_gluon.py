@@ -1,4 +1,4 @@
-"""The Gluon FlashAttention forward for Hopper (`kernels/flash_gluon.py`).
+"""The Gluon FlashAttention forward for Hopper (`kernels/fwd.py`).
 
 On CPU: its plain-Python parts (tiles, the program order, the persistent variant's schedule and grid, the dispatch
 predicate and its errors) and, in a process of its own, a compile for sm_90 with 0 spills (both variants).
@@ -9,13 +9,12 @@ inputs, P = S mod 8: every value exact, so any lost or reordered tile, or a regi
 mismatch). Both for the one-tile-per-program kernel and the persistent one, which also runs on a few SMs' worth of
 programs so that every program walks many tiles (the barrier state carried from tile to tile).
 
-The wiring into the `flash_triton` backend (`kernels/flash_dispatch.py`): on CPU, the shape rule against the
+The wiring into the `flash_triton` backend (`kernels/dispatch.py`): on CPU, the shape rule against the
 measured timings it was written from, and that the CPU and the interpreter take FA2; on an sm_90 GPU, O, L, dQ, dK,
 dV through `FlashAttentionTriton` with the forward forced to Gluon or left to the rule, against float64 and the
 FA2-only path, and `torch.compile(fullgraph=True)` compiling and recompiling as often as with FA2.
 """
 
-import dataclasses
 import subprocess
 import sys
 
@@ -23,11 +22,13 @@ import pandas as pd
 import pytest
 import torch
 
-from cs336_systems.kernels import flash_dispatch, flash_gluon
+from cs336_systems.kernels.flash import dispatch
+from cs336_systems.kernels.flash import gluon_fwd as fwd
+from cs336_systems.kernels.flash import settings as settings_module
 from cs336_systems.kernels.common import INTERPRET
-from cs336_systems.kernels.flash_dispatch import (BACKWARD_ENV, FORWARD_ENV, GLUON_FORWARD_RULES, HOPPER,
+from cs336_systems.kernels.flash.dispatch import (BACKWARD_ENV, FORWARD_ENV, GLUON_FORWARD_RULES, HOPPER,
                                                   choose_forward, gluon_pays)
-from cs336_systems.kernels.flash_gluon import (
+from cs336_systems.kernels.flash.gluon_fwd import (
     TILES,
     GluonTile,
     HEADS_PER_GROUP,
@@ -46,6 +47,16 @@ from cs336_systems.model.attention import attention_scores, naive_attention
 from tests.kernel_devices import gluon_call
 
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def reread_env(monkeypatch, var: str, value: str | None = None) -> None:
+    """Set (value None: unset) the CS336_FLASH_* variable `var` as for a process started with it: the settings read
+    the environment once, so the next read here reads it again (restored after the test)."""
+    if value is None:
+        monkeypatch.delenv(var, raising=False)
+    else:
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(settings_module, "_from_env", None)
 needs_sm90 = pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel needs an sm_90 GPU")
 
 
@@ -91,8 +102,7 @@ def test_key_tiles_reach_the_last_visible_key(n_q, n_k):
 def test_tiles_keep_the_masking_assumption_and_fit_shared_memory():
     for d, tile in TILES.items():
         assert tile.head_dim == d and tile.block_n == tile.rows
-        for persistent in (False, True):  # persistent: O's own buffers on top
-            assert dataclasses.replace(tile, persistent=persistent).shared_bytes() <= 227 * 1024
+        assert tile.shared_bytes() <= 227 * 1024
     with pytest.raises(ValueError, match="block_n must be 2 x block_m"):
         GluonTile(64, block_m=64, block_n=64)
 
@@ -148,12 +158,12 @@ def test_persistent_schedule_balances_causal_work_better_than_round_robin():
 
 
 def test_heads_per_group_rule():
-    """Causal calls on the persistent grid with at most MAX_GROUPED_KEYS keys take HEADS_PER_GROUP heads per group;
-    the one-tile grid, non-causal calls and longer sequences one head at a time."""
+    """Causal calls with at most MAX_GROUPED_KEYS keys take HEADS_PER_GROUP heads per group; non-causal calls and
+    longer sequences one head at a time."""
     assert HEADS_PER_GROUP == 4 and MAX_GROUPED_KEYS == 8192
-    assert heads_per_group(8192, True, True) == heads_per_group(1, True, True) == 4
-    assert heads_per_group(8193, True, True) == heads_per_group(32768, True, True) == 1  # the 8B shape: 32768
-    assert heads_per_group(1000, False, True) == heads_per_group(1000, True, False) == 1
+    assert heads_per_group(8192, True) == heads_per_group(1, True) == 4
+    assert heads_per_group(8193, True) == heads_per_group(32768, True) == 1  # the 8B shape: 32768
+    assert heads_per_group(1000, False) == 1
 
 
 def test_grouped_schedule_balances_few_tiles_per_sm():
@@ -172,33 +182,25 @@ def test_kernel_launch_passes_the_group_rule():
     for n, causal, expected in ((1000, True, 4), (1000, False, 1), (8192, True, 4), (8200, True, 1)):
         q = torch.empty(1, 6, n, 128, dtype=torch.bfloat16)
         lse = torch.empty(1, 6, n)
-        args, _, _ = flash_gluon.kernel_launch(q, q, q, q, lse, causal)
-        assert args[11] == expected == heads_per_group(n, causal, TILES[128].persistent)
+        args, _, _ = fwd.kernel_launch(q, q, q, q, lse, causal)
+        assert args[11] == expected == heads_per_group(n, causal)
     q = torch.empty(1, 3, 1000, 128, dtype=torch.bfloat16)  # fewer heads than the group
-    assert flash_gluon.kernel_launch(q, q, q, q, torch.empty(1, 3, 1000), True)[0][11] == 3
+    assert fwd.kernel_launch(q, q, q, q, torch.empty(1, 3, 1000), True)[0][11] == 3
 
 
 def test_kernel_launch_holds_q_in_registers_in_causal_d64_calls_only():
-    """Q_REGS, the kernel's last argument, is on exactly where the A/B measured a gain: causal calls at head dim 64
-    (a tile's own flag, so a d=128 tile with it set turns it on at d=128 causal calls too)."""
+    """Q_REGS, the kernel's last argument, is on exactly where the A/B measured a gain: causal calls at head dim 64."""
     for head_dim in (64, 128):
         q = torch.empty(1, 2, 1000, head_dim, dtype=torch.bfloat16)
         lse = torch.empty(1, 2, 1000)
         for causal in (True, False):
-            assert flash_gluon.kernel_launch(q, q, q, q, lse, causal)[0][-1] == (causal and head_dim == 64)
-    q = torch.empty(1, 2, 1000, 128, dtype=torch.bfloat16)
-    tile = dataclasses.replace(TILES[128], causal_q_registers=True)
-    assert flash_gluon.kernel_launch(q, q, q, q, torch.empty(1, 2, 1000), True, tile=tile)[0][-1] is True
+            assert fwd.kernel_launch(q, q, q, q, lse, causal)[0][-1] == (causal and head_dim == 64)
 
 
 def test_persistent_grid_and_schedule_errors():
     assert persistent_grid(2048, 132) == 132 and persistent_grid(48, 132) == 48 and persistent_grid(0, 132) == 1
     with pytest.raises(ValueError, match="programs must be >= 1, got 0"):
         persistent_schedule([1, 2], 0)
-    q = torch.empty(1, 2, 100, 64, dtype=torch.bfloat16)
-    lse = torch.empty(1, 2, 100)
-    with pytest.raises(ValueError, match="head dim 128, the inputs have 64"):
-        flash_gluon.kernel_launch(q, q, q, q, lse, True, tile=TILES[128])
 
 
 def test_dispatch_predicate_and_errors_name_the_problem():
@@ -220,29 +222,28 @@ def test_dispatch_predicate_and_errors_name_the_problem():
     assert "incompatible shapes" in layout_problem(q, rect[..., :32], rect[..., :32])
     assert not gluon_supported(q, q, q, True)  # CPU tensors
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        flash_gluon.flash_attention_gluon_forward(q, q, q, True)
+        fwd.flash_attention_gluon_forward(q, q, q, True)
     with pytest.raises(ValueError, match="head dim 32"):
-        flash_gluon.flash_attention_gluon_forward(*[problems["head dim 32"]] * 3, False)
+        fwd.flash_attention_gluon_forward(*[problems["head dim 32"]] * 3, False)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_compiles_for_sm90_without_spills(tmp_path, persistent):
+def test_compiles_for_sm90_without_spills(tmp_path):
     """One configuration (d=128, causal, bf16) compiled for the H100 on this machine, through the launcher's
     own host code: 0 spills and the tiles' shared memory; the consumers' turns are named barriers whose ids are
     clear of those Triton gives its partitions (a Triton that used ids from TURN_BARRIER up would share a barrier
     with them). In a process of its own (Triton's JIT, a stand-in driver)."""
     out = tmp_path / "gluon.csv"
     subprocess.run([sys.executable, "-m", "cs336_systems.bench.flash_gluon_resources", "--head-dims", "128",
-                    "--only-first", "--persistent", "yes" if persistent else "no", "--out", str(out)],
+                    "--only-first", "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=600)
     rows = pd.read_csv(out)
     assert len(rows) == 1 and (rows["status"] == "ok").all(), rows.to_dict("records")
     row = rows.iloc[0]
-    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0 and bool(row["persistent"]) == persistent
-    tile = dataclasses.replace(TILES[128], persistent=persistent)
+    assert row["spill_store_bytes"] == 0 and row["spill_load_bytes"] == 0
+    tile = TILES[128]
     assert tile.shared_bytes() <= row["shared_bytes"] <= tile.shared_bytes() + 1024
     triton_ids = [int(i) for i in str(row["triton_barrier_ids"]).split()]
-    assert triton_ids and max(triton_ids) < flash_gluon.TURN_BARRIER, triton_ids
+    assert triton_ids and max(triton_ids) < fwd.TURN_BARRIER, triton_ids
     assert row["register_barriers"] >= 4  # each consumer's wait and pass, in the first key tile and the loop
 
 
@@ -263,20 +264,17 @@ GPU_CASES = [
 ]
 
 
-# The forward's variants on the GPU: (persistent, SMs the persistent grid is sized for; None: the device's, the
-# consumers' turns the other way than TILES has them at this head dim). Three SMs' worth of programs make each
-# program walk many tiles of several heads, whatever the test's size.
-VARIANTS = {"one_tile": (False, None, False), "persistent": (True, None, False),
-            "persistent_3_programs": (True, 3, False), "persistent_other_turns": (True, None, True)}
+# The forward's grids on the GPU, by the SMs the persistent grid is sized for (None: the device's). Three SMs' worth
+# of programs make each program walk many tiles of several heads, whatever the test's size.
+VARIANTS = {"persistent": None, "persistent_3_programs": 3}
 
 
 def _run_variant(monkeypatch, variant, q, k, v, causal, exact=False):
-    persistent, sms, other_turns = VARIANTS[variant]
-    if sms is not None:
-        monkeypatch.setattr(flash_gluon, "sm_count", lambda device: sms)
-    tile = TILES[q.shape[-1]]
-    tile = dataclasses.replace(tile, persistent=persistent, named_turns=tile.named_turns != other_turns)
-    return flash_gluon._forward(q, k, v, causal, exact=exact, tile=tile)
+    sms = VARIANTS[variant]
+    if sms is not None:  # without fast launch: no plan of the device's grid is used, and none of this one kept
+        monkeypatch.setattr(fwd, "sm_count", lambda device: sms)
+        return fwd.flash_attention_gluon_forward(q, k, v, causal, exact=exact, fast_launch=False)
+    return fwd.flash_attention_gluon_forward(q, k, v, causal, exact=exact)
 
 
 def _rel_err(x, ref):
@@ -297,8 +295,8 @@ def test_gpu_fast_launch_matches_the_public_path():
     each time, the same O and L bit for bit as Triton's public launch path (the fast_launch setting off)."""
     for call in range(3):
         q, k, v = (torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        fast = flash_gluon.flash_attention_gluon_forward(q, k, v, True, fast_launch=True)
-        public = flash_gluon.flash_attention_gluon_forward(q, k, v, True, fast_launch=False)
+        fast = fwd.flash_attention_gluon_forward(q, k, v, True, fast_launch=True)
+        public = fwd.flash_attention_gluon_forward(q, k, v, True, fast_launch=False)
         for got, expected in zip(fast, public):
             torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
@@ -309,7 +307,7 @@ def test_gpu_fast_launch_matches_the_public_path():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_gpu_matches_float64_and_flash_triton(q_shape, k_shape, causal, model_layout, dtype, variant, monkeypatch):
-    from cs336_systems.kernels.flash_triton import flash_forward_triton, pinned_tiles
+    from cs336_systems.kernels.flash.fa2 import flash_forward_triton, pinned_tiles
 
     q, k, v = _fresh(q_shape, model_layout, dtype), _fresh(k_shape, model_layout, dtype), _fresh(k_shape, model_layout, dtype)
     out, lse = _run_variant(monkeypatch, variant, q, k, v, causal)
@@ -354,13 +352,13 @@ def test_gpu_exact_pipeline(head_dim, causal, variant, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
-# wired into the flash_triton backend (kernels/flash_dispatch.py)
+# wired into the flash_triton backend (kernels/dispatch.py)
 # ----------------------------------------------------------------------------------------------
 FA2_TILE = (64, 32, 4, 2)  # one FA2 config on the GPU (as test_flash): no autotuning per test shape
 
 
 def test_cpu_and_interpreter_take_fa2(monkeypatch):
-    monkeypatch.delenv(FORWARD_ENV, raising=False)
+    reread_env(monkeypatch, FORWARD_ENV)
     q = torch.empty(gluon_call(GLUON_FORWARD_RULES[64], 64, True), dtype=torch.bfloat16)  # all Gluon asks but the device
     assert layout_problem(q, q, q) is None and gluon_pays(HOPPER, q.shape, q.shape, True)
     assert choose_forward(q, q, q, True) == "triton"
@@ -371,14 +369,14 @@ def test_cpu_and_interpreter_take_fa2(monkeypatch):
 
 def test_forward_setting_is_read_at_each_call(monkeypatch):
     q = torch.empty(1, 2, 40, 64, dtype=torch.bfloat16)
-    monkeypatch.delenv(FORWARD_ENV, raising=False)
-    assert flash_dispatch.forward_setting() == "auto"
-    for value in flash_dispatch.FORWARDS:
-        monkeypatch.setenv(FORWARD_ENV, value)
-        assert flash_dispatch.forward_setting() == value
-    assert flash_dispatch.forward_setting("triton") == "triton"  # the argument wins over the environment
+    reread_env(monkeypatch, FORWARD_ENV)
+    assert dispatch.forward_setting() == "auto"
+    for value in dispatch.FORWARDS:
+        reread_env(monkeypatch, FORWARD_ENV, value)
+        assert dispatch.forward_setting() == value
+    assert dispatch.forward_setting("triton") == "triton"  # the argument wins over the environment
     assert choose_forward(q, q, q, False, forward="triton") == "triton"
-    monkeypatch.setenv(FORWARD_ENV, "fast")
+    reread_env(monkeypatch, FORWARD_ENV, "fast")
     with pytest.raises(ValueError, match="CS336_FLASH_FORWARD='fast': choose one of auto, triton, gluon"):
         choose_forward(q, q, q, False)
     with pytest.raises(ValueError, match="forward='Gluon'"):
@@ -386,12 +384,12 @@ def test_forward_setting_is_read_at_each_call(monkeypatch):
 
 
 def test_forced_gluon_reaches_the_eager_path_and_the_custom_op(monkeypatch):
-    """Both run flash_triton.flash_forward, so a Gluon forward forced on the CPU is the dispatcher's error in
+    """Both run dispatch.flash_forward, so a Gluon forward forced on the CPU is the dispatcher's error in
     either (and not a silent FA2 run)."""
-    from cs336_systems.kernels.flash_triton import FlashAttentionTriton
+    from cs336_systems.kernels.flash.api import FlashAttentionTriton
 
     q = torch.randn(1, 2, 40, 64, dtype=torch.float16)
-    monkeypatch.setenv(FORWARD_ENV, "gluon")
+    reread_env(monkeypatch, FORWARD_ENV, "gluon")
     with pytest.raises(ValueError, match="Gluon forward was asked for"):
         FlashAttentionTriton.apply(q, q, q, True)
     with pytest.raises(ValueError, match="Gluon forward was asked for"):
@@ -402,29 +400,26 @@ def test_auto_on_a_pretend_hopper_runs_the_gluon_forward_once_checked(monkeypatc
     """On CPU, with the device checks answering as an H100 would: a long bf16 call reaches the Gluon forward's entry
     with the dispatcher's checked=True (its input checks ran once, in the choice), and the entry without it still
     looks for problems itself."""
-    from cs336_systems.kernels import flash_triton
-
-    monkeypatch.delenv(FORWARD_ENV, raising=False)
-    monkeypatch.setattr(flash_dispatch, "device_capability", lambda q: HOPPER)
-    monkeypatch.setattr(flash_gluon, "device_problem", lambda q: None)
+    reread_env(monkeypatch, FORWARD_ENV)
+    monkeypatch.setattr(dispatch, "device_capability", lambda q: HOPPER)
+    monkeypatch.setattr(fwd, "device_problem", lambda q: None)
     calls = []
-    monkeypatch.setattr(flash_gluon, "_forward", lambda q, k, v, is_causal, **options: calls.append(options) or "ran")
+    monkeypatch.setattr(fwd, "flash_attention_gluon_forward",
+                        lambda q, k, v, is_causal, **options: calls.append(options) or "ran")
     q = torch.empty(gluon_call(GLUON_FORWARD_RULES[64], 64, True), dtype=torch.bfloat16)
-    assert flash_triton.flash_forward(q, q, q, True) == "ran"
+    assert dispatch.flash_forward(q, q, q, True) == "ran"
     assert choose_forward(q[..., :16, :], q, q, True) == "triton"  # causal rows of <= 16 keys: FA2's
     assert calls == [{"checked": True, "fast_launch": True}]
-    flash_gluon.flash_attention_gluon_forward(q, q, q, True)
-    assert calls[-1] == {"checked": False, "fast_launch": None}
 
 
 def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
     """The forward's FastLauncher (no GPU: its public path is a stub): fresh tensors of one layout share a key and
     reach the runner with exactly `kernel_launch`'s arguments, which are the kernel's whole signature; a new layout
     (q in another dtype; k with other strides) is a new key, so it goes through Triton's public path again."""
-    from cs336_systems.kernels import launch
+    from cs336_systems.kernels.flash.host import launch
 
     monkeypatch.setattr(launch, "INTERPRET", False)
-    launcher = launch.FastLauncher(flash_gluon._flash_fwd_gluon_kernel, key=flash_gluon.descriptor_launch_key)
+    launcher = launch.FastLauncher(fwd.LAUNCHER.kernel, key=fwd.descriptor_launch_key)
     assert launcher.problem is None
     public, runs = [], []
     compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append((grid, args))})()
@@ -436,7 +431,7 @@ def test_fast_launch_key_and_arguments_on_the_cpu(monkeypatch):
         if k_layout:
             k = torch.randn(2, 200, 3, 64, dtype=dtype).transpose(1, 2)
         out, lse = torch.empty_like(q), torch.empty(q.shape[:-1])
-        args, grid, options = flash_gluon.kernel_launch(q, k, v, out, lse, True)
+        args, grid, options = fwd.kernel_launch(q, k, v, out, lse, True)
         launcher(grid, *args, fast_launch=True, **options)
         return args, grid
 
@@ -455,50 +450,52 @@ def test_forward_plan_launches_this_calls_tensors_in_the_first_calls_geometry(mo
     runner gets, without any check, what the first call's arguments were with this call's tensors in them: each TMA
     descriptor as a HostDescriptor of this call's tensor in the first descriptor's shape, strides and padding, which
     Triton's launcher turns into the same argument list as a TensorDescriptor of it; the rest equal. A new layout
-    (3-d inputs) misses; FastLauncher.clear drops the plans; with fast_launch off no plan is made or used."""
+    (3-d inputs) misses; PLANS.clear drops the plans; with fast_launch off no plan is made or used."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from cs336_systems.kernels import launch
+    from cs336_systems.kernels.flash.gluon_common import HostDescriptor
+    from cs336_systems.kernels.flash.host import launch
 
     monkeypatch.setattr(launch, "INTERPRET", False)
-    monkeypatch.setattr(flash_gluon, "device_problem", lambda q: None)
-    flash_gluon._PLANS.clear()  # the module's own dict (launch.on_clear holds its clear): no plan around the stub
-    request.addfinalizer(flash_gluon._PLANS.clear)  # is left to another test
-    checks, real_check = [], flash_gluon.layout_problem
-    monkeypatch.setattr(flash_gluon, "layout_problem", lambda *a: checks.append(a) or real_check(*a))
-    launcher = launch.FastLauncher(flash_gluon._flash_fwd_gluon_kernel, key=flash_gluon.descriptor_launch_key)
+    monkeypatch.setattr(fwd, "device_problem", lambda q: None)
+    plans = launch.PLANS.table("gluon_forward")
+    plans.clear()  # no plan around the stub
+    request.addfinalizer(plans.clear)  # is left to another test
+    checks, real_check = [], fwd.layout_problem
+    monkeypatch.setattr(fwd, "layout_problem", lambda *a: checks.append(a) or real_check(*a))
+    launcher = launch.FastLauncher(fwd.LAUNCHER.kernel, key=fwd.descriptor_launch_key)
     public, runs = [], []
     compiled = type("Compiled", (), {"__getitem__": lambda self, grid: lambda *args: runs.append(args)})()
     launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
                                           or compiled})()
-    monkeypatch.setattr(flash_gluon, "_LAUNCHER", launcher)
+    monkeypatch.setattr(fwd, "LAUNCHER", launcher)
 
     def call(shape=(2, 3, 200, 64), fast_launch=True):
         q, k, v = (torch.randn(shape[0], shape[2], *shape[1:-2], shape[-1], dtype=torch.bfloat16).transpose(1, -2)
                    if len(shape) == 4 else torch.randn(shape, dtype=torch.bfloat16) for _ in range(3))
-        out, lse = flash_gluon._forward(q, k, v, True, fast_launch=fast_launch)
+        out, lse = fwd.flash_attention_gluon_forward(q, k, v, True, fast_launch=fast_launch)
         return q, k, v, out, lse
 
     first = call()
-    assert len(public) == 1 and len(checks) == 1 and len(flash_gluon._PLANS) == 1
+    assert len(public) == 1 and len(checks) == 1 and len(plans) == 1
     q, k, v, out, lse = call()
     assert len(public) == 1 and len(checks) == 1 and len(runs) == 1
     [args] = runs
-    expected, _, _ = flash_gluon.kernel_launch(*map(flash_gluon._as_4d, (q, k, v, out)), lse, True)
+    expected, _, _ = fwd.kernel_launch(*map(fwd.as_4d, (q, k, v, out)), lse, True)
     assert len(args) == len(expected) == len(launcher.names)
     for got, want, t in zip(args, expected, (q, k, v, out)):
-        assert isinstance(want, TensorDescriptor) and type(got) is flash_gluon.HostDescriptor
+        assert isinstance(want, TensorDescriptor) and type(got) is HostDescriptor
         assert got.base.data_ptr() == t.data_ptr() and got.base.data_ptr() != first[0].data_ptr()
         assert make_tensordesc_arg(got, None) == make_tensordesc_arg(want, None)
     assert args[4] is lse and args[5:] == expected[5:]
     call((2, 200, 64))  # another layout: checked, public path, a plan of its own
-    assert len(public) == 2 and len(checks) == 2 and len(flash_gluon._PLANS) == 2
-    launcher.clear()
-    assert flash_gluon._PLANS == {}
+    assert len(public) == 2 and len(checks) == 2 and len(plans) == 2
+    launch.PLANS.clear()
+    assert plans == {}
     call(fast_launch=False)
     call(fast_launch=False)
-    assert len(public) == 4 and len(runs) == 1 and flash_gluon._PLANS == {}
+    assert len(public) == 4 and len(runs) == 1 and plans == {}
 
 
 def _counting(compiles: list, backend: str):
@@ -527,7 +524,7 @@ def _with_grads(fn, q, k, v, do, causal, saved_lse=False):
 @pytest.mark.skipif(not (INTERPRET or torch.cuda.is_available()), reason="Triton kernels need a GPU or the interpreter")
 def test_compiled_call_does_not_guard_on_the_forward_setting(monkeypatch):
     """The setting is read inside the custom op, at run time: switching it between calls recompiles nothing."""
-    from cs336_systems.kernels.flash_triton import flash_attention_triton
+    from cs336_systems.kernels.flash.api import flash_attention_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.compiler.reset()
@@ -536,7 +533,7 @@ def test_compiled_call_does_not_guard_on_the_forward_setting(monkeypatch):
     q, k, v, do = (torch.randn(1, 2, 24, 16, device=device) for _ in range(4))
     ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), True)
     for setting in ("triton", "auto", "triton"):
-        monkeypatch.setenv(FORWARD_ENV, setting)
+        reread_env(monkeypatch, FORWARD_ENV, setting)
         got = _with_grads(compiled, q, k, v, do, True)
         for name, x, want in zip(("O", "dQ", "dK", "dV"), got, ref):
             assert _rel_err(x, want) < 1e-4, f"{setting}: {name}"
@@ -557,13 +554,13 @@ WIRE_CASES = [
 
 def _spy_on_gluon(monkeypatch) -> list:
     """The q shapes the Gluon forward is called with, from now on."""
-    calls, real = [], flash_gluon.flash_attention_gluon_forward
+    calls, real = [], fwd.flash_attention_gluon_forward
 
     def spy(q, k, v, is_causal, **options):  # options: the dispatcher's checked=True
         calls.append(tuple(q.shape))
         return real(q, k, v, is_causal, **options)
 
-    monkeypatch.setattr(flash_gluon, "flash_attention_gluon_forward", spy)
+    monkeypatch.setattr(fwd, "flash_attention_gluon_forward", spy)
     return calls
 
 
@@ -576,18 +573,19 @@ def test_gpu_autograd_function_with_the_gluon_forward(q_shape, k_shape, causal, 
     to the rule: within 2x (plus a floor) of PyTorch's own bf16 error against float64, and as close to the
     FA2-only path; the backward is FA2's in both (pinned: "auto" would take the Gluon backward at the long cases),
     fed Gluon's O and L."""
-    from cs336_systems.kernels.flash_triton import FlashAttentionTriton, pinned_tiles
+    from cs336_systems.kernels.flash.api import FlashAttentionTriton
+    from cs336_systems.kernels.flash.fa2 import pinned_tiles
 
     q, k, v, do = (_fresh(shape, model_layout) for shape in (q_shape, k_shape, k_shape, q_shape))
-    monkeypatch.setenv(BACKWARD_ENV, "triton")
+    reread_env(monkeypatch, BACKWARD_ENV, "triton")
     calls = _spy_on_gluon(monkeypatch)
     takes_gluon = forward == "gluon" or gluon_pays(HOPPER, q_shape, k_shape, causal)
     with pinned_tiles(FA2_TILE, FA2_TILE):
-        monkeypatch.setenv(FORWARD_ENV, forward)
+        reread_env(monkeypatch, FORWARD_ENV, forward)
         got = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
         assert calls == [q_shape] * takes_gluon
-        monkeypatch.setenv(FORWARD_ENV, "triton")
-        fa2 = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
+        reread_env(monkeypatch, FORWARD_ENV, "triton")
+        fa2_grads = _with_grads(FlashAttentionTriton.apply, q, k, v, do, causal, saved_lse=True)
         assert calls == [q_shape] * takes_gluon
     ref = _with_grads(naive_attention, q.double(), k.double(), v.double(), do.double(), causal)
     ref_lse = torch.logsumexp(attention_scores(q.double(), k.double(), causal), dim=-1)
@@ -597,9 +595,9 @@ def test_gpu_autograd_function_with_the_gluon_forward(q_shape, k_shape, causal, 
     for i, name in enumerate(("O", "dQ", "dK", "dV")):
         assert torch.isfinite(got[i]).all(), f"{what}: {name} not finite"
         limit = 2 * _rel_err(own[i], ref[i]) + 2e-3
-        err, err_fa2 = _rel_err(got[i], ref[i]), _rel_err(got[i], fa2[i].double())
+        err, err_fa2 = _rel_err(got[i], ref[i]), _rel_err(got[i], fa2_grads[i].double())
         assert err < limit and err_fa2 < limit, f"{what}: {name} error {err:.2e}, vs FA2 {err_fa2:.2e} ({limit:.2e})"
-    lse, fa2_lse = got[4], fa2[4]
+    lse, fa2_lse = got[4], fa2_grads[4]
     assert (lse.double() - ref_lse).abs().max().item() < 1e-3, what  # float32 L of 16-bit scores
     torch.testing.assert_close(lse, fa2_lse, rtol=0, atol=1e-3)
 
@@ -628,12 +626,13 @@ COMPILE_LENGTHS = (1000, 1337)  # the second one new: Dynamo recompiles once (wi
 def test_gpu_compiled_with_the_gluon_forward_recompiles_as_fa2(monkeypatch):
     """torch.compile(fullgraph=True) (a graph break would raise) with the forward forced to FA2, then to Gluon:
     the same number of compiles over two calls of different lengths, and the same results."""
-    from cs336_systems.kernels.flash_triton import flash_attention_triton, pinned_tiles
+    from cs336_systems.kernels.flash.api import flash_attention_triton
+    from cs336_systems.kernels.flash.fa2 import pinned_tiles
 
     calls = _spy_on_gluon(monkeypatch)
     compiles = {}
     for forward in ("triton", "gluon"):
-        monkeypatch.setenv(FORWARD_ENV, forward)
+        reread_env(monkeypatch, FORWARD_ENV, forward)
         torch.compiler.reset()
         graphs = []
         compiled = torch.compile(flash_attention_triton, backend=_counting(graphs, "inductor"), fullgraph=True)

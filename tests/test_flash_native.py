@@ -1,4 +1,4 @@
-"""The C++ autograd node of the flash_triton backend (kernels/flash_native.py, kernels/csrc/flash_node.cpp).
+"""The C++ autograd node of the flash_triton backend (kernels/flash/host/node.py and csrc/flash_node.cpp).
 
 On the CPU: the parameter packing against ctypes' own layout of the same C parameters and, for TMA descriptors,
 against the launcher Triton generates; the errors for what the node cannot pass or launch, the setting, what
@@ -20,9 +20,10 @@ import struct
 import pytest
 import torch
 
-from cs336_systems.kernels import flash_dispatch, flash_native, flash_triton
-from cs336_systems.kernels.flash_native import DescriptorSlot, TensorSlot, pack_params
-from cs336_systems.kernels.settings import FlashSettings, flash_settings, set_flash_settings, use_flash_settings
+from cs336_systems.kernels.flash import api, dispatch, fa2
+from cs336_systems.kernels.flash.host import launch, node
+from cs336_systems.kernels.flash.host.node import DescriptorSlot, TensorSlot, pack_params
+from cs336_systems.kernels.flash.settings import FlashSettings, flash_settings, set_flash_settings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
 from tests.kernel_devices import INTERPRET
 from tests import test_flash_plans
@@ -103,7 +104,7 @@ def test_descriptors_are_packed_as_tritons_launcher_expands_them():
     assert q_map.data_type == k_map.data_type == 9  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 (Triton's 10 on the device)
     assert q_map.dims == [128, 1000, 4, 2] and q_map.strides == [1024, 256, 1024000]  # bytes of bf16
     assert q_map.box == [64, 64, 1, 1] and k_map.box == [64, 128, 1, 1] and q_map.swizzle == 3
-    assert (q_map.fill, k_map.fill) == (flash_native.FILL_NONE, flash_native.FILL_NAN)
+    assert (q_map.fill, k_map.fill) == (node.FILL_NONE, node.FILL_NAN)
 
 
 @pytest.mark.parametrize("signature, values, message", [
@@ -141,10 +142,10 @@ class _Compiled:
 
 
 def test_launch_problems_name_the_field():
-    assert flash_native.launch_problem(_Compiled()) is None
-    assert "global_scratch_size=128" in flash_native.launch_problem(_Compiled(global_scratch_size=128))
-    assert "num_ctas=2" in flash_native.launch_problem(_Compiled(num_ctas=2))
-    assert "no metadata" in flash_native.launch_problem(object())
+    assert node.launch_problem(_Compiled()) is None
+    assert "global_scratch_size=128" in node.launch_problem(_Compiled(global_scratch_size=128))
+    assert "num_ctas=2" in node.launch_problem(_Compiled(num_ctas=2))
+    assert "no metadata" in node.launch_problem(object())
 
 
 def test_the_setting_reads_its_environment_variable():
@@ -162,31 +163,31 @@ def test_native_passes_name_the_tensors_each_binary_takes(recorded_launches):
     settings no plan was made with."""
     settings = flash_settings()
     q, k, v, do = _inputs((2, 3, 20, 24), "cpu")
-    out, lse = flash_triton.flash_forward_triton(q, k, v, True)
-    assert flash_triton.native_passes(q, k, v, True, settings) is None  # no backward yet
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
-    passes = flash_triton.native_passes(q, k, v, True, settings)
+    out, lse = fa2.flash_forward_triton(q, k, v, True)
+    assert dispatch.native_passes(q, k, v, True, settings) is None  # no backward yet
+    fa2.flash_backward_triton(q, k, v, out, lse, do, True)
+    passes = dispatch.native_passes(q, k, v, True, settings)
     assert passes.grad_layouts == (do.stride(),) and passes.dq_scale == 0.0
     assert passes.scratch == [("delta", tuple(lse.shape), lse.stride())]  # FA2's D: contiguous, L's shape
     assert recorded_launches == []  # the first calls took the public path
-    out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # plan hits: the recorders see every launch
-    dq, dk, dv = flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    out, lse = fa2.flash_forward_triton(q, k, v, True)  # plan hits: the recorders see every launch
+    dq, dk, dv = fa2.flash_backward_triton(q, k, v, out, lse, do, True)
     named = {"q": q, "k": k, "v": v, "out": out, "lse": lse, "grad_out": do, "dq": dq, "dk": dk, "dv": dv}
     delta = recorded_launches[1][1][6]  # the backward's own D, written by the dQ launch and read by the dK dV one
     named["delta"] = delta
     assert delta.shape == lse.shape and delta.dtype == torch.float32
     for call, (launched_grid, args) in zip([*passes.forward, *passes.backward[0][1]], recorded_launches, strict=True):
         assert call.grid == launched_grid
-        names = [flash_native.SLOTS[value.index] for value in call.values if isinstance(value, TensorSlot)]
+        names = [node.SLOTS[value.index] for value in call.values if isinstance(value, TensorSlot)]
         assert all(arg is named[name] for name, arg in zip(names, args)), names
         assert list(args[len(names):]) == list(call.values[len(names):])
     with use_flash_settings(float32_dot="ieee"):  # another float32 product: other binaries, other plans
         other = flash_settings()
-        assert flash_triton.native_passes(q, k, v, True, other) is None
-        out, lse = flash_triton.flash_forward_triton(q, k, v, True)
-        flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
-        assert flash_triton.native_passes(q, k, v, True, other) is not None
-    assert flash_triton.native_passes(q, k, v, True, settings) is None  # the plans of the old settings are replaced
+        assert dispatch.native_passes(q, k, v, True, other) is None
+        out, lse = fa2.flash_forward_triton(q, k, v, True)
+        fa2.flash_backward_triton(q, k, v, out, lse, do, True)
+        assert dispatch.native_passes(q, k, v, True, other) is not None
+    assert dispatch.native_passes(q, k, v, True, settings) is None  # the plans of the old settings are replaced
 
 
 def test_each_dense_do_layout_gets_its_own_backward_launches(recorded_launches):
@@ -195,18 +196,18 @@ def test_each_dense_do_layout_gets_its_own_backward_launches(recorded_launches):
     layout (copied by the node) and a repeated layout add none."""
     settings = flash_settings()
     q, k, v, do = _inputs((2, 3, 20, 24), "cpu", transposed=True)
-    out, lse = flash_triton.flash_forward_triton(q, k, v, False)
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do, False)
-    assert flash_triton.native_passes(q, k, v, False, settings).grad_layouts == (out.stride(),)
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do.contiguous(), False)
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do.transpose(-1, -2).contiguous().transpose(-1, -2), False)
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do.clone(), False)  # O's layout again
-    passes = flash_triton.native_passes(q, k, v, False, settings)
+    out, lse = fa2.flash_forward_triton(q, k, v, False)
+    fa2.flash_backward_triton(q, k, v, out, lse, do, False)
+    assert dispatch.native_passes(q, k, v, False, settings).grad_layouts == (out.stride(),)
+    fa2.flash_backward_triton(q, k, v, out, lse, do.contiguous(), False)
+    fa2.flash_backward_triton(q, k, v, out, lse, do.transpose(-1, -2).contiguous().transpose(-1, -2), False)
+    fa2.flash_backward_triton(q, k, v, out, lse, do.clone(), False)  # O's layout again
+    passes = dispatch.native_passes(q, k, v, False, settings)
     contiguous = do.contiguous().stride()
     assert out.stride() != contiguous and passes.grad_layouts == (out.stride(), contiguous)
     # each layout's launches pass that layout's strides: the dQ launch's values after its tensors hold dO's strides
     (_, (dq_o, _)), (_, (dq_contiguous, _)) = passes.backward
-    n_tensors = len(flash_triton.BACKWARD_TENSORS[0])
+    n_tensors = len(fa2.BACKWARD_TENSORS[0])
     assert dq_o.values[n_tensors:] != dq_contiguous.values[n_tensors:]
     assert tuple(contiguous) == tuple(dq_contiguous.values[n_tensors + 12:n_tensors + 16])  # q's, k's, v's, dO's
 
@@ -215,34 +216,35 @@ def test_the_kernels_of_a_layout_are_chosen_once(monkeypatch):
     """A layout whose node stays pending (no backward ever runs) asks choose_passes at every call: the choice is
     remembered per layout and settings, and a new layout or other settings choose afresh."""
     asked = []
-    monkeypatch.setattr(flash_dispatch, "_PASS_CHOICES", {})
-    real = flash_dispatch.choose_forward
-    monkeypatch.setattr(flash_dispatch, "choose_forward", lambda *a, **kw: asked.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(dispatch, "_PASS_CHOICES", {})
+    real = dispatch.choose_forward
+    monkeypatch.setattr(dispatch, "choose_forward", lambda *a, **kw: asked.append(a[0].shape) or real(*a, **kw))
     q = torch.randn(1, 2, 8, 16)
     settings = FlashSettings(forward="auto", backward="auto")
     for _ in range(3):
-        assert flash_dispatch.choose_passes(q, q, q, True, settings) == ("triton", "triton")  # the CPU: FA2
+        assert dispatch.choose_passes(q, q, q, True, settings) == ("triton", "triton")  # the CPU: FA2
     assert len(asked) == 1
-    flash_dispatch.choose_passes(q[:, :1], q[:, :1], q[:, :1], True, settings)  # another layout
-    flash_dispatch.choose_passes(q, q, q, True, FlashSettings(forward="auto", backward="triton"))  # other settings
-    flash_dispatch.choose_passes(q, q, q, False, settings)  # not causal
+    dispatch.choose_passes(q[:, :1], q[:, :1], q[:, :1], True, settings)  # another layout
+    dispatch.choose_passes(q, q, q, True, FlashSettings(forward="auto", backward="triton"))  # other settings
+    dispatch.choose_passes(q, q, q, False, settings)  # not causal
     assert len(asked) == 4
 
 
-def test_clearing_the_launchers_forgets_the_nodes():
-    flash_native._NODES[("layout", False)] = flash_native._Node(FlashSettings(), None, pending=True)
-    flash_triton.LAUNCH["forward"].clear()
-    assert not flash_native._NODES
+def test_clearing_the_plan_cache_forgets_the_nodes_and_the_launchers_binaries():
+    launch.PLANS.table("native_nodes")[("layout", False)] = node.Node(FlashSettings(), None, pending=True)
+    fa2.LAUNCH["forward"].entries[("layout",)] = ("binary",)
+    launch.PLANS.clear()
+    assert not launch.PLANS.table("native_nodes") and not fa2.LAUNCH["forward"].entries
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CPU path runs under the interpreter")
 def test_cpu_calls_never_take_the_node():
     q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
     for _ in range(2):
-        out = flash_triton.flash_attention_triton(q, k, v, True)
+        out = api.flash_attention_triton(q, k, v, True)
         out.sum().backward()
     assert "FlashNode" not in out.grad_fn.name()
-    assert not flash_native._NODES
+    assert not launch.PLANS.table("native_nodes")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -253,7 +255,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="lau
 
 @pytest.fixture
 def default_settings(monkeypatch):
-    from cs336_systems.kernels.settings import ENV_VARS
+    from cs336_systems.kernels.flash.settings import ENV_VARS
 
     for var in ENV_VARS.values():
         monkeypatch.delenv(var, raising=False)
@@ -287,7 +289,7 @@ def _run(fn, q, k, v, do, causal):
 
 def _warm(q, k, v, do, causal):
     """One forward+backward through the backend, which plans the layout; the next call takes the node."""
-    _run(flash_triton.flash_attention_triton, q, k, v, do, causal)
+    _run(api.flash_attention_triton, q, k, v, do, causal)
 
 
 CASES = [  # (q shape, k shape, dtype, causal, model layout, contiguous dO)
@@ -319,7 +321,7 @@ def _assert_the_node_gives_the_python_paths_results(shape_q, shape_k, dtype, cau
     q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=0, **layouts)
     _warm(q, k, v, do, causal)
     q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=1, **layouts)  # fresh inputs, same layout
-    out, grads, node = _run(flash_triton.flash_attention_triton, q, k, v, do, causal)
+    out, grads, node = _run(api.flash_attention_triton, q, k, v, do, causal)
     assert "FlashNode" in node, f"the second call of the layout did not take the C++ node ({node})"
     _assert_python_paths_results(q, k, v, do, causal, out, grads)
 
@@ -341,7 +343,7 @@ def test_the_node_gives_the_python_paths_results_with_gluon(default_settings, ca
     with use_flash_settings(forward=forward, backward=backward):
         _assert_the_node_gives_the_python_paths_results(*case)
         q = torch.empty(case[0], device="cuda", dtype=case[2])
-        chosen = flash_dispatch.choose_passes(q, q, q, case[3], flash_settings())
+        chosen = dispatch.choose_passes(q, q, q, case[3], flash_settings())
         assert chosen == (forward, backward)
 
 
@@ -362,7 +364,7 @@ def _gluon_backward() -> bool:
 def _assert_python_paths_results(q, k, v, do, causal, out, grads):
     """O and the gradients equal the Python Function's bit for bit (values and strides; the Gluon backward's dQ
     within its atomic adds' order), and are near float64's."""
-    want_out, want_grads, python = _run(flash_triton.FlashAttentionTriton.apply, q, k, v, do, causal)
+    want_out, want_grads, python = _run(api.FlashAttentionTriton.apply, q, k, v, do, causal)
     assert "FlashNode" not in python
     for name, got, want in zip(("O", "dQ", "dK", "dV"), (out, *grads), (want_out, *want_grads)):
         _assert_same(got, want, name == "dQ" and _gluon_backward(), name)
@@ -385,14 +387,14 @@ def test_compiled_calls_launch_through_the_plan(default_settings, monkeypatch, s
                                                 model_layout, contiguous_grad, kernels):
     if kernels == "gluon":
         set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
-    taken = []  # (pass, whether flash_native launched it) for each operator call of the compiled graphs
+    taken = []  # (pass, whether the node launched it) for each operator call of the compiled graphs
     for name in ("forward", "backward"):
-        def spy(*args, _real=getattr(flash_native, name), _name=name):
-            result = _real(*args)
-            taken.append((_name, result is not None))
-            return result
-        monkeypatch.setattr(flash_native, name, spy)
-    compiled = torch.compile(lambda q, k, v, c: flash_triton.flash_attention_triton(q, k, v, c), fullgraph=True)
+        for module, attribute, by_node in ((node, name, True), (dispatch, f"flash_{name}", False)):
+            def spy(*args, _real=getattr(module, attribute), _name=name, _by_node=by_node):
+                taken.append((_name, _by_node))
+                return _real(*args)
+            monkeypatch.setattr(module, attribute, spy)
+    compiled = torch.compile(lambda q, k, v, c: api.flash_attention_triton(q, k, v, c), fullgraph=True)
     layouts = dict(model_layout=model_layout, contiguous_grad=contiguous_grad)
     _run(compiled, *_leaves(shape_q, shape_k, dtype, seed=4, **layouts), causal)  # plans the layout in Python
     q, k, v, do = _leaves(shape_q, shape_k, dtype, seed=5, **layouts)
@@ -412,28 +414,28 @@ def test_a_compiled_backwards_do_layout_gets_launches_of_its_own(default_setting
     through it with dO as it came (no copy of ours), and the results are the Python path's."""
     if kernels == "gluon":
         set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
-    taken = []  # (whether flash_native launched it, dO's strides) for each backward operator call
-    monkeypatch.setattr(flash_native, "backward", functools.partial(_spied, flash_native.backward, taken))
+    taken = []  # (whether the node launched it, dO's strides) for each backward operator call
+    monkeypatch.setattr(node, "backward", functools.partial(_spied, node.backward, taken, True))
+    monkeypatch.setattr(dispatch, "flash_backward", functools.partial(_spied, dispatch.flash_backward, taken, False))
     shape, causal = (2, 3, 150, head_dim), True  # a layout no other test plans (plans outlive a test)
     _warm(*_leaves(shape, shape, torch.bfloat16, seed=6, model_layout=True), causal)
-    compiled = torch.compile(lambda q, k, v, c: flash_triton.flash_attention_triton(q, k, v, c), dynamic=False,
+    compiled = torch.compile(lambda q, k, v, c: api.flash_attention_triton(q, k, v, c), dynamic=False,
                              fullgraph=True)
     for seed in (7, 8, 9):
         q, k, v, do = _leaves(shape, shape, torch.bfloat16, seed=seed, model_layout=True)
         out, grads, _ = _run(compiled, q, k, v, do, causal)
     given = taken[-1][1]
-    node = flash_native._NODES[(flash_native.layout(q, k, v), causal)]
+    found = launch.PLANS.table("native_nodes")[(launch.layout(q, k, v), causal)]
     if given != tuple(out.stride()):  # a layout the eager calls did not plan: the first compiled backward plans it
         assert taken[0] == (False, given), taken
     assert taken[1:] == [(True, given)] * 2, taken
-    assert given in node.grad_layouts and tuple(out.stride()) in node.grad_layouts, node
+    assert given in found.grad_layouts and tuple(out.stride()) in found.grad_layouts, found
     _assert_python_paths_results(q, k, v, do, causal, out, grads)
 
 
-def _spied(real, taken, *args):
-    result = real(*args)
-    taken.append((result is not None, tuple(args[5].stride())))
-    return result
+def _spied(real, taken, by_node, *args):
+    taken.append((by_node, tuple(args[5].stride())))
+    return real(*args)
 
 
 @gpu
@@ -446,13 +448,13 @@ def test_cuda_graphs_replay_the_eager_results(default_settings, head_dim, kernel
     inputs, must give the eager Function's results."""
     if kernels == "gluon":
         set_flash_settings(FlashSettings(forward="gluon", backward="gluon"))
-    compiled = torch.compile(lambda q, k, v, c: flash_triton.flash_attention_triton(q, k, v, c),
+    compiled = torch.compile(lambda q, k, v, c: api.flash_attention_triton(q, k, v, c),
                              mode="reduce-overhead", fullgraph=True)
     shape = (1, 3, 200, head_dim)  # a layout no other test plans: its first call is the graphs' warm-up
     for seed in range(3):  # warm-up, recording, replay
         q, k, v, do = _leaves(shape, shape, torch.bfloat16, seed=10 + seed, model_layout=True)
         out, grads, _ = _run(compiled, q, k, v, do, True)
-        want_out, want_grads, _ = _run(flash_triton.FlashAttentionTriton.apply, q, k, v, do, True)
+        want_out, want_grads, _ = _run(api.FlashAttentionTriton.apply, q, k, v, do, True)
         for name, got, want in zip(("O", "dQ", "dK", "dV"), (out, *grads), (want_out, *want_grads)):
             _assert_same(got, want, name == "dQ" and _gluon_backward(), f"{name}, call {seed + 1}")
 
@@ -466,7 +468,7 @@ def test_frozen_tied_and_odd_gradients(default_settings, kernels):
     shape = (2, 3, 100, 64)
     q, k, v, do = _leaves(shape, shape, torch.bfloat16, seed=2)
     _warm(q, k, v, do, True)
-    backend, python = flash_triton.flash_attention_triton, flash_triton.FlashAttentionTriton.apply
+    backend, python = api.flash_attention_triton, api.FlashAttentionTriton.apply
     # a frozen input: no gradient for it, the others as the Python path's
     k.requires_grad_(False)
     got, want = _run(backend, q, k, v, do, True), _run(python, q, k, v, do, True)
@@ -476,7 +478,7 @@ def test_frozen_tied_and_odd_gradients(default_settings, kernels):
     k.requires_grad_(True)
     # tied inputs (self-attention on one tensor): the three gradients summed into one
     x = torch.randn_like(q).requires_grad_()
-    flash_triton.flash_attention_triton(x, x, x, True).backward(do)
+    api.flash_attention_triton(x, x, x, True).backward(do)
     got_x, x.grad = x.grad, None
     python(x, x, x, True).backward(do)
     _assert_same(got_x, x.grad, _gluon_backward(), "tied")
@@ -498,14 +500,14 @@ def test_another_stream_and_no_gradient(default_settings):
     shape = (1, 4, 128, 128)
     q, k, v, do = _leaves(shape, shape, torch.bfloat16, seed=3)
     _warm(q, k, v, do, False)
-    want_out, want_grads, _ = _run(flash_triton.FlashAttentionTriton.apply, q, k, v, do, False)
+    want_out, want_grads, _ = _run(api.FlashAttentionTriton.apply, q, k, v, do, False)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        out, grads, node = _run(flash_triton.flash_attention_triton, q, k, v, do, False)
+        out, grads, node = _run(api.flash_attention_triton, q, k, v, do, False)
     torch.cuda.current_stream().wait_stream(stream)
     assert "FlashNode" in node
     assert torch.equal(out, want_out) and all(torch.equal(a, b) for a, b in zip(grads, want_grads))
     with torch.no_grad():
-        out = flash_triton.flash_attention_triton(q, k, v, False)
+        out = api.flash_attention_triton(q, k, v, False)
     assert out.grad_fn is None and torch.equal(out, want_out)

@@ -1,4 +1,4 @@
-"""The FA2 launchers' per-call-signature plans (flash_triton._Plan) and the lean runner (launch.lean_runner).
+"""The FA2 launchers' per-call-signature plans (fa2._Plan) and the lean runner (launch.lean_runner).
 
 A plan keeps what a launcher derives from its inputs' layout and the settings, so a repeated call of one signature
 skips that work: these check that a hit computes what a miss computes, bit for bit, on fresh inputs; that any change
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cs336_systems.kernels import flash_triton, launch
-from cs336_systems.kernels.settings import ENV_VARS, set_flash_settings, use_flash_settings
+from cs336_systems.kernels.flash import api, fa2
+from cs336_systems.kernels.flash.host import launch
+from cs336_systems.kernels.flash.settings import ENV_VARS, FlashSettings, set_flash_settings, use_flash_settings
 from cs336_systems.model.attention import naive_attention
 from tests.kernel_devices import INTERPRET
 
@@ -27,14 +28,14 @@ def plans(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     set_flash_settings(None)
     derived = []
-    real = flash_triton._launch_params
+    real = fa2._launch_params
 
     def counted(q, k, settings):
         derived.append(settings)
         return real(q, k, settings)
 
-    monkeypatch.setattr(flash_triton, "_launch_params", counted)
-    with flash_triton.pinned_tiles(*TILES):
+    monkeypatch.setattr(fa2, "_launch_params", counted)
+    with fa2.pinned_tiles(*TILES):
         yield derived
     set_flash_settings(None)
 
@@ -48,8 +49,8 @@ def _inputs(shape, device, dtype=torch.float32, seed=0, transposed=False):
 
 
 def _fwd_bwd(q, k, v, do, causal):
-    out, lse = flash_triton.flash_forward_triton(q, k, v, causal)
-    return (out, lse, *flash_triton.flash_backward_triton(q, k, v, out, lse, do, causal))
+    out, lse = fa2.flash_forward_triton(q, k, v, causal)
+    return (out, lse, *fa2.flash_backward_triton(q, k, v, out, lse, do, causal))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -68,7 +69,7 @@ def test_a_plan_hit_computes_what_a_miss_computes(plans, kernel_device, causal, 
     assert all(a.stride() == b.stride() for a, b in zip((q, k, v, do), (q0, k0, v0, do0)))
     hit = _fwd_bwd(q, k, v, do, causal)
     assert len(plans) == 2, "the second call of the layout derived its launches again"
-    flash_triton.clear_plans()
+    launch.PLANS.clear()
     missed = _fwd_bwd(q, k, v, do, causal)
     assert len(plans) == 4
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), hit, missed):
@@ -99,13 +100,13 @@ def test_a_change_of_what_the_plan_depends_on_misses(plans, kernel_device):
         def clear(self):
             self.launcher.clear()
 
-    spy = Spy(flash_triton.LAUNCH["forward"])
+    spy = Spy(fa2.LAUNCH["forward"])
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(flash_triton.LAUNCH, "forward", spy)
+        patch.setitem(fa2.LAUNCH, "forward", spy)
 
         def call(q, k, v, causal=True):
             expected = naive_attention(q.double(), k.double(), v.double(), causal)
-            out, _ = flash_triton.flash_forward_triton(q, k, v, causal)
+            out, _ = fa2.flash_forward_triton(q, k, v, causal)
             assert ((out.double() - expected).norm() / expected.norm()).item() < 2e-2
 
         call(q, k, v)
@@ -125,10 +126,10 @@ def test_a_change_of_what_the_plan_depends_on_misses(plans, kernel_device):
         assert len(plans) == 6 and seen[-1][4] == "ieee"
         call(q, k, v)  # back to the environment's settings: the first plan's settings again, derived again
         assert len(plans) == 7 and seen[-1][4] == "tf32x3"
-        patch.setenv(ENV_VARS["float32_dot"], "ieee")
+        set_flash_settings(FlashSettings(float32_dot="ieee"))  # the same change, set for the process
         call(q, k, v)
         assert len(plans) == 8 and seen[-1][4] == "ieee"
-        patch.delenv(ENV_VARS["float32_dot"])
+        set_flash_settings(None)
         call(q, k, v)
         assert len(plans) == 9 and seen[-1][4] == "tf32x3"
 
@@ -137,15 +138,15 @@ def test_bad_input_fails_as_before_after_a_plan_exists(plans, kernel_device):
     """A plan for a layout changes nothing for inputs the kernels do not take: the autograd Function's checks
     still raise their errors (a dtype mismatch, a head dim too large, mismatched shapes), and no plan is made."""
     q, k, v, _ = _inputs((1, 2, 16, 16), kernel_device)
-    flash_triton.flash_attention_triton(q, k, v, True)
+    api.flash_attention_triton(q, k, v, True)
     made = len(plans)
     with pytest.raises(ValueError, match="FlashAttentionTriton: q, k, v must share a dtype"):
-        flash_triton.flash_attention_triton(q, k.half(), v, True)
+        api.flash_attention_triton(q, k.half(), v, True)
     big = torch.zeros(1, 2, 16, 129, device=kernel_device)
     with pytest.raises(ValueError, match="FlashAttentionTriton: head dim 129 is not supported"):
-        flash_triton.flash_attention_triton(big, big, big, True)
+        api.flash_attention_triton(big, big, big, True)
     with pytest.raises(ValueError, match="FlashAttentionTriton: incompatible shapes"):
-        flash_triton.flash_attention_triton(q, k[..., :8], v, True)
+        api.flash_attention_triton(q, k[..., :8], v, True)
     assert len(plans) == made
 
 
@@ -157,23 +158,23 @@ def test_a_launch_that_raises_leaves_no_plan(plans, kernel_device):
         raise RuntimeError("launch failed")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(flash_triton.LAUNCH, "forward", broken)
+        patch.setitem(fa2.LAUNCH, "forward", broken)
         with pytest.raises(RuntimeError, match="launch failed"):
-            flash_triton.flash_forward_triton(q, k, v, True)
-    assert not flash_triton._FORWARD_PLANS
-    flash_triton.flash_forward_triton(q, k, v, True)
-    assert len(plans) == 2 and len(flash_triton._FORWARD_PLANS) == 1
+            fa2.flash_forward_triton(q, k, v, True)
+    assert not fa2._FORWARD_PLANS
+    fa2.flash_forward_triton(q, k, v, True)
+    assert len(plans) == 2 and len(fa2._FORWARD_PLANS) == 1
 
 
 def test_clearing_a_launcher_drops_every_plan(plans, kernel_device):
     """New tile configs (pinned_tiles) clear the launchers, and with them the plans built on their entries."""
     q, k, v, do = _inputs((1, 2, 16, 16), kernel_device)
     _fwd_bwd(q, k, v, do, True)
-    assert flash_triton._FORWARD_PLANS and flash_triton._BACKWARD_PLANS
-    with flash_triton.pinned_tiles((16, 16, 4, 1), (16, 16, 4, 1)):
-        assert not flash_triton._FORWARD_PLANS and not flash_triton._BACKWARD_PLANS
+    assert fa2._FORWARD_PLANS and fa2._BACKWARD_PLANS
+    with fa2.pinned_tiles((16, 16, 4, 1), (16, 16, 4, 1)):
+        assert not fa2._FORWARD_PLANS and not fa2._BACKWARD_PLANS
         _fwd_bwd(q, k, v, do, True)
-    assert not flash_triton._FORWARD_PLANS and not flash_triton._BACKWARD_PLANS
+    assert not fa2._FORWARD_PLANS and not fa2._BACKWARD_PLANS
 
 
 @pytest.fixture
@@ -182,7 +183,7 @@ def recorded_launches(plans, monkeypatch):
     of (grid, args) of every launch of a compiled kernel (the first call of a layout takes the public path, which
     launches nothing here)."""
     monkeypatch.setattr(launch, "INTERPRET", False)
-    monkeypatch.setattr(flash_triton, "check_kernel_device", lambda t, name: None)  # CPU tensors, in any process
+    monkeypatch.setattr(fa2, "check_kernel_device", lambda t, name: None)  # CPU tensors, in any process
     runs = []
 
     class Compiled:  # Triton's compiled kernel: `[grid]` gives the runner, here a recorder
@@ -193,12 +194,12 @@ def recorded_launches(plans, monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: Compiled()
 
-    for name, launcher in list(flash_triton.LAUNCH.items()):
+    for name, launcher in list(fa2.LAUNCH.items()):
         fresh = launch.FastLauncher(launcher.kernel)
         fresh.kernel = Public()
         if fresh.autotuner is not None:  # the tuned config Triton would have chosen: pinned_tiles' one
             monkeypatch.setattr(fresh.autotuner, "best_config", fresh.autotuner.configs[0], raising=False)
-        monkeypatch.setitem(flash_triton.LAUNCH, name, fresh)
+        monkeypatch.setitem(fa2.LAUNCH, name, fresh)
     return runs
 
 
@@ -207,18 +208,19 @@ def test_a_plan_hit_gives_the_binary_what_the_launcher_gives_it(plans, recorded_
     grid that the FastLauncher's own cached path hands it for the same call, without deriving anything."""
     runs = recorded_launches
     q, k, v, do = _inputs((2, 3, 20, 24), "cpu")
-    out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # first calls: the public path, plans made
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    out, lse = fa2.flash_forward_triton(q, k, v, True)  # first calls: the public path, plans made
+    fa2.flash_backward_triton(q, k, v, out, lse, do, True)
     assert runs == [] and len(plans) == 2
     q, k, v, do = _inputs((2, 3, 20, 24), "cpu", seed=1)
-    out, lse = flash_triton.flash_forward_triton(q, k, v, True)  # plan hits
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    out, lse = fa2.flash_forward_triton(q, k, v, True)  # plan hits
+    fa2.flash_backward_triton(q, k, v, out, lse, do, True)
     assert len(plans) == 2 and len(runs) == 3
     planned = list(runs)
     runs.clear()
-    flash_triton.clear_plans()  # the launchers keep their entries: their cached path, with these inputs
-    flash_triton.flash_forward_triton(q, k, v, True)
-    flash_triton.flash_backward_triton(q, k, v, out, lse, do, True)
+    for table in ("fa2_forward", "fa2_backward", "fa2_backward_of_inputs"):  # the launchers keep their entries:
+        launch.PLANS.table(table).clear()  # their cached path, with these inputs
+    fa2.flash_forward_triton(q, k, v, True)
+    fa2.flash_backward_triton(q, k, v, out, lse, do, True)
     assert len(plans) == 4 and len(runs) == 3
     inputs = {id(t): name for name, t in (("q", q), ("k", k), ("v", v), ("do", do))}
 
@@ -311,10 +313,10 @@ def test_gpu_lean_runner_matches_tritons_runner(plans, monkeypatch):
     lean = twice()
     with monkeypatch.context() as patch:
         patch.setattr(launch, "lean_runner", lambda compiled, grid: compiled[grid])
-        for launcher in flash_triton.LAUNCH.values():
+        for launcher in fa2.LAUNCH.values():
             launcher.clear()
         tritons = twice()
-    for launcher in flash_triton.LAUNCH.values():
+    for launcher in fa2.LAUNCH.values():
         launcher.clear()
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), lean, tritons):
         assert torch.equal(a, b), name

@@ -349,3 +349,50 @@ def test_unknown_or_malformed_backends_are_clear_errors():
         assert get_attention("by_path") is naive_attention
     finally:
         del ATTENTION_BACKENDS["by_path"]
+
+
+def _private_uses(source: str, module: str, known) -> list[str]:
+    """Where `source` (module `module`) uses another of `known` modules' private names: `from X import _name`, or
+    `alias._name` with alias bound to an imported module X (`import X as alias`, `from P import X`). Dunder names
+    (`__version__`) are public."""
+    aliases, found = {}, []
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    aliases[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                if target in known:
+                    aliases[alias.asname or alias.name] = target
+                elif node.module in known and node.module != module and private(alias.name):
+                    found.append(f"line {node.lineno}: from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            base = ast.unparse(node.value)
+            if aliases.get(base, module) != module:
+                found.append(f"line {node.lineno}: {base}.{node.attr} ({aliases[base]})")
+    return found
+
+
+def test_private_use_finder_sees_both_forms():
+    source = ("from cs336_systems.a import _hidden, shown\nfrom cs336_systems import b\nimport cs336_systems.c as c\n"
+              "b._plans.clear()\nc.__version__\nc.ok\n")
+    known = {"cs336_systems.a", "cs336_systems.b", "cs336_systems.c"}
+    assert _private_uses(source, "cs336_systems.d", known) == [
+        "line 1: from cs336_systems.a import _hidden", "line 4: b._plans (cs336_systems.b)"]
+    assert _private_uses("from cs336_systems.a import _own\n", "cs336_systems.a", known) == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    """A module's `_private` names are its own: no module under cs336_systems/ imports another's or reaches them
+    through an imported module, so a rename inside one module cannot silently break another."""
+    found = {module: uses for module, path in MODULES.items()
+             if (uses := _private_uses(path.read_text(), module, MODULES))}
+    assert not found, found

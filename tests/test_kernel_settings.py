@@ -1,5 +1,5 @@
-"""The kernels' settings (kernels/settings.py) read at call time, the launch fast path's check of
-Triton (kernels/launch.py) and its fallback, and what a kernel says when it cannot run on a tensor."""
+"""The kernels' settings (kernels/flash/settings.py), read once, the launch fast path's check of
+Triton (kernels/flash/host/launch.py) and its fallback, and what a kernel says when it cannot run on a tensor."""
 
 import os
 import re
@@ -12,8 +12,11 @@ import pytest
 import torch
 import triton
 
-from cs336_systems.kernels import flash_gluon_bwd, flash_triton, launch
-from cs336_systems.kernels.settings import (
+from cs336_systems.kernels.flash import api, fa2
+from cs336_systems.kernels.flash import gluon_bwd as bwd
+from cs336_systems.kernels.flash import settings as settings_module
+from cs336_systems.kernels.flash.host import launch
+from cs336_systems.kernels.flash.settings import (
     ENV_VARS,
     FlashSettings,
     flash_settings,
@@ -28,30 +31,34 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def no_flash_env(monkeypatch):
-    """No CS336_FLASH_* variable set and no settings chosen from code, whatever the caller's shell has."""
+    """No CS336_FLASH_* variable set, the environment not read yet (as in a fresh process) and no settings chosen
+    from code, whatever the caller's shell has."""
     for var in ENV_VARS.values():
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(settings_module, "_from_env", None)
     set_flash_settings(None)
     yield monkeypatch
     set_flash_settings(None)
 
 
-def test_environment_variables_are_read_when_the_settings_are_needed(no_flash_env):
-    assert flash_settings() == FlashSettings()
+def test_environment_variables_are_read_once(no_flash_env):
     no_flash_env.setenv("CS336_FLASH_FLOAT32_DOT", "ieee")
     no_flash_env.setenv("CS336_FLASH_TMA", "0")
     assert flash_settings() == FlashSettings(float32_dot="ieee", tma=False)
-    no_flash_env.setenv("CS336_FLASH_FAST_LAUNCH", "0")
+    no_flash_env.setenv("CS336_FLASH_FAST_LAUNCH", "0")  # read once: a later change is not seen
+    assert flash_settings() == FlashSettings(float32_dot="ieee", tma=False)
+    set_flash_settings(FlashSettings.from_env())  # unless the settings are set from it again
     assert flash_settings() == FlashSettings(float32_dot="ieee", tma=False, fast_launch=False)
-    no_flash_env.delenv("CS336_FLASH_TMA")
-    assert flash_settings() == FlashSettings(float32_dot="ieee", fast_launch=False)
+    set_flash_settings(None)  # back to the environment as first read
+    assert flash_settings() == FlashSettings(float32_dot="ieee", tma=False)
+    assert FlashSettings.from_env({}) == FlashSettings()
 
 
 def test_bad_settings_are_clear_errors(no_flash_env):
     no_flash_env.setenv("CS336_FLASH_TMA", "yes")
     with pytest.raises(ValueError, match="CS336_FLASH_TMA='yes': use 1 .on. or 0 .off."):
         flash_settings()
-    no_flash_env.setenv("CS336_FLASH_TMA", "1")
+    no_flash_env.setenv("CS336_FLASH_TMA", "1")  # a failed read keeps nothing: the next call reads again
     no_flash_env.setenv("CS336_FLASH_FLOAT32_DOT", "tf32")
     with pytest.raises(ValueError, match="CS336_FLASH_FLOAT32_DOT='tf32': choose one of tf32x3, ieee"):
         flash_settings()
@@ -77,8 +84,8 @@ def test_settings_from_code_override_the_environment_and_restore(no_flash_env):
 
 
 def test_settings_changed_after_import_reach_the_kernels(no_flash_env, kernel_device):
-    """The forward's PRECISION and TMA follow the settings in force at each call, set by environment
-    variable or from code long after the kernels were imported, and the output stays right."""
+    """The forward's PRECISION and TMA follow the settings in force at each call, set from code long after the
+    kernels were imported, and the output stays right."""
     seen = []
 
     class Spy:  # the forward's launcher, recording what it launches with
@@ -89,25 +96,20 @@ def test_settings_changed_after_import_reach_the_kernels(no_flash_env, kernel_de
             seen.append((kwargs["PRECISION"], kwargs["TMA"]))
             self.launcher(grid, *args, **kwargs)
 
-        def clear(self):
-            self.launcher.clear()
-
-    no_flash_env.setitem(flash_triton.LAUNCH, "forward", Spy(flash_triton.LAUNCH["forward"]))
+    no_flash_env.setitem(fa2.LAUNCH, "forward", Spy(fa2.LAUNCH["forward"]))
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 32, 16, generator=gen).to(kernel_device) for _ in range(3))
     expected = naive_attention(q.double(), k.double(), v.double(), True)
 
     def run():
-        with flash_triton.pinned_tiles((32, 16, 4, 1), (32, 16, 4, 1)):  # on a GPU: no autotuning
-            out = flash_triton.flash_attention_triton(q, k, v, True)
+        with fa2.pinned_tiles((32, 16, 4, 1), (32, 16, 4, 1)):  # on a GPU: no autotuning
+            out = api.flash_attention_triton(q, k, v, True)
         assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-4, seen[-1]
 
     with use_flash_settings(tma=False):
         run()
-    no_flash_env.setenv("CS336_FLASH_FLOAT32_DOT", "ieee")
-    with use_flash_settings(tma=False):
+    with use_flash_settings(tma=False, float32_dot="ieee"):
         run()
-    no_flash_env.delenv("CS336_FLASH_FLOAT32_DOT")
     tma_here = INTERPRET or torch.cuda.get_device_capability()[0] >= 9  # Hopper's copy engine, or the interpreter
     with use_flash_settings(tma=True, tma_min_keys=0):
         run()
@@ -166,7 +168,7 @@ def test_fast_path_passes_the_arguments_in_signature_order(no_flash_env):
     positional ones, then the keywords (passed here in another order than the signature's); a new layout (here a
     new dtype) goes through the public path again, and so does every call with fast launch off."""
     no_flash_env.setattr(launch, "INTERPRET", False)
-    kernel = flash_gluon_bwd._bwd_preprocess_kernel  # a plain JIT function: its signature is the arguments' order
+    kernel = bwd.PREPROCESS.kernel  # a plain JIT function: its signature is the arguments' order
     launcher = launch.FastLauncher(kernel)
     compiled, public = CompiledStub(), []
     launcher.kernel = type("Public", (), {"__getitem__": lambda self, grid: lambda *a, **kw: public.append(a)
@@ -185,9 +187,9 @@ def test_fast_path_passes_the_arguments_in_signature_order(no_flash_env):
 
 
 def test_fast_path_is_only_taken_on_a_checked_triton_release(no_flash_env):
-    kernel = flash_triton.TUNED_KERNELS["forward"]
+    kernel = fa2.TUNED_KERNELS["forward"]
     assert launch.fast_path_problem(kernel) is None  # the pinned Triton and its internals as checked
-    assert launch.fast_path_problem(flash_gluon_bwd._bwd_preprocess_kernel) is None  # a plain JIT function too
+    assert launch.fast_path_problem(bwd.PREPROCESS.kernel) is None  # a plain JIT function too
     assert launch.fast_path_problem(kernel, version="3.9.0") == (
         "Triton 3.9.0 is not one of the checked releases " + ", ".join(launch.CHECKED_TRITON_VERSIONS))
     no_flash_env.setattr(launch, "INTERPRET", False)
@@ -200,11 +202,11 @@ def test_fast_path_caches_each_layout_on_the_gpu(no_flash_env):
     """On the checked Triton the fast path is taken, without a warning: after the first call of a layout,
     the binary is called directly, with the same result."""
     q, k, v = (torch.randn(1, 2, 100, 32, device="cuda") for _ in range(3))
-    with warnings.catch_warnings(), flash_triton.pinned_tiles((64, 32, 4, 2), (64, 32, 4, 2)):
+    with warnings.catch_warnings(), fa2.pinned_tiles((64, 32, 4, 2), (64, 32, 4, 2)):
         warnings.simplefilter("error", RuntimeWarning)
-        first = flash_triton.flash_attention_triton(q, k, v, True)
-        assert len(flash_triton.LAUNCH["forward"].entries) == 1
-        again = flash_triton.flash_attention_triton(q, k, v, True)
+        first = api.flash_attention_triton(q, k, v, True)
+        assert len(fa2.LAUNCH["forward"].entries) == 1
+        again = api.flash_attention_triton(q, k, v, True)
     torch.testing.assert_close(again, first, rtol=0, atol=0)
 
 

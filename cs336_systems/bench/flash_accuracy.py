@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cs336_systems.kernels.flash_pytorch import FlashAttentionPytorch
-from cs336_systems.kernels.flash_triton import FlashAttentionTriton
+from cs336_systems.kernels import FlashAttentionPytorch, FlashAttentionTriton
 from cs336_systems.model.attention import naive_attention
 
 # (batch, heads, seq, d), causal: a GPU run's cases (odd lengths included) and a CPU run's small one.

@@ -73,10 +73,9 @@ def provider_fn(provider: str, **compile_options) -> AttentionFn:
 
 def point_calls(providers: tuple[str, ...]) -> dict[str, AttentionFn]:
     """The calls one point of a grid times: each backend as it is, and each NAME_compiled compiled afresh for the
-    point with static shapes, as a model training at one shape compiles its attention. (Until 9bf9e4a the grid
-    compiled once for all its points, which turned dynamic from the second; kernels/NOTES.md, "The compiled
-    backward's dO", has the dO layout each way hands our backward.) Dynamo's compiled code is reset first, so that
-    no point runs a graph made for another."""
+    point with static shapes, as a model training at one shape compiles its attention (compiled once for all the
+    points, the graph turns dynamic from the second). Dynamo's compiled code is reset first, so that no point runs
+    a graph made for another."""
     if any(provider.endswith(COMPILED) for provider in providers):
         torch._dynamo.reset()
     return {provider: provider_fn(provider, dynamic=False) for provider in providers}
@@ -285,7 +284,7 @@ def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
     shapes = config.shapes()
     for i, (batch, heads, seq, head_dim, causal) in enumerate(shapes, 1):
         shape = {"dtype": config.dtype, "batch": batch, "heads": heads, "seq_len": seq, "head_dim": head_dim,
-                 "causal": causal, "do_layout": "model"}  # dO as q, k, v (until 0040458 it was contiguous)
+                 "causal": causal, "do_layout": "model"}  # dO in the layout of q, k, v
         calls = point_calls(config.providers)
         failed: dict[str, tuple[str, str]] = {}  # provider -> (status, note): not run, or stopped by its error
         for provider in config.providers:
@@ -313,7 +312,7 @@ def llm_shapes(config: LlmShapesConfig) -> Iterator[list[dict]]:
             q = k = v = do = None
         for provider in config.providers:
             row = {"benchmark": "flash_llm_shapes", "provider": provider, **shape}
-            if provider.endswith(COMPILED):  # compiled for this point alone (until 9bf9e4a, once for the grid)
+            if provider.endswith(COMPILED):  # compiled for this point alone
                 row["compiled_for"] = "point"
             if provider in failed:
                 status, note = failed[provider]
@@ -505,9 +504,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         resolve_device(args.device)
         config = None
-    from cs336_systems.kernels.flash_tuning import FLOAT32_DOT  # after the device check (it imports triton)
+    from cs336_systems.kernels.flash import flash_settings  # after the device check (it imports triton)
 
-    prov = {**provenance(args.device), "float32_dot": FLOAT32_DOT}  # how our kernels multiplied float32 inputs
+    prov = {**provenance(args.device), "float32_dot": flash_settings().float32_dot}  # how our kernels multiplied float32 inputs
     rows = PartialRows(args.out)  # a cut sweep keeps its finished points in OUT.partial
     points = {"sweep": sweep, "llm-shapes": llm_shapes, "leaderboard": lambda c: [leaderboard(c)],
               "first-call": lambda c: [first_call_rows(FIRST_CALL_SHAPE)]}[args.command]

@@ -1,8 +1,8 @@
-"""Compile the Gluon FlashAttention forward (`flash_gluon.py`) for sm_90 without a GPU and read what each
+"""Compile the Gluon FlashAttention forward (`kernels/flash/gluon_fwd.py`) for sm_90 without a GPU and read what each
 configuration costs: registers, spills (the gate: 0 B) and shared memory.
 
 Triton compiles for a named architecture on any machine; this module puts a stand-in driver in place of CUDA so
-that the kernel's own host code (`flash_gluon.kernel_launch`: the real TMA descriptors, arguments and launch
+that the kernel's own host code (`gluon_fwd.kernel_launch`: the real TMA descriptors, arguments and launch
 options) goes through `JITFunction.warmup`, which compiles without launching, and reads `ptxas -v` with the
 ptxas in Triton's wheel (`bench.kernel_resources.ptxas_usage`).
 
@@ -55,43 +55,29 @@ def use_compile_only_driver(capability: int = 90):
     triton.runtime.driver.set_active(CompileOnlyDriver(capability))
 
 
-# (head dim, causal, dtype, exact, persistent, num_slots): what the launcher ships (both dtypes, both head dims,
-# causal or not) and the EXACT variant the GPU tests run, each as the one-tile-per-program kernel and the persistent
-# one; num_slots None is TILES' ring depth.
-CONFIGS = [(d, causal, dtype, False, persistent, None) for persistent in (False, True) for d in (128, 64)
-           for causal in (True, False) for dtype in ("bf16", "fp16")]
-CONFIGS += [(d, causal, "bf16", True, persistent, None) for persistent in (False, True) for d in (64, 128)
-            for causal in (False, True)]
-# --d64-tiles: the d=64 candidates of issue #26's tile search (results/diagnosis/flash_gluon_d64.py times them):
-# K/V ring depths 2, 3, 4 (shipped) and 6 (the most that fits 227 KiB with the persistent kernel's O buffers),
-# one-tile and persistent, bf16 (fp16 compiles to the same code), with the EXACT twin the device checks run.
-D64_SLOTS = (2, 3, 4, 6)
-D64_CONFIGS = [(64, causal, "bf16", exact, persistent, slots) for persistent in (False, True) for slots in D64_SLOTS
-               for exact in (False, True) for causal in (True, False)]
+# (head dim, causal, dtype, exact): what the launcher ships (both dtypes, both head dims, causal or not) and the
+# EXACT variant the GPU tests run.
+CONFIGS = [(d, causal, dtype, False) for d in (128, 64) for causal in (True, False) for dtype in ("bf16", "fp16")]
+CONFIGS += [(d, causal, "bf16", True) for d in (64, 128) for causal in (False, True)]
 
 
-def compile_config(head_dim: int, is_causal: bool, dtype: str, exact: bool, persistent: bool = False,
-                   num_slots: int | None = None, n: int = 1000) -> dict:
+def compile_config(head_dim: int, is_causal: bool, dtype: str, exact: bool, n: int = 1000) -> dict:
     """One configuration compiled through the launcher's host code, on CPU stand-in tensors of the model's layout
     ((batch, seq, heads, dim) viewed as (batch, heads, seq, dim)); a ragged length, as lengths do not change
     the code beyond Triton's divisibility specialisation."""
-    import dataclasses
-
     import torch
 
-    from cs336_systems.kernels import flash_gluon
+    from cs336_systems.kernels.flash import gluon_fwd
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     q = torch.empty(2, n, 4, head_dim, dtype=torch_dtype).transpose(1, 2)
     lse = torch.empty(2, 4, n, dtype=torch.float32)
-    tile = dataclasses.replace(flash_gluon.tile_for(head_dim), persistent=persistent)
-    if num_slots is not None:
-        tile = dataclasses.replace(tile, num_slots=num_slots)
-    args, grid, options = flash_gluon.kernel_launch(q, q, q, q, lse, is_causal, exact, tile=tile)
+    tile = gluon_fwd.tile_for(head_dim)
+    args, grid, options = gluon_fwd.kernel_launch(q, q, q, q, lse, is_causal, exact)
     row = {"kernel": "flash_gluon_forward", "head_dim": head_dim, "causal": is_causal, "dtype": dtype,
            "exact": exact, **{k: v for k, v in vars(tile).items() if k != "head_dim"},
            "tile_shared_bytes": tile.shared_bytes()}
-    return compiled_row(flash_gluon._flash_fwd_gluon_kernel, args, grid, options, row)
+    return compiled_row(gluon_fwd.LAUNCHER.kernel, args, grid, options, row)
 
 
 def compiled_row(kernel, args, grid, options, row: dict, ptx_counts: dict[str, str] | None = None) -> dict:
@@ -135,27 +121,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--head-dims", nargs="+", type=int, default=None, help="only these head dims (64, 128)")
     parser.add_argument("--no-exact", action="store_true", help="skip the EXACT (test-only) variants")
-    parser.add_argument("--persistent", choices=("both", "yes", "no"), default="both",
-                        help="the persistent kernel, the one-tile-per-program kernel, or both")
-    parser.add_argument("--d64-tiles", action="store_true",
-                        help="the d=64 tile candidates (ring depths x one-tile/persistent) instead of the shipped tiles")
     parser.add_argument("--only-first", action="store_true", help="only the first selected configuration (tests)")
     parser.add_argument("--out", default=None, help="CSV file for the rows (printed either way)")
     args = parser.parse_args(argv)
     use_compile_only_driver()
 
     rows = []
-    for head_dim, causal, dtype, exact, persistent, num_slots in (D64_CONFIGS if args.d64_tiles else CONFIGS):
-        if ((args.head_dims and head_dim not in args.head_dims) or (exact and args.no_exact)
-                or args.persistent == ("no" if persistent else "yes")):
+    for head_dim, causal, dtype, exact in CONFIGS:
+        if (args.head_dims and head_dim not in args.head_dims) or (exact and args.no_exact):
             continue
-        row = compile_config(head_dim, causal, dtype, exact, persistent, num_slots)
+        row = compile_config(head_dim, causal, dtype, exact)
         rows.append(row)
         shown = (f"{row['registers']} registers, {row['spill_store_bytes']} B spill stores, "
                  f"{row['spill_load_bytes']} B spill loads, {row['shared_bytes']} B shared, setmaxnreg "
                  f"{row['setmaxnreg']}, {row['compile_s']} s" if row["status"] == "ok" else row["error"])
-        print(f"d={head_dim} causal={causal} {dtype} exact={exact} persistent={persistent} "
-              f"num_slots={row['num_slots']}: {shown}", flush=True)
+        print(f"d={head_dim} causal={causal} {dtype} exact={exact} num_slots={row['num_slots']}: {shown}", flush=True)
         if args.only_first:
             break
     finish(rows, args.out)

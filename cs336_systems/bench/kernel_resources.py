@@ -26,7 +26,7 @@ import tempfile
 from cs336_systems.provenance import provenance
 from cs336_systems.results import write_rows
 
-# The kernels by their names in flash_triton.TUNED_KERNELS and flash_tuning.TILINGS, spelled out here
+# The kernels by their names in kernels/flash/fa2.TUNED_KERNELS and tuning.TILINGS, spelled out here
 # because those modules import Triton, which must wait for `use_compiler`.
 KERNELS = ("forward", "backward_dkdv", "backward_dq")
 POINTER_DTYPES = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
@@ -43,15 +43,15 @@ def use_compiler() -> None:
 
 
 def flash_module():
-    """flash_triton, its kernels defined for compiling."""
+    """kernels/flash/fa2.py, its kernels defined for compiling."""
     import triton
 
-    from cs336_systems.kernels import flash_triton
+    from cs336_systems.kernels.flash import fa2
 
-    if flash_triton.INTERPRET or triton.knobs.runtime.interpret:
+    if fa2.INTERPRET or triton.knobs.runtime.interpret:
         raise RuntimeError("Triton and the kernels were imported under TRITON_INTERPRET=1 in this process; compile "
                            "them in a process of their own: python -m cs336_systems.bench.kernel_resources")
-    return flash_triton
+    return fa2
 
 
 def _jit_function(kernel):
@@ -65,8 +65,8 @@ def _jit_function(kernel):
 
 def _dot_precision(dtype: str, float32_dot: str | None = None) -> str:
     """The kernels' PRECISION for this input dtype (16-bit inputs ignore it); float32 inputs use
-    float32_dot, or the setting in force (kernels/settings.py)."""
-    from cs336_systems.kernels.settings import flash_settings
+    float32_dot, or the setting in force (kernels/flash/settings.py)."""
+    from cs336_systems.kernels.flash.settings import flash_settings
 
     return (float32_dot or flash_settings().float32_dot) if dtype == "fp32" else "tf32"
 
@@ -105,7 +105,7 @@ def ptxas_usage(ptx: str) -> dict[str, int]:
 
     # The ptxas Triton itself compiles with, whose version set the PTX's `.version`: on the GPU machines that is
     # not the one in Triton's wheel (CUDA 12.8's ptxas there refused the PTX 9.0 Triton wrote: "Unsupported
-    # .version 9.0", exit 255, on the H100 and the H200).
+    # .version 9.0", exit 255, on an H100 and an H200).
     ptxas = knobs.nvidia.ptxas.path
     arch = re.search(r"^\.target (\S+)", ptx, re.MULTILINE).group(1)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
@@ -131,7 +131,7 @@ def measure(kernel_name: str, dtype: str, head_dim: int, tile: tuple[int, int, i
     from triton.backends.compiler import GPUTarget
 
     kernel = flash_module().TUNED_KERNELS[kernel_name]
-    from cs336_systems.kernels.flash_tuning import TILINGS
+    from cs336_systems.kernels.flash.tuning import TILINGS
 
     outer_name, inner_name = TILINGS[kernel_name].outer, TILINGS[kernel_name].inner
     outer, inner, warps, stages = tile
@@ -152,7 +152,7 @@ def tiles_for(kernel_name: str, dtype: str) -> list[tuple[int, int, int, int]]:
     """The kernel's tiles as the autotuner sees them for this dtype (long sequences): its own pruning
     of the tile list plus the float32-only tiles."""
     flash_module()  # the check that Triton compiles in this process
-    from cs336_systems.kernels.flash_tuning import TILINGS, prune_configs, tile_configs
+    from cs336_systems.kernels.flash.tuning import TILINGS, prune_configs, tile_configs
 
     tiling = TILINGS[kernel_name]
     outer, inner = tiling.outer, tiling.inner

@@ -1,11 +1,15 @@
 """FlashAttention-2 kernels in plain PyTorch and in Triton (and `adamw_triton`, the fused AdamW step).
 
-The model names the attention ones as its backends `flash_pytorch` and `flash_triton`
-(`cs336_systems.model.attention`); importing this package registers nothing.
+The attention ones live in the package `flash/`; the model names them as its backends `flash_pytorch` and
+`flash_triton` (`cs336_systems.model.attention`).
 """
 
-from cs336_systems.kernels.flash_pytorch import FlashAttentionPytorch, flash_attention_pytorch
-from cs336_systems.kernels.flash_triton import FlashAttentionTriton, flash_attention_triton
+from cs336_systems.kernels.flash import (
+    FlashAttentionPytorch,
+    FlashAttentionTriton,
+    flash_attention_pytorch,
+    flash_attention_triton,
+)
 from cs336_systems.kernels.fused_linear_ce import linear_cross_entropy, linear_cross_entropy_ref
 
 __all__ = ["FlashAttentionPytorch", "FlashAttentionTriton", "flash_attention_pytorch",

@@ -25,8 +25,15 @@ MAX_HEAD_DIM = 128
 @functools.cache
 def cuda_capability(index: int) -> tuple[int, int]:
     """The compute capability of CUDA device `index`, asked once (each ask reads the device's properties, which
-    the short-call path of the attention kernels felt: kernels/NOTES.md, "Host floor")."""
+    the short-call path of the attention kernels felt)."""
     return torch.cuda.get_device_capability(index)
+
+
+def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """t's device's compute capability, cached per device; None on the CPU or under Triton's interpreter."""
+    if INTERPRET or not t.is_cuda:
+        return None
+    return cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, name: str) -> None:

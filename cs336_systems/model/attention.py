@@ -120,8 +120,8 @@ ATTENTION_BACKENDS: dict[str, AttentionFn | str] = {
     "naive": naive_attention,
     "sdpa": sdpa_attention,
     **{name: functools.partial(sdpa_kernel_attention, kernel=kernel) for name, kernel in SDPA_KERNELS.items()},
-    "flash_pytorch": "cs336_systems.kernels.flash_pytorch:flash_attention_pytorch",
-    "flash_triton": "cs336_systems.kernels.flash_triton:flash_attention_triton",
+    "flash_pytorch": "cs336_systems.kernels.flash.reference:flash_attention_pytorch",
+    "flash_triton": "cs336_systems.kernels.flash.api:flash_attention_triton",
 }
 
 

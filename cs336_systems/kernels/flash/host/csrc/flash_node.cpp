@@ -1,9 +1,9 @@
-// The flash_triton backend's autograd node in C++ (built and driven by kernels/flash_native.py).
+// The flash_triton backend's autograd node in C++ (built and driven by kernels/flash/host/node.py).
 //
 // At host-bound calls (a few hundred microseconds of forward+backward) a Python autograd.Function costs more than
 // the kernels: the engine runs its Python backward on autograd's device thread, where every Python line costs
-// 1.5-2.4x what it costs on the calling thread (kernels/NOTES.md, "What a short call's host time is made of").
-// This node does what the per-layout plans of flash_triton (FA2) and flash_gluon (Hopper) do, in C++: it allocates
+// 1.5-2.4x what it costs on the calling thread.
+// This node does what the per-layout plans of fa2.py (FA2) and gluon_fwd.py / gluon_bwd.py (Hopper) do, in C++: it allocates
 // the outputs and the scratch buffers and launches the binaries Triton compiled for the layout, with the arguments
 // Triton would pass, through cuLaunchKernel. Its backward runs no Python at all.
 // The two passes are also exported alone, without autograd (`forward`, `backward`): the kernels of the operators
@@ -12,7 +12,7 @@
 // What it launches comes from Python, per layout: each Launch holds a CUfunction (Triton's loaded binary), the
 // grid, the block and shared-memory sizes, and the kernel's parameters as bytes, where the pointer parameters name
 // one of the call's tensors (`Slot`) and are written in at each launch, and so are the TMA descriptors (`TensorMap`:
-// encoded at each launch for the slot's address, with the geometry fixed by the layout). flash_native.py reads those
+// encoded at each launch for the slot's address, with the geometry fixed by the layout). host/node.py reads those
 // from Triton's compiled kernels; this file knows nothing of Triton.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -327,7 +327,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& q, con
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "The flash_triton backend's autograd node in C++ (kernels/flash_native.py)";
+  m.doc() = "The flash_triton backend's autograd node in C++ (kernels/flash/host/node.py)";
   py::class_<TensorMap>(m, "TensorMap")
       .def(py::init<int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                     int64_t, int64_t>(),

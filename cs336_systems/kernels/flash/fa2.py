@@ -15,15 +15,16 @@ on the diagonal build a mask. Heavy query tiles are scheduled first.
 
 Caveats: head dim up to 128 (padded to a power of two ≥ 16 inside the kernel); any sequence
 lengths (ragged last tiles are masked; EVEN_* heuristics drop the masks when lengths divide the
-tiles); float32 dots use the `float32_dot` setting (settings.py, read at each call, like the other
-settings), never plain TF32, so float32 results match a float32 reference. Pointer arithmetic only
-(no block pointers, which Triton 3.9 removed). CPU tensors run only under Triton's interpreter, which
-TRITON_INTERPRET=1 switches on if set before this module is imported (the tests and the smoke-scale
-workflow set it where there is no GPU; the package never does). The tile configs and their autotuning
-are in flash_tuning.py; `pinned_tiles` (below) replaces the autotuning by one config per kernel.
+tiles); float32 dots use the `float32_dot` setting (settings.py), never plain TF32, so float32 results
+match a float32 reference. Pointer arithmetic only (no block pointers, which Triton 3.9 removed). CPU
+tensors run only under Triton's interpreter, which TRITON_INTERPRET=1 switches on if set before this
+module is imported (the tests and the smoke-scale workflow set it where there is no GPU; the package
+never does). The tile configs and their autotuning are in tuning.py; `pinned_tiles` (below) replaces
+the autotuning by one config per kernel. The launchers keep a plan per call layout (host/launch.py's
+PLANS). The public op, which chooses between these kernels and the Gluon ones, is api.py.
 
-Longer than our usual ~400 lines: the three kernels share their jit helpers, and the file reads top
-to bottom as one story (helpers, kernels, launchers, autograd.Function), as Triton's tutorial does.
+The three kernels share their jit helpers, and the file reads top to bottom as one story (helpers,
+kernels, launchers), as Triton's tutorial does. See DECISIONS.md#fa2-triton-tiles-and-autotuning.
 """
 
 from __future__ import annotations
@@ -34,11 +35,18 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels import flash_dispatch, flash_native
-from cs336_systems.kernels.common import INTERPRET, check_inputs, check_kernel_device
-from cs336_systems.kernels.launch import FastLauncher, cdiv, contiguous_strides, layout, next_power_of_2, on_clear
-from cs336_systems.kernels.settings import FlashSettings, flash_settings, made_with
-from cs336_systems.kernels.flash_tuning import (
+from cs336_systems.kernels.common import INTERPRET, check_kernel_device, device_capability
+from cs336_systems.kernels.flash.host import node
+from cs336_systems.kernels.flash.host.launch import (
+    PLANS,
+    FastLauncher,
+    cdiv,
+    contiguous_strides,
+    layout,
+    next_power_of_2,
+)
+from cs336_systems.kernels.flash.settings import FlashSettings, flash_settings, made_with
+from cs336_systems.kernels.flash.tuning import (
     TILINGS,
     TUNING_KEY,
     announcing_prune,
@@ -123,7 +131,7 @@ def _even(name: str, block: str):
 
 
 def _tuned(kernel: str, extra_key: tuple[str, ...] = ()):
-    """Autotuning over the tiles of `kernel` (a name in flash_tuning.TILINGS), and the EVEN_*
+    """Autotuning over the tiles of `kernel` (a name in tuning.TILINGS), and the EVEN_*
     heuristics that drop masks where the lengths and head dim fill the tiles."""
     autotune = triton.autotune(configs=autotune_configs(TILINGS[kernel]), key=[*TUNING_KEY, *extra_key],
                                prune_configs_by={"early_config_prune": announcing_prune(kernel)},
@@ -340,7 +348,7 @@ def _flash_bwd_dq_kernel(
                 stride_dqn, stride_dqd, N_Q, HEAD_DIM, not EVEN_M, not EVEN_D)
 
 
-# The autotuned kernels by their names in flash_tuning.TILINGS, for pinned_tiles and bench/kernel_resources.py.
+# The autotuned kernels by their names in tuning.TILINGS, for pinned_tiles and bench/kernel_resources.py.
 TUNED_KERNELS = {"forward": _flash_fwd_kernel, "backward_dkdv": _flash_bwd_dkdv_kernel,
                  "backward_dq": _flash_bwd_dq_kernel}
 
@@ -352,14 +360,13 @@ LAUNCH = {name: FastLauncher(kernel) for name, kernel in TUNED_KERNELS.items()}
 @contextlib.contextmanager
 def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, int, int]):
     """Run the kernels with one tile config each, (outer, inner, warps, stages) as in
-    flash_tuning's FWD_TILES and BWD_TILES, instead of autotuning: a single config skips Triton's pruning
+    tuning.py's FWD_TILES and BWD_TILES, instead of autotuning: a single config skips Triton's pruning
     and benchmarking. For checking every tile config, and for quick GPU test runs, where autotuning every
     test shape compiles each config once per specialization (minutes)."""
     roles = [(TUNED_KERNELS[name], TILINGS[name], forward if name == "forward" else backward)
              for name in TUNED_KERNELS]
     saved = [(kernel.configs, kernel.cache) for kernel, _, _ in roles]
-    for launcher in LAUNCH.values():  # layouts launched with other tiles
-        launcher.clear()
+    PLANS.clear()  # layouts launched with other tiles
     try:
         for kernel, tiling, tile in roles:
             kernel.configs, kernel.cache = [tile_config(tile, tiling.outer, tiling.inner)], {}
@@ -367,8 +374,7 @@ def pinned_tiles(forward: tuple[int, int, int, int], backward: tuple[int, int, i
     finally:
         for (kernel, _, _), (configs, cache) in zip(roles, saved):
             kernel.configs, kernel.cache = configs, cache
-        for launcher in LAUNCH.values():
-            launcher.clear()
+        PLANS.clear()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -398,7 +404,7 @@ def _tma_ok(settings: FlashSettings, *tensors: torch.Tensor) -> bool:
     """Whether the forward uses the tensor-copy engine: on in `settings`, a Hopper GPU (or the
     interpreter), enough keys, unit stride along the head dim, and every other stride and the start
     16-byte aligned (TMA's rules)."""
-    capability = flash_dispatch.device_capability(tensors[0])  # cached per device; None under the interpreter
+    capability = device_capability(tensors[0])  # cached per device; None under the interpreter
     if not settings.tma or not (INTERPRET or (capability is not None and capability[0] >= 9)):
         return False
     if tensors[1].shape[-2] < settings.tma_min_keys and not INTERPRET:
@@ -423,7 +429,7 @@ triton.set_allocator(_descriptor_scratch)
 # compiled binary and filled-in arguments once its FastLauncher knows them (after the first call, which autotunes),
 # so a hit allocates the outputs and launches. A plan is keyed by `launch.layout` of the inputs and `is_causal`, and
 # used only with the settings it was made with (the settings are still read at every call); FastLauncher.clear (new
-# tile configs: pinned_tiles) drops every plan. Measured in kernels/NOTES.md, "Plan cache (branch h-host2)".
+# tile configs: pinned_tiles) drops every plan.
 class _Plan:
     """The launches of one call signature: each `(name, grid, rest, kwargs, bound)` runs as
     `LAUNCH[name](grid, *tensors, *rest, **kwargs)`, or, where `bound` is `(run, tail, compiled, launch_grid)` (the
@@ -453,27 +459,18 @@ class _Plan:
             self.launches[index] = (name, grid, rest, kwargs, bound)
 
 
-_FORWARD_PLANS: dict[tuple, _Plan] = {}
-_BACKWARD_PLANS: dict[tuple, _Plan] = {}
+# The plans by (the inputs' layout, is_causal): the forward's (q, k, v) and the backward's (q, k, v, O, L, dO)
+_FORWARD_PLANS = PLANS.table("fa2_forward")
+_BACKWARD_PLANS = PLANS.table("fa2_backward")
 # By the forward's key (the layout of q, k, v, and is_causal), then by dO's strides: the first backward plan of those
 # inputs and dO (with the latest settings) whose O and L are as the forward allocates them and whose dO is dense (in
-# O's layout, as the layers above hand it back, or contiguous): native_passes finds them without O in hand.
-_BACKWARD_PLANS_OF_INPUTS: dict[tuple, dict[tuple[int, ...], _Plan]] = {}
+# O's layout, as the layers above hand it back, or contiguous): native_backward_calls finds them without O in hand.
+_BACKWARD_PLANS_OF_INPUTS = PLANS.table("fa2_backward_of_inputs")
 # The tensors each launch takes first, in order (the forward's one launch; the backward's dQ, then dK and dV
-# launch), by flash_native's slot names: the calls below pass them so, and native_passes hands these on.
+# launch), by the C++ node's slot names: the calls below pass them so, and the native calls hand these on.
 FORWARD_TENSORS = (("q", "k", "v", "out", "lse"),)
 BACKWARD_TENSORS = (("q", "k", "v", "grad_out", "lse", "out", "delta", "dq"),
                     ("q", "k", "v", "grad_out", "lse", "delta", "dk", "dv"))
-
-
-def clear_plans() -> None:
-    """Forget every plan (each launcher's next call derives its launches again)."""
-    _FORWARD_PLANS.clear()
-    _BACKWARD_PLANS.clear()
-    _BACKWARD_PLANS_OF_INPUTS.clear()
-
-
-on_clear(clear_plans)
 
 
 def _plan_for(plans: dict[tuple, _Plan], key: tuple, settings: FlashSettings) -> _Plan | None:
@@ -516,7 +513,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
     plan = _plan_for(_BACKWARD_PLANS, key, settings)
     delta = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     # Gradients in their inputs' layouts: autograd then takes them as .grad without a strided copy
-    # (which cost a noticeable share of short calls: kernels/NOTES.md, session 7, "Gradient layout").
+    # (which cost a noticeable share of short calls).
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if plan is None:
         check_kernel_device(q, "flash_triton")
@@ -530,7 +527,7 @@ def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings
         plan.bind(0, q, k, v, grad_out, lse, out, delta, dq)
         plan.bind(1, q, k, v, grad_out, lse, delta, dk, dv)
         _BACKWARD_PLANS[key] = plan
-        if (flash_native.dense_grad(out, grad_out) and lse.is_contiguous()
+        if (node.dense_grad(out, grad_out) and lse.is_contiguous()
                 and out.data_ptr() % 16 == 0 == lse.data_ptr() % 16):
             inputs_key = (key[0][:3], is_causal)
             kept = _BACKWARD_PLANS_OF_INPUTS.get(inputs_key, {})
@@ -556,145 +553,32 @@ def _backward_plan(q, k, v, out, grad_out, dq, dk, dv, is_causal: bool, settings
     ])
 
 
-def _fa2_calls(plan: _Plan, names: tuple[tuple[str, ...], ...]) -> list[flash_native.KernelCall] | None:
-    """A plan's launches for flash_native's C++ plan (each binary with the call's tensors `names` first, then the
-    rest of its arguments), or None where a launch has no binary."""
+def _native_calls(plan: _Plan, names: tuple[tuple[str, ...], ...]) -> list[node.KernelCall] | None:
+    """A plan's launches for the C++ node's plan (each binary with the call's tensors `names` first, then the rest
+    of its arguments), or None where a launch has no binary."""
     if any(bound is None for *_, bound in plan.launches):
         return None
-    return [flash_native.KernelCall(bound[2], bound[3], (*flash_native.slots(*tensors), *bound[1]))
+    return [node.KernelCall(bound[2], bound[3], (*node.slots(*tensors), *bound[1]))
             for (*_, bound), tensors in zip(plan.launches, names, strict=True)]
 
 
-def native_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
-                  ) -> flash_native.NativePasses | None:
-    """What flash_native's C++ node launches for calls of these inputs with `settings`: the binaries of the kernels
-    flash_dispatch chooses for both passes (`choose_passes`), once the forward and a backward (with the forward's O
-    and L and a dense dO) have each run through their Python plans with fast launch; None before, or where a plan has
-    no binary. FA2's plans are used only with the settings they were made with."""
-    forward_kernel, backward_kernel = flash_dispatch.choose_passes(q, k, v, is_causal, settings)
-    key = (layout(q, k, v), is_causal)
-    if forward_kernel == "gluon":
-        forward = flash_dispatch.gluon_native_calls("forward", q, k, v, is_causal)
-    else:
-        plan = _plan_for(_FORWARD_PLANS, key, settings)
-        forward = None if plan is None else _fa2_calls(plan, FORWARD_TENSORS)
-    if forward is None:
-        return None
-    if backward_kernel == "gluon":
-        backward = flash_dispatch.gluon_native_calls("backward", q, k, v, is_causal)
-    else:
-        planned = ((strides, _fa2_calls(plan, BACKWARD_TENSORS) if made_with(plan, settings) else None)
-                   for strides, plan in _BACKWARD_PLANS_OF_INPUTS.get(key, {}).items())
-        variants = [(strides, calls) for strides, calls in planned if calls is not None]
-        # FA2's D: one float32 row value per query, q.shape[:-1], contiguous (flash_backward_triton's)
-        delta = ("delta", tuple(q.shape[:-1]), contiguous_strides(q.shape[:-1]))
-        backward = (variants, [delta], 0.0) if variants else None
-    if backward is None:
-        return None
-    return flash_native.NativePasses(forward, *backward)
+def native_forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                         settings: FlashSettings) -> list[node.KernelCall] | None:
+    """The forward's launch for the C++ node's plan of these inputs' layout, once a forward of that layout has run
+    here with fast launch and `settings` (its plan holds the binary); None before."""
+    plan = _plan_for(_FORWARD_PLANS, (layout(q, k, v), is_causal), settings)
+    return None if plan is None else _native_calls(plan, FORWARD_TENSORS)
 
 
-def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward the autograd Function and its custom op run: on Hopper at long sequences the Gluon kernel
-    (flash_gluon.py), else FA2's; flash_dispatch.choose_forward decides. Both give the O and L the backward needs.
-    The settings are read once here, for the whole call (each read looks up every environment variable)."""
-    settings = flash_settings()
-    if flash_dispatch.choose_forward(q, k, v, is_causal, forward=settings.forward) == "gluon":
-        return flash_dispatch.gluon_forward(q, k, v, is_causal, chosen=True, fast_launch=settings.fast_launch)
-    return flash_forward_triton(q, k, v, is_causal, settings)
-
-
-def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward the autograd Function and its custom op run: on Hopper at long sequences the Gluon kernel
-    (flash_gluon_bwd.py), else FA2's; flash_dispatch.choose_backward decides, independently of which forward wrote
-    O and L (both write them alike). The settings are read once here, for the whole call."""
-    settings = flash_settings()
-    if flash_dispatch.choose_backward(q, k, v, out, lse, grad_out, is_causal, backward=settings.backward) == "gluon":
-        return flash_dispatch.gluon_backward(q, k, v, out, lse, grad_out, is_causal, chosen=True,
-                                             fast_launch=settings.fast_launch)
-    return flash_backward_triton(q, k, v, out, lse, grad_out, is_causal, settings)
-
-
-# The launchers as PyTorch operators: torch.compile then treats each as one opaque call with a known output
-# shape instead of tracing into Triton's autotuner (which Dynamo in torch 2.11 fails on: "Can't construct an
-# AttrSource without a valid base source"), so `torch.compile(FlashAttentionTriton.apply)` compiles as the handout's
-# leaderboard test does. They are registered with the low-level `torch.library.Library` (schema, a kernel per
-# device, a fake kernel) rather than `torch.library.custom_op`: a compiled graph then calls flash_forward straight
-# from the dispatcher, where custom_op's runs it through three Python layers per call (its autograd kernel, a
-# redispatch, and a backend wrapper that checks the outputs alias no input, under dynamo's disable decorator),
-# which the short compiled calls felt (kernels/NOTES.md, "Host floor"). Their outputs are fresh tensors by
-# construction (every launcher allocates them), which tests/test_flash.py checks; they have no autograd kernel of
-# their own: FlashAttentionTriton is their autograd, and compiled graphs call them with gradients off. Where a
-# layout has flash_native's C++ launches (its FA2 passes have run once), the kernels launch through them, as eager
-# calls do through the C++ node: the host time that Python launchers cost there (kernels/NOTES.md, "Compiled calls
-# through the C++ launches").
-_LIBRARY = torch.library.Library("cs336_systems", "FRAGMENT")  # kept alive: dropping it unregisters the operators
-_LIBRARY.define("flash_triton_forward(Tensor q, Tensor k, Tensor v, bool is_causal) -> (Tensor, Tensor)",
-                tags=(torch.Tag.pt2_compliant_tag,))
-_LIBRARY.define("flash_triton_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor grad_out, "
-                "bool is_causal) -> (Tensor, Tensor, Tensor)", tags=(torch.Tag.pt2_compliant_tag,))
-
-
-def _forward_kernel(q, k, v, is_causal):
-    native = flash_native.forward(q, k, v, is_causal, native_passes)
-    return native if native is not None else flash_forward(q, k, v, is_causal)
-
-
-def _backward_kernel(q, k, v, out, lse, grad_out, is_causal):
-    native = flash_native.backward(q, k, v, out, lse, grad_out, is_causal, native_passes)
-    return native if native is not None else flash_backward(q, k, v, out, lse, grad_out, is_causal)
-
-
-for _device in ("CPU", "CUDA"):  # CPU tensors run under Triton's interpreter (or fail its device check clearly)
-    _LIBRARY.impl("flash_triton_forward", _forward_kernel, _device)
-    _LIBRARY.impl("flash_triton_backward", _backward_kernel, _device)
-
-
-@torch.library.register_fake("cs336_systems::flash_triton_forward", lib=_LIBRARY)
-def _(q, k, v, is_causal):  # the same layouts as the launchers give
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.register_fake("cs336_systems::flash_triton_backward", lib=_LIBRARY)
-def _(q, k, v, out, lse, grad_out, is_causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-_forward_op = torch.ops.cs336_systems.flash_triton_forward.default
-_backward_op = torch.ops.cs336_systems.flash_triton_backward.default
-
-
-class FlashAttentionTriton(torch.autograd.Function):
-    """FlashAttention-2 forward and backward in the Triton kernels above, called as
-    `FlashAttentionTriton.apply(q, k, v, is_causal)`: q (..., n_q, d), k and v (..., n_k, d), with one or
-    two leading dims. Saves L (shape q.shape[:-1], float32), Q, K, V and O for the backward."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        check_inputs(q, k, v, "FlashAttentionTriton")
-        # Eager calls skip the operator (its dispatch costs host time that short calls feel).
-        compiling = torch.compiler.is_compiling()
-        out, lse = (_forward_op if compiling else flash_forward)(q, k, v, is_causal)
-        ctx.save_for_backward(lse, q, k, v, out)
-        ctx.is_causal = is_causal
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        lse, q, k, v, out = ctx.saved_tensors
-        backward = _backward_op if torch.compiler.is_compiling() else flash_backward
-        dq, dk, dv = backward(q, k, v, out, lse, grad_out, ctx.is_causal)
-        return dq, dk, dv, None
-
-
-def flash_attention_triton(q, k, v, is_causal: bool = False) -> torch.Tensor:
-    """The `flash_triton` attention backend: FlashAttentionTriton, except that eager calls of a layout whose FA2
-    forward and backward have run go through flash_native's C++ autograd node, which launches the same binaries
-    without Python in the backward (the `native` setting; kernels/NOTES.md, "The C++ node")."""
-    if not torch.compiler.is_compiling():
-        out = flash_native.attention(q, k, v, is_causal, native_passes)
-        if out is not None:
-            return out
-    return FlashAttentionTriton.apply(q, k, v, is_causal)
+def native_backward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
+                          ) -> tuple[list, list, float] | None:
+    """The backward's launches for the C++ node's plan of these inputs' layout, once a backward with the forward's
+    O and L and a dense dO has run here with fast launch and `settings` (None before): ([(dO strides, the two
+    launches), ...] for each dO layout planned so, the first planned first; the scratch buffers (FA2's D); 0.0, as
+    FA2 writes dQ itself)."""
+    planned = ((strides, _native_calls(plan, BACKWARD_TENSORS) if made_with(plan, settings) else None)
+               for strides, plan in _BACKWARD_PLANS_OF_INPUTS.get((layout(q, k, v), is_causal), {}).items())
+    variants = [(strides, calls) for strides, calls in planned if calls is not None]
+    # FA2's D: one float32 row value per query, q.shape[:-1], contiguous (flash_backward_triton's)
+    delta = ("delta", tuple(q.shape[:-1]), contiguous_strides(q.shape[:-1]))
+    return (variants, [delta], 0.0) if variants else None

@@ -1,16 +1,22 @@
-"""FlashAttention forward for Hopper (sm_90) in Triton's Gluon: warp-specialised, FA3-shaped.
+"""FlashAttention forward for Hopper (sm_90) in Triton's Gluon: warp-specialised, FA3-shaped, persistent.
 
-One program computes CONSUMERS x BLOCK_M = 128 query rows of one (batch, head) against its keys, in three
+One tile is CONSUMERS x BLOCK_M = 128 query rows of one (batch, head) against its keys, computed by three
 partitions of one CTA (Shah et al., FlashAttention-3, 2024, sections 3.1-3.2):
-  consumer 0 (the default partition, one warpgroup)  query rows [0, 64) of the program's block
+  consumer 0 (the default partition, one warpgroup)  query rows [0, 64) of the tile
   consumer 1 (a worker warpgroup)                    query rows [64, 128)
-  producer   (a worker warp, few registers)          TMA loads of Q once and of K, V tiles into a ring of slots
+  producer   (a worker warp, few registers)          TMA loads of Q once per tile and of K, V tiles into a ring
 Each consumer keeps S = Q K^T (64 x 128) and O (64 x d) in float32 registers; P, the softmax numerator, goes to
 16 bits in registers and is the register A operand of the P V wgmma. Inside a consumer, S(j) = Q K_j^T is issued
 before P(j-1) V(j-1), so the softmax of tile j overlaps the tensor cores' work on j-1; across consumers, a pair
 of barriers makes them take turns issuing their GEMMs ("ping-pong", as FA3 does), so one's softmax runs under the
-other's GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in
-flash_triton.py.
+other's GEMMs. The exponentials are base 2 with log2(e)/sqrt(d) folded into one scale, as in fa2.py.
+
+Persistent grid: one program per SM walks a static list of tiles (`persistent_schedule`: list scheduling of the
+launch order, as the block scheduler would place one-tile programs); every barrier's phase, the K/V ring and the
+turns carry on from tile to tile, the next tile's Q loads while this one's last P V and epilogue run, and O leaves
+through buffers of its own, its store drained only before the buffer is rewritten. The launch order is heaviest
+first (causal: the last query tiles), one head after another, or for short causal calls in groups of
+HEADS_PER_GROUP heads, each rank of the group's heads before the next (`program_order`, `heads_per_group`).
 
 Barrier protocol (every mbarrier counts phases; a fresh one passes a wait on parity 1):
   q_ready               producer -> consumers: both Q sub-tiles landed (expect-tx bytes)
@@ -25,27 +31,20 @@ ids TURN_BARRIER + c; else two mbarriers, turn[c]):
 A K slot is released once S(j) has retired, a V slot once P V has; P's registers are rewritten only after the
 P V wgmma reading them has retired (register-A wgmma has had read-after-write hazards: triton #9433, #11781).
 
-Causal masking: query i sees keys 0..i (aligned at the start of both sequences, as flash_triton). The key tile
-is as long as a program's query block (BLOCK_N = CONSUMERS * BLOCK_M), so only a program's last key tile can
-touch the diagonal or run past the last key: only that one is masked. Lengths that are not tile multiples need
-nothing else: the TMA descriptors are 4-d (batch, head, row, col) with the tensors' own strides, so rows past a
-head's end load as zeros and are clipped on store. Programs are ordered heaviest first (causal: the last query
-tiles), one head after another (`program_order`, mirrored in `_program_tile`), or in groups of heads, each rank of the
-group's heads before the next (the persistent causal grid: `heads_per_group`).
-
-Persistent variant (GluonTile.persistent): one program per SM walks a static list of tiles (`persistent_schedule`:
-the same order, list-scheduled as the block scheduler would); every barrier's phase, the K/V ring and the
-ping-pong turns carry on from tile to tile, the next tile's Q loads while this one's last P V and epilogue run,
-and O leaves through buffers of its own, its store drained only before the buffer is rewritten.
+Causal masking: query i sees keys 0..i (aligned at the start of both sequences, as in fa2.py). The key tile is
+as long as a tile's query block (BLOCK_N = CONSUMERS * BLOCK_M), so only a tile's last key tile can touch the
+diagonal or run past the last key: only that one is masked. Lengths that are not tile multiples need nothing
+else: the TMA descriptors are 4-d (batch, head, row, col) with the tensors' own strides, so rows past a head's
+end load as zeros and are clipped on store.
 
 Writes O (q's layout) and L, the natural-log logsumexp, float32, contiguous q.shape[:-1]: the same outputs as
-`flash_triton.flash_forward_triton`, so its backward can consume them.
+FA2's forward, so either backward can consume them.
 
 Caveats: sm_90 only (wgmma, setmaxnreg); bf16 or fp16; head dims 64 and 128; 16-byte aligned strides and
-starts (TMA); no backward yet (stage 2 of issue #26). `gluon_supported` says whether a call is supported;
-`flash_attention_gluon_forward` raises ValueError naming what is not. EXACT (tests only) replaces the softmax by
-P = S mod 8 with no normalisation: with small integer inputs every value is an exact integer, which makes the
-whole pipeline (producer ring, ping-pong, register-A P V) checkable bit for bit.
+starts (TMA). `gluon_supported` says whether a call is supported; `flash_attention_gluon_forward` raises
+ValueError naming what is not. EXACT (tests only) replaces the softmax by P = S mod 8 with no normalisation: with
+small integer inputs every value is an exact integer, which makes the whole pipeline (producer ring, ping-pong,
+register-A P V) checkable bit for bit. See DECISIONS.md#forward-tiles.
 """
 
 from __future__ import annotations
@@ -67,59 +66,57 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from cs336_systems.kernels.common import check_inputs, cuda_capability
-from cs336_systems.kernels import flash_native, launch
-from cs336_systems.kernels.launch import FastLauncher, cdiv
-from cs336_systems.kernels.settings import flash_settings
+from cs336_systems.kernels.flash.gluon_common import (
+    CONSUMERS,
+    LOG2E,
+    DescriptorPlan,
+    as_2d,
+    as_4d,
+    descriptor,
+    descriptor_launch_key,
+    device_problem,
+    layout_problem,
+    next_slot,
+)
+from cs336_systems.kernels.flash.host import node
+from cs336_systems.kernels.flash.host.launch import PLANS, FastLauncher, cdiv, layout
+from cs336_systems.kernels.flash.settings import flash_settings
 
-LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-CONSUMERS = 2  # consumer warpgroups per program (the kernel's partitions are written for two)
 # the same, as the kernels read them (a jit function sees only constexpr globals)
 _CONSUMERS = gl.constexpr(CONSUMERS)
 _LN2 = gl.constexpr(LN2)
-DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-# Heads interleaved in the program order (`heads_per_group`). The one-tile grid was measured on an H100
-# (results/diagnosis/flash_gluon_stage1/run2): one head at a time was fastest or within 2% at all five shapes; groups
-# whose K and V fit in 32 MiB of L2 cost up to 21% (4 x 32 x 4096, d=128, causal: 1.21 vs 1.00 ms), all heads at once
-# up to 55% (the 8B shape). The persistent grid differs where a call has few tiles per SM: its schedule lists one
-# head's tiles after another, so the last heads' heaviest causal tiles land on nearly full walks (the cost model puts
-# the longest walk at up to 1.27x the mean). Four heads per group, rank-major within it, put the heavy tiles of four
-# heads first: the causal forward took 0.81-0.98x the one-head schedule's kernel time at all 17 causal points up to
-# 8192 keys, d 64 and 128 (results/diagnosis/flash_gluon_groups/, H100; kernels/NOTES.md, "The persistent forward's
-# schedule"). From 16384 keys every walk holds enough tiles to balance with one head at a time, and groups moved the
-# kernel by -2.9% to +1.7% (the 8B shape: +0.1% at two heads, +1.6% at four); non-causal calls, balanced by
-# construction, gained nothing (0.996-1.030x at four heads).
+# Heads interleaved in the program order (`heads_per_group`): short causal calls have few tiles per SM, and one
+# head after another leaves the last heads' heaviest tiles to nearly full walks; groups of four heads, rank-major
+# within the group, put the heavy tiles of four heads first. From MAX_GROUPED_KEYS keys on every walk holds enough
+# tiles to balance with one head at a time, and non-causal calls are balanced by construction.
 HEADS_PER_GROUP = 4
 MAX_GROUPED_KEYS = 8192
 
 
-def heads_per_group(n_keys: int, is_causal: bool, persistent: bool) -> int:
-    """Heads per group of the program order (`program_order`): HEADS_PER_GROUP for causal calls on the persistent
-    grid with at most MAX_GROUPED_KEYS keys, else 1 (the one-tile grid, non-causal calls, long sequences)."""
-    return HEADS_PER_GROUP if persistent and is_causal and n_keys <= MAX_GROUPED_KEYS else 1
+def heads_per_group(n_keys: int, is_causal: bool) -> int:
+    """Heads per group of the program order (`program_order`): HEADS_PER_GROUP for causal calls with at most
+    MAX_GROUPED_KEYS keys, else 1 (non-causal calls, long sequences)."""
+    return HEADS_PER_GROUP if is_causal and n_keys <= MAX_GROUPED_KEYS else 1
 
 
 # The persistent schedule's cost model (persistent_schedule): a tile costs its key tiles plus this many for its
 # prologue and epilogue (Q's load, a first S with no P V beside it, the last P V, O's store). A guess; the balance
-# the schedule reaches at the target shapes moves by < 1% between 0.5 and 2 (kernels/NOTES.md, "Persistent").
+# the schedule reaches at the target shapes moves by < 1% between 0.5 and 2.
 TILE_OVERHEAD_STEPS = 1
 H100_SMS = 132  # an H100 SXM's SMs: the persistent grid of a compile without a GPU (bench.flash_gluon_resources)
 
 
 @dataclass(frozen=True)
 class GluonTile:
-    """One program's shape and resources. block_m: query rows per consumer warpgroup (128 spills, as the probe
-    found); block_n: keys per step (= CONSUMERS * block_m, which the causal masking relies on); num_slots: K/V
-    ring depth (shared memory: 2 Q sub-tiles plus 2 x num_slots key tiles); registers: per consumer thread and
-    per producer thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from. persistent: one
-    program per SM walking a static schedule of tiles (persistent_schedule), O stored from buffers of its own so
-    the next tile's Q loads under this one's last P V and epilogue; else one program per tile. named_turns: the
-    consumers take turns through named barriers (bar.sync / bar.arrive), else through a pair of mbarriers.
-    causal_q_registers: in causal calls each consumer loads its Q sub-tile into registers once per tile and issues
-    S = Q K^T with Q as the register A operand, so that its key steps read only K and V from shared memory."""
+    """One tile's shape and resources. block_m: query rows per consumer warpgroup (128 spills); block_n: keys per
+    step (= CONSUMERS * block_m, which the causal masking relies on); num_slots: K/V ring depth (shared memory:
+    2 Q sub-tiles, 2 O sub-tiles and 2 x num_slots key tiles); registers: per consumer thread and per producer
+    thread after setmaxnreg, with maxnreg the kernel-wide cap they are carved from. named_turns: the consumers take
+    turns through named barriers (bar.sync / bar.arrive), else through a pair of mbarriers. causal_q_registers: in
+    causal calls each consumer loads its Q sub-tile into registers once per tile and issues S = Q K^T with Q as the
+    register A operand, so that its key steps read only K and V from shared memory."""
 
     head_dim: int
     block_m: int = 64
@@ -128,7 +125,6 @@ class GluonTile:
     consumer_registers: int = 240
     producer_registers: int = 24
     maxnreg: int = 168
-    persistent: bool = False
     named_turns: bool = True
     causal_q_registers: bool = False
 
@@ -141,23 +137,14 @@ class GluonTile:
         return CONSUMERS * self.block_m
 
     def shared_bytes(self, element_size: int = 2) -> int:
-        """Tiles only (the barriers add a few hundred bytes): Q, (persistent) O, and the K/V ring."""
-        q_and_o = self.rows * (2 if self.persistent else 1)
-        return element_size * self.head_dim * (q_and_o + 2 * self.num_slots * self.block_n)
+        """Tiles only (the barriers add a few hundred bytes): Q, O, and the K/V ring."""
+        return element_size * self.head_dim * (2 * self.rows + 2 * self.num_slots * self.block_n)
 
 
-# d=128: persistent with the probe's two-slot ring (197 KB with the persistent kernel's O buffers; three slots do not
-# fit), 0.95-0.99x the one-tile forward shipped before at each of seven of the grid's d=128 Gluon points, from
-# 8 x 32 x 1024 causal to the 8B shape (results/diagnosis/flash_gluon_d128_forward/, H100, 82dec3d). d=64:
-# persistent with a six-slot ring (230 KB), the fastest of the d=64 tile search at every one of its five shapes,
-# 0.91-0.99x the one-tile four-slot forward shipped before (results/diagnosis/flash_gluon_d64/, H100, 7b7a8a7).
-# The turns: named barriers at d=128 (0.97-0.98x the mbarrier turns' time at the 8B shape), mbarriers at d=64, where
-# named barriers took 1.03x at long non-causal calls (H200; kernels/NOTES.md, "Named barriers for the ping-pong turns"
-# and "The grid at f4fd0cf"). Q in registers: in causal d=64 calls only, 0.981-0.996x the time with Q read from shared
-# memory at seven causal points, while non-causal d=64 calls moved 0.984-1.025x and d=128 1.005-1.011x (H200, 6bd3e13;
-# kernels/NOTES.md, "Q in registers").
-TILES = {64: GluonTile(64, num_slots=6, persistent=True, named_turns=False, causal_q_registers=True),
-         128: GluonTile(128, num_slots=2, persistent=True)}
+# The shipped tiles (DECISIONS.md#forward-tiles): d=64 a six-slot ring (230 KB), mbarrier turns and Q in registers
+# in causal calls; d=128 a two-slot ring (197 KB; three slots do not fit) and named-barrier turns.
+TILES = {64: GluonTile(64, num_slots=6, named_turns=False, causal_q_registers=True),
+         128: GluonTile(128, num_slots=2)}
 
 
 def tile_for(head_dim: int) -> GluonTile:
@@ -170,8 +157,7 @@ def tile_for(head_dim: int) -> GluonTile:
 # the schedule, in plain Python (the kernel's _program_tile and _tile_at compute the same)
 # ----------------------------------------------------------------------------------------------
 def program_order(n_q_tiles: int, batch_heads: int, group: int, is_causal: bool) -> list[tuple[int, int]]:
-    """(query tile, batch·head) of position 0, 1, ... of the launch order (a program id; persistent: the walk's
-    position): heads in groups of `group`; within a group, tile-rank major and head minor, heaviest tiles (causal:
+    """(query tile, batch·head) of position 0, 1, ... of the launch order (a position of the walks): heads in groups of `group`; within a group, tile-rank major and head minor, heaviest tiles (causal:
     the last ones) first."""
     order = []
     for pid in range(n_q_tiles * batch_heads):
@@ -194,10 +180,10 @@ def key_tiles(q_tile: int, n_queries: int, n_keys: int, tile: GluonTile, is_caus
 def persistent_schedule(works: Sequence[int], programs: int) -> list[list[int]]:
     """The positions each of `programs` persistent programs walks, ascending: list scheduling (Graham's greedy)
     of positions 0, 1, ... in turn, each given to the program with the least work so far (the lowest id among
-    equals), position i costing works[i]. This is what the block scheduler does with the one-tile grid (an SM
+    equals), position i costing works[i]. This is what the block scheduler does with one-tile programs (an SM
     takes the next program when its last one ends), so the walk keeps its balance and its heads-in-flight (L2)
     while saving each tile's launch, prologue and epilogue gaps. Walking t = pid, pid + programs, ... instead
-    would load one program with up to 1.56x the mean work at causal shapes (kernels/NOTES.md)."""
+    would load one program with up to 1.56x the mean work at causal shapes."""
     if programs < 1:
         raise ValueError(f"persistent_schedule: programs must be >= 1, got {programs}")
     loads = [(0, p) for p in range(programs)]  # a valid heap: sorted
@@ -280,23 +266,6 @@ def persistent_grid(n_tiles: int, sms: int) -> int:
 # partitions
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _as_2d(ring, i):
-    """Slot i of a ring of (1, 1, rows, d) TMA boxes as the (rows, d) matrix the wgmma reads."""
-    box = ring.index(i)
-    return box.reshape([box.shape[2], box.shape[3]])
-
-
-@gluon.jit
-def _next_slot(idx, phase, NUM: gl.constexpr):
-    """The ring slot after idx and its barrier parity (which flips each time the ring wraps)."""
-    idx += 1
-    if idx == NUM:
-        idx = 0
-        phase ^= 1
-    return idx, phase
-
-
-@gluon.jit
 def _program_tile(position, n_q_tiles, batch_heads, group, IS_CAUSAL: gl.constexpr):
     """(query tile, batch·head) at `position` of the launch order: program_order's arithmetic."""
     first = position // (group * n_q_tiles) * group
@@ -322,7 +291,7 @@ def _tile_at(position, H, batch_heads, n_queries, n_keys, n_q_tiles, group, ROWS
 
 @gluon.jit
 def _walk(sched):
-    """This persistent program's range of indices into the schedule's positions (schedule_table's layout), and
+    """This program's range of indices into the schedule's positions (schedule_table's layout), and
     where the positions start."""
     pid = gl.program_id(0)
     return gl.load(sched + pid), gl.load(sched + pid + 1), sched + gl.num_programs(0) + 1
@@ -347,33 +316,26 @@ def _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty,
         mbarrier.wait(v_empty.index(idx), phase)
         mbarrier.expect(v_ready.index(idx), desc_v.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_v, [b, h, j * BN, 0], v_ready.index(idx), v_ring.index(idx))
-        idx, phase = _next_slot(idx, phase, NUM)
+        idx, phase = next_slot(idx, phase, NUM)
     return idx, phase, q_phase ^ 1
 
 
 @gluon.jit
 def _producer(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group,
-              IS_CAUSAL: gl.constexpr, PERSISTENT: gl.constexpr):
+              sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL: gl.constexpr):
     ROWS: gl.constexpr = _CONSUMERS * desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     # the slots and Q start out free: a fresh mbarrier passes a wait on parity 1 (run-time values, as _consumer's)
     idx = gl.to_tensor(0)
     phase = gl.to_tensor(1)
     q_phase = gl.to_tensor(1)
-    if PERSISTENT:
-        first, last, positions = _walk(sched)
-        for i in range(first, last):
-            b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
-                                              group, ROWS, BN, IS_CAUSAL)
-            idx, phase, q_phase = _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty,
-                                             k_ready, v_ready, k_empty, v_empty, b, h, q_row, n_blk, idx, phase,
-                                             q_phase)
-    else:
-        b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
-                                          ROWS, BN, IS_CAUSAL)
-        _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                   v_empty, b, h, q_row, n_blk, idx, phase, q_phase)
+    first, last, positions = _walk(sched)
+    for i in range(first, last):
+        b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
+                                          group, ROWS, BN, IS_CAUSAL)
+        idx, phase, q_phase = _load_tile(desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty,
+                                         k_ready, v_ready, k_empty, v_empty, b, h, q_row, n_blk, idx, phase,
+                                         q_phase)
 
 
 # The consumers' turns by named barriers use ids 8 + c: clear of the ids Triton gives its partitions' own barriers
@@ -449,13 +411,13 @@ def _key_step(q, k_ring, v_ring, q_empty, k_ready, v_ready, k_empty, v_empty, tu
     BN: gl.constexpr = k_ring.shape[3]
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
     row_o: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    nidx, nphase = _next_slot(idx, phase, NUM)
+    nidx, nphase = next_slot(idx, phase, NUM)
     turn_phase = _wait_turn(turn, turn_phase, CID, NAMED_TURNS)
     mbarrier.wait(k_ready.index(nidx), nphase)
-    s = warpgroup_mma(q, _as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    s = warpgroup_mma(q, as_2d(k_ring, nidx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]  # O to step j-1's max before P(j-1) V(j-1) adds
     mbarrier.wait(v_ready.index(idx), phase)
-    acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
+    acc = warpgroup_mma(p_op, as_2d(v_ring, idx), acc, is_async=True)
     _pass_turn(turn, CID, NAMED_TURNS)
     s = warpgroup_mma_wait(1, deps=(s, ))  # S(j) retired; P V may still run
     mbarrier.arrive(k_empty.index(nidx), count=1)
@@ -487,7 +449,7 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     FILL: gl.constexpr = 0.0 if EXACT else float("-inf")  # EXACT: a zero score is a zero P
 
-    q = _as_2d(q_smem, CID)
+    q = as_2d(q_smem, CID)
     row0 = q_row + CID * BM
     offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))
     s_shape = gl.zeros([BM, BN], gl.float32, s_layout)  # only gives S its layout (use_acc=False)
@@ -499,10 +461,10 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
         q = q.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
 
     # key tile 0: S and P only (no P V to overlap yet)
-    idx, phase = _next_slot(idx, phase, NUM)
+    idx, phase = next_slot(idx, phase, NUM)
     turn_phase = _wait_turn(turn, turn_phase, CID, NAMED_TURNS)
     mbarrier.wait(k_ready.index(idx), phase)
-    s = warpgroup_mma(q, _as_2d(k_ring, idx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
+    s = warpgroup_mma(q, as_2d(k_ring, idx).permute((1, 0)), s_shape, use_acc=False, is_async=True)
     _pass_turn(turn, CID, NAMED_TURNS)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(idx), count=1)
@@ -525,17 +487,17 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
     # the last P V
     acc = acc * gl.convert_layout(alpha, row_o)[:, None]
     mbarrier.wait(v_ready.index(idx), phase)
-    acc = warpgroup_mma(p_op, _as_2d(v_ring, idx), acc, is_async=True)
+    acc = warpgroup_mma(p_op, as_2d(v_ring, idx), acc, is_async=True)
     acc = warpgroup_mma_wait(0, deps=(acc, ))
     mbarrier.arrive(v_empty.index(idx), count=1)
     if not EXACT:
         acc = acc / gl.convert_layout(l_i, row_o)[:, None]
         lse = (m_i + gl.log2(l_i)) * _LN2
         gl.store(L + bh * n_queries + offs_m, lse, mask=offs_m < n_queries)
-    # O leaves through o_smem (one-tile grid: Q's own buffer, whose wgmmas have all retired); rows past the end
-    # are clipped. Persistent: this consumer's previous O store must have read the buffer first.
+    # O leaves through o_smem, rows past the end clipped; this consumer's previous O store must have read the
+    # buffer first.
     tma.store_wait(0)
-    _as_2d(o_smem, CID).store(acc.to(dtype))
+    as_2d(o_smem, CID).store(acc.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [b, h, row0, 0], o_smem.index(CID))
     return idx, phase, turn_phase, q_phase ^ 1
@@ -544,8 +506,7 @@ def _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_rea
 @gluon.jit
 def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn, L,
               sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, CID: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr, NAMED_TURNS: gl.constexpr,
-              Q_REGS: gl.constexpr):
+              IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NAMED_TURNS: gl.constexpr, Q_REGS: gl.constexpr):
     NUM: gl.constexpr = k_ring.shape[0]
     ROWS: gl.constexpr = _CONSUMERS * q_smem.shape[3]
     BN: gl.constexpr = k_ring.shape[3]
@@ -558,39 +519,29 @@ def _consumer(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready,
     q_phase = gl.to_tensor(0)
     if NAMED_TURNS and CID == 1:  # consumer 0 issues first
         _named_barrier("bar.arrive", _TURN_BARRIER)
-    if PERSISTENT:
-        first, last, positions = _walk(sched)
-        for i in range(first, last):
-            b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
-                                              group, ROWS, BN, IS_CAUSAL)
-            idx, phase, turn_phase, q_phase = _attend_tile(
-                desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
-                L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
-                IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS)
-    else:
-        b, h, bh, q_row, n_blk = _tile_at(gl.program_id(0), H, batch_heads, n_queries, n_keys, n_q_tiles, group,
-                                          ROWS, BN, IS_CAUSAL)
-        _attend_tile(desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                     turn, L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase,
-                     CID, IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS)
+    first, last, positions = _walk(sched)
+    for i in range(first, last):
+        b, h, bh, q_row, n_blk = _tile_at(gl.load(positions + i), H, batch_heads, n_queries, n_keys, n_q_tiles,
+                                          group, ROWS, BN, IS_CAUSAL)
+        idx, phase, turn_phase, q_phase = _attend_tile(
+            desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn,
+            L, b, h, bh, q_row, n_queries, n_keys, n_blk, qk_scale, idx, phase, turn_phase, q_phase, CID,
+            IS_CAUSAL, EXACT, NAMED_TURNS, Q_REGS)
     tma.store_wait(0)  # the last O store has read its buffer before the CTA's shared memory is released
 
 
 # Lengths and counts enter only addresses and loop bounds: not specialised on, so new lengths do not recompile.
 @gluon.jit(do_not_specialize=["H", "batch_heads", "n_queries", "n_keys", "n_q_tiles", "group"])
 def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles,
-                            group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, PERSISTENT: gl.constexpr,
-                            NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+                            group, qk_scale, IS_CAUSAL: gl.constexpr, EXACT: gl.constexpr, NUM_SLOTS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
                             NAMED_TURNS: gl.constexpr, Q_REGS: gl.constexpr):
     BM: gl.constexpr = desc_q.block_type.shape[2]
     BN: gl.constexpr = desc_k.block_type.shape[2]
     D: gl.constexpr = desc_q.block_type.shape[3]
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_q.layout)
-    if PERSISTENT:  # O gets its own buffers, so the next tile's Q can land while O is stored
-        o_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_o.layout)
-    else:
-        o_smem = q_smem
+    # O gets its own buffers, so the next tile's Q can land while O is stored
+    o_smem = gl.allocate_shared_memory(dtype, [_CONSUMERS, 1, 1, BM, D], desc_o.layout)
     k_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_k.layout)
     v_ring = gl.allocate_shared_memory(dtype, [NUM_SLOTS, 1, 1, BN, D], desc_v.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -615,199 +566,61 @@ def _flash_fwd_gluon_kernel(desc_q, desc_k, desc_v, desc_o, L, sched, H, batch_h
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                      turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 0, IS_CAUSAL,
-                     EXACT, PERSISTENT, NAMED_TURNS, Q_REGS)),
+                     EXACT, NAMED_TURNS, Q_REGS)),
         (_consumer, (desc_o, q_smem, o_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
                      turn, L, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, qk_scale, 1, IS_CAUSAL,
-                     EXACT, PERSISTENT, NAMED_TURNS, Q_REGS)),
+                     EXACT, NAMED_TURNS, Q_REGS)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_ring, v_ring, q_ready, q_empty, k_ready, v_ready, k_empty,
-                     v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL, PERSISTENT)),
+                     v_empty, sched, H, batch_heads, n_queries, n_keys, n_q_tiles, group, IS_CAUSAL)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ----------------------------------------------------------------------------------------------
 # launcher
 # ----------------------------------------------------------------------------------------------
-def _as_4d(t: torch.Tensor) -> torch.Tensor:
-    """(batch, n, d) as (batch, 1, n, d): the kernel's descriptors are (batch, head, row, col)."""
-    return t.unsqueeze(1) if t.dim() == 3 else t
-
-
-# layout_problem's answers by the inputs' launch.layout (what it reads of them), so that "auto" asks once per layout
-_LAYOUT_ANSWERS: dict[tuple, str | None] = {}
-
-
-def layout_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """What in these inputs' shapes, dtypes and strides the kernel does not take, or None. No device check. A
-    function of the inputs' `launch.layout` alone, remembered per layout (at most 4096)."""
-    key = launch.layout(q, k, v)
-    answer = _LAYOUT_ANSWERS.get(key, False)
-    if answer is False:
-        if len(_LAYOUT_ANSWERS) >= 4096:
-            _LAYOUT_ANSWERS.clear()
-        answer = _LAYOUT_ANSWERS[key] = _layout_problem(q, k, v)
-    return answer
-
-
-def _layout_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    try:
-        check_inputs(q, k, v, "flash_gluon")
-    except ValueError as error:
-        return str(error)
-    if q.dtype not in DTYPES:
-        return f"flash_gluon: dtype {q.dtype} is not supported (bfloat16, float16)"
-    if q.shape[-1] not in TILES:
-        return f"flash_gluon: head dim {q.shape[-1]} is not supported ({', '.join(map(str, TILES))})"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        # TMA's rules: unit stride along the head dim, every other stride and the start 16-byte aligned
-        if t.stride(-1) != 1:
-            return f"flash_gluon: {name} must have unit stride along the head dim, got strides {t.stride()}"
-        if any(s * t.element_size() % 16 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            return (f"flash_gluon: {name}'s strides {t.stride()} (elements of {t.element_size()} B) and start must "
-                    "be 16-byte aligned for TMA")
-    return None
-
-
-def device_problem(q: torch.Tensor) -> str | None:
-    """Whether q's device can run the kernel: a CUDA device of compute capability 9.0 (H100, H200)."""
-    if not q.is_cuda:
-        return f"flash_gluon: needs CUDA tensors, got device {q.device}"
-    capability = cuda_capability(q.get_device())
-    if capability != (9, 0):
-        return f"flash_gluon: needs compute capability 9.0 (sm_90: wgmma, setmaxnreg), got {capability[0]}.{capability[1]}"
-    return None
-
-
 def gluon_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:
     """Whether flash_attention_gluon_forward takes these inputs (every causal and rectangular case is supported:
     is_causal is part of the question for the day a restriction depends on it)."""
     return layout_problem(q, k, v) is None and device_problem(q) is None
 
 
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a (block, dtype) box: a pure function of both (a frozen dataclass, shared by
-    every descriptor of that box), whose computation cost ~5 us per descriptor, ten descriptors a forward and
-    backward (kernels/NOTES.md, "Host floor")."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), DTYPES[dtype])
-
-
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A (batch, head, row, col) TMA descriptor with t's strides, loading (1, 1, rows, d) boxes."""
-    block = [1, 1, rows, t.shape[-1]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _shared_layout(tuple(block), t.dtype))
-
-
-def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False, group: int | None = None,
-                  tile: GluonTile | None = None):
+def kernel_launch(q, k, v, out, lse, is_causal: bool, exact: bool = False):
     """The kernel's arguments, grid and launch options for 4-d inputs (and out, lse), without touching a device
-    beyond a persistent schedule's first copy, so that `bench.flash_gluon_resources` can compile exactly what a
-    launch would. `group` overrides `heads_per_group` (for measuring the program order), `tile` the head dim's
-    TILES entry (for measuring variants: GluonTile.persistent)."""
+    beyond the schedule's first copy, so that `bench.flash_gluon_resources` can compile exactly what a launch
+    would."""
     batch, heads, n_queries, head_dim = q.shape
-    tile = tile or tile_for(head_dim)
-    if tile.head_dim != head_dim:
-        raise ValueError(f"flash_gluon: {tile} is for head dim {tile.head_dim}, the inputs have {head_dim}")
+    tile = tile_for(head_dim)
     n_q_tiles = cdiv(n_queries, tile.rows)
-    group = min(group or heads_per_group(k.shape[-2], is_causal, tile.persistent), batch * heads)
-    n_tiles = n_q_tiles * batch * heads
-    if tile.persistent:
-        programs = persistent_grid(n_tiles, sm_count(q.device))
-        sched = _schedule_on(q.device, n_queries, k.shape[-2], batch * heads, group, tile, is_causal, programs)
-    else:
-        programs, sched = n_tiles, None
-    args = (_descriptor(q, tile.block_m), _descriptor(k, tile.block_n), _descriptor(v, tile.block_n),
-            _descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
-            group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.persistent, tile.num_slots,
+    group = min(heads_per_group(k.shape[-2], is_causal), batch * heads)
+    programs = persistent_grid(n_q_tiles * batch * heads, sm_count(q.device))
+    sched = _schedule_on(q.device, n_queries, k.shape[-2], batch * heads, group, tile, is_causal, programs)
+    args = (descriptor(q, tile.block_m), descriptor(k, tile.block_n), descriptor(v, tile.block_n),
+            descriptor(out, tile.block_m), lse, sched, heads, batch * heads, n_queries, k.shape[-2], n_q_tiles,
+            group, head_dim**-0.5 * LOG2E, is_causal, exact, tile.num_slots,
             tile.consumer_registers, tile.producer_registers, tile.named_turns,
             tile.causal_q_registers and is_causal)
     return args, (programs,), {"num_warps": 4, "maxnreg": tile.maxnreg}
 
 
-def descriptor_launch_key(args: tuple, kwargs: dict) -> tuple:
-    """FastLauncher's layout key of a call whose arguments include TMA descriptors (this forward's, and usable by
-    any Gluon kernel's launcher): of each descriptor what the kernel is specialised on or reads from it (its base
-    tensor's layout, the box and its shared layout), of the other arguments what `launch._key` takes."""
-    descriptors = tuple([(i, d.base.shape, d.base.stride(), d.base.dtype, d.base.data_ptr() % 16,
-                          d.base.get_device(), tuple(d.block_shape), d.layout, d.padding)
-                         for i, d in enumerate(args) if isinstance(d, TensorDescriptor)])
-    return descriptors, launch._key(tuple([a for a in args if not isinstance(a, TensorDescriptor)]), kwargs)
-
-
-# The forward's launches: after the first call per layout, the compiled binary directly (launch.py): Triton's
+# The forward's launches: after the first call per layout, the compiled binary directly (host/launch.py): Triton's
 # JIT path (argument binder, specialisation key, checks of the kernel's globals) costs a short call its host time.
-_LAUNCHER = FastLauncher(_flash_fwd_gluon_kernel, key=descriptor_launch_key)
+LAUNCHER = FastLauncher(_flash_fwd_gluon_kernel, key=descriptor_launch_key)
+# The forward's plans by (the inputs' layout, is_causal, exact)
+_PLANS = PLANS.table("gluon_forward")
 
 
-# ----------------------------------------------------------------------------------------------
-# per-layout plans of the Gluon launches (this forward's and flash_gluon_bwd's)
-# ----------------------------------------------------------------------------------------------
-# Building a call's TensorDescriptors (Triton's dataclass validates each: ~13 a forward+backward), its launch
-# arguments and its FastLauncher key took ~700 Python calls per Gluon forward+backward, 1.5-2.8x FA2's host time per
-# call at the grid's mid-size points, where the Gluon kernels are as fast as cuDNN's and the host was the bottleneck
-# (kernels/NOTES.md, "The Gluon host path"). A plan keeps all of that per call layout, as flash_triton's `_Plan`
-# does for FA2: a hit checks nothing (the first call of the layout did, and a layout key covers all it checked),
-# builds no TensorDescriptor and calls the binary. `FastLauncher.clear` drops the plans (`launch.on_clear`).
-class HostDescriptor:
-    """A TMA descriptor argument as Triton 3.6's launcher reads one (`base`, `shape`, `strides`, `padding`:
-    `driver.make_tensordesc_arg` encodes the CUtensorMap from them at each launch), without `TensorDescriptor`'s
-    checks: made only by a plan hit, whose first call built and checked a real TensorDescriptor of the same geometry.
-    Reading these attributes is Triton-internal; FastLauncher's CHECKED_TRITON_VERSIONS guards it, as it guards
-    every plan (no bound binary, no plan)."""
-
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, base: torch.Tensor, shape: list[int], strides: list[int], padding: str):
-        self.base, self.shape, self.strides, self.padding = base, shape, strides, padding
-
-
-class DescriptorPlan:
-    """One Gluon launch of a fixed call layout: the FastLauncher's binary (`run`), each leading TensorDescriptor
-    argument's geometry (shape, strides, padding) and the arguments after the per-call ones, with the values Triton
-    filled in (`rest`); and Triton's CompiledKernel with its grid, for flash_native's C++ launches.
-    `launch(bases, *per_call)` launches with descriptors of `bases` (tensors whose data_ptr is the descriptor's start;
-    their views' shapes do not matter) and `per_call` (fresh tensors that follow them)."""
-
-    __slots__ = ("run", "geometry", "rest", "compiled", "grid")
-
-    def __init__(self, run, geometry: tuple, rest: tuple, compiled, grid: tuple[int, int, int]):
-        self.run, self.geometry, self.rest, self.compiled, self.grid = run, geometry, rest, compiled, grid
-
-    @classmethod
-    def after(cls, launcher: FastLauncher, grid: tuple, args: tuple, options: dict, per_call: int
-              ) -> DescriptorPlan | None:
-        """The plan of a call that `launcher` has just run (`args`: its TensorDescriptors first, then `per_call`
-        per-call arguments, then the rest); None where the launcher keeps no binary (fast launch off, an unchecked
-        Triton release, the interpreter)."""
-        bound = launcher.bound(grid, args, options)
-        if bound is None:
-            return None
-        n = next(i for i, a in enumerate(args) if not isinstance(a, TensorDescriptor))
-        geometry = tuple([(d.shape, d.strides, d.padding) for d in args[:n]])
-        return cls(bound[0], geometry, (*args[n + per_call:], *bound[1]), bound[2], bound[3])
-
-    def launch(self, bases: Sequence[torch.Tensor], *per_call) -> None:
-        self.run(*[HostDescriptor(base, *geometry) for base, geometry in zip(bases, self.geometry)], *per_call,
-                 *self.rest)
-
-    def native_call(self, bases: Sequence[str], per_call: Sequence[str] = ()) -> flash_native.KernelCall:
-        """This launch for flash_native's C++ plan: descriptors of the call's tensors `bases` and then the tensors
-        `per_call` (flash_native.SLOTS names), followed by the rest."""
-        descriptors = [flash_native.DescriptorSlot(flash_native.SLOTS.index(name), tuple(shape), tuple(strides),
-                                                   padding) for name, (shape, strides, padding) in
-                       zip(bases, self.geometry, strict=True)]
-        return flash_native.KernelCall(self.compiled, self.grid,
-                                       (*descriptors, *flash_native.slots(*per_call), *self.rest))
-
-
-_PLANS: dict[tuple, DescriptorPlan] = {}
-launch.on_clear(_PLANS.clear)
-
-
-def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = None, tile: GluonTile | None = None,
-             checked: bool = False, fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_attention_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *,
+                                  exact: bool = False, checked: bool = False, fast_launch: bool | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (q's dtype and layout) and L (natural-log logsumexp, float32, contiguous q.shape[:-1]) of softmax
+    attention with scale 1/sqrt(d): q (..., n_q, d), k and v (..., n_k, d), one or two leading dims, as FA2's
+    forward. Raises ValueError naming what is unsupported (see gluon_supported). `exact`: the EXACT kernel (tests
+    only; see the module docstring). `checked`: the caller has just found no `layout_problem` or `device_problem`
+    in these inputs (the dispatch's choice has), so they are not looked for again (~10 us of a short call).
+    `fast_launch`: the caller's `FlashSettings.fast_launch`, where it has read the settings (None: read them)."""
     if fast_launch is None:
         fast_launch = flash_settings().fast_launch
-    key = (launch.layout(q, k, v), is_causal, exact, group, tile)
+    key = (layout(q, k, v), is_causal, exact)
     plan = _PLANS.get(key) if fast_launch else None
     if plan is not None:  # this layout ran (checked) before: the same checks would pass
         out = torch.empty_like(q)
@@ -823,31 +636,17 @@ def _forward(q, k, v, is_causal: bool, exact: bool = False, group: int | None = 
         if problem:
             raise ValueError(problem)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    args, grid, options = kernel_launch(_as_4d(q), _as_4d(k), _as_4d(v), _as_4d(out), lse, is_causal, exact, group,
-                                        tile)
-    _LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
+    args, grid, options = kernel_launch(as_4d(q), as_4d(k), as_4d(v), as_4d(out), lse, is_causal, exact)
+    LAUNCHER(grid, *args, fast_launch=fast_launch, **options)
     if fast_launch:
-        plan = DescriptorPlan.after(_LAUNCHER, grid, args, options, per_call=1)
+        plan = DescriptorPlan.after(LAUNCHER, grid, args, options, per_call=1)
         if plan is not None:  # only once it ran: a call that raised leaves no plan
             _PLANS[key] = plan
     return out, lse
 
 
-def flash_attention_gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *,
-                                  checked: bool = False, fast_launch: bool | None = None
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (q's dtype and layout) and L (natural-log logsumexp, float32, contiguous q.shape[:-1]) of softmax
-    attention with scale 1/sqrt(d): q (..., n_q, d), k and v (..., n_k, d), one or two leading dims, as
-    flash_triton's forward. Raises ValueError naming what is unsupported (see gluon_supported). `checked`: the
-    caller has just found no `layout_problem` or `device_problem` in these inputs (flash_dispatch's choice has),
-    so they are not looked for again (~10 us of a short call). `fast_launch`: the caller's
-    `FlashSettings.fast_launch`, where it has read the settings (None: read them)."""
-    return _forward(q, k, v, is_causal, checked=checked, fast_launch=fast_launch)
-
-
-def native_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
-                 ) -> list[flash_native.KernelCall] | None:
-    """The forward's launch for flash_native's C++ plan of these inputs' layout, once a call of that layout has run
+def native_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> list[node.KernelCall] | None:
+    """The forward's launch for the C++ node's plan of these inputs' layout, once a call of that layout has run
     here with fast launch (its plan holds the binary); None before."""
-    plan = _PLANS.get((launch.layout(q, k, v), is_causal, False, None, None))
+    plan = _PLANS.get((layout(q, k, v), is_causal, False))
     return None if plan is None else [plan.native_call(("q", "k", "v", "out"), ("lse",))]

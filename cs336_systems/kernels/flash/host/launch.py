@@ -1,12 +1,12 @@
-"""Launching a Triton kernel's compiled binary directly once it has run for the same argument layout.
+"""Launching a Triton kernel's compiled binary directly once it has run for the same argument layout, and the one
+cache of every per-layout plan the flash kernels keep.
 
 Each `kernel[grid](...)` of an autotuned kernel goes through Triton's autotuner (building dicts of ~45
 arguments), its heuristics and its argument binder before the launch itself: host time that short
-calls feel (measured in kernels/NOTES.md, session 7, "Host time"). `FastLauncher` does that
-once per layout (shapes, strides, dtypes, 16-byte alignment of each tensor and every scalar argument,
-which together fix Triton's specialisation and the autotuner's key), keeps the compiled kernel, the
-tuned config and the heuristics' values, and afterwards calls the binary with the arguments in
-signature order.
+calls feel. `FastLauncher` does that once per layout (shapes, strides, dtypes, 16-byte alignment of each
+tensor and every scalar argument, which together fix Triton's specialisation and the autotuner's key), keeps
+the compiled kernel, the tuned config and the heuristics' values, and afterwards calls the binary with the
+arguments in signature order.
 
 That reads Triton internals with no public equivalent: `Autotuner.fn` and `.best_config`,
 `Heuristics.fn` and `.values`, `JITFunction.arg_names`, and the compiled kernel's `[grid]` launcher.
@@ -14,15 +14,19 @@ That reads Triton internals with no public equivalent: `Autotuner.fn` and `.best
 (CHECKED_TRITON_VERSIONS), once per launcher; where anything differs the launcher says so in one
 warning and takes the public `kernel[grid](...)` path, as it does under Triton's interpreter (there
 is no binary), with the `fast_launch` setting off (settings.py; CS336_FLASH_FAST_LAUNCH=0), and on
-the first call per layout. `clear()` forgets every layout (after a kernel's configs are swapped).
+the first call per layout.
 
 The binary is called through `lean_runner`: Triton 3.6's own runner (`CompiledKernel[grid]`) builds launch
 metadata (a LazyDict) on every launch and hands the C launcher two hook chains to call, because
 `knobs.runtime.launch_enter_hook` is an (empty) `HookChain`, never None, so its "no hook" test never holds; where
 no hook is registered and the kernel needs no scratch memory, `lean_runner` calls the C launcher with Nones
-instead, as Triton's runner would with no hooks (kernels/NOTES.md, "Plan cache (branch h-host2)").
-`FastLauncher.bound` hands the remembered binary and the arguments Triton filled in to a caller that keeps its
-own per-call plan (flash_triton's plan cache), so that caller's hits skip the layout key too.
+instead, as Triton's runner would with no hooks. `FastLauncher.bound` hands the remembered binary and the
+arguments Triton filled in to a caller that keeps its own per-call plan, so that caller's hits skip the layout
+key too.
+
+`PLANS` is the one plan cache: every table of per-layout plans (FA2's and Gluon's launches, the C++ node's plans,
+the dispatch's answers) is one of its tables, and every FastLauncher registers with it, so `PLANS.clear()` (after
+a kernel's tile configs change: `fa2.pinned_tiles`) forgets all of them at once. See DECISIONS.md#host-path.
 """
 
 from __future__ import annotations
@@ -34,20 +38,36 @@ import torch
 import triton
 
 from cs336_systems.kernels.common import INTERPRET
-from cs336_systems.kernels.settings import flash_settings
+from cs336_systems.kernels.flash.settings import flash_settings
 
-# Triton releases (major.minor) whose internals above were read and checked against the public path
-# (results/diagnosis/flash_fast_launch_check.py); another release takes the public path until checked.
+# Triton releases (major.minor) whose internals above were read and checked against the public path; another
+# release takes the public path until checked.
 CHECKED_TRITON_VERSIONS = ("3.6",)
 _warned: set[str] = set()
-# Callbacks run when any FastLauncher is cleared: caches built from launchers' entries (flash_triton's plans)
-# register here (`on_clear`), so whatever forgets the launchers' layouts (new tile configs) forgets them too.
-_dependents: list[Callable[[], None]] = []
 
 
-def on_clear(callback: Callable[[], None]) -> None:
-    """Run `callback` whenever a FastLauncher is cleared (a cache derived from the launchers' entries)."""
-    _dependents.append(callback)
+class PlanCache:
+    """Named tables of per-layout plans and the FastLaunchers whose binaries they hold, cleared together: a plan
+    made from a launcher's binary is never kept past that launcher's entries. A module takes its table once
+    (`PLANS.table(name)`, a plain dict kept for the life of the process) and reads it directly."""
+
+    def __init__(self):
+        self.tables: dict[str, dict] = {}
+        self.launchers: list[FastLauncher] = []
+
+    def table(self, name: str) -> dict:
+        """The table `name` (made empty on first ask)."""
+        return self.tables.setdefault(name, {})
+
+    def clear(self) -> None:
+        """Forget every plan and every launcher's binaries: each next call derives its launches again."""
+        for table in self.tables.values():
+            table.clear()
+        for launcher in self.launchers:
+            launcher.entries.clear()
+
+
+PLANS = PlanCache()
 
 
 def _no_launch_hooks() -> bool:
@@ -93,11 +113,10 @@ def lean_runner(compiled, grid: tuple[int, int, int]) -> Callable:
     return run
 
 
-def _key(args: tuple, kwargs: dict) -> tuple:
+def launch_key(args: tuple, kwargs: dict) -> tuple:
     """The layout key of one call: of each argument what fixes Triton's specialisation and the autotuner's key (a
     tensor's shape, strides, dtype, 16-byte alignment and device index; any other value itself). Written inline:
-    a call has ~30 arguments, and a Python call per argument was a measurable share of a short attention call
-    (kernels/NOTES.md, "Host floor")."""
+    a call has ~30 arguments, and a Python call per argument was a measurable share of a short attention call."""
     tensor = torch.Tensor
     return (tuple([(a.shape, a.stride(), a.dtype, a.data_ptr() % 16, a.get_device()) if isinstance(a, tensor)
                    else a for a in args]),
@@ -106,7 +125,7 @@ def _key(args: tuple, kwargs: dict) -> tuple:
 
 
 def layout(*tensors: torch.Tensor) -> tuple:
-    """What a per-call plan (flash_triton's, the Gluon passes') depends on of each input: shape, strides, dtype,
+    """What a per-call plan (FA2's, the Gluon passes') depends on of each input: shape, strides, dtype,
     16-byte alignment (Triton specialises pointers on it) and device index. Fresh outputs are not in it:
     `empty_like` of one layout always gives one layout, and the allocators align every block to at least 64 bytes."""
     return tuple([(t.shape, t.stride(), t.dtype, t.data_ptr() % 16, t.get_device()) for t in tensors])
@@ -168,11 +187,12 @@ class FastLauncher:
     """`launcher(grid, *args, **kwargs)` launches `kernel` (a JIT function, optionally wrapped by
     `triton.heuristics` and `triton.autotune`) as `kernel[grid](*args, **kwargs)` would.
 
-    `key(args, kwargs)` gives the layout key of a call (default `_key`; a kernel taking arguments that are neither
+    `key(args, kwargs)` gives the layout key of a call (default `launch_key`; a kernel taking arguments that are neither
     tensors nor hashable values, such as TMA descriptors, brings its own). A grid given as a tuple is part of the
-    key; a grid given as a function must depend on nothing but the key's contents."""
+    key; a grid given as a function must depend on nothing but the key's contents. Registered with PLANS, whose
+    `clear` forgets its layouts."""
 
-    def __init__(self, kernel, key: Callable[[tuple, dict], tuple] = _key):
+    def __init__(self, kernel, key: Callable[[tuple, dict], tuple] = launch_key):
         self.kernel = kernel
         self.key = key
         self.problem = None if INTERPRET else fast_path_problem(kernel)  # the interpreter never uses it
@@ -185,18 +205,14 @@ class FastLauncher:
             self.jit = inner.fn if self.heuristics else inner
             self.names = self.jit.arg_names
         self.entries: dict[tuple, tuple] = {}
-
-    def clear(self) -> None:
-        self.entries.clear()
-        for callback in _dependents:
-            callback()
+        PLANS.launchers.append(self)
 
     def bound(self, grid: Callable[[dict], tuple] | tuple, args: tuple, kwargs: dict) -> tuple | None:
         """For a call this launcher has run on its fast path: `(run, tail, compiled, launch_grid)` such that
         `run(*args, *tail)` launches it again (tail: the keywords and the values Triton filled in, in signature
         order), for a caller that keys the call by itself and will pass the same `kwargs`; `compiled` is the binary
         (Triton's CompiledKernel) and `launch_grid` its 3-d grid, for a caller that launches it by other means
-        (flash_native's C++ node). None where there is no such entry (the public path)."""
+        (the C++ node). None where there is no such entry (the public path)."""
         if self.problem is not None or INTERPRET:
             return None
         entry = self.entries.get((self.key(args, kwargs), grid if type(grid) is tuple else None))

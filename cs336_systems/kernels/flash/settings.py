@@ -1,7 +1,7 @@
 """The FlashAttention-2 Triton kernels' settings: one frozen `FlashSettings`, read when a call needs it.
 
-The defaults come from environment variables, read at call time (so setting one after import takes
-effect at the next call), each documented on its field below:
+The defaults come from environment variables, read once, at the first call that needs the settings
+(`os.environ`, the public mapping), each documented on its field below:
 
     CS336_FLASH_FAST_LAUNCH=0|1       fast_launch   (default 1)
     CS336_FLASH_FLOAT32_DOT=tf32x3|ieee  float32_dot (default tf32x3)
@@ -11,7 +11,7 @@ effect at the next call), each documented on its field below:
     CS336_FLASH_NATIVE=0|1            native        (default 1)
 
 From code, `set_flash_settings(FlashSettings(...))` replaces them for the whole process (None goes
-back to the environment) and `use_flash_settings(tma=False, ...)` changes some fields for a `with`
+back to the environment's, as first read; `set_flash_settings(FlashSettings.from_env())` reads it again) and `use_flash_settings(tma=False, ...)` changes some fields for a `with`
 block. Both are process-wide, not per thread: autograd runs a CUDA backward on a thread of its own,
 which must see the settings its forward ran with.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 # How float32 inputs may be multiplied (see FlashSettings.float32_dot).
 FLOAT32_DOTS = ("tf32x3", "ieee")
 # Which kernel computes the forward, and the backward (see FlashSettings.forward and .backward; the rules of
-# "auto" are in kernels/flash_dispatch.py).
+# "auto" are in dispatch.py).
 FORWARDS = ("auto", "triton", "gluon")
 BACKWARDS = ("auto", "triton", "gluon")
 # The environment variable behind each field that has one.
@@ -45,10 +45,10 @@ CHOICES = {"float32_dot": FLOAT32_DOTS, "forward": FORWARDS, "backward": BACKWAR
 @dataclass(frozen=True)
 class FlashSettings:
     """How the FlashAttention-2 Triton kernels run. The defaults are the ones measured best on an H100
-    (kernels/NOTES.md has the measurements).
+    (DECISIONS.md#host-path).
 
     fast_launch: after the first call per argument layout, launch the compiled binary directly instead
-        of going through Triton's autotuner, heuristics and binder again (kernels/launch.py). Off, every
+        of going through Triton's autotuner, heuristics and binder again (host/launch.py). Off, every
         launch takes Triton's public path. Never used under the interpreter.
     float32_dot: how float32 inputs are multiplied. "tf32x3" splits each operand into a TF32 high part
         and a TF32 remainder and sums three tensor-core products (hi·hi + hi·lo + lo·hi), keeping about
@@ -62,18 +62,18 @@ class FlashSettings:
         slower than pointer loads on the H100. Ignored under the interpreter, which takes the
         descriptor path at any length when `tma` is on (so CPU tests cover it).
     forward: which kernel computes the forward: "auto" (the Gluon kernel on sm_90 where it was measured
-        faster, else the Triton FA2 kernel: `flash_dispatch.choose_forward`), "triton" (FA2 always) or
+        faster, else the Triton FA2 kernel: `dispatch.choose_forward`), "triton" (FA2 always) or
         "gluon" (an error where it cannot run).
     backward: which kernel computes the backward, from the forward's O and L (either forward's: they write
-        them alike): "auto" (the Gluon backward, flash_gluon_bwd.py, on sm_90 where it was measured faster,
-        else the Triton FA2 kernels: `flash_dispatch.choose_backward`), "triton" (FA2 always) or "gluon" (an
+        them alike): "auto" (the Gluon backward, gluon_bwd.py, on sm_90 where it was measured faster,
+        else the Triton FA2 kernels: `dispatch.choose_backward`), "triton" (FA2 always) or "gluon" (an
         error where it cannot run). Read when the backward runs, which may be on autograd's own thread. The
         Gluon backward's dQ is summed by float32 reduce-adds in arrival order, so it is not bitwise repeatable
         across runs (FA2's is): "triton" where that matters.
     native: once a layout's forward and backward have run (and fast_launch is on), the `flash_triton`
         backend's later calls of that layout go through a C++ autograd node that launches the same binaries
         (FA2's and Gluon's), and compiled graphs' flash operators through the same C++ launches
-        (kernels/flash_native.py: it is built on first need and needs a C++ compiler, ninja and CUDA's headers;
+        (host/node.py: it is built on first need and needs a C++ compiler, ninja and CUDA's headers;
         where it cannot be built the Python Function runs, after one warning). Off, always the Python launchers.
         Both passes' kernels are then fixed when the forward runs.
     """
@@ -112,36 +112,18 @@ class FlashSettings:
         return cls(**values)
 
 
-def _env_reader():
-    """A function giving the raw values of ENV_VARS now. `os.environ` keeps its values in a plain dict (`_data`,
-    keys and values encoded) that every change through `os.environ` (monkeypatch.setenv included) updates; a lookup
-    there costs a fraction of `os.environ.get`, which runs Mapping.get, __getitem__ and the key's encoding in Python
-    (5 of them were ~3 us of every call: kernels/NOTES.md, "Plan cache (branch h-host2)"). Where that dict is not
-    there (another Python), the public lookups."""
-    data = getattr(os.environ, "_data", None)
-    encodekey = getattr(os.environ, "encodekey", None)
-    if not isinstance(data, dict) or encodekey is None:
-        return lambda: tuple([os.environ.get(var) for var in ENV_VARS.values()])
-    keys = tuple(encodekey(var) for var in ENV_VARS.values())
-    return lambda: tuple([os.environ._data.get(key) for key in keys])  # os.environ looked up per call: it may be
-    # replaced (never in practice), and its dict with it
-
-
-_raw_environment = _env_reader()
-_chosen: FlashSettings | None = None  # set from code; None: from the environment
-_from_env: tuple[tuple, FlashSettings] | None = None  # the last environment read, by its raw values
+_chosen: FlashSettings | None = None  # set from code; None: the environment's
+_from_env: FlashSettings | None = None  # the environment's, read once at the first call of flash_settings
 
 
 def flash_settings() -> FlashSettings:
-    """The settings in force now: those set from code, else the environment's (read now; parsed again
-    only when one of its variables changed, so a call costs one dictionary lookup per variable)."""
+    """The settings in force now: those set from code, else the environment's, read once (at the first call)."""
     global _from_env
     if _chosen is not None:
         return _chosen
-    raw = _raw_environment()
-    if _from_env is None or _from_env[0] != raw:
-        _from_env = (raw, FlashSettings.from_env())
-    return _from_env[1]
+    if _from_env is None:
+        _from_env = FlashSettings.from_env()
+    return _from_env
 
 
 def made_with(made, settings: FlashSettings) -> bool:

@@ -1,28 +1,29 @@
 """Which kernels the `flash_triton` attention backend runs, chosen here and nowhere else:
 
-    forward   the Gluon forward (`flash_gluon.py`, Hopper only)  or  the Triton FA2 forward (`flash_triton.py`)
-    backward  the Gluon backward (`flash_gluon_bwd.py`, Hopper)  or  the Triton FA2 backward (`flash_triton.py`)
+    forward   the Gluon forward (`gluon_fwd.py`, Hopper only)  or  the Triton FA2 forward (`fa2.py`)
+    backward  the Gluon backward (`gluon_bwd.py`, Hopper only) or  the Triton FA2 backward (`fa2.py`)
 
 FA2 runs everywhere, the CPU interpreter included. Both forwards write the same O (q's layout) and L (natural-log
 logsumexp, float32, contiguous q.shape[:-1]) and both backwards read just those, so each pass is chosen on its own
-and any forward pairs with any backward. `choose_forward` is called by `flash_triton.flash_forward` and
-`choose_backward` by `flash_triton.flash_backward`, which both the eager path and the custom ops
-`cs336_systems::flash_triton_forward` / `cs336_systems::flash_triton_backward` run, so `torch.compile` sees one
-opaque op per pass whichever kernel runs inside it (no graph break, no guard on the choice).
+and any forward pairs with any backward. `flash_forward` and `flash_backward` choose and run a pass; api.py's
+autograd Function and custom ops call them, so `torch.compile` sees one opaque op per pass whichever kernel runs
+inside it (no graph break, no guard on the choice). `native_passes` gathers, for the C++ node, the binaries of the
+kernels both passes of a layout would choose.
 
-"auto" takes Gluon on sm_90 where the shape rule of the pass at the head dim holds (`GLUON_FORWARD_RULES`,
-`GLUON_BACKWARD_RULES`: the longest query row sees enough keys and the call computes enough attention scores) and
-the kernel takes the inputs, FA2 otherwise. The rules are where Gluon was measured faster on an H100:
-kernels/NOTES.md, "Where Gluon starts".
+"auto" takes Gluon where the device is Hopper, the shape rule of the pass at the head dim holds and the kernel
+takes the inputs, FA2 otherwise (`_choose`, the cheap checks first). The shape rules are data, one per head dim
+with its reason (`GLUON_FORWARD_RULES`, `GLUON_BACKWARD_RULES`: the longest query row sees enough keys and the
+call computes enough attention scores), where Gluon was measured faster on an H100, as flash-attention's
+hopper/tile_size.h writes its choices (DECISIONS.md#dispatch-thresholds).
 
 Either pass can be forced, for tests and benchmarks: `choose_forward(..., forward="triton")`,
 `choose_backward(..., backward="gluon")`, or for a whole process the settings `FlashSettings.forward` and
 `FlashSettings.backward` (`use_flash_settings(backward="triton")`, or the environment variables
-CS336_FLASH_FORWARD / CS336_FLASH_BACKWARD = auto|triton|gluon, read at each call, so a test or a benchmark can
-switch them between calls). A forced "gluon" that cannot run is a ValueError naming why, never a silent FA2 run.
+CS336_FLASH_FORWARD / CS336_FLASH_BACKWARD = auto|triton|gluon, read once). A forced "gluon" that cannot run is a
+ValueError naming why, never a silent FA2 run.
 
-`flash_gluon` and `flash_gluon_bwd` are imported on first need only: machines that are not Hopper never load
-Triton's experimental Gluon, whose API has changed with each Triton release.
+`gluon_fwd` and `gluon_bwd` are imported on first need only: machines that are not Hopper never load Triton's
+experimental Gluon, whose API has changed with each Triton release.
 """
 
 from __future__ import annotations
@@ -38,25 +39,30 @@ from types import ModuleType
 import torch
 import triton
 
-from cs336_systems.kernels.common import INTERPRET, cuda_capability
-from cs336_systems.kernels.launch import layout
-from cs336_systems.kernels.settings import CHOICES, ENV_VARS, FlashSettings, flash_settings
-from cs336_systems.kernels.settings import BACKWARDS, FORWARDS  # noqa: F401 (the choices, for callers)
+from cs336_systems.kernels.common import INTERPRET, device_capability
+from cs336_systems.kernels.flash import fa2
+from cs336_systems.kernels.flash.host import node
+from cs336_systems.kernels.flash.host.launch import PLANS, layout
+from cs336_systems.kernels.flash.settings import CHOICES, ENV_VARS, FlashSettings, flash_settings
+from cs336_systems.kernels.flash.settings import BACKWARDS, FORWARDS  # noqa: F401 (the choices, for callers)
 
 FORWARD_ENV = ENV_VARS["forward"]
 BACKWARD_ENV = ENV_VARS["backward"]
 
 # The Gluon kernels' wgmma and setmaxnreg exist on sm_90a only (H100, H200), not on later architectures.
 HOPPER = (9, 0)
+
+
 @dataclass(frozen=True)
 class GluonRule:
     """From where a Gluon pass runs in "auto", at one head dim: the longest query row sees at least `min_keys` keys
     and the call computes at least `min_scores` attention scores (`attention_scores`: batch x heads x the (query,
-    key) pairs computed, about half of them under causal masking). Below either, FA2 was measured as fast or faster:
-    short rows leave Gluon's pipeline little to overlap, and in small calls its host side (TMA descriptors) weighs."""
+    key) pairs computed, about half of them under causal masking). Below either, FA2 was measured as fast or
+    faster (`reason`)."""
 
     min_keys: int
     min_scores: int
+    reason: str = ""
 
     def holds(self, q_shape: Sequence[int], k_shape: Sequence[int], is_causal: bool) -> bool:
         n_queries, n_keys = q_shape[-2], k_shape[-2]
@@ -64,17 +70,17 @@ class GluonRule:
         return longest_row >= self.min_keys and attention_scores(q_shape, k_shape, is_causal) >= self.min_scores
 
 
-# Measured on an H100 (kernels/NOTES.md, "Where Gluon starts"): FA2 against Gluon, both passes forced, over
-# flash_llm_shapes' grid from 1024 to 4096 keys (results/diagnosis/flash_gluon_threshold/run2/, 934e267, with the
-# persistent d=64 forward and the 128-query d=64 backward tile). At d=128 Gluon took 0.76-0.94x FA2's
-# forward+backward at every call of at least 2^27 scores, from 1024 keys (8 x 32 x 1024 causal, 2 x 32 x 2048
-# causal, 1 x 16 x 4096 causal and up); at 2^26 and below the calls are host-bound and Gluon's heavier host side lost
-# by 2-3x. At d=64 Gluon took 0.84-0.93x from 2048 keys and 2^28 scores (0.99x at 1 x 16 x 4096 non-causal); below
-# 2^28 it lost (4 x 16 x 2048 causal 1.07x, 1 x 16 x 4096 causal 1.46x), and at 1024 keys it lost at 2^28 (32 x 16
-# causal 1.12x, 16 x 16 non-causal 1.05x). The first run (787a134, ../flash_gluon_threshold/threshold.csv, before
-# those d=64 tiles) had d=64 from 4096 keys and 2^29 scores, d=128 from 2^28.
-GLUON_FORWARD_RULES = {64: GluonRule(min_keys=2048, min_scores=2**28), 128: GluonRule(min_keys=1024, min_scores=2**27)}
-# The backward was measured in the same runs (forward+backward less forward): the forward's picture, the same rules.
+# The shape rules of "auto", per head dim (DECISIONS.md#dispatch-thresholds): FA2 against Gluon, both passes forced,
+# over flash_llm_shapes' grid from 1024 to 4096 keys on an H100. The backward was measured in the same runs
+# (forward+backward less forward) and gave the forward's picture, so it has the same rules.
+GLUON_FORWARD_RULES = {
+    64: GluonRule(min_keys=2048, min_scores=2**28,
+                  reason="below 2048 keys or 2^28 scores Gluon lost to FA2 (short rows leave its pipeline little to "
+                         "overlap)"),
+    128: GluonRule(min_keys=1024, min_scores=2**27,
+                   reason="from 2^27 scores Gluon took 0.76-0.94x FA2's time; below, the calls are host-bound and "
+                          "Gluon's heavier host side lost"),
+}
 GLUON_BACKWARD_RULES = dict(GLUON_FORWARD_RULES)
 
 
@@ -132,27 +138,20 @@ def gluon_backward_pays(capability: tuple[int, int] | None, q_shape: Sequence[in
     return _rule_holds(GLUON_BACKWARD_RULES, capability, q_shape, k_shape, is_causal)
 
 
-def device_capability(q: torch.Tensor) -> tuple[int, int] | None:
-    """q's device's compute capability, cached per device; None on the CPU or under Triton's interpreter."""
-    if INTERPRET or not q.is_cuda:
-        return None
-    return cuda_capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-
-
 # ----------------------------------------------------------------------------------------------
 # the Gluon modules, imported on first need
 # ----------------------------------------------------------------------------------------------
 @functools.cache
 def _kernel_module(name: str) -> tuple[ModuleType | None, str | None]:
-    """(the module cs336_systems.kernels.`name`, None), or (None, why it cannot be imported)."""
+    """(the module cs336_systems.kernels.flash.`name`, None), or (None, why it cannot be imported)."""
     try:
-        return importlib.import_module(f"cs336_systems.kernels.{name}"), None
+        return importlib.import_module(f"cs336_systems.kernels.flash.{name}"), None
     except ImportError as error:
         return None, f"{name} cannot be imported with triton {triton.__version__}: {error}"
 
 
-_gluon = functools.partial(_kernel_module, "flash_gluon")
-_gluon_bwd = functools.partial(_kernel_module, "flash_gluon_bwd")
+_gluon = functools.partial(_kernel_module, "gluon_fwd")
+_gluon_bwd = functools.partial(_kernel_module, "gluon_bwd")
 
 
 def _module_problem(name: str, check: Callable[[ModuleType], str | None]) -> str | None:
@@ -166,13 +165,13 @@ def _module_problem(name: str, check: Callable[[ModuleType], str | None]) -> str
 
 def gluon_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the Gluon forward cannot take these inputs, or None."""
-    return _module_problem("flash_gluon", lambda module: module.layout_problem(q, k, v) or module.device_problem(q))
+    return _module_problem("gluon_fwd", lambda module: module.layout_problem(q, k, v) or module.device_problem(q))
 
 
 def gluon_backward_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            grad_out: torch.Tensor) -> str | None:
     """Why the Gluon backward cannot take these inputs (the forward's O and L, and dO), or None."""
-    return _module_problem("flash_gluon_bwd", lambda module: module.backward_problem(q, k, v, out, grad_out, lse))
+    return _module_problem("gluon_bwd", lambda module: module.backward_problem(q, k, v, out, grad_out, lse))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,7 +203,7 @@ def choose_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal:
                    forward: str | None = None) -> str:
     """"gluon" or "triton": the kernel that computes this forward. `forward` (else CS336_FLASH_FORWARD, else
     "auto"): "auto" takes Gluon where the device is Hopper, the shape rule `gluon_pays` holds and the inputs are
-    ones the kernel takes (bf16/fp16, head dim 64/128, TMA-aligned strides: flash_gluon.layout_problem), FA2
+    ones the kernel takes (bf16/fp16, head dim 64/128, TMA-aligned strides: gluon_fwd.layout_problem), FA2
     otherwise; "triton" always FA2; "gluon" always Gluon, or a ValueError naming why it cannot."""
     return _choose("forward", forward_setting(forward), problem=lambda: gluon_problem(q, k, v),
                    pays=gluon_pays(device_capability(q), q.shape, k.shape, is_causal), load=_gluon,
@@ -216,7 +215,7 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     """"gluon" or "triton": the kernel that computes this backward from the forward's O (`out`) and L (`lse`).
     `backward` (else CS336_FLASH_BACKWARD, else "auto"): "auto" takes Gluon where the device is Hopper, the shape
     rule `gluon_backward_pays` holds and the kernel takes the inputs (as the forward's, plus O and dO in q's shape
-    and dtype, L contiguous float32: flash_gluon_bwd.backward_problem), FA2 otherwise; "triton" always FA2;
+    and dtype, L contiguous float32: gluon_bwd.backward_problem), FA2 otherwise; "triton" always FA2;
     "gluon" always Gluon, or a ValueError naming why it cannot."""
     return _choose("backward", backward_setting(backward),
                    problem=lambda: gluon_backward_problem(q, k, v, out, lse, grad_out),
@@ -224,16 +223,16 @@ def choose_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
                    supported=lambda module: module.gluon_backward_supported(q, k, v, out, grad_out, lse))
 
 
-# choose_passes' answers by (the inputs' launch.layout, is_causal, the two settings), all they depend on: a layout
-# whose backward never runs (no_grad calls) asks at every call while flash_native's node for it is pending
-_PASS_CHOICES: dict[tuple, tuple[str, str]] = {}
+# choose_passes' answers by (the inputs' layout, is_causal, the two settings), all they depend on: a layout whose
+# backward never runs (no_grad calls) asks at every call while the C++ node for it is pending
+_PASS_CHOICES = PLANS.table("pass_choices")
 
 
 def choose_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
                   ) -> tuple[str, str]:
     """The kernels of both passes of a call of these inputs with `settings`, where the backward gets the forward's O
-    (q's shape, dtype and layout) and L and a dense dO: (choose_forward's, choose_backward's). What flash_native's
-    C++ node fixes for a layout when its forward runs. Remembered per layout (at most 4096)."""
+    (q's shape, dtype and layout) and L and a dense dO: (choose_forward's, choose_backward's). What the C++ node
+    fixes for a layout when its forward runs. Remembered per layout (at most 4096)."""
     key = (layout(q, k, v), is_causal, settings.forward, settings.backward)
     chosen = _PASS_CHOICES.get(key)
     if chosen is None:
@@ -248,7 +247,7 @@ def choose_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
 
 
 # ----------------------------------------------------------------------------------------------
-# the Gluon kernels' entry points, through the lazily imported modules
+# the passes, chosen and run
 # ----------------------------------------------------------------------------------------------
 def _loaded(load: Callable[[], tuple[ModuleType | None, str | None]]) -> ModuleType:
     module, problem = load()
@@ -257,25 +256,59 @@ def _loaded(load: Callable[[], tuple[ModuleType | None, str | None]]) -> ModuleT
     return module
 
 
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and L of the kernel `choose_forward` picks: on Hopper at long sequences the Gluon forward, else FA2's.
+    The settings are read once here, for the whole call."""
+    settings = flash_settings()
+    if choose_forward(q, k, v, is_causal, forward=settings.forward) == "gluon":
+        return gluon_forward(q, k, v, is_causal, chosen=True, fast_launch=settings.fast_launch)
+    return fa2.flash_forward_triton(q, k, v, is_causal, settings)
+
+
+def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of the kernel `choose_backward` picks, independently of which forward wrote O and L (both write
+    them alike): on Hopper at long sequences the Gluon backward, else FA2's. The settings are read once here."""
+    settings = flash_settings()
+    if choose_backward(q, k, v, out, lse, grad_out, is_causal, backward=settings.backward) == "gluon":
+        return gluon_backward(q, k, v, out, lse, grad_out, is_causal, chosen=True, fast_launch=settings.fast_launch)
+    return fa2.flash_backward_triton(q, k, v, out, lse, grad_out, is_causal, settings)
+
+
 def gluon_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, *, chosen: bool = False,
                   fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """flash_gluon's forward (O, L). `chosen`: `choose_forward` has just returned "gluon" for these inputs, which it
-    does only where flash_gluon found no problem in them, so the kernel's entry does not look again. `fast_launch`:
-    the caller's FlashSettings.fast_launch (None: read the settings)."""
+    """The Gluon forward (O, L). `chosen`: `choose_forward` has just returned "gluon" for these inputs, which it does
+    only where gluon_fwd found no problem in them, so the kernel's entry does not look again. `fast_launch`: the
+    caller's FlashSettings.fast_launch (None: read the settings)."""
     return _loaded(_gluon).flash_attention_gluon_forward(q, k, v, is_causal, checked=chosen, fast_launch=fast_launch)
 
 
 def gluon_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    grad_out: torch.Tensor, is_causal: bool, *, chosen: bool = False,
                    fast_launch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flash_gluon_bwd's backward (dQ, dK, dV), taking its arguments in flash_backward_triton's order. `chosen`:
-    `choose_backward` has just returned "gluon" for these inputs, which it does only where flash_gluon_bwd found no
-    problem in them, so the kernel's entry does not look again. `fast_launch`: as gluon_forward's."""
+    """The Gluon backward (dQ, dK, dV), taking its arguments in FA2's order. `chosen`: `choose_backward` has just
+    returned "gluon" for these inputs, which it does only where gluon_bwd found no problem in them, so the kernel's
+    entry does not look again. `fast_launch`: as gluon_forward's."""
     return _loaded(_gluon_bwd).flash_backward_gluon(q, k, v, out, grad_out, lse, is_causal, checked=chosen,
                                                     fast_launch=fast_launch)
 
 
-def gluon_native_calls(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
-    """The Gluon `kind` pass's ("forward" or "backward") launches for flash_native's C++ plan of these inputs'
-    layout (flash_gluon.native_calls, flash_gluon_bwd.native_calls), or None until such a call has run."""
-    return _loaded(_gluon if kind == "forward" else _gluon_bwd).native_calls(q, k, v, is_causal)
+def native_passes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
+                  ) -> node.NativePasses | None:
+    """What the C++ node launches for calls of these inputs with `settings`: the binaries of the kernels
+    `choose_passes` picks for both passes, once the forward and a backward (with the forward's O and L and a dense
+    dO) have each run through their Python plans with fast launch; None before, or where a plan has no binary.
+    FA2's plans are used only with the settings they were made with."""
+    forward_kernel, backward_kernel = choose_passes(q, k, v, is_causal, settings)
+    if forward_kernel == "gluon":
+        forward = _loaded(_gluon).native_calls(q, k, v, is_causal)
+    else:
+        forward = fa2.native_forward_calls(q, k, v, is_causal, settings)
+    if forward is None:
+        return None
+    if backward_kernel == "gluon":
+        backward = _loaded(_gluon_bwd).native_calls(q, k, v, is_causal)
+    else:
+        backward = fa2.native_backward_calls(q, k, v, is_causal, settings)
+    return None if backward is None else node.NativePasses(forward, *backward)

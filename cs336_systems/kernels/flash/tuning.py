@@ -1,4 +1,4 @@
-"""How the FlashAttention-2 Triton kernels (`flash_triton.py`) are tuned: the tile configs each kernel
+"""How the FlashAttention-2 Triton kernels (`fa2.py`) are tuned: the tile configs each kernel
 is autotuned over, how those are pruned per problem, and the tuning key (their settings, the float32
 dot precision among them, are in `settings.py`).
 
@@ -19,19 +19,19 @@ from dataclasses import dataclass
 import triton
 
 from cs336_systems.kernels.common import INTERPRET
-from cs336_systems.kernels.settings import FLOAT32_DOTS, flash_settings
+from cs336_systems.kernels.flash.settings import FLOAT32_DOTS
 
 # How float32 inputs may be multiplied and whether the forward uses tensor descriptors are settings
-# (kernels/settings.py), read at each call; both are part of the tuning key (PRECISION, TMA).
+# (settings.py); both are part of the tuning key (PRECISION, TMA).
 
 # Pipelines deeper than 3 stages are the usual Hopper win for 16-bit inputs, but float32 tiles take
 # twice the shared memory: `prune_configs` keeps them for 16-bit inputs only. At d=128 with tf32x3
 # dots no float32 config of these lists fits in the H100's 227 KiB of shared memory (the smallest
 # asks 256 KiB), so FLOAT32_TILES adds smaller, 2-stage tiles for float32 inputs only (52-192 KiB at
 # d=128, compiled for sm_90 by bench/kernel_resources.py).
-# The 16-bit lists keep the tiles the autotuner chose at least once on an H100 over the shapes of
-# results/diagnosis/flash_variants (leaderboard, the 8B model's attention, short many-head cases); the
-# four it never chose were dropped, so a new shape bucket compiles and times 4 + 5 + 5 configs.
+# The 16-bit lists keep the tiles the autotuner chose at least once on an H100 over the leaderboard's shapes,
+# the 8B model's attention and short many-head cases; the four it never chose were dropped, so a new shape
+# bucket compiles and times 4 + 5 + 5 configs (DECISIONS.md#fa2-triton-tiles-and-autotuning).
 FWD_TILES = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)]
 BWD_TILES = [(128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (128, 32, 4, 5), (128, 64, 8, 4)]
 FLOAT32_TILES = [(64, 32, 8, 2), (32, 32, 4, 2), (32, 16, 4, 2)]
@@ -49,14 +49,14 @@ class Tiling:
     inner: str
 
 
-# The three autotuned kernels of flash_triton.py (its TUNED_KERNELS), by name.
+# The three autotuned kernels of fa2.py (its TUNED_KERNELS), by name.
 TILINGS = {"forward": Tiling(FWD_TILES, "BLOCK_M", "BLOCK_N"),
            "backward_dkdv": Tiling(BWD_TILES, "BLOCK_N", "BLOCK_M"),
            "backward_dq": Tiling(BWD_TILES, "BLOCK_M", "BLOCK_N")}
 
 # Batch x heads is in the key because the best tile depends on how many programs fill the GPU: tuned at 16 batch x
 # heads only (as before), a bucket's larger calls ran tiles up to 1.23x slower than their own best (dK/dV at 32 x 16
-# x 2048 x 64; forward 1.18x, dQ up to 1.19x at 16 x 32 x 512 x 128: H100, results/diagnosis/flash_fa2_tiles/).
+# x 2048 x 64; forward 1.18x, dQ up to 1.19x at 16 x 32 x 512 x 128, on an H100).
 # Only the benchmarking repeats per batch x heads bucket: the tiles compile once per length bucket.
 TUNING_KEY = ["SEQ_KEY_Q", "SEQ_KEY_K", "BATCH_HEADS_KEY", "BLOCK_D", "IS_CAUSAL", "PRECISION"]
 
@@ -140,11 +140,3 @@ def describe_bucket(args: dict) -> str:
 def tuning_bench(fn, quantiles):
     """Autotuning needs a ranking, not a precise time: short warm-up and repetition."""
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
-
-def __getattr__(name: str):
-    # FLOAT32_DOT was a constant read from the environment at import; callers not yet moved to
-    # flash_settings().float32_dot (bench/flash_bench.py) get the value in force now.
-    if name == "FLOAT32_DOT":
-        return flash_settings().float32_dot
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

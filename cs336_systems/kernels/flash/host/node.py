@@ -1,16 +1,13 @@
 """The `flash_triton` backend's C++ autograd node (csrc/flash_node.cpp), for calls bound by the host.
 
 Why: at short calls a Python `autograd.Function` costs more than its kernels. The autograd engine runs the Python
-backward on its device thread, where each Python line took 1.5-2.4x as long as on the calling thread, and ours'
-forward+backward came out at about SDPA flash's time although its FA2 kernels took 0.59-0.78x SDPA flash's
-(kernels/NOTES.md, "What a short call's host time is made of"). A C++ node with the same allocations, four TMA
-encodes and four launches measured at about the cost of a Python Function that launches nothing ("The floor of a C++
-autograd node at short calls"). This is that node, with the real kernels.
+backward on its device thread, where each Python line took 1.5-2.4x as long as on the calling thread; a C++ node
+with the same allocations and launches costs about as much as a Python Function that launches nothing.
 
-How: once a layout's forward and backward have run through the Python plans of the kernels flash_dispatch chooses
-for it (flash_triton's FA2 plans, flash_gluon's and flash_gluon_bwd's Gluon plans, in any pairing), those plans hold
-the binaries Triton compiled for the layout and every argument Triton passes them (`flash_triton.native_passes`
-gathers them as `NativePasses`). `make_plan` turns each launch into a C++ `Launch`:
+How: once a layout's forward and backward have run through the Python plans of the kernels the dispatch chooses
+for it (FA2's plans, the Gluon forward's and backward's plans, in any pairing), those plans hold the binaries
+Triton compiled for the layout and every argument Triton passes them (`dispatch.native_passes` gathers them as
+`NativePasses`). `make_plan` turns each launch into a C++ `Launch`:
 - the CUfunction Triton loaded, the grid, 32 x num_warps threads (all warps, the Gluon kernels' workers included),
   the shared memory;
 - the parameters packed as Triton 3.6's launcher packs them (`pack_params`: the signature's parameters in order,
@@ -23,24 +20,24 @@ From then on, calls of that layout run through the C++ node: it allocates O and 
 and the scratch buffers (FA2's D; Gluon's float32 dQ accumulator and its L and D rows), as the Python launchers do,
 launches the same binaries with the same arguments and, after a Gluon backward, writes dQ as the accumulator times
 the scale, as the Python path does. The results are the Python path's bit for bit, but for the Gluon backward's dQ,
-whose atomic adds run in no fixed order on either path (tests/test_flash_native.py). The backward's binaries were
-made for the dO layouts of the backwards that planned them (O's, or contiguous), one set of launches per layout; a
-dO of another layout is copied into the first one's. A compiled graph's backward that brings a dense dO of a layout
-not yet planned (AOTAutograd hands a contiguous dO to a region whose output is not: kernels/NOTES.md) runs the
-Python path once, which plans it, and the layout's C++ plan is then made again with it, so that no copy is left
-that is ours.
+whose atomic adds run in no fixed order on either path. The backward's binaries were made for the dO layouts of the
+backwards that planned them (O's, or contiguous), one set of launches per layout; a dO of another layout is copied
+into the first one's. A compiled graph's backward that brings a dense dO of a layout not yet planned (AOTAutograd
+hands a contiguous dO to a region whose output is not) runs the Python path once, which plans it, and the layout's
+C++ plan is then made again with it, so that no copy is left that is ours.
 
-Compiled graphs call flash_triton's two operators instead of an autograd Function; their kernels take the same
-launches without the node (`forward`, `backward`), so a compiled call's passes run no Python launcher either.
+This module only keeps and launches nodes: api.py looks a call's node up (`find`), asks the dispatch for the passes
+while the node is pending and hands them here (`settle`), then launches through `attention`, `forward` (a compiled
+graph's forward operator) or `backward`.
 
 Where the Python path still runs (same kernels): a layout's first calls, until its forward and a backward (with the
 forward's O and L and a dO in O's layout or contiguous) have run once; kernels that need scratch memory (FA2's
 forward with device-side TMA descriptors, from `tma_min_keys` keys); fast launch off or a Triton release the fast
 path was not checked against (no binaries are kept then); the `native` setting off (CS336_FLASH_NATIVE=0); and where
 the module cannot be built (no C++ compiler, ninja or CUDA headers: warned once). The node fixes both passes'
-kernels when the forward runs (`flash_dispatch.choose_passes`); Triton's launch hooks (Proton) do not see its
-launches (torch.profiler does). Triton never unloads a module it loaded, so a plan that outlives its CompiledKernel
-(cleared launchers, a backward still pending) still launches valid functions.
+kernels when the forward runs (`dispatch.choose_passes`); Triton's launch hooks (Proton) do not see its launches
+(torch.profiler does). Triton never unloads a module it loaded, so a plan that outlives its CompiledKernel (cleared
+launchers, a backward still pending) still launches valid functions. See DECISIONS.md#host-path.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ from __future__ import annotations
 import functools
 import struct
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -56,9 +53,9 @@ from typing import NamedTuple
 
 import torch
 
-from cs336_systems.kernels.common import INTERPRET, check_inputs
-from cs336_systems.kernels.launch import layout, on_clear
-from cs336_systems.kernels.settings import FlashSettings, flash_settings, made_with
+from cs336_systems.kernels.common import INTERPRET
+from cs336_systems.kernels.flash.host.launch import PLANS, layout
+from cs336_systems.kernels.flash.settings import FlashSettings, made_with
 
 SOURCE = Path(__file__).parent / "csrc" / "flash_node.cpp"
 # The call's tensors in the C++ node's slot order (flash_node.cpp's `Slot`): the inputs and outputs of both passes,
@@ -209,7 +206,7 @@ def native_module() -> tuple[ModuleType | None, str | None]:
         first_line = (str(error).strip().splitlines() or [""])[0]
         return None, f"building {SOURCE.name} failed ({type(error).__name__}: {first_line})"
     if tuple(module.SLOTS) != SLOTS:  # the two lists of the call's tensors must agree
-        return None, f"{SOURCE.name} numbers the tensors {tuple(module.SLOTS)}, flash_native {SLOTS}"
+        return None, f"{SOURCE.name} numbers the tensors {tuple(module.SLOTS)}, node.py {SLOTS}"
     return module, None
 
 
@@ -294,9 +291,9 @@ def make_plan(module: ModuleType, passes: NativePasses):
 
 
 @dataclass
-class _Node:
-    """What `attention` knows of one (layout, causal) key: the settings it was decided with, the C++ plan (None:
-    the Python Function runs), whether the Python plans are still awaited (`pending`), the dO strides the plan's
+class Node:
+    """What the node knows of one (layout, causal) key: the settings it was decided with, the C++ plan (None: the
+    Python Function runs), whether the Python plans are still awaited (`pending`), the dO strides the plan's
     backward takes without a copy, and the dO strides a compiled backward has been sent to the Python path to plan
     (`tried`: once each)."""
 
@@ -307,86 +304,66 @@ class _Node:
     tried: set[tuple[int, ...]] = field(default_factory=set)
 
 
-_NODES: dict[tuple, _Node] = {}
-on_clear(_NODES.clear)  # new FA2 tiles: the binaries the plans launch are dropped with the Python plans
+# The nodes by (the inputs' layout, is_causal); cleared with every plan (new FA2 tiles drop the binaries they launch)
+_NODES = PLANS.table("native_nodes")
 _warned: set[str] = set()
 
-# flash_triton.native_passes: the NativePasses of a call's layout with the given settings, or None until its Python
-# plans have run
-PassesOf = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool, FlashSettings], NativePasses | None]
 
-
-def _decide(q, k, v, is_causal: bool, settings: FlashSettings, passes_of: PassesOf, node: _Node | None) -> _Node:
-    """The node of this key now: settled (a plan, or the Python Function for good) or still pending."""
-    if node is None:
-        check_inputs(q, k, v, "FlashAttentionTriton")  # the Python path's errors, before anything reads shapes
-        if not settings.fast_launch:  # no binaries are kept
-            return _Node(settings, None, pending=False)
-    passes = passes_of(q, k, v, is_causal, settings)
-    tried = node.tried if node is not None else set()  # kept when the plan is made again
-    if passes is None:
-        return _Node(settings, None, True, tried=tried)
-    module, problem = native_module()
-    if module is not None:
-        try:
-            return _Node(settings, make_plan(module, passes), False, passes.grad_layouts, tried)
-        except ValueError as error:
-            problem = str(error)
-    if problem not in _warned:
-        _warned.add(problem)
-        warnings.warn(f"flash_native: {problem}; the Python autograd Function runs instead (CS336_FLASH_NATIVE=0 "
-                      "turns the C++ node off)", RuntimeWarning, stacklevel=4)
-    return _Node(settings, None, pending=False)
-
-
-def _node(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf) -> _Node | None:
-    """The node of this call's layout (its `plan` None where the Python path should run), or None where the node is
-    off for this call."""
-    settings = flash_settings()
+def find(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, settings: FlashSettings
+         ) -> tuple[tuple, Node | None] | None:
+    """(the key of this call's node, its node if made with `settings`, else None), or None where the node is off for
+    this call (the `native` setting off, the interpreter, CPU tensors). A node that is None or `pending` must be
+    settled (`settle`) before use."""
     if not settings.native or INTERPRET or not q.is_cuda:
         return None
     key = (layout(q, k, v), is_causal)
     node = _NODES.get(key)
-    current = made_with(node, settings)
-    if not current or node.pending:
-        node = _NODES[key] = _decide(q, k, v, is_causal, settings, passes_of, node if current else None)
+    return key, (node if made_with(node, settings) else None)
+
+
+def python_path(key: tuple, settings: FlashSettings) -> Node:
+    """Settle `key` on the Python Function for good (fast launch off: no binaries are kept)."""
+    node = _NODES[key] = Node(settings, None, pending=False)
     return node
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf):
-    """The C++ plan of this call's layout, or None where the Python path should run."""
-    node = _node(q, k, v, is_causal, passes_of)
-    return None if node is None else node.plan
+def settle(key: tuple, settings: FlashSettings, node: Node | None, passes: NativePasses | None) -> Node:
+    """The node of `key` now, from `passes` (the dispatch's NativePasses of its layout; None: its Python plans have
+    not all run yet, so it stays pending): a C++ plan, or the Python Function for good where the module cannot be
+    built or a launch cannot be made (warned once)."""
+    tried = node.tried if node is not None else set()  # kept when the plan is made again
+    if passes is None:
+        node = _NODES[key] = Node(settings, None, True, tried=tried)
+        return node
+    module, problem = native_module()
+    if module is not None:
+        try:
+            node = _NODES[key] = Node(settings, make_plan(module, passes), False, passes.grad_layouts, tried)
+            return node
+        except ValueError as error:
+            problem = str(error)
+    if problem not in _warned:
+        _warned.add(problem)
+        warnings.warn(f"flash node: {problem}; the Python autograd Function runs instead (CS336_FLASH_NATIVE=0 "
+                      "turns the C++ node off)", RuntimeWarning, stacklevel=3)
+    return python_path(key, settings)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf
-              ) -> torch.Tensor | None:
-    """O through the C++ node where this call's layout has one (its gradients come from the node's C++ backward);
-    None where the caller should run the Python Function. `passes_of` is flash_triton.native_passes."""
-    plan = _plan(q, k, v, is_causal, passes_of)
-    return None if plan is None else native_module()[0].flash_attention(q, k, v, plan)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
+    """O through the C++ node's `plan` (its gradients come from the node's C++ backward)."""
+    return native_module()[0].flash_attention(q, k, v, plan)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, passes_of: PassesOf
-            ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(O, L) through the layout's C++ forward launches, without autograd (a compiled graph's forward operator),
-    or None where the caller should run the Python launchers."""
-    plan = _plan(q, k, v, is_causal, passes_of)
-    return None if plan is None else native_module()[0].forward(q, k, v, plan)
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, L) through the plan's C++ forward launches, without autograd (a compiled graph's forward operator)."""
+    return native_module()[0].forward(q, k, v, plan)
 
 
 def backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-             grad_out: torch.Tensor, is_causal: bool, passes_of: PassesOf
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(dQ, dK, dV) through the layout's C++ backward launches, without autograd (a compiled graph's backward
-    operator), or None where the caller should run the Python launchers. The first dO of a layout the plan was not
-    made for, where the Python backward would plan it (dense: in O's layout or contiguous; 16-byte aligned), goes
-    to the Python path once; the plan is then made again with it, rather than copying every later dO into the
-    plan's first layout."""
-    node = _node(q, k, v, is_causal, passes_of)
-    if node is None or node.plan is None or plans_grad_layout(node, out, grad_out):
-        return None
-    return native_module()[0].backward(q, k, v, out, lse, grad_out, node.plan)
+             grad_out: torch.Tensor, plan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV) through the plan's C++ backward launches, without autograd (a compiled graph's backward
+    operator)."""
+    return native_module()[0].backward(q, k, v, out, lse, grad_out, plan)
 
 
 def dense_grad(out: torch.Tensor, grad_out: torch.Tensor) -> bool:
@@ -395,10 +372,11 @@ def dense_grad(out: torch.Tensor, grad_out: torch.Tensor) -> bool:
     return (grad_out.stride() == out.stride() or grad_out.is_contiguous()) and grad_out.data_ptr() % 16 == 0
 
 
-def plans_grad_layout(node: _Node, out: torch.Tensor, grad_out: torch.Tensor) -> bool:
+def plans_grad_layout(node: Node, out: torch.Tensor, grad_out: torch.Tensor) -> bool:
     """Whether this backward goes to the Python path to plan its dO's layout: the first dO of a layout that the
     node's plan has no launches for, where the Python backward plans it (dense: in O's layout or contiguous; 16-byte
-    aligned). The node then asks for the passes again at its next call, with that layout's among them."""
+    aligned), rather than copying every later dO into the plan's first layout. The node then asks for the passes
+    again at its next call, with that layout's among them."""
     strides = tuple(grad_out.stride())
     if strides in node.grad_layouts or strides in node.tried or not dense_grad(out, grad_out):
         return False
