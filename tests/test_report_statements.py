@@ -144,9 +144,8 @@ def test_ddp_naive_overlap_claim_follows_torch_ddps_forward_backward(tmp_path):
 DDP_TABLES = ("ddp_naive", "ddp_individual", "ddp_bucketed")
 
 
-def _with_diagnosis(tmp_path: Path) -> None:
-    (tmp_path / "diagnosis").mkdir(exist_ok=True)
-    shutil.copy(RESULTS / "diagnosis" / "ddp_bucketed_rounds.csv", tmp_path / "diagnosis")
+def _with_spread(tmp_path: Path) -> None:
+    shutil.copy(RESULTS / "ddp_spread.csv", tmp_path)
 
 
 def test_xl_ranking_states_the_rounds_and_the_spread_of_torch_ddp_across_runs(tmp_path):
@@ -154,7 +153,7 @@ def test_xl_ranking_states_the_rounds_and_the_spread_of_torch_ddp_across_runs(tm
     from cs336_systems.report.sections.training import xl_ranking
 
     text = xl_ranking(committed_context())
-    need = rounds_needed(pd.read_csv(RESULTS / "diagnosis" / "ddp_bucketed_rounds.csv"))["rounds"]
+    need = rounds_needed(pd.read_csv(RESULTS / "ddp_spread.csv"))["rounds"]
     steps = {name: pd.read_csv(RESULTS / f"{name}.csv").set_index(["precision", "config"]).loc[
         ("bf16", "torch_ddp"), "step_ms"] for name in DDP_TABLES}
     assert text.startswith("Nor do the xl measurements") and f"where {need} are needed" in text
@@ -164,7 +163,7 @@ def test_xl_ranking_states_the_rounds_and_the_spread_of_torch_ddp_across_runs(tm
         chosen = (rows["precision"] == "bf16") & (rows["config"] == "torch_ddp")
         return rows.assign(step_ms=rows["step_ms"].where(~chosen, 171.5)) if name == "ddp_bucketed" else rows
 
-    _with_diagnosis(tmp_path)
+    _with_spread(tmp_path)
     assert "171.5 ms (2.3 bucketed)" in xl_ranking(results_copy(tmp_path, *DDP_TABLES, change=slower))
 
     def enough(name, rows):

@@ -170,7 +170,7 @@ def render_llm_shapes(ctx: Context) -> Section:
             "short calls are bound by a fixed per-call cost (host work and kernel launches), not by the kernels' "
             "arithmetic"
             + (", so the goal of never being slower than SDPA flash is not met there." if (short(q.frame) > 1).any()
-               else ". There the flash_triton backend runs its C++ autograd node (kernels/flash_native.py), whose "
+               else ". There the flash_triton backend runs its C++ autograd node (kernels/flash/host/), whose "
                     "backward runs no Python, and the goal of never being slower than SDPA flash is met at every "
                     "point."))
     if "ours ÷ cuDNN" in table.headers:
@@ -178,9 +178,9 @@ def render_llm_shapes(ctx: Context) -> Section:
             f"Against cuDNN, ours takes a median {q.derive(lambda t: ratio('ours ÷ cuDNN')(t).median(), '.2f', 'median cudnn ratio')}× "
             f"its forward+backward time (best {q.derive(lambda t: ratio('ours ÷ cuDNN')(t).min(), '.2f', 'best cudnn ratio')}×; "
             f"at or below cuDNN's time at {q.derive(lambda t: (ratio('ours ÷ cuDNN')(t) <= 1.0).sum(), 'd', 'points at or below cudnn')} "
-            "points). On this GPU large calls run our Gluon kernels (kernels/flash_gluon.py, flash_gluon_bwd.py) and "
+            "points). On this GPU large calls run our Gluon kernels (kernels/flash/gluon_fwd.py, gluon_bwd.py) and "
             "small ones our FA2 Triton kernels (the choice, per head dim by the longest row's keys and the call's "
-            f"attention scores: kernels/flash_dispatch.py); where SDPA flash takes at "
+            f"attention scores: kernels/flash/dispatch.py); where SDPA flash takes at "
             f"least 1 ms the median is {q.derive(lambda t: _fb(t)[_fb(t)['SDPA flash (ms)'] >= 1.0]['ours ÷ cuDNN'].dropna().median(), '.2f', 'median long cudnn ratio')}×.")
     if "compiled ÷ eager" in table.headers:
         checked.append(_compiled_paragraph(q))
