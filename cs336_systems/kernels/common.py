@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -64,3 +65,15 @@ def check_kernel_device(t: torch.Tensor, name: str) -> None:
     raise ValueError(f"{name}: got a tensor on device {t.device}, but the Triton kernels run on CUDA tensors; "
                      "set TRITON_INTERPRET=1 before importing cs336_systems (or triton) to run them on the CPU "
                      "under Triton's interpreter")
+
+
+def interpreted_bfloat16(t: torch.Tensor, name: str) -> bool:
+    """Whether a kernel call gets bfloat16 CPU tensors under Triton's interpreter, which cannot multiply bfloat16
+    (NumPy has no such type: its dots come out wrong by orders of magnitude, with at most an overflow warning). Such
+    a call computes in float32 instead and returns its results in bfloat16, and says so (a warning, which Python
+    shows once per call site)."""
+    if not (INTERPRET and t.dtype == torch.bfloat16 and not t.is_cuda):
+        return False
+    warnings.warn(f"{name}: Triton's CPU interpreter cannot multiply bfloat16, so this call computes in float32 and "
+                  "returns bfloat16 results (on a GPU the kernels run in bfloat16)", RuntimeWarning, stacklevel=3)
+    return True

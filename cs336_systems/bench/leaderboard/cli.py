@@ -216,7 +216,7 @@ def check_runs_here(parser: argparse.ArgumentParser, config: LeaderboardConfig) 
         return
     state_gib = 16 * parameter_count(config.model_config()) / 2**30  # fp32 weights, gradients, AdamW's 2 moments
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    reasons = [*(["our kernels run under Triton's interpreter, which cannot multiply bfloat16"]
+    reasons = [*(["Triton's interpreter cannot run our kernels in bfloat16 (it computes them in float32)"]
                  if config.param_dtype == "bf16" else []),
                *([f"the model's fp32 state ({state_gib:.0f} GiB) outgrows this machine's memory"]
                  if state_gib > ram_gib else [])]

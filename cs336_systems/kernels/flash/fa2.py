@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cs336_systems.kernels.common import INTERPRET, check_kernel_device, device_capability
+from cs336_systems.kernels.common import INTERPRET, check_kernel_device, device_capability, interpreted_bfloat16
 from cs336_systems.kernels.flash.host import node
 from cs336_systems.kernels.flash.host.launch import (
     PLANS,
@@ -484,6 +484,9 @@ def _plan_for(plans: dict[tuple, _Plan], key: tuple, settings: FlashSettings) ->
 def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                          settings: FlashSettings | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """O (q's dtype, contiguous) and L (float32, shape q.shape[:-1]), with `settings` (None: those in force)."""
+    if interpreted_bfloat16(q, "flash_triton"):
+        out, lse = flash_forward_triton(q.float(), k.float(), v.float(), is_causal, settings)
+        return out.to(q.dtype), lse
     settings = settings or flash_settings()
     key = (layout(q, k, v), is_causal)
     plan = _plan_for(_FORWARD_PLANS, key, settings)
@@ -508,6 +511,10 @@ def flash_forward_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_c
 def flash_backward_triton(q, k, v, out, lse, grad_out, is_causal: bool, settings: FlashSettings | None = None):
     """FA2's dQ, dK, dV (each in its input's layout) from the forward's O and L and dO, with `settings` (None:
     those in force)."""
+    if interpreted_bfloat16(q, "flash_triton"):
+        grads = flash_backward_triton(q.float(), k.float(), v.float(), out.float(), lse, grad_out.float(), is_causal,
+                                      settings)
+        return tuple(g.to(q.dtype) for g in grads)
     settings = settings or flash_settings()
     key = (layout(q, k, v, out, lse, grad_out), is_causal)
     plan = _plan_for(_BACKWARD_PLANS, key, settings)
