@@ -282,7 +282,9 @@ def test_fsdp_accounting_table_and_measured_comparison():
     assert peaks["measured_ddp_minus_zero1_mib"] == 8000
     assert peaks["predicted_fsdp_peak_mib"] == pytest.approx(
         28000 - (table.loc["ZeRO-1", "state_mib"] - table.loc["FSDP", "state_mib"]))
-    text = render_fsdp_accounting(measured, sizes=("xl",))
+    # (a) quotes the forward+backward peaks (peak_before_step), which the same accounting applies to
+    text = render_fsdp_accounting(measured.rename(columns={"peak_after_step_mib": "peak_before_step_mib"}),
+                                  sizes=("xl",))
     assert "### fsdp_accounting (a)" in text and "2026 handout" in text and "28,000" in text
     with pytest.raises(ValueError, match="peak_after_step_mib"):
         predicted_peaks(measured.drop(columns="peak_after_step_mib"))
