@@ -1115,7 +1115,7 @@ def test_leaderboard_profile_section_quotes_its_time_table(tmp_path, dropped):
     rows) and that `optimizer` reads 0, as formulas over the time table's cells (a table that no longer gives
     them is caught); a complete profile says neither. Both tables are embedded as built."""
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.leaderboard import PROFILE_CATEGORIES, render_profile
+    from cs336_systems.report.sections.leaderboard_profile import PROFILE_CATEGORIES, render_profile
 
     results = _profile_results(tmp_path, dropped)
     body = render_profile(Context(results, results, results))
@@ -1143,7 +1143,7 @@ def test_leaderboard_profile_compares_our_attention_with_sdpas_in_the_step(tmp_p
     moved cell is caught); without that ablation it says nothing of it."""
     from tests.test_report_frames import _step_profile_rows
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.leaderboard import render_profile
+    from cs336_systems.report.sections.leaderboard_profile import render_profile
 
     rows = _step_profile_rows(np.random.default_rng(11), dropped=False)
     if swapped:

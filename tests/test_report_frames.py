@@ -516,7 +516,7 @@ def _step_profile_rows(rng: np.random.Generator, dropped: bool) -> pd.DataFrame:
     """A profiled step of two providers at fresh random times (ms): the categories, their total summed another way
     (short of them by the AdamW kernels the profiler linked to no op where `dropped`, whose `optimizer` then
     reads 0), the wall time; the memory split with a CPU's NaN peak for one provider; a failed provider's error."""
-    from cs336_systems.report.sections.leaderboard import MEMORY_PARTS, PROFILE_CATEGORIES
+    from cs336_systems.report.sections.leaderboard_profile import MEMORY_PARTS, PROFILE_CATEGORIES
 
     rows = []
     for provider in ("ours", "ours-mm:6"):
@@ -539,7 +539,7 @@ def _step_profile_rows(rng: np.random.Generator, dropped: bool) -> pd.DataFrame:
 def test_step_profile_tables_are_the_rows_and_print_the_same_cells(dropped, tmp_path):
     """The profiled step's time table (category × provider) and memory table (provider × part) hold the rows'
     numbers, a missing peak prints '—', and every printing of them agrees."""
-    from cs336_systems.report.sections.leaderboard import memory_table, profile_table
+    from cs336_systems.report.sections.leaderboard_profile import memory_table, profile_table
 
     rows = _step_profile_rows(np.random.default_rng(int(dropped)), dropped)
     times, memory = profile_table(rows), memory_table(rows)
