@@ -304,8 +304,8 @@ def _spread_sentence(q: Quotes, batch: int) -> str:
     verdict = "in every one" if held == len(rows) else f"in {met} of them" if held else "in none"
     ours = q.frame[(q.frame["provider"] == "ours") & (q.frame["batch"] == batch)]
     quoted = "latest" if ours[QUOTED].astype(bool).iloc[-1] else "quoted"  # rows in the order the runs ran
-    settled = ("" if held in (0, len(rows)) else f" These runs support no verdict at batch {batch} beyond this: the "
-               "margin is within their spread, and repeated runs of one commit would be needed to settle it.")
+    settled = ("" if held in (0, len(rows)) else f" These runs support no verdict at batch {batch}: the margin is "
+               "within their spread.")
     return (f" At batch {batch}, the {runs} runs of the {quoted} run's recipe (the same checkpoint policy and sequences "
             f"per pass; runs table below) were made {_commits_words(q, batch)}: ours took {ratios}× the anchor's "
             f"step{mfu}, and the target held {verdict}.{settled}")
@@ -537,8 +537,8 @@ def _setup_paragraph(ctx: Context, q: Quotes, frame: pd.DataFrame) -> str:
     return (f"Setup and runs. {first['device_name']}, torch {first['torch_version']}, Triton "
             f"{first['triton_version']}; model size `{first['size']}`, one device. Each run builds and times its "
             "providers one after another in one process (`python -m cs336_systems.bench.leaderboard`, rule "
-            "`leaderboard_8b`); the runs table below gives each run's commit, batch, steps, ours' checkpointing and "
-            "sequences per pass (fewer than the batch: the gradients accumulated over passes) and allocator setting. "
+            "`leaderboard_8b`), one row of the runs table below (sequences per pass below the batch: gradients "
+            "accumulated over passes). "
             "`ours` is our TransformerLM with our FlashAttention (on this GPU the Gluon forward; the backward FA2's "
             "Triton kernel in the runs of 4857650, Gluon's lockstep schedule in those of 7b9d7c8, Gluon's ping-pong "
             "schedule at head dim 128 from a886410 on: kernels/flash/DECISIONS.md), fused LM head + cross-entropy, "
@@ -553,12 +553,11 @@ def _check_sentence(checks: pd.DataFrame | None) -> str:
     if checks is None or not len(checks):
         return ""
     failed = checks[checks["status"] != "check_ok"]
-    said = ("every provider checked passed (`check_ok`) in every run" if not len(failed) else
+    said = ("every provider passed in every run" if not len(failed) else
             "; ".join(f"`{p}` {s} in run {str(r)[:6]}" for p, s, r in
                       zip(failed["provider"], failed["status"], failed["run_id"])) + "; the others passed")
-    return ("Before the timings of each run, the correctness check at a scaled-down config with the same code paths "
-            "compared each provider's loss and every gradient with a float32 reference (`results/leaderboard_8b_check.csv`): "
-            + said + ".")
+    return ("Each run first checked each provider's loss and gradients against a float32 reference at a scaled-down "
+            "config with the same code paths (`results/leaderboard_8b_check.csv`): " + said + ".")
 
 
 def render_leaderboard(ctx: Context) -> Section:
