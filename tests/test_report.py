@@ -959,13 +959,34 @@ def test_flash_tflops_figure_draws_full_matrix_providers_at_their_executed_count
     assert lines["sdpa_flash"] == pytest.approx(7 * product / 2 / 2e-3 / 1e12)
 
 
+LEADERBOARD = "2026 §9 leaderboard: the 8B training step on one H200"
+
+
+def _paragraph(body: Section, start: str) -> str:
+    return next(p for p in body.checked if p.startswith(start))
+
+
+def _render_leaderboard(tmp_path, frame: pd.DataFrame) -> Section:
+    """The 8B section rendered from `frame` as the `table` rule and the writeup do (no check CSV, no profile)."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.leaderboard import render_leaderboard
+
+    frame.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
+    make_tables(tmp_path, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_runs"])
+    return render_leaderboard(Context(tmp_path, tmp_path, tmp_path))
+
+
+def _quoted_ours(frame: pd.DataFrame, batch: int = 2) -> pd.Series:
+    return frame[(frame["provider"] == "ours") & (frame["batch"] == batch) & frame["quoted"]].iloc[-1]
+
+
 def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
     """The 8B step section: every prose number is a cell or a recomputed formula over cells (a changed ratio is
     caught); each ratio cell is the row's mean step over the SAC anchor's of the same run and batch, recomputed
-    here from the CSV; OOM rows print OOM; the target verdict follows the cells."""
+    here from the CSV; OOM rows print OOM; the quoted run's verdict follows its cells."""
     from cs336_systems.report.sections.leaderboard import ablation_table
 
-    body = committed["2026 §9 leaderboard: the 8B training step on one H200"]
+    body = committed[LEADERBOARD]
     assert isinstance(body, Section) and unquoted(body) == []
     frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
     timed = frame[frame["status"].isin(["ok", "oom"])]
@@ -976,59 +997,63 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
             assert cells["step (ms, mean ± std)"] == "OOM" and cells["÷ SAC anchor"] == "—"
         else:
             assert abs(float(cells["÷ SAC anchor"]) - row["step_ms"] / anchor) < 2e-3, row["provider"]
-    # the prose quotes each batch's latest run
-    ours_b2 = timed[(timed["provider"] == "ours") & (timed["batch"] == 2)]["step_ms"].iloc[-1]
-    sac_b2 = timed[(timed["provider"] == "torch_plain_sac") & (timed["batch"] == 2)]["step_ms"].iloc[-1]
-    mfu_b2 = timed[(timed["provider"] == "ours") & (timed["batch"] == 2)]["mfu"].iloc[-1]
-    gap = body.checked[0]
-    batch2_missed = "not met yet" in gap or "not yet at batch 2" in gap
-    assert f"{ours_b2 / sac_b2:.3f}×" in gap and batch2_missed == (ours_b2 / sac_b2 > 0.9 or mfu_b2 < 0.54)
-    # the MFU is quoted finely enough to show which side of the 54% target it falls (53.98% is not "54.0%")
-    assert f"at {100 * mfu_b2:.2f}% MFU" in gap
+    ours = _quoted_ours(frame)
+    sac = frame[(frame["run_id"] == ours["run_id"]) & (frame["provider"] == "torch_plain_sac")].iloc[0]
+    ratio, mfu = ours["step_ms"] / sac["step_ms"], ours["mfu"]
+    gap = _paragraph(body, "Against the strongest")
+    assert f"{ratio:.3f}×" in gap and f"at {100 * mfu:.2f}% MFU" in gap  # 53.98% is not "54.0%"
+    assert ("missed at batch 2" in gap) == (ratio > 0.9 or mfu < 0.54)
+    assert ("missed at batch 2 (by its MFU)" in gap) == (ratio <= 0.9 and mfu < 0.54)
     ablations = ablation_table(frame)
     sdpa = int(ablations.data.index[ablations.data["ablation"] == "ours-sdpa_attention"][-1])
     batch, run = int(ablations.data.at[sdpa, "batch"]), ablations.data.at[sdpa, "run"]
-    ours_b1 = timed[(timed["provider"] == "ours") & (timed["batch"] == batch)
-                    & timed["run_id"].str.startswith(run)]["step_ms"].iloc[0]
-    assert abs(ablations.value("÷ ours", sdpa) - ablations.value("step (ms, mean ± std)", sdpa) / ours_b1) < 2e-3
-    wrong = body.checked[0].replace(f"{ours_b2 / sac_b2:.3f}", f"{ours_b2 / sac_b2 - 0.07:.3f}")
-    assert unquoted(replace(body, checked=[wrong, *body.checked[1:]]))
+    ours_b = timed[(timed["provider"] == "ours") & (timed["batch"] == batch)
+                   & timed["run_id"].str.startswith(run)]["step_ms"].iloc[0]
+    assert abs(ablations.value("÷ ours", sdpa) - ablations.value("step (ms, mean ± std)", sdpa) / ours_b) < 2e-3
+    wrong = gap.replace(f"{ratio:.3f}", f"{ratio - 0.07:.3f}")
+    assert unquoted(replace(body, checked=[wrong if p == gap else p for p in body.checked]))
+
+
+def test_leaderboard_8b_answers_first_and_lists_its_runs_last(committed):
+    """The section opens with the deliverable (ours' step at the leaderboard's batch in the quoted run, from the
+    CSV) in a few sentences with no commit hash; the run list is the runs table at the end, one row per run with its
+    commit; the prose names each checkpoint choice once, with the runs that share it."""
+    body = committed[LEADERBOARD]
+    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
+    answer, gap = body.parts[0], _paragraph(body, "Against the strongest")
+    assert answer.startswith("Answers the 2026 handout, section 9") and answer in body.checked
+    assert f"Ours takes {_quoted_ours(frame)['step_ms']:,.1f} ms per step at batch 2" in answer
+    assert len(re.findall(r"[.!?](?:\s|$)", answer)) <= 4  # the handout asks for one number
+    commits = set(frame["git_commit"].str[:7])
+    assert not [c for c in commits if c in answer or c in gap]
+    runs = (ROOT / "results" / "tables" / "leaderboard_8b_runs.md").read_text()
+    assert body.parts[-1] == runs and runs not in body.parts[:-1]
+    for run, commit in frame.groupby("run_id", sort=False)["git_commit"].first().items():
+        assert f"| {run[:6]} | {commit[:7]}" in runs, run
+    setup = _paragraph(body, "Setup and runs.")
+    chosen = frame[(frame["provider"] == "ours") & (frame["status"] == "ok")].dropna(subset=["matmul_blocks"])
+    assert len(chosen)  # the committed runs chose their blocks themselves
+    for (checkpoint, batch), group in chosen.groupby(["checkpoint", "batch"]):
+        runs_said = ", ".join(group["run_id"].str[:6])
+        said = f"{checkpoint} at batch {batch} (run{'s' if len(group) > 1 else ''} {runs_said})"
+        once = sum(setup.count(f"{sep} {checkpoint} at batch {batch} (") for sep in ":;")  # each choice said once
+        assert once == 1 and said in setup, said
+        blocks = int(group["matmul_blocks"].iloc[0])
+        wrong = setup.replace(said, said.replace(f"0,{blocks}", f"0,{blocks + 3}"))
+        assert unquoted(replace(body, checked=[wrong if p == setup else p for p in body.checked]))
 
 
 def test_leaderboard_8b_section_renders_at_smoke_scale(tmp_path):
     """At smoke scale (CPU: no MFU, no peak memory, one run with one ablation) the section still renders, says
     so instead of printing nan, and its prose is still its cells."""
-    from cs336_systems.report.__main__ import make_tables
-    from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.leaderboard import render_leaderboard
-
     frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
     smoke = frame[frame["provider"].isin(["ours", "torch_plain_sac", "torch_plain_ac", "ours-full_ac"])
                   & (frame["batch"] == 1)].assign(mfu=np.nan, tflops=np.nan, peak_mem_gib=np.nan,
                                                    device_name="cpu (x86_64, 2 cores)")
-    smoke.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
-    make_tables(tmp_path, ["leaderboard_8b", "leaderboard_8b_ablations"])  # as the `table` rule does
-    body = render_leaderboard(Context(tmp_path, tmp_path, tmp_path))
+    body = _render_leaderboard(tmp_path, smoke)
     assert unquoted(body) == [] and "nan" not in body.markdown()
-    assert "this device measures no MFU" in body.markdown() and "`ours-full_ac` takes" in body.markdown()
+    assert "this device measures no MFU" in body.markdown() and "`ours-full_ac` at batch 1 takes" in body.markdown()
     assert "SDPA attention in place" not in body.markdown()  # no such ablation in this run
-
-
-def test_leaderboard_8b_intro_quotes_ours_checkpointing_cells(committed):
-    """The intro is checked too: ours' automatic checkpointing choice is its step-table cell (a changed choice is
-    caught), and the only other numbers it states are provenance (versions, commits, context) and wording."""
-    body = committed["2026 §9 leaderboard: the 8B training step on one H200"]
-    intro = next(p for p in body.checked if p.startswith("Answers the 2026 handout"))
-    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
-    chosen = frame[(frame["provider"] == "ours") & (frame["status"] == "ok")].dropna(subset=["matmul_blocks"])
-    assert len(chosen)  # the committed runs chose their blocks themselves
-    for _, row in chosen.iterrows():
-        cell = body.table.quote("checkpoint", provider="ours", run=row["run_id"][:6], batch=row["batch"])
-        said = f"{cell} at batch {row['batch']} (run {row['run_id'][:6]})"
-        assert cell == row["checkpoint"] and said in intro
-        blocks = int(row["matmul_blocks"])
-        wrong = intro.replace(said, said.replace(f"0,{blocks}", f"0,{blocks + 3}"))
-        assert unquoted(replace(body, checked=[*body.checked[:-2], wrong, body.checked[-1]]))
 
 
 LM_HEAD = "2026 §9 leaderboard parts: the fused LM head + cross-entropy"
@@ -1115,7 +1140,7 @@ def test_leaderboard_profile_section_quotes_its_time_table(tmp_path, dropped):
     rows) and that `optimizer` reads 0, as formulas over the time table's cells (a table that no longer gives
     them is caught); a complete profile says neither. Both tables are embedded as built."""
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.leaderboard import PROFILE_CATEGORIES, render_profile
+    from cs336_systems.report.sections.leaderboard_profile import PROFILE_CATEGORIES, render_profile
 
     results = _profile_results(tmp_path, dropped)
     body = render_profile(Context(results, results, results))
@@ -1143,7 +1168,7 @@ def test_leaderboard_profile_compares_our_attention_with_sdpas_in_the_step(tmp_p
     moved cell is caught); without that ablation it says nothing of it."""
     from tests.test_report_frames import _step_profile_rows
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.leaderboard import render_profile
+    from cs336_systems.report.sections.leaderboard_profile import render_profile
 
     rows = _step_profile_rows(np.random.default_rng(11), dropped=False)
     if swapped:
@@ -1305,26 +1330,106 @@ def test_fsdp_section_quotes_its_table(tmp_path):
         assert perturbed_number(body, line, said), said
 
 
-def test_leaderboard_states_the_spread_of_its_recipes_runs(committed):
-    """The 8B verdict names how ours over the anchor varied across the runs of the latest run's recipe (same checkpoint
-    policy, same sequences per pass), recomputed here from the raw CSV's step times, and the runs that met the target."""
-    import re
+def _recipe(frame: pd.DataFrame, batch: int = 2) -> pd.DataFrame:
+    """Ours' rows at `batch` with the quoted run's checkpoint and sequences per pass, each with its anchor's step."""
+    rows = frame[(frame["status"] == "ok") & (frame["batch"] == batch)]
+    ours, last = rows[rows["provider"] == "ours"], _quoted_ours(frame, batch)
+    same = ours[(ours["checkpoint"] == last["checkpoint"]) & (ours["microbatch"] == last["microbatch"])]
+    sac = rows[rows["provider"] == "torch_plain_sac"].set_index("run_id")["step_ms"]
+    return same.assign(ratio=[step / sac[run] for step, run in zip(same["step_ms"], same["run_id"])])
 
+
+SPREAD = re.compile(r"At batch 2, the (\d+) runs of the latest run's recipe .*? were made (at (\d+) (different )?commits|"
+                    r"all at one commit), so their spread (mixes code changes with run-to-run noise|is run-to-run noise): "
+                    r"ours took ([\d.]+)–([\d.]+)× the anchor's step at ([\d.]+)–([\d.]+)% MFU, and the target held "
+                    r"(in every one|in none|in (\d+) of them)\.( These runs support no verdict)?")
+
+
+def _spread_said(frame: pd.DataFrame) -> dict:
+    """What the batch-2 spread sentence must say, recomputed from the raw rows."""
+    same = _recipe(frame)
+    met = int(((same["ratio"] <= 0.9) & (same["mfu"] >= 0.54)).sum())
+    commits = same["git_commit"].str[:7].nunique()
+    return {"runs": len(same), "commits": commits, "ratios": (round(same["ratio"].min(), 3), round(same["ratio"].max(), 3)),
+            "mfu": (round(100 * same["mfu"].min(), 2), round(100 * same["mfu"].max(), 2)),
+            "held": "in every one" if met == len(same) else "in none" if met == 0 else f"in {met} of them",
+            "unsettled": 0 < met < len(same)}
+
+
+def _spread_found(text: str) -> dict:
+    found = SPREAD.search(text)
+    assert found, "the batch-2 spread sentence is missing"
+    commits = int(found[3]) if found[3] else 1
+    assert (found[5] == "is run-to-run noise") == (commits == 1)
+    return {"runs": int(found[1]), "commits": commits, "ratios": (float(found[6]), float(found[7])),
+            "mfu": (float(found[8]), float(found[9])), "held": found[10], "unsettled": bool(found[12])}
+
+
+def test_leaderboard_states_the_spread_of_its_recipes_runs(committed):
+    """The 8B verdict names how ours over the anchor and ours' MFU varied across the runs of the quoted run's recipe
+    (same checkpoint policy, same sequences per pass), at how many commits they were made, and in how many the target
+    held, all recomputed here from the raw CSV; where it held in some but not all, the prose claims no verdict."""
     from cs336_systems.results import read_table
 
-    rows = read_table(ROOT / "results/leaderboard_8b.csv")
-    rows = rows[(rows["status"] == "ok") & (rows["batch"] == 2)]
-    step = rows.set_index(["run_id", "provider"])["step_ms"]
-    ours = rows[rows["provider"] == "ours"]
-    last = ours.iloc[-1]
-    same = ours[(ours["checkpoint"] == last["checkpoint"]) & (ours["microbatch"] == last["microbatch"])]
-    ratios = [step[(run, "ours")] / step[(run, "torch_plain_sac")] for run in same["run_id"]]
-    mfu = list(same["mfu"])
-    met = sum(r <= 0.9 and m >= 0.54 for r, m in zip(ratios, mfu))
-    text = committed["2026 §9 leaderboard: the 8B training step on one H200"].markdown()
-    found = re.search(r"At batch 2, over the (\d+) runs of the latest run's recipe .*?ours took ([\d.]+)–([\d.]+)× "
-                      r"the anchor's step; the target held (in every one|in none|in (\d+) of them)", text)
-    assert found, "the batch-2 spread sentence is missing"
-    assert int(found[1]) == len(ratios) >= 2
-    assert (float(found[2]), float(found[3])) == (round(min(ratios), 3), round(max(ratios), 3))
-    assert found[4] == ("in every one" if met == len(ratios) else "in none" if met == 0 else f"in {met} of them")
+    frame = read_table(ROOT / "results/leaderboard_8b.csv")
+    said = _spread_said(frame)
+    assert said["runs"] >= 2 and _spread_found(committed[LEADERBOARD].markdown()) == said
+
+
+def test_leaderboard_spread_follows_the_commits_and_mfu_cells(tmp_path):
+    """Changing cells changes the sentence: the recipe's runs put at one commit, then at two, and one run's MFU
+    raised past the others' (the range and the count of runs meeting the target follow)."""
+    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
+    same = _recipe(frame).index
+    one = frame.assign(git_commit=frame["git_commit"].where(~frame.index.isin(same), "a" * 40))
+    body = _render_leaderboard(tmp_path, one)
+    assert unquoted(body) == [] and "all at one commit, so their spread is run-to-run noise" in body.markdown()
+    two = one.copy()
+    two.loc[same[:2], "git_commit"] = "b" * 40
+    assert _spread_found(_render_leaderboard(tmp_path, two).markdown())["commits"] == 2
+    worst = _recipe(frame)["mfu"].idxmin()
+    raised = frame.copy()
+    raised.loc[worst, "mfu"] = 0.6
+    said = _spread_said(raised)
+    assert _spread_found(_render_leaderboard(tmp_path, raised).markdown()) == said and said["mfu"][1] == 60.0
+
+
+def test_leaderboard_states_each_points_statistic_from_its_columns(committed, tmp_path):
+    """Each point is the mean of the rows' timed steps after their warm-up steps (columns n_steps, warmup): the
+    committed rows' counts, and other counts once the cells change (a range where rows differ)."""
+    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
+    ok = frame[frame["status"] == "ok"]
+    assert ok["n_steps"].nunique() == ok["warmup"].nunique() == 1
+    said = f"the mean of {ok['n_steps'].iloc[0]:.0f} timed steps after {ok['warmup'].iloc[0]:.0f} untimed warm-up"
+    assert said in committed[LEADERBOARD].parts[0]
+    changed = frame.assign(n_steps=frame["n_steps"] + 4)
+    changed.loc[changed.index[-1], "warmup"] = 5
+    body = _render_leaderboard(tmp_path, changed)
+    assert unquoted(body) == []
+    assert f"the mean of {ok['n_steps'].iloc[0] + 4:.0f} timed steps after {ok['warmup'].iloc[0]:.0f}–5 untimed" \
+        in body.parts[0]
+
+
+def test_leaderboard_mfu_counts_causal_attention_as_half_and_the_best_entry_by_one_b200_peak(committed, monkeypatch,
+                                                                                           tmp_path):
+    """The MFU paragraph says causal attention counts half, that the leaderboard ranks wall time, and the best
+    entry's MFU by our count: the quoted batch-2 row's FLOPs (the CSV's `flops`) over 3,837 ms on two B200s at the
+    peak the §8 analysis uses (parallelism_render.B200). A changed peak or TFLOP/s cell changes the sentence."""
+    from cs336_systems.report import parallelism_render
+
+    body = committed[LEADERBOARD]
+    text = _paragraph(body, "MFU counts")
+    assert "half of full attention's" in text and "causal masking" in text and "ranks wall time" in text
+    ours = _quoted_ours(pd.read_csv(ROOT / "results" / "leaderboard_8b.csv"))
+
+    def entry(peak: float) -> str:
+        return f"at {peak / 1e12:,.0f} TFLOP/s each", f"makes that {100 * ours['flops'] / 3.837 / (2 * peak):.1f}% MFU"
+
+    assert all(said in text for said in entry(parallelism_render.B200.flops))
+    assert "27%" not in text and "2.25" not in text
+    data = body.table.data.assign(**{"TFLOP/s": body.table.data["TFLOP/s"] * 1.1})
+    assert any("best entry's MFU" in p for p in unquoted(replace(body, table=NumericTable(data, body.table.columns,
+                                                                                           body.table.status))))
+    monkeypatch.setattr(parallelism_render, "B200", replace(parallelism_render.B200, flops=2.25e15))
+    text = _paragraph(_render_leaderboard(tmp_path, pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")), "MFU counts")
+    assert all(said in text for said in entry(2.25e15))

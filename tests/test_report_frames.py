@@ -435,12 +435,11 @@ def test_mixed_precision_speedup_is_a_ratio_of_the_means_its_table_prints(tmp_pa
 
 
 def _leaderboard_rows(rng: np.random.Generator, clocks: bool = False) -> pd.DataFrame:
-    """Two runs of the 8B step at fresh random times: a correctness-check row (no timing), the anchors, ours, a
-    sized ablation and an out-of-memory ablation; the second run measured on a CPU (no MFU, no peak, no clock).
+    """Two runs of the 8B step at fresh random times, as merged (the check rows go to their own file): the anchors,
+    ours, a sized ablation and an out-of-memory ablation; the second run measured on a CPU (no MFU, no peak, no clock).
     clocks: the GPU run's rows carry the SM clock and power columns."""
     rows = []
     for run, batch, cpu in (("a1b2c3d4e5f6", 2, False), ("9f8e7d6c5b4a", 1, True)):
-        rows.append({"run_id": run, "provider": "ours", "batch": batch, "status": "check_ok", "checkpoint": "selective"})
         for provider, checkpoint, status in (("ours", f"selective:0,{rng.integers(1, 34)}", "ok"),
                                              ("torch_plain_sac", "sac", "ok"), ("torch_plain_ac", "ac", "ok"),
                                              ("ours-mm:6", "selective:0,6", "ok"),
@@ -448,6 +447,8 @@ def _leaderboard_rows(rng: np.random.Generator, clocks: bool = False) -> pd.Data
             mean = rng.lognormal(8, 0.3)
             rows.append({"run_id": run, "provider": provider, "batch": batch, "status": status,
                          "checkpoint": checkpoint, "param_dtype": "bf16", "optimizer_state_dtype": "bf16",
+                         "microbatch": batch, "git_commit": run[::-1], "warmup": 2, "quoted": True,
+                         "n_steps": np.nan if status == "oom" else 3,
                          **({} if status == "oom" else {
                              "step_ms": mean, "step_std_ms": mean * rng.uniform(0, 0.01),
                              "step_median_ms": mean * rng.uniform(0.99, 1.01), "first_step_s": rng.uniform(5, 40),
@@ -516,7 +517,7 @@ def _step_profile_rows(rng: np.random.Generator, dropped: bool) -> pd.DataFrame:
     """A profiled step of two providers at fresh random times (ms): the categories, their total summed another way
     (short of them by the AdamW kernels the profiler linked to no op where `dropped`, whose `optimizer` then
     reads 0), the wall time; the memory split with a CPU's NaN peak for one provider; a failed provider's error."""
-    from cs336_systems.report.sections.leaderboard import MEMORY_PARTS, PROFILE_CATEGORIES
+    from cs336_systems.report.sections.leaderboard_profile import MEMORY_PARTS, PROFILE_CATEGORIES
 
     rows = []
     for provider in ("ours", "ours-mm:6"):
@@ -539,7 +540,7 @@ def _step_profile_rows(rng: np.random.Generator, dropped: bool) -> pd.DataFrame:
 def test_step_profile_tables_are_the_rows_and_print_the_same_cells(dropped, tmp_path):
     """The profiled step's time table (category × provider) and memory table (provider × part) hold the rows'
     numbers, a missing peak prints '—', and every printing of them agrees."""
-    from cs336_systems.report.sections.leaderboard import memory_table, profile_table
+    from cs336_systems.report.sections.leaderboard_profile import memory_table, profile_table
 
     rows = _step_profile_rows(np.random.default_rng(int(dropped)), dropped)
     times, memory = profile_table(rows), memory_table(rows)
