@@ -1,3 +1,5 @@
+import glob
+import os
 from snakemake.utils import validate
 
 validate(config, workflow.source_path("../schemas/config.schema.yaml"))
@@ -113,5 +115,22 @@ def measured_inputs(**named):
                     f" add --config max_gpus={gpus} --resources gpu={gpus}"
                 )
         return dict(named)
+
+    return inputs
+
+
+# The 8B step's runs (leaderboard.smk): each run's own files under LEADERBOARD_RUNS, merged by rule leaderboard_8b.
+LEADERBOARD_RUNS = f"{R}/runs"
+
+
+def leaderboard_run_files(table):
+    """Input function: every run file of `table` (after the measuring run, where this run measures), committed ones
+    ancient (a checkout's file times never merge them again)."""
+
+    def inputs(wildcards):
+        if MEASURE:
+            checkpoints.leaderboard_8b_run.get()
+        runs = sorted(glob.glob(f"{LEADERBOARD_RUNS}/{table}/*.csv"))
+        return committed("leaderboard_8b_run", *runs)(wildcards)
 
     return inputs

@@ -31,9 +31,6 @@ rule linear_ce:
 # runs/leaderboard_8b_check/<run_id>.csv (the correctness check) and runs/leaderboard_8b_profile/<run_id>.csv.
 # A run is added by `snakemake results/leaderboard_8b.csv --forcerun leaderboard_8b_run --cores 1 --resources gpu=1`;
 # its marker (committed) keeps a plain rebuild from measuring again, as a committed results file does.
-import glob
-
-LEADERBOARD_RUNS = f"{R}/runs"
 
 
 checkpoint leaderboard_8b_run:
@@ -54,7 +51,7 @@ checkpoint leaderboard_8b_run:
         ablations=join(S["leaderboard_8b"]["ablations"]),
         ablation_batches=join(S["leaderboard_8b"]["ablation_batches"]),
         snapshots=f"{R}/leaderboard_8b_snapshots",
-        runs=LEADERBOARD_RUNS,
+        runs=lambda wildcards, output: os.path.dirname(output.marker),
     shell:
         "python -m cs336_systems.bench.leaderboard {params.device} --size {params.c[size]}"
         " --batch {params.batches} --context {params.c[context_length]} --providers {params.providers}"
@@ -66,19 +63,6 @@ checkpoint leaderboard_8b_run:
         " --check-out '{params.runs}/leaderboard_8b_check/{{run_id}}.csv'"
         " --profile-out '{params.runs}/leaderboard_8b_profile/{{run_id}}.csv' 2> {log}"
         " && cp {log} {output.log}"
-
-
-def leaderboard_run_files(table):
-    """Input function: every run file of `table` (after the measuring run, where this run measures), committed ones
-    ancient (common.smk: a checkout's file times never merge them again)."""
-
-    def inputs(wildcards):
-        if MEASURE:
-            checkpoints.leaderboard_8b_run.get()
-        runs = sorted(glob.glob(f"{LEADERBOARD_RUNS}/{table}/*.csv"))
-        return committed("leaderboard_8b_run", *runs)(wildcards)
-
-    return inputs
 
 
 # The tables are merged from every run's files, in the order the runs ran; `quoted` marks the rows of the run the
