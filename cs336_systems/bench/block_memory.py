@@ -65,7 +65,7 @@ class _Producers(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
                 address = t.untyped_storage().data_ptr()
                 if address not in inputs:
-                    self.ops[address] = f"aten::{func.overloadpacket.__name__}"
+                    self.ops[address] = f"{func.namespace}::{func.overloadpacket.__name__}"
         return out
 
 
