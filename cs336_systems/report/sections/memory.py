@@ -356,7 +356,7 @@ def render_block_memory_2026(ctx: Context) -> str:
                      f"{q.cell('residuals (MiB)', i)} MiB for the backward; its five largest producing ops ("
                      f"{row['top-5 ops']}) hold {q.cell('top-5 share', i)} of it. Its parameter gradients take "
                      f"{q.cell('gradients (MiB)', i)} MiB{implied}.")
-    text = (f"Measured on the 2026 xl (batch {int(frame['batch_size'].iloc[0])}, {frame['precision'].iloc[0]}) "
+    text = (f"Measured on the 2026 {frame['size'].iloc[0]} (batch {int(frame['batch_size'].iloc[0])}, {frame['precision'].iloc[0]}) "
             f"where autograd saves each tensor (bench/block_memory.py: each storage once, charged to the ATen op "
             f"that allocated it), rather than read from Nsight's memory track. A block's parameters in float32 "
             f"are {per_block:,.1f} MiB (4 d² + 3 d·d_ff + 2 d parameters × 4 B), which its gradients should "
