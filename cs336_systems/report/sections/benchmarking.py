@@ -534,14 +534,6 @@ OPTIMIZER = Table("optimizer", "optimizer", tables.optimizer_timing,
 
 # ---- the 2026 handout's §2.1 with its own Table 1 (results/*_2026.csv, rows with size_table 2026) ---------------
 
-def pending_2026(ctx: Context, data: str, rule: str) -> str | None:
-    """The pending line of a 2026 section whose results are absent (they need a GPU: the exact command), or None."""
-    if ctx.frame(data) is not None:
-        return None
-    return (f"pending: `snakemake {ctx.results / data}.csv --forcerun {rule} --cores 1 --resources gpu=1` "
-            f"(one GPU; the 2026 Table 1 sizes, size_table 2026)\n")
-
-
 def e2e_timing_2026(frame: pd.DataFrame) -> NumericTable:
     """2026 §2.1.3 (b): per size, the mean (± std) of each phase of a full training step (forward, backward,
     AdamW step), and the forward-only (inference) and forward+backward runs' phases; OOM where a run did not fit."""
@@ -563,10 +555,7 @@ def _beside(left: NumericTable, right: NumericTable) -> NumericTable:
     return NumericTable(data, (*left.columns, *right.columns[1:]), {**left.status, **right.status})
 
 
-def render_e2e_2026(ctx: Context) -> Section | str:
-    pending = pending_2026(ctx, "e2e_2026", "e2e_timing_2026")
-    if pending:
-        return pending
+def render_e2e_2026(ctx: Context) -> Section:
     frame = ctx.frame("e2e_2026")
     q = Quotes(ctx.numeric("e2e_timing_2026"))
     ms = [c for c in q.table.headers if c.endswith("(ms)")]
@@ -597,10 +586,7 @@ def render_e2e_2026(ctx: Context) -> Section | str:
                    wording=(*settings, "2026", "1", "2560", "32", "2", "2.7", "10", "4608", "50", "16", "5"))
 
 
-def render_mixed_precision_2026(ctx: Context) -> Section | str:
-    pending = pending_2026(ctx, "mixed_precision_2026", "mixed_precision_2026")
-    if pending:
-        return pending
+def render_mixed_precision_2026(ctx: Context) -> Section:
     frame = ctx.frame("mixed_precision_2026")
     q = Quotes(ctx.numeric("mixed_precision_2026"))
     speedup = "bf16 speed-up"
@@ -648,9 +634,8 @@ DELIVERABLES = [
                 render_baseline, ("e2e_baseline",), tables=(BASELINE,)),
     Deliverable("1.3.1 (b), continued: the optimizer step (our AdamW, multi-tensor and fused, and torch's)",
                 "optimizer_timing", render_optimizer, ("optimizer",), tables=(OPTIMIZER,)),
-    # data=(): the 2026 sections say pending with the command that measures them (pending_2026)
     Deliverable("2026 §2.1.3 (b) benchmarking_script: forward, backward and optimizer step, 2026 Table 1 sizes",
-                "e2e_timing_2026", render_e2e_2026, tables=(E2E_2026,)),
+                "e2e_timing_2026", render_e2e_2026, ("e2e_2026",), tables=(E2E_2026,)),
     Deliverable("2026 §2.1.5 (c) benchmarking_mixed_precision: fp32 versus bf16, 2026 Table 1 sizes (10B included)",
-                "mixed_precision_2026", render_mixed_precision_2026, tables=(MIXED_2026,)),
+                "mixed_precision_2026", render_mixed_precision_2026, ("mixed_precision_2026",), tables=(MIXED_2026,)),
 ]

@@ -15,7 +15,6 @@ from cs336_systems.model import get_config
 from cs336_systems.model.accounting import parameter_count
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
-from cs336_systems.report.sections.benchmarking import pending_2026
 
 WEIGHTS = "fp32 weights (MiB)"
 FORWARD, TRAIN = "forward peak (MiB)", "train step peak (MiB)"
@@ -286,9 +285,6 @@ def memory_peaks_2026(frame: pd.DataFrame) -> NumericTable:
 
 
 def render_memory_2026(ctx: Context) -> str:
-    pending = pending_2026(ctx, "memory_2026", "memory_profile_2026")
-    if pending:
-        return pending
     frame = ctx.frame("memory_2026")
     q = Quotes(ctx.numeric("memory_peaks_2026"))
     config = get_config(str(frame["size"].iloc[0]), "2026")
@@ -337,9 +333,6 @@ def block_memory_2026(frame: pd.DataFrame) -> NumericTable:
 
 
 def render_block_memory_2026(ctx: Context) -> str:
-    pending = pending_2026(ctx, "block_memory_2026", "memory_residuals_2026")
-    if pending:
-        return pending
     frame = ctx.frame("block_memory_2026")
     q = Quotes(ctx.numeric("block_memory_2026"))
     config = get_config(str(frame["size"].iloc[0]), "2026")
@@ -377,7 +370,9 @@ DELIVERABLES = [
                               "pass (no_grad) and training step (forward, backward, AdamW)"),),
                 cuda_only="the allocator history is a CUDA feature"),
     Deliverable("2026 §2.1.6 (a–e) memory_profiling of the 2026 xl at contexts 128 and 2048", "memory_profile_2026",
-                render_memory_2026, tables=(MEMORY_2026,)),
+                render_memory_2026, ("memory_2026",), tables=(MEMORY_2026,),
+                cuda_only="the allocator history is a CUDA feature"),
     Deliverable("2026 §2.1.6 (f) memory_profiling: residuals, their top-5 ops and gradients per block",
-                "memory_residuals_2026", render_block_memory_2026, tables=(BLOCK_MEMORY_2026,)),
+                "memory_residuals_2026", render_block_memory_2026, ("block_memory_2026",),
+                tables=(BLOCK_MEMORY_2026,)),
 ]
