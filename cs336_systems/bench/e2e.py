@@ -53,7 +53,7 @@ from cs336_systems.timing import (
 )
 from cs336_systems.model import (
     ATTENTION_BACKENDS,
-    MODEL_SIZES,
+    SIZE_TABLES,
     TransformerLM,
     cross_entropy,
     forward_flops,
@@ -85,6 +85,20 @@ naive_annotated_attention = functools.partial(naive_attention, section=annotate)
 register_attention("naive_annotated", naive_annotated_attention)
 
 
+def check_sizes(edition: str, sizes, context_lengths) -> None:
+    """Sizes known to the edition's table, and contexts the edition allows them. The 2025 handout's
+    longest context is 1024 (1.1.4), each 2025 size's `context_length`: a longer one is refused before a
+    model is built. The 2026 handout's questions ask for longer ones (memory_profiling: 2048;
+    nsys_profile: "the longest context length you can fit in memory"), so a 2026 point is limited by the
+    memory alone: one that does not fit is a status=oom row."""
+    check_known("handout edition", [edition], SIZE_TABLES)
+    check_known("model size", sizes, SIZE_TABLES[edition])  # the known names listed are the edition's
+    check_positive("context length", *context_lengths)
+    if edition == "2025":
+        for context_length in context_lengths:
+            check_context_length(context_length, {size: SIZE_TABLES[edition][size].context_length for size in sizes})
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One point of the grid."""
@@ -102,19 +116,22 @@ class RunSpec:
     optimizer: str = "foreach"  # train_step only: one of ADAMW_IMPLEMENTATIONS ("none" in rows of other modes)
     compile_scope: str = "none"  # one of COMPILE_SCOPES; "none" runs eagerly
     model: str = "ours"  # one of MODELS
+    size_table: str = "2025"  # the handout edition whose size table `size` is from (a key of SIZE_TABLES)
 
     def columns(self) -> dict:
         """The point's columns in a results row. `compile` (true unless the scope is "none") is kept beside
-        `compile_scope`, in the order of the committed results files, which the report reads."""
+        `compile_scope`, in the order of the committed results files, which the report reads; `size_table`
+        comes last (files measured before it existed hold 2025 sizes only)."""
         return {"model": self.model, "size": self.size, "mode": self.mode, "precision": self.precision, "attention": self.attention,
                 "compile": self.compile_scope != "none", "batch_size": self.batch_size,
                 "context_length": self.context_length, "warmup": self.warmup, "steps": self.steps,
                 "device": self.device, "memory_snapshot": self.memory_snapshot, "optimizer": self.optimizer,
-                "compile_scope": self.compile_scope}
+                "compile_scope": self.compile_scope, "size_table": self.size_table}
 
 
 def build_model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
-    config = get_config(spec.size, attention=spec.attention, context_length=max(spec.context_length, 1))
+    config = get_config(spec.size, spec.size_table, attention=spec.attention,
+                        context_length=max(spec.context_length, 1))
     check_known("compile scope", [spec.compile_scope], COMPILE_SCOPES)
     check_known("model", [spec.model], MODELS)
     with device:  # initialise on the device: a 2.7B model's init on the CPU takes longer than its benchmark
@@ -198,7 +215,7 @@ def measure(spec: RunSpec) -> dict[str, list[float]]:
 def run(spec: RunSpec) -> list[dict]:
     """Rows for one grid point; an out-of-memory failure becomes a single status=oom row."""
     device = resolve_device(spec.device)
-    config = get_config(spec.size)
+    config = get_config(spec.size, spec.size_table)
     base = {**spec.columns(), "d_model": config.d_model, "d_ff": config.d_ff, "num_layers": config.num_layers,
             "num_heads": config.num_heads}
     # Each grid point compiles afresh: without this, recompiles for earlier points exhaust dynamo's cache
@@ -253,6 +270,7 @@ class Sweep:
     warmups: tuple[int, ...] = (5,)
     optimizers: tuple[str, ...] = ("foreach",)
     models: tuple[str, ...] = ("ours",)
+    edition: str = "2025"  # whose size table `sizes` are from
     batch_size: int = 4
     context_length: int = 512
     steps: int = 10
@@ -262,16 +280,14 @@ class Sweep:
     def __post_init__(self):
         for name in ("sizes", "modes", "precisions", "attention", "compile_scopes", "warmups", "optimizers", "models"):
             check_not_empty(name, getattr(self, name))
-        check_known("model size", self.sizes, MODEL_SIZES)
+        check_sizes(self.edition, self.sizes, [self.context_length])
         check_known("mode", self.modes, MODES)
         check_known("compile scope", self.compile_scopes, COMPILE_SCOPES)
         check_known("AdamW implementation", self.optimizers, ADAMW_IMPLEMENTATIONS)
         check_known("model", self.models, MODELS)
         check_positive("batch size", self.batch_size)
-        check_positive("context length", self.context_length)
         check_positive("measured steps", self.steps)
         check_non_negative("warm-up steps", *self.warmups)
-        check_context_length(self.context_length, {size: MODEL_SIZES[size].context_length for size in self.sizes})
         device = resolve_device(self.device)
         for precision in self.precisions:
             check_precision(precision, device)
@@ -294,7 +310,7 @@ class Sweep:
                 spec = RunSpec(size=size, mode=mode, precision=precision, attention=attention,
                                batch_size=self.batch_size, context_length=self.context_length, warmup=warmup,
                                steps=self.steps, device=self.device, memory_snapshot=self.memory_snapshot,
-                               optimizer=optimizer, compile_scope=scope, model=model)
+                               optimizer=optimizer, compile_scope=scope, model=model, size_table=self.edition)
                 if spec not in specs:
                     specs.append(spec)
         return specs
@@ -311,15 +327,25 @@ def sweep(config: Sweep, out: str | Path) -> None:
         rows.add({**row, **prov} for row in spec_rows)
         last = spec_rows[-1]
         shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
-        print(f"[{i}/{len(specs)}] {spec.size} {spec.mode} {spec.precision} {spec.attention} "
+        print(f"[{i}/{len(specs)}] {spec.size_table}:{spec.size} {spec.mode} {spec.precision} {spec.attention} "
               f"compile={spec.compile_scope} warmup={spec.warmup} optimizer={spec.optimizer} model={spec.model}: {shown}",
               file=sys.stderr, flush=True)
     rows.finish()
 
 
+def add_edition_argument(parser: argparse.ArgumentParser, default: str = "2025") -> None:
+    """--edition: which handout's size table the sizes are from (the 2026 xl is the 2025 2.7B)."""
+    parser.add_argument("--edition", default=default, choices=list(SIZE_TABLES),
+                        help="the handout whose Table 1 the sizes are from (2026: xl = 2025's 2.7B, and 10B); "
+                             "rows carry it as size_table")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["small"], help=f"model sizes: {', '.join(MODEL_SIZES)}")
+    add_edition_argument(parser)
+    parser.add_argument("--sizes", nargs="+", default=["small"],
+                        help="model sizes of the --edition table: " + "; ".join(
+                            f"{edition}: {', '.join(table)}" for edition, table in SIZE_TABLES.items()))
     parser.add_argument("--modes", nargs="+", default=["forward_backward"], choices=MODES,
                         help="forward (inference, no grad), forward_backward, or train_step (+ AdamW)")
     parser.add_argument("--precisions", nargs="+", default=["fp32"], help="fp32 | bf16 | fp16 (autocast)")
@@ -330,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "or the whole model with CUDA graphs (mode reduce-overhead)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
     parser.add_argument("--context-length", type=positive_int, default=512,
-                        help="tokens per sequence (at most the size's context length)")
+                        help="tokens per sequence (2025 sizes: at most 1024, the handout's longest; 2026 sizes: "
+                             "any, an out-of-memory point is a status=oom row)")
     parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5],
                         help="untimed warm-up steps (several values: one point each)")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
@@ -357,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     config = config_or_usage_error(
         parser, Sweep, sizes=tuple(args.sizes), modes=tuple(args.modes), precisions=tuple(args.precisions),
         attention=tuple(args.attention), compile_scopes=tuple(args.compile_scopes), warmups=tuple(args.warmup),
-        optimizers=tuple(args.optimizers), models=tuple(args.models), batch_size=args.batch_size, context_length=args.context_length,
+        optimizers=tuple(args.optimizers), models=tuple(args.models), edition=args.edition,
+        batch_size=args.batch_size, context_length=args.context_length,
         steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot)
     sweep(config, args.out)
 

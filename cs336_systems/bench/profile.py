@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cs336_systems.bench import nsys
-from cs336_systems.bench.e2e import RunSpec, build_model
+from cs336_systems.bench.e2e import RunSpec, add_edition_argument, build_model, check_sizes
 from cs336_systems.bench.profile_names import ATTENTION_STAGES, is_annotation
 from cs336_systems.bench.checks import check_known, check_non_negative, check_not_empty, check_positive
 from cs336_systems.bench.cli import add_device_argument, config_or_usage_error, non_negative_int, positive_int
@@ -48,7 +48,7 @@ from cs336_systems.timing import (
     synchronize,
     timed,
 )
-from cs336_systems.model import MODEL_SIZES, cross_entropy
+from cs336_systems.model import SIZE_TABLES, cross_entropy
 from cs336_systems.optim import AdamW
 
 def summarize(averages, device: torch.device) -> tuple[list[dict], dict[str, tuple[int, float]]]:
@@ -104,6 +104,7 @@ class ProfileConfig:
 
     sizes: tuple[str, ...] = ("small",)
     context_lengths: tuple[int, ...] = (128, 256, 512, 1024)
+    edition: str = "2025"  # whose size table `sizes` are from
     batch_size: int = 4
     precision: str = "fp32"
     warmup: int = 2
@@ -116,19 +117,12 @@ class ProfileConfig:
     def __post_init__(self):
         check_not_empty("sizes", self.sizes)
         check_not_empty("context lengths", self.context_lengths)
-        check_known("model size", self.sizes, MODEL_SIZES)
+        check_sizes(self.edition, self.sizes, self.context_lengths)
         check_known("precision", [self.precision], DTYPES)
         check_known("profiling tool", [self.tool], TOOLS)
-        check_positive("context length", *self.context_lengths)
         check_positive("batch size", self.batch_size)
         check_positive("profiled steps", self.steps)
         check_non_negative("warm-up steps", self.warmup)
-        for size in self.sizes:
-            limit = MODEL_SIZES[size].context_length
-            for context_length in self.context_lengths:
-                if context_length > limit:
-                    raise ValueError(f"context length {context_length} exceeds the {limit} tokens size {size!r} "
-                                     "supports")
         resolve_device(self.device)
 
 
@@ -150,7 +144,7 @@ def profile_point(size: str, context_length: int, config: ProfileConfig, device:
     parent reads the kernels from the Nsight report."""
     spec = RunSpec(size=size, mode="train_step", precision=config.precision, attention="naive_annotated",
                    batch_size=config.batch_size, context_length=context_length, warmup=config.warmup,
-                   steps=config.steps, device=str(device))
+                   steps=config.steps, device=str(device), size_table=config.edition)
     torch.manual_seed(0)
     model = build_model(spec, device)
     optimizer = AdamW(model.parameters(), lr=1e-4)
@@ -246,7 +240,8 @@ def profile_point_nsys(size: str, context_length: int, config: ProfileConfig, re
     rows read from the report, which stays in `reports`."""
     stem = reports / f"{size}_{context_length}"
     child_csv = stem.with_suffix(".harness.csv")
-    argv = ["--sizes", size, "--context-lengths", str(context_length), "--batch-size", str(config.batch_size),
+    argv = ["--edition", config.edition, "--sizes", size, "--context-lengths", str(context_length),
+            "--batch-size", str(config.batch_size),
             "--precision", config.precision, "--warmup", str(config.warmup), "--steps", str(config.steps),
             "--device", config.device, "--nsys-child", "--out", str(child_csv)]
     report = nsys.profile_under_nsys(stem, argv)
@@ -272,7 +267,8 @@ def profile_rows(config: ProfileConfig) -> list[dict]:
     prov = provenance(device)
     rows = []
     for size, context_length in itertools.product(config.sizes, config.context_lengths):
-        base = {"size": size, "context_length": context_length, "batch_size": config.batch_size,
+        base = {"size": size, "size_table": config.edition, "context_length": context_length,
+                "batch_size": config.batch_size,
                 "precision": config.precision, "steps": config.steps}
         reset_memory(device)
         try:
@@ -291,9 +287,12 @@ def profile_rows(config: ProfileConfig) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", nargs="+", default=["small"], help=f"model sizes: {', '.join(MODEL_SIZES)}")
+    add_edition_argument(parser)
+    parser.add_argument("--sizes", nargs="+", default=["small"], help="model sizes of the --edition table: " +
+                        "; ".join(f"{edition}: {', '.join(table)}" for edition, table in SIZE_TABLES.items()))
     parser.add_argument("--context-lengths", nargs="+", type=positive_int, default=[128, 256, 512, 1024],
-                        help="tokens per sequence, one point each")
+                        help="tokens per sequence, one point each (2025 sizes: at most 1024; 2026 sizes: any, "
+                             "a point that does not fit is a status=oom row)")
     parser.add_argument("--batch-size", type=positive_int, default=4, help="sequences per step")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"],
                         help="fp32, or autocast to bf16 / fp16")
@@ -309,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     config = config_or_usage_error(
         parser, ProfileConfig, sizes=tuple(args.sizes), context_lengths=tuple(args.context_lengths),
+        edition=args.edition,
         batch_size=args.batch_size, precision=args.precision, warmup=args.warmup, steps=args.steps,
         device=args.device, tool=args.tool, nsys_reports=args.nsys_reports, nsys_child=args.nsys_child)
     try:

@@ -13,7 +13,7 @@ from cs336_systems.analysis import attention_math
 from cs336_systems.analysis.collectives import all_reduce_rows
 from cs336_systems.report.frame import Col, NumericTable
 
-SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B"]
+SIZE_ORDER = ["tiny", "mini", "small", "medium", "large", "xl", "2.7B", "10B"]  # 10B: the 2026 table's
 
 
 def ordered_by_size(frame: pd.DataFrame) -> pd.DataFrame:

@@ -291,3 +291,165 @@ rule memory_timelines:
         "python -m cs336_systems.report.memory {input.snapshots}/*.pickle --rows {input.rows} --figures-dir {params.figures}"
         " --out {output.csv} 2> {log}"
         " && cp {log} {output.log}"
+
+
+# ---- The 2026 handout's §2.1 questions with its own Table 1 (xl = our 2025 2.7B, and 10B) -------------------
+# The rows carry size_table=2026; 2026 points are limited by memory, not by the 2025 1024-token cap (an
+# out-of-memory point, such as the 10B model's fp32 optimizer step on one GPU, is a status=oom row).
+E26 = S["edition2026"]
+E26_RESULTS = {
+    "e2e_timing_2026": f"{R}/e2e_2026.csv",
+    "mixed_precision_2026": f"{R}/mixed_precision_2026.csv",
+    "profile_2026": f"{R}/profile_2026.csv",
+    "memory_profile_2026": f"{R}/memory_2026.csv",
+    "memory_timelines_2026": f"{R}/memory_allocations_2026.csv",
+    "memory_residuals_2026": f"{R}/block_memory_2026.csv",
+}
+# Where these are not made by `snakemake writeup` (config: measure_in_writeup false, the full scale until they are
+# committed), the report asks only for those already here, so a plain `snakemake writeup` on a fresh clone plans no
+# measuring job; each is made by naming it, e.g. `snakemake results/e2e_2026.csv --cores 1 --resources gpu=1`.
+if not E26["measure_in_writeup"]:
+    SWITCHED_OFF.update(p for p in E26_RESULTS.values() if not os.path.exists(p))
+# The allocator history is CUDA's: a scale without a GPU switches the 2026 memory profile off too.
+if not E26["memory"]["enabled"]:
+    SWITCHED_OFF.update({E26_RESULTS["memory_profile_2026"], E26_RESULTS["memory_timelines_2026"]})
+E26_MODEL_ARGS = f"--edition 2026 --batch-size {E26['batch_size']}"
+
+
+# benchmarking_script (b): forward, backward and optimizer step of every 2026 size at context 512 (fp32).
+rule e2e_timing_2026:
+    output:
+        csv=update(E26_RESULTS["e2e_timing_2026"]),
+        log=update(f"{LOGS}/e2e_timing_2026.log"),
+    log:
+        f"{ATTEMPTS}/e2e_timing_2026.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {E26_MODEL_ARGS} --context-length {E26['context_length']}",
+        sizes=join(E26["sizes"]),
+        e=E26["e2e"],
+        modes=join(E26["e2e"]["modes"]),
+    shell:
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes {params.modes}"
+        " --precisions {params.e[precision]} --attention {params.e[attention]} --optimizers {params.e[optimizer]}"
+        " --warmup {params.e[warmup]} --steps {params.e[steps]} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
+
+
+# benchmarking_mixed_precision (c): forward and backward, fp32 against bf16 autocast, every 2026 size (10B too).
+rule mixed_precision_2026:
+    output:
+        csv=update(E26_RESULTS["mixed_precision_2026"]),
+        log=update(f"{LOGS}/mixed_precision_2026.log"),
+    log:
+        f"{ATTEMPTS}/mixed_precision_2026.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {E26_MODEL_ARGS} --context-length {E26['context_length']}",
+        sizes=join(E26["sizes"]),
+        m=E26["mixed_precision"],
+        precisions=join(E26["mixed_precision"]["precisions"]),
+    shell:
+        "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes forward_backward"
+        " --precisions {params.precisions} --attention {params.m[attention]}"
+        " --warmup {params.m[warmup]} --steps {params.m[steps]} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
+
+
+# nsys_profile: two sizes over a ladder of power-of-two contexts above 128; the points that do not fit are
+# status=oom rows, and the section discusses the three longest that fit.
+rule profile_2026:
+    output:
+        csv=update(E26_RESULTS["profile_2026"]),
+        log=update(f"{LOGS}/profile_2026.log"),
+    log:
+        f"{ATTEMPTS}/profile_2026.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {E26_MODEL_ARGS}",
+        p=E26["profile"],
+        sizes=join(E26["profile"]["sizes"]),
+        contexts=join(E26["profile"]["context_lengths"]),
+        reports=f"{R}/nsys_reports_2026",
+    shell:
+        "python -m cs336_systems.bench.profile {params.common} --sizes {params.sizes}"
+        " --context-lengths {params.contexts} --warmup {params.p[warmup]} --steps {params.p[steps]}"
+        " --nsys-reports {params.reports} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
+
+
+# memory_profiling (a-e): the 2026 xl at contexts 128 and 2048; a point naive attention cannot fit is recorded and
+# run again with our flash attention.
+rule memory_profile_2026:
+    output:
+        peaks=update(E26_RESULTS["memory_profile_2026"]),
+        snapshots=directory(f"{R}/memory_snapshots_2026"),
+        log=update(f"{LOGS}/memory_profile_2026.log"),
+    log:
+        f"{ATTEMPTS}/memory_profile_2026.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {E26_MODEL_ARGS}",
+        mem=E26["memory"],
+        contexts=join(E26["memory"]["context_lengths"]),
+        precisions=join(E26["memory"]["precisions"]),
+    shell:
+        "python -m cs336_systems.bench.memory {params.common} --size {params.mem[size]}"
+        " --context-lengths {params.contexts} --precisions {params.precisions}"
+        " --attention {params.mem[attention]} --fallback-attention {params.mem[fallback_attention]}"
+        " --snapshot-dir {output.snapshots} --out {output.peaks} 2> {log}"
+        " && cp {log} {output.log}"
+
+
+rule memory_timelines_2026:
+    input:
+        snapshots=f"{R}/memory_snapshots_2026",  # not committed: made on this machine (as memory_timelines)
+        rows=ancient(E26_RESULTS["memory_profile_2026"]),
+    output:
+        csv=update(E26_RESULTS["memory_timelines_2026"]),
+        log=update(f"{LOGS}/memory_timelines_2026.log"),
+    log:
+        f"{ATTEMPTS}/memory_timelines_2026.log",
+    conda:
+        ENV
+    params:
+        figures=f"{F}/memory_2026",
+    shell:
+        "python -m cs336_systems.report.memory {input.snapshots}/*.pickle --rows {input.rows}"
+        " --figures-dir {params.figures} --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"
+
+
+# memory_profiling (f): residuals and gradient bytes per block (bench/block_memory.py; runs on a CPU too).
+rule memory_residuals_2026:
+    output:
+        csv=update(E26_RESULTS["memory_residuals_2026"]),
+        log=update(f"{LOGS}/memory_residuals_2026.log"),
+    log:
+        f"{ATTEMPTS}/memory_residuals_2026.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        common=f"{DEVICE_ARGS} {E26_MODEL_ARGS}",
+        b=E26["block_memory"],
+        contexts=join(E26["block_memory"]["context_lengths"]),
+    shell:
+        "python -m cs336_systems.bench.block_memory {params.common} --size {params.b[size]}"
+        " --context-lengths {params.contexts} --precision {params.b[precision]}"
+        " --attention {params.b[attention]} --fallback-attention {params.b[fallback_attention]}"
+        " --out {output.csv} 2> {log}"
+        " && cp {log} {output.log}"

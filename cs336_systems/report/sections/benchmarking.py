@@ -14,8 +14,9 @@ from cs336_systems.model import forward_flops, get_config
 from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.profile_tables import kernel_vs_wall
+from cs336_systems.report.frame import NumericTable
 from cs336_systems.report.tables import (OPTIMIZER_STEP, VERSUS_TORCH, baseline_timing, compile_column, compile_scope,
-                                         compile_timing, mixed_precision)
+                                         compile_timing, mixed_precision, phase_table)
 
 
 def _steps(frame: pd.DataFrame, **where) -> pd.DataFrame:
@@ -531,6 +532,87 @@ OPTIMIZER = Table("optimizer", "optimizer", tables.optimizer_timing,
                   "bandwidth is AdamW's least traffic over that time; ÷ torch_fused = the optimizer step over torch's "
                   "fused AdamW's at the same size")
 
+# ---- the 2026 handout's §2.1 with its own Table 1 (results/*_2026.csv, rows with size_table 2026) ---------------
+
+def e2e_timing_2026(frame: pd.DataFrame) -> NumericTable:
+    """2026 §2.1.3 (b): per size, the mean (± std) of each phase of a full training step (forward, backward,
+    AdamW step), and the forward-only (inference) and forward+backward runs' phases; OOM where a run did not fit."""
+    rows = frame[frame["precision"] == "fp32"]
+    runs = {"step": ("train_step", ["forward", "backward", "optimizer"]),
+            "fwd+bwd": ("forward_backward", ["forward", "backward"]), "inference": ("forward", ["forward"])}
+    table = None
+    for label, (mode, phases) in runs.items():
+        if mode not in set(rows["mode"]):
+            continue
+        part = phase_table(rows[rows["mode"] == mode], {label: {}}, phases)
+        table = part if table is None else _beside(table, part)
+    return table
+
+
+def _beside(left: NumericTable, right: NumericTable) -> NumericTable:
+    """Two per-size tables side by side (the same sizes in the same order: every run has a row per size)."""
+    data = left.data.merge(right.data, on="size", how="left", sort=False)
+    return NumericTable(data, (*left.columns, *right.columns[1:]), {**left.status, **right.status})
+
+
+def render_e2e_2026(ctx: Context) -> Section:
+    frame = ctx.frame("e2e_2026")
+    q = Quotes(ctx.numeric("e2e_timing_2026"))
+    ms = [c for c in q.table.headers if c.endswith("(ms)")]
+    ran = q.frame.dropna(subset=["step forward (ms)"]) if "step forward (ms)" in q.frame else q.frame.iloc[:0]
+    text = (f"The 2026 handout's sizes (its Table 1: xl is d_model 2560, 32 layers, our 2025 2.7B; 10B is 4608, "
+            f"50 layers), batch {int(frame['batch_size'].iloc[0])}, context {int(frame['context_length'].iloc[0])}, "
+            f"float32, {int(frame['warmup'].iloc[0])} warm-up and {int(frame['steps'].iloc[0])} measured steps, "
+            f"mean ± std.")
+    if len(ran):
+        first, last = ran.index[0], ran.index[-1]
+        text += (f" A full step's forward pass takes {q.cell('step forward (ms)', first)} ms for {ran['size'][first]} "
+                 f"and {q.cell('step forward (ms)', last)} ms for {ran['size'][last]}, its backward pass "
+                 f"{q.cell('step backward (ms)', first)} and {q.cell('step backward (ms)', last)} ms, and the AdamW "
+                 f"step {q.cell('step optimizer (ms)', first)} and {q.cell('step optimizer (ms)', last)} ms.")
+    cv = 100 * _cv(q.frame, ms)
+    text += (f" The standard deviation is at most "
+             f"{q.derive(lambda t: 100 * _cv(t, ms), '.1f', 'largest std over mean, %')}% of the mean: the "
+             + ("variability across measured steps is small." if cv <= 5 else
+                "variability across measured steps is not small at every point (the table's ± says where)."))
+    ooms = frame[frame["status"] == "oom"]
+    if len(ooms):
+        text += " Out of memory: " + ", ".join(f"{r['size']} {r['mode']}" for _, r in ooms.iterrows()) + (
+            " (a training step with float32 AdamW holds 16 bytes per parameter, parameters, gradients and two "
+            "moments, before any activation; a 10B step fits one GPU with bf16 parameters and moments, sharded "
+            "state over several GPUs, or the optimizer state offloaded).")
+    settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length", "warmup", "steps"))
+    return Section([text, ctx.table("e2e_timing_2026")], q.table, [text], q.derived,
+                   wording=(*settings, "2026", "1", "2560", "32", "2", "2.7", "10", "4608", "50", "16", "5"))
+
+
+def render_mixed_precision_2026(ctx: Context) -> Section:
+    frame = ctx.frame("mixed_precision_2026")
+    q = Quotes(ctx.numeric("mixed_precision_2026"))
+    speedup = "bf16 speed-up"
+    ran = q.frame.dropna(subset=[speedup])
+    text = (f"Forward and backward passes of the 2026 sizes, float32 against bf16 autocast in one run (naive "
+            f"attention, batch {int(frame['batch_size'].iloc[0])}, context {int(frame['context_length'].iloc[0])}).")
+    if len(ran):
+        text += (f" bf16 makes the step {q.derive(lambda t: t[speedup].min(), '.2f', 'least bf16 speed-up')}–"
+                 f"{q.derive(lambda t: t[speedup].max(), '.2f', 'largest bf16 speed-up')}× faster: "
+                 f"{q.cell(speedup, ran.index[0])}× at {ran['size'][ran.index[0]]} and "
+                 f"{q.cell(speedup, ran.index[-1])}× at {ran['size'][ran.index[-1]]}; the speed-up "
+                 f"{size_trend(ran[speedup])}.")
+        if size_trend(ran[speedup]) == "grows with size":
+            text += " The larger the model, the more of its step is matrix multiplication, which bf16 runs on Tensor Cores."
+    ooms = frame[frame["status"] == "oom"]
+    if len(ooms):
+        text += " Out of memory: " + ", ".join(f"{r['size']} {r['precision']}" for _, r in ooms.iterrows()) + "."
+    settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length"))
+    return Section([text, ctx.table("mixed_precision_2026")], q.table, [text], q.derived, wording=(*settings, "2026", "16"))
+
+
+E2E_2026 = Table("e2e_timing_2026", "e2e_2026", e2e_timing_2026,
+                 "2026 §2.1.3 (b): phase times per 2026 size (ms, mean ± std), fp32")
+MIXED_2026 = Table("mixed_precision_2026", "mixed_precision_2026", mixed_precision,
+                   "2026 §2.1.5 (c): fp32 versus bf16 forward and backward per 2026 size (ms, mean ± std)")
+
 DELIVERABLES = [
     Deliverable("1.1.3 (a) benchmarking_script: the benchmarking script", "e2e_timing",
                 lambda ctx: "`python -m cs336_systems.bench.e2e --help` (module `cs336_systems/bench/e2e.py`)."),
@@ -552,4 +634,8 @@ DELIVERABLES = [
                 render_baseline, ("e2e_baseline",), tables=(BASELINE,)),
     Deliverable("1.3.1 (b), continued: the optimizer step (our AdamW, multi-tensor and fused, and torch's)",
                 "optimizer_timing", render_optimizer, ("optimizer",), tables=(OPTIMIZER,)),
+    Deliverable("2026 §2.1.3 (b) benchmarking_script: forward, backward and optimizer step, 2026 Table 1 sizes",
+                "e2e_timing_2026", render_e2e_2026, ("e2e_2026",), tables=(E2E_2026,)),
+    Deliverable("2026 §2.1.5 (c) benchmarking_mixed_precision: fp32 versus bf16, 2026 Table 1 sizes (10B included)",
+                "mixed_precision_2026", render_mixed_precision_2026, ("mixed_precision_2026",), tables=(MIXED_2026,)),
 ]

@@ -263,6 +263,105 @@ def _largest_allocations(forward, config, batch: int, context: int) -> str:
             f"vocab = {config.vocab_size}, d_model = {config.d_model}): " + "; ".join(named) + ".")
 
 
+# ---- 2026 §2.1.6 memory_profiling: the 2026 xl (our 2025 2.7B) at contexts 128 and 2048 --------------------
+
+def memory_peaks_2026(frame: pd.DataFrame) -> NumericTable:
+    """(b), (c): per precision, context and attention backend, the peak of a forward pass and of a training step
+    (MiB); OOM where the point did not fit (the next row then has the fallback attention's point)."""
+    records, status = [], {}
+    keys = ["precision", "context_length", "attention"]
+    for (precision, context, attention), point in frame.groupby(keys, sort=False):
+        record = {"precision": precision, "context": int(context), "attention": attention}
+        for header, mode in ((FORWARD, "forward"), (TRAIN, "train_step")):
+            row = point[point["mode"] == mode]
+            ok = len(row) and row["status"].iloc[0] == "ok"
+            record[header] = row["peak_memory_mib"].iloc[0] if ok else float("nan")
+            if len(row) and not ok:
+                status.setdefault(header, {})[len(records)] = str(row["status"].iloc[0])
+        records.append(record)
+    data = pd.DataFrame(records, columns=["precision", "context", "attention", FORWARD, TRAIN])
+    return NumericTable(data, (Col("precision"), Col("context", "d"), Col("attention"), Col(FORWARD, ",.0f"),
+                               Col(TRAIN, ",.0f")), status)
+
+
+def render_memory_2026(ctx: Context) -> str:
+    frame = ctx.frame("memory_2026")
+    q = Quotes(ctx.numeric("memory_peaks_2026"))
+    config = get_config(str(frame["size"].iloc[0]), "2026")
+    weights = parameter_count(config) * 4 / 2**20
+    parts = []
+    for i, row in q.frame.iterrows():
+        forward = q.cell(FORWARD, i) if pd.notna(row[FORWARD]) else "out of memory"
+        train = q.cell(TRAIN, i) if pd.notna(row[TRAIN]) else "out of memory"
+        parts.append(f"{row['precision']}, context {q.cell('context', i)}, {row['attention']} attention: forward "
+                     f"peak {forward} MiB, training-step peak {train} MiB.")
+    text = (f"The 2026 xl (d_model {config.d_model}, {config.num_layers} layers: our 2025 2.7B), batch "
+            f"{int(frame['batch_size'].iloc[0])}; its float32 weights are {weights:,.0f} MiB. " + " ".join(parts))
+    figures = sorted((ctx.figures / "memory_2026").glob("*.png")) if (ctx.figures / "memory_2026").exists() else []
+    timelines = "Active-memory timelines: " + (
+        ", ".join(f.name for f in figures) + f" in {ctx.figures / 'memory_2026'}." if figures else
+        f"pending: `snakemake {ctx.results}/memory_allocations_2026.csv --cores 1 --resources gpu=1`.")
+    return "\n\n".join([text, ctx.table("memory_peaks_2026"), timelines])  # prose from the rows (not yet checked)
+
+
+def block_memory_2026(frame: pd.DataFrame) -> NumericTable:
+    """(f): per context and attention, a middle block's residuals (MiB), its five largest producing ops with their
+    share, its parameter gradients (MiB) and, on CUDA, the gradients implied by the memory change across its
+    backward plus the residuals it frees."""
+    records, status = [], {}
+    for (context, attention), point in frame.groupby(["context_length", "attention"], sort=False):
+        record = {"context": int(context), "attention": attention}
+        blocks = point[point["kind"] == "block"]
+        if (point["status"] == "oom").any() or not len(blocks):
+            for header in ("residuals (MiB)", "gradients (MiB)", "implied gradients (MiB)"):
+                status.setdefault(header, {})[len(records)] = "OOM"
+            records.append({**record, "top-5 ops": ""})
+            continue
+        block = int(blocks["block"].max()) // 2
+        row = blocks[blocks["block"] == block].iloc[0]
+        ops = point[(point["kind"] == "op") & (point["block"] == block)].sort_values("rank").head(5)
+        record |= {"residuals (MiB)": row["residual_mib"], "gradients (MiB)": row["gradient_mib"],
+                   "implied gradients (MiB)": row["implied_gradient_mib"],
+                   "top-5 ops": ", ".join(f"{o.removeprefix('aten::')} {s:.0%}" for o, s in zip(ops["op"], ops["share"])),
+                   "top-5 share": ops["share"].sum()}
+        records.append(record)
+    headers = ["residuals (MiB)", "top-5 ops", "top-5 share", "gradients (MiB)", "implied gradients (MiB)"]
+    data = pd.DataFrame(records, columns=["context", "attention", *headers])
+    return NumericTable(data, (Col("context", "d"), Col("attention"), Col("residuals (MiB)", ",.1f"),
+                               Col("top-5 ops"), Col("top-5 share", ".0%"), Col("gradients (MiB)", ",.1f"),
+                               Col("implied gradients (MiB)", ",.1f")), status)
+
+
+def render_block_memory_2026(ctx: Context) -> str:
+    frame = ctx.frame("block_memory_2026")
+    q = Quotes(ctx.numeric("block_memory_2026"))
+    config = get_config(str(frame["size"].iloc[0]), "2026")
+    per_block = (4 * config.d_model**2 + 3 * config.d_model * config.d_ff + 2 * config.d_model) * 4 / 2**20
+    parts = []
+    for i, row in q.frame.iterrows():
+        if pd.isna(row["residuals (MiB)"]):
+            parts.append(f"Context {q.cell('context', i)}, {row['attention']} attention: out of memory.")
+            continue
+        implied = ("" if pd.isna(row["implied gradients (MiB)"]) else
+                   f"; from the memory levels, the backward's change plus the residuals it frees gives "
+                   f"{q.cell('implied gradients (MiB)', i)} MiB")
+        parts.append(f"Context {q.cell('context', i)}, {row['attention']} attention: one block saves "
+                     f"{q.cell('residuals (MiB)', i)} MiB for the backward; its five largest producing ops ("
+                     f"{row['top-5 ops']}) hold {q.cell('top-5 share', i)} of it. Its parameter gradients take "
+                     f"{q.cell('gradients (MiB)', i)} MiB{implied}.")
+    text = (f"Measured on the 2026 {frame['size'].iloc[0]} (batch {int(frame['batch_size'].iloc[0])}, {frame['precision'].iloc[0]}) "
+            f"where autograd saves each tensor (bench/block_memory.py: each storage once, charged to the ATen op "
+            f"that allocated it), rather than read from Nsight's memory track. A block's parameters in float32 "
+            f"are {per_block:,.1f} MiB (4 d² + 3 d·d_ff + 2 d parameters × 4 B), which its gradients should "
+            f"equal. " + " ".join(parts))
+    return "\n\n".join([text, ctx.table("block_memory_2026")])  # prose from the rows (not yet checked)
+
+
+MEMORY_2026 = Table("memory_peaks_2026", "memory_2026", memory_peaks_2026,
+                    "2026 §2.1.6 (b, c): peak memory of the 2026 xl per precision, context and attention (MiB)")
+BLOCK_MEMORY_2026 = Table("block_memory_2026", "block_memory_2026", block_memory_2026,
+                          "2026 §2.1.6 (f): residuals, their top-5 ops and gradients of one block (MiB)")
+
 DELIVERABLES = [
     Deliverable("1.1.6 (a–e) memory_profiling of the 2.7B model", "memory_profile", render_memory,
                 ("memory", "memory_allocations"),
@@ -270,4 +369,10 @@ DELIVERABLES = [
                               "Peak memory of the 2.7B model (batch 4) per precision and context length: forward "
                               "pass (no_grad) and training step (forward, backward, AdamW)"),),
                 cuda_only="the allocator history is a CUDA feature"),
+    Deliverable("2026 §2.1.6 (a–e) memory_profiling of the 2026 xl at contexts 128 and 2048", "memory_profile_2026",
+                render_memory_2026, ("memory_2026",), tables=(MEMORY_2026,),
+                cuda_only="the allocator history is a CUDA feature"),
+    Deliverable("2026 §2.1.6 (f) memory_profiling: residuals, their top-5 ops and gradients per block",
+                "memory_residuals_2026", render_block_memory_2026, ("block_memory_2026",),
+                tables=(BLOCK_MEMORY_2026,)),
 ]

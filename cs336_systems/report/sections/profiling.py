@@ -10,6 +10,9 @@ from __future__ import annotations
 from cs336_systems.model import get_config
 from cs336_systems.report.profile_tables import (MATMUL, attention_kernels, profile_grid, profile_kernels,
                                                  profile_kernels_of, profile_point)
+import pandas as pd
+
+from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table
 
 
@@ -109,10 +112,71 @@ def _attention_paragraph(rows, stages, head_dim: int) -> str:
     return text
 
 
+# ---- 2026 §2.1.4 nsys_profile: two sizes x power-of-two contexts above 128 (results/profile_2026.csv) -------------
+
+def profile_2026(frame: pd.DataFrame) -> NumericTable:
+    """Per (size, context): the harness's synchronized time of each phase (ms per step) and the top forward
+    kernel's share of the forward kernel time; OOM where the point did not fit."""
+    records, status = [], {}
+    phases = ["forward", "backward", "optimizer", "inference"]
+    for (size, context), rows in frame.groupby(["size", "context_length"], sort=False):
+        record = {"size": str(size), "context": int(context)}
+        harness = rows[rows["kind"] == "harness"].set_index("phase")["ms_per_step"]
+        kernels = rows[(rows["kind"] == "kernel") & (rows["phase"] == "forward")]
+        for phase in phases:
+            record[f"{phase} (ms)"] = float(harness.get(phase, float("nan")))
+        record["top forward kernel share"] = (kernels["ms_per_step"].max() / kernels["ms_per_step"].sum()
+                                              if len(kernels) else float("nan"))
+        if (rows["status"] == "oom").any():
+            for header in [*(f"{p} (ms)" for p in phases), "top forward kernel share"]:
+                status.setdefault(header, {})[len(records)] = "OOM"
+        records.append(record)
+    headers = [*(f"{p} (ms)" for p in phases), "top forward kernel share"]
+    data = pd.DataFrame(records, columns=["size", "context", *headers])
+    return NumericTable(data, (Col("size"), Col("context"), *(Col(h, ".2f") for h in headers[:-1]),
+                               Col(headers[-1], ".1%")), status)
+
+
+def render_profile_2026(ctx: Context) -> Section:
+    frame = ctx.frame("profile_2026")
+    q = Quotes(ctx.numeric("profile_2026"))
+    parts = []
+    for size in dict.fromkeys(q.frame["size"]):
+        fits = q.frame[(q.frame["size"] == size) & q.frame["forward (ms)"].notna()].sort_values("context")
+        chosen = fits.tail(3)
+        if not len(chosen):
+            parts.append(f"{size}: no context fits.")
+            continue
+        longest = chosen.index[-1]
+        kernels = frame[(frame["size"] == size) & (frame["context_length"] == int(q.frame["context"][longest]))
+                        & (frame["kind"] == "kernel") & (frame["phase"] == "forward")]
+        top = kernels.loc[kernels["ms_per_step"].idxmax()] if len(kernels) else None
+        text = (f"{size} (2026 table): the three longest power-of-two contexts that fit are "
+                + ", ".join(q.cell("context", i) for i in chosen.index) + "; at "
+                f"{q.cell('context', longest)} tokens the forward pass takes {q.cell('forward (ms)', longest)} ms, "
+                f"the backward {q.cell('backward (ms)', longest)} ms and the optimizer step "
+                f"{q.cell('optimizer (ms)', longest)} ms (synchronized wall time).")
+        if top is not None:
+            text += (f" The forward pass's largest kernel there takes {q.cell('top forward kernel share', longest)} "
+                     f"of its kernel time ({top['name'][:80]}).")
+        parts.append(text)
+    tool = frame["tool"].dropna()
+    head = (f"Profiled with {tool.iloc[0] if len(tool) else 'the PyTorch profiler'} (batch "
+            f"{int(frame['batch_size'].iloc[0])}, {frame['precision'].iloc[0]}); contexts past the longest that fits "
+            "are out-of-memory rows.")
+    return Section([head, *parts, ctx.table("profile_2026")], q.table, parts, q.derived,
+                   wording=("2026", "3"))
+
+
+PROFILE_2026 = Table("profile_2026", "profile_2026", profile_2026,
+                     "2026 §2.1.4: synchronized phase times (ms per step) per 2026 size and context")
+
 DELIVERABLES = [
     Deliverable("1.1.4 (a–e) nsys_profile: kernel summaries per range", "profile", render_profile, ("profile",),
                 tables=(Table("profile_kernels", "profile", profile_kernels,
                               "Top kernels per phase (PyTorch profiler), per training step"),
                         Table("profile_grid", "profile", profile_grid,
                               "Kernel time per phase for every size and context length (PyTorch profiler)"))),
+    Deliverable("2026 §2.1.4 nsys_profile: two 2026 sizes at the three longest power-of-two contexts that fit",
+                "profile_2026", render_profile_2026, ("profile_2026",), tables=(PROFILE_2026,)),
 ]
