@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The rules that only turn results into tables, figures and the writeup. Any other rule measures, tests, merges or
 # reads what a measurement left (traces, snapshots): on a fresh checkout none of them may run.
-REPORT_RULES = {"table", "figure", "writeup_md", "writeup_html", "writeup", "communication_accounting"}
+REPORT_RULES = {"table", "figure", "writeup_md", "writeup_html", "writeup_pdf", "writeup", "communication_accounting"}
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not available")
 
