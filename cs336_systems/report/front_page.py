@@ -42,9 +42,10 @@ HEADLINES = (
              "mixed_precision", "bf16 speed-up", row=last_row),
     Headline("our Triton FlashAttention-2 at the leaderboard shape: time ÷ SDPA's flash backend", "flash_leaderboard",
              "÷ SDPA flash", {"pass": "forward_backward", "provider": "flash_triton"}),
-    Headline("training step of the 2026 xl (our 2.7B), peak memory (GiB)", "checkpointing", "peak memory (GiB)",
+    Headline("training step of the 2026 xl (our 2.7B) without activation checkpointing", "checkpointing", "status",
              {"policy": "none"}),
-    Headline("the same, with activation checkpointing", "checkpointing", "peak memory (GiB)", {"policy": "every:1"}),
+    Headline("the same, every block checkpointed: peak memory (GiB)", "checkpointing", "peak memory (GiB)",
+             {"policy": "every:1"}),
     Headline("LM head + cross-entropy, peak memory of forward+backward (MiB)", "linear_ce", "peak (MiB)",
              {"tokens": 32768, "provider": "fused"}),
     Headline("the same, compiled plain PyTorch", "linear_ce", "peak (MiB)", {"tokens": 32768, "provider": "plain_compiled"}),
@@ -120,6 +121,16 @@ def described(line: Headline) -> str:
     return f"{line.what} ({keys})" if keys else line.what
 
 
+def measured_rows(data: pd.DataFrame, keys: dict) -> pd.DataFrame:
+    """The results rows a headline's table row comes from, as far as its keys are columns of the results file too
+    (e.g. 'backend', 'provider'): their devices are the headline's."""
+    for name, value in keys.items():
+        if name in data:
+            column = pd.to_numeric(data[name], errors="coerce") if isinstance(value, (int, float)) else data[name]
+            data = data[column == value]
+    return data
+
+
 def _link(text: str, anchor: str) -> str:
     return f"[{text}](#{anchor})"
 
@@ -135,7 +146,7 @@ def headline_table(ctx: Context, anchors: dict[str, str], owners: dict[str, Deli
             continue
         table = ctx.numeric(line.table)
         row = line.row(table.data) if line.row else table.row(**line.keys)
-        devices = sorted({str(d) for d in data.get("device_name", pd.Series(dtype=str)).dropna()})
+        devices = sorted({str(d) for d in measured_rows(data, line.keys).get("device_name", pd.Series()).dropna()})
         rows.append((described(line), table.quote(line.header, row), ", ".join(devices) or "?", where))
     frame = pd.DataFrame(rows, columns=["result", "value", "device", "table in"])
     return frame.to_markdown(index=False, colalign=("left", "right", "left", "left"))

@@ -121,8 +121,7 @@ class Converter:
 
     def flush(self) -> None:
         if self.paragraph:
-            text = inline(" ".join(self.paragraph))
-            self.out.append(re.sub(r"^(\d+)\.", r"\1\\.", text) + "\n")  # '1. ' opening a paragraph is not a list
+            self.out.append(inline(" ".join(self.paragraph)) + "\n")
             self.paragraph = []
 
     def convert(self) -> str:
