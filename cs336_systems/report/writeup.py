@@ -70,7 +70,7 @@ def build(ctx: Context, scale: str, device: str = "cuda") -> str:
     anchors = section_anchors(skeleton, DELIVERABLES)
     owners = {table.name: item for item in DELIVERABLES for table in item.tables}
     front = {
-        "Headline results": front_page.headline_table(ctx, anchors, owners),
+        "Headline results": front_page.headline_table(ctx, anchors, owners, device),
         "Contents": front_page.contents(DELIVERABLES, anchors, heading),
         "Model sizes of the two editions": front_page.size_tables(),
         "Problems in the two editions": front_page.problem_map(DELIVERABLES, anchors),
