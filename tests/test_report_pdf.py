@@ -38,10 +38,12 @@ def query(source: str, selector: str, field: str | None = None, root: Path = ROO
 
 # --- anchors ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("heading,anchor", [
-    ("2025 §1.1.4 (a–e) nsys_profile: kernel summaries per range", "2025-114-ae-nsys_profile-kernel-summaries-per-range"),
+    ("2025 §1.1.4 (a–e) nsys_profile: kernel summaries per range",
+     "2025-114-ae-nsys_profile-kernel-summaries-per-range"),
     ("fsdp_accounting (a) — expected saving from FSDP (2026 handout, section 7)",
      "fsdp_accounting-a--expected-saving-from-fsdp-2026-handout-section-7"),
-    ("2026 §9 leaderboard parts: the fused LM head + cross-entropy", "2026-9-leaderboard-parts-the-fused-lm-head--cross-entropy"),
+    ("2026 §9 leaderboard parts: the fused LM head + cross-entropy",
+     "2026-9-leaderboard-parts-the-fused-lm-head--cross-entropy"),
     ("`code` and **bold** in a heading", "code-and-bold-in-a-heading"),
 ])
 def test_anchors_are_githubs(heading, anchor):
@@ -150,7 +152,8 @@ def test_links_tables_lists_code_and_figures_are_typeset(tmp_path):
     assert [flat(item) for item in items] == ["first item with a web link continued on the next line", "second item"]
     (ordered,) = query(source, "enum", "children", tmp_path)
     assert [flat(item) for item in ordered] == ["an ordered item"]
-    assert [flat(e) for e in query(source, "emph", "body", tmp_path)][:2] == ["star", "an italic caption with do_bench inside"]
+    emphasized = [flat(e) for e in query(source, "emph", "body", tmp_path)]
+    assert emphasized[:2] == ["star", "an italic caption with do_bench inside"]
 
 
 def test_inline_calls_end_so_text_after_them_stays_text():

@@ -48,7 +48,8 @@ HEADLINES = (
              {"policy": "every:1"}),
     Headline("LM head + cross-entropy, peak memory of forward+backward (MiB)", "linear_ce", "peak (MiB)",
              {"tokens": 32768, "provider": "fused"}),
-    Headline("the same, compiled plain PyTorch", "linear_ce", "peak (MiB)", {"tokens": 32768, "provider": "plain_compiled"}),
+    Headline("the same, compiled plain PyTorch", "linear_ce", "peak (MiB)",
+             {"tokens": 32768, "provider": "plain_compiled"}),
     Headline("memory allocated per rank after init (MiB)", "fsdp", "allocated after init (MiB)",
              {"size": "2.7B", "precision": "bf16", "config": "fsdp"}),
     Headline("the same, our bucketed DDP", "fsdp", "allocated after init (MiB)",
@@ -173,7 +174,8 @@ def _size_row(name: str, config: ModelConfig, other: dict[str, ModelConfig]) -> 
     same = [n for n, c in other.items() if c == config]
     return {"size": name, "d_model": config.d_model, "d_ff": config.d_ff, "num_layers": config.num_layers,
             "num_heads": config.num_heads, "vocab": f"{config.vocab_size:,}",
-            "parameters (M)": f"{parameter_count(config) / 1e6:,.0f}", "same model in the other edition": same[0] if same else "—"}
+            "parameters (M)": f"{parameter_count(config) / 1e6:,.0f}",
+            "same model in the other edition": same[0] if same else "—"}
 
 
 def size_tables() -> str:

@@ -37,7 +37,8 @@ def submission_files(root: str | Path = ".") -> list[str]:
             continue
         for folder, subfolders, files in os.walk(path):
             subfolders[:] = [s for s in subfolders if s not in SKIPPED_FOLDERS and not s.endswith(SKIPPED_SUFFIXES)]
-            found += [(Path(folder) / f).relative_to(root).as_posix() for f in files if not f.endswith(SKIPPED_SUFFIXES)]
+            found += [(Path(folder) / f).relative_to(root).as_posix()
+                      for f in files if not f.endswith(SKIPPED_SUFFIXES)]
     return sorted(found)
 
 
