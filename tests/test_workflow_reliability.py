@@ -16,9 +16,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The rules that only turn results into tables, figures and the writeup. Any other rule measures, tests, merges or
-# reads what a measurement left (traces, snapshots): on a fresh checkout none of them may run.
-REPORT_RULES = {"table", "figure", "writeup_md", "writeup_html", "writeup", "communication_accounting"}
+# The rules that only turn results into tables, figures and the writeup (and the submission: the PDF and code.zip).
+# Any other rule measures, tests, merges or reads what a measurement left (traces, snapshots): on a fresh checkout
+# none of them may run.
+REPORT_RULES = {"table", "figure", "writeup_md", "writeup_html", "writeup_pdf", "writeup", "communication_accounting",
+                "code_zip", "submission"}
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not available")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from pathlib import Path
 
 import pandas as pd
@@ -38,3 +40,29 @@ def save_table(table: NumericTable, md_path: str | Path, tex_path: str | Path, c
     Path(tex_path).write_text(table.to_latex(caption))
     if json_path is not None:
         table.save(json_path)
+
+
+def slugify(text: str) -> str:
+    """A heading's anchor as GitHub makes it: lower case, letters, digits, marks, '_', '-' and spaces kept (each
+    space a '-'), everything else (punctuation, '§', dashes other than '-') dropped. The HTML page and the PDF use
+    the same anchors, so one link works in all three."""
+    text = re.sub(r"`|\*\*|(?<!\w)_|_(?!\w)", "", text)  # Markdown marks are not part of the rendered text
+    kept = [ch for ch in text.lower() if ch in "_- " or unicodedata.category(ch)[0] in "LNM"]
+    return "".join(kept).replace(" ", "-")
+
+
+def headings(markdown: str) -> list[tuple[int, str, str]]:
+    """Every ATX heading of a Markdown document outside code fences, in order: (level, text, anchor), where a
+    repeated anchor gets '-1', '-2', ... as on GitHub."""
+    found, seen, fenced = [], {}, False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        match = None if fenced else re.match(r"(#{1,6}) +(.*?) *#*$", line)
+        if match:
+            slug = slugify(match[2])
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            found.append((len(match[1]), match[2], f"{slug}-{count}" if count else slug))
+    return found

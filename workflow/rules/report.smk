@@ -5,6 +5,7 @@ from cs336_systems.report.sections import (
     figure_inputs,
     table_inputs,
 )
+from cs336_systems.report.submission import submission_files
 
 # Which tables and figures exist, and the results file each is made from, is the deliverable registry's
 # (cs336_systems/report/sections): a section adds its own there.
@@ -104,6 +105,39 @@ rule writeup_html:
         ENV
     shell:
         "python -m cs336_systems.report.html {input} --out {output.html} 2> {log}"
+        " && cp {log} {output.log}"
+
+
+# The PDF a student hands in, typeset from the same Markdown by the typst package (report/typst.py), figures and all.
+rule writeup_pdf:
+    input:
+        md=f"{R}/writeup.md",
+        figures=expand(f"{F}/{{name}}.png", name=available(FIGURE_INPUTS)),
+    output:
+        pdf=update(f"{R}/writeup.pdf"),
+        log=update(f"{LOGS}/writeup_pdf.log"),
+    log:
+        f"{ATTEMPTS}/writeup_pdf.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.report.typst {input.md} --out {output.pdf} 2> {log}"
+        " && cp {log} {output.log}"
+
+
+# The code half of the submission (the handout's code.zip): the package, tests, workflow and config, no results.
+rule code_zip:
+    input:
+        submission_files("."),
+    output:
+        zip=update(f"{R}/code.zip"),
+        log=update(f"{LOGS}/code_zip.log"),
+    log:
+        f"{ATTEMPTS}/code_zip.log",
+    conda:
+        ENV
+    shell:
+        "python -m cs336_systems.report.submission --out {output.zip} > {log} 2>&1"
         " && cp {log} {output.log}"
 
 
