@@ -34,6 +34,21 @@ PENDING = ("`snakemake results/memory.csv results/memory_allocations.csv --cores
            "on one GPU")
 
 
+def _mode_peaks(point: pd.DataFrame, record: dict, status: dict, index: int) -> pd.Series | None:
+    """One point's forward and training-step peaks (MiB) into `record`, NaN where a mode did not run cleanly, whose
+    status then goes to `status[header][index]`. Returns the training step's row where it ran cleanly."""
+    train = None
+    for header, mode in ((FORWARD, "forward"), (TRAIN, "train_step")):
+        row = point[point["mode"] == mode]
+        ok = len(row) and row["status"].iloc[0] == "ok"
+        record[header] = row["peak_memory_mib"].iloc[0] if ok else float("nan")
+        if len(row) and not ok:
+            status.setdefault(header, {})[index] = str(row["status"].iloc[0])
+        if ok and mode == "train_step":
+            train = row.iloc[0]
+    return train
+
+
 def memory_peaks(frame: pd.DataFrame) -> NumericTable:
     """(b) and (c): per precision and context length, the peak of a forward pass (no_grad) and of a training
     step, beside the float32 weights (P × 4 B) they are read against; where the run recorded them, the
@@ -45,15 +60,9 @@ def memory_peaks(frame: pd.DataFrame) -> NumericTable:
         for context in sorted(set(frame["context_length"])):
             point = frame[(frame["precision"] == precision) & (frame["context_length"] == context)]
             record = {"precision": precision, "context": int(context), WEIGHTS: weights}
-            for header, mode in ((FORWARD, "forward"), (TRAIN, "train_step")):
-                row = point[point["mode"] == mode]
-                ok = len(row) and row["status"].iloc[0] == "ok"
-                record[header] = row["peak_memory_mib"].iloc[0] if ok else float("nan")
-                if len(row) and not ok:
-                    status.setdefault(header, {})[len(records)] = str(row["status"].iloc[0])
-                if mode == "train_step":
-                    for name in phases:
-                        record[name] = PHASE_COLUMNS[name](row.iloc[0]) if ok else float("nan")
+            train = _mode_peaks(point, record, status, len(records))
+            for name in phases:
+                record[name] = PHASE_COLUMNS[name](train) if train is not None else float("nan")
             records.append(record)
     headers = [FORWARD, TRAIN, WEIGHTS, *phases]
     return NumericTable(pd.DataFrame(records, columns=["precision", "context", *headers]),
@@ -272,12 +281,7 @@ def memory_peaks_2026(frame: pd.DataFrame) -> NumericTable:
     keys = ["precision", "context_length", "attention"]
     for (precision, context, attention), point in frame.groupby(keys, sort=False):
         record = {"precision": precision, "context": int(context), "attention": attention}
-        for header, mode in ((FORWARD, "forward"), (TRAIN, "train_step")):
-            row = point[point["mode"] == mode]
-            ok = len(row) and row["status"].iloc[0] == "ok"
-            record[header] = row["peak_memory_mib"].iloc[0] if ok else float("nan")
-            if len(row) and not ok:
-                status.setdefault(header, {})[len(records)] = str(row["status"].iloc[0])
+        _mode_peaks(point, record, status, len(records))
         records.append(record)
     data = pd.DataFrame(records, columns=["precision", "context", "attention", FORWARD, TRAIN])
     return NumericTable(data, (Col("precision"), Col("context", "d"), Col("attention"), Col(FORWARD, ",.0f"),
