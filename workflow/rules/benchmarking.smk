@@ -312,7 +312,9 @@ if not E26["measure_in_writeup"]:
     SWITCHED_OFF.update(p for p in E26_RESULTS.values() if not os.path.exists(p))
 # The allocator history is CUDA's: a scale without a GPU switches the 2026 memory profile off too.
 if not E26["memory"]["enabled"]:
-    SWITCHED_OFF.update({E26_RESULTS["memory_profile_2026"], E26_RESULTS["memory_timelines_2026"]})
+    SWITCHED_OFF.update(
+        {E26_RESULTS["memory_profile_2026"], E26_RESULTS["memory_timelines_2026"]}
+    )
 E26_MODEL_ARGS = f"--edition 2026 --batch-size {E26['batch_size']}"
 
 
