@@ -17,6 +17,9 @@ from cs336_systems.report.section import Context
 RERUN = ("snakemake results/ddp_naive.csv results/ddp_individual.csv results/ddp_bucketed.csv results/sharding.csv "
          "results/ddp_overlap.csv --forcerun ddp_benchmark ddp_traces --cores 1 --resources gpu=2 --config max_gpus=2")
 
+# How the other DDP paragraphs name that rerun: the command itself is given once, in naive DDP's setup (timing_method).
+RERUN_NAMED = "the two-GPU DDP rerun whose command the setup of naive DDP's section gives"
+
 
 def timing_method(frame: pd.DataFrame) -> str:
     """How the rows' phases were timed (the bench's `timer` column; rows without it predate it)."""

@@ -213,3 +213,9 @@ def rebuild_commands(scale: str) -> str:
         f"snakemake writeup --cores all --resources gpu=1 --config {config}  # measure what is missing (one GPU)",
         "```",
     ])
+
+
+def appendix_contents(entries: list) -> str:
+    """The contents' lines for the appendix and its sub-sections (report/appendix.py entries)."""
+    return "\n".join([f"- {_link('Appendix', 'appendix')}",
+                      *(f"  - {_link(entry.heading, entry.anchor)}" for entry in entries)])

@@ -8,6 +8,7 @@ import pandas as pd
 
 from cs336_systems.analysis import attention_math
 from cs336_systems.report import figures, tables
+from cs336_systems.report.appendix import appendix, outline
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.flash_sweep import render_flash_sweep
 
@@ -322,7 +323,10 @@ def render_flash_resources(ctx: Context) -> Section:
         checked.append(f"{q.derive(in_error, 'd', 'configs in error')} "
                        "configs did not compile (rows with status=error).")
     # the Triton version and the shared memory per block belong to the sentence, not to the table
-    return Section([intro, *checked, ctx.table("flash_resources")], q.table, checked, q.derived,
+    moved = appendix("registers / spilled bytes per thread of every kernel and tile", ctx.table("flash_resources"))
+    return Section([intro, *checked, f"_The table of registers / spilled bytes per thread has "
+                    f"{outline(q.table, ['kernel'])}, one column per dtype and head dim._", moved],
+                   q.table, checked, q.derived,
                    wording=("227", "2", "3", str(version)))
 
 

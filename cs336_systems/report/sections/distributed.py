@@ -11,7 +11,8 @@ import pandas as pd
 
 from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
 from cs336_systems.report import figures, tables
-from cs336_systems.report.ddp_analysis import (RERUN, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
+from cs336_systems.report.appendix import appendix
+from cs336_systems.report.ddp_analysis import (RERUN_NAMED, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
                                                timing_method)
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
@@ -90,7 +91,7 @@ def _measured(table: NumericTable, precision: str, config: str) -> bool:
         table.value(DDP_STEP, precision=precision, config=config))
 
 
-def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str]) -> list[str]:
+def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str], ctx: Context | None = None) -> list[str]:
     """The setup paragraph (from the rows' arguments), then one line per precision quoting the table's
     mean steps, communication waits and step-to-step deviations."""
     rounds = int(frame["rounds"].max()) if "rounds" in frame and frame["rounds"].notna().any() else 1
@@ -114,7 +115,7 @@ def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str]) -
     repeats += (" (the step's with its standard deviation): the parts are means too, so forward+backward, "
                 "communication wait and optimizer add up to the step, in the table, its figure and the text")
     baselines = [c for c in ("none", "torch_ddp") if c in set(frame["config"])]
-    setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
+    setup = (ctx and _setup_as_in_naive(ctx, frame)) or (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
              f"{_ddp_compile_and_adamw(first)}, batch {first['batch_per_rank']} per rank, context "
              f"{first['context_length']}, {repeats}. "
              f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
@@ -124,6 +125,23 @@ def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str]) -
              f"because the same config measured in another run (another table) can differ by more than the "
              f"differences within a run.")
     return [setup, *lines]
+
+
+def _setup_as_in_naive(ctx: Context, frame: pd.DataFrame) -> str | None:
+    """The DDP topic's setup is stated once, in 2.2 (naive): another table whose runs share every setting it names
+    says so in a line (None where a setting differs, or this is the naive table)."""
+    naive = ctx.frame("ddp_naive")
+    settings = ["world_size", "backend", "size", "compile", "adamw", "batch_per_rank", "context_length", "warmup",
+                "steps", "timer"]
+    if naive is None or frame is naive:
+        return None
+    shared = [c for c in settings if c in frame or c in naive]
+    same = all(c in frame and c in naive and set(frame[c].dropna().astype(str)) == set(naive[c].dropna().astype(str))
+               for c in shared)
+    rounds = lambda f: set(f["rounds"].dropna()) if "rounds" in f else set()  # noqa: E731
+    same = same and rounds(frame) == rounds(naive)
+    return ("Setup: as in 2025 §2.2 (the same ranks, model, compilation, optimizer, batch, context, rounds, steps and "
+            "timing; the baselines ran in this table's run, and the text compares configs only within it).") if same else None
 
 
 
@@ -187,7 +205,7 @@ def render_ddp_naive(ctx: Context) -> Section:
         checked.append(parts[-1])
     hidden = fp32_overlap_question(table, q)
     if hidden:
-        parts.append(hidden)
+        parts += [hidden, appendix("why torch DDP hides almost nothing in fp32", fp32_overlap_causes())]
         checked.append(hidden)
     parts.append(rounds_paragraph(ctx, frame))
     return Section([*parts, ctx.table("ddp_naive")], table, checked, q.derived, wording=("2.3",))
@@ -239,21 +257,28 @@ def fp32_overlap_question(table: NumericTable, q: Quotes) -> str:
         f"against naive DDP's {cell('naive')} ms (which overlaps nothing) and "
         f"{cell('none')} ms without communication; its forward+backward is {extra} ms longer "
         f"than none's, about naive's communication wait ({cell('naive', 'communication wait (ms)')} "
-        f"ms), although the backward is long enough to hide it. Candidate explanations, and the measurement that tells "
-        f"them apart (rule ddp_overlap on fp32 traces of none, naive, individual, bucketed and torch DDP, "
-        f"cs336_systems.report.traces, and the bench's compute-stream events): (a) the NCCL kernels share SMs and "
-        f"memory bandwidth with the backward's kernels and slow them down: the summed compute-kernel time in "
-        f"backward (`compute_kernel_ms_in_backward`) grows by about the communication time against `none`, while "
-        f"little communication is exposed (`exposed_in_backward_ms`); (b) they do not run beside the compute "
-        f"kernels at all (fp32's GEMMs occupy every SM, so a communication kernel waits for SMs): the communication "
-        f"falls into the gaps between compute kernels, exposed time ≈ communication time, compute-kernel time "
-        f"unchanged; (c) the host: each collective call costs CPU time on autograd's thread "
-        f"(`host_ms_per_collective`), which lengthens the step only if the GPU waits for the host "
-        f"(`gpu_busy_in_backward` well below one; the fp32 backward is expected to keep the GPU busy); (d) a tail: "
-        f"communication that can only start at the end of backward (`comm_after_backward_ms`, and the bench's "
-        f"communication wait). A second check of (a) against (b): rerun with NCCL limited to fewer SMs "
-        f"(`NCCL_MAX_CTAS`) and see whether torch DDP's forward+backward moves toward none's. The fp32 traces "
-        f"and event timings are pending: `{RERUN}`.")
+        f"ms), although the backward is long enough to hide it; which of four candidate causes it is waits for "
+        f"{RERUN_NAMED}.")
+
+
+def fp32_overlap_causes() -> str:
+    """The candidate causes of fp32_overlap_question and the measurement that tells them apart (for the appendix)."""
+    return (
+        "Candidate explanations, and the measurement that tells them apart (rule ddp_overlap on fp32 traces of "
+        "none, naive, individual, bucketed and torch DDP, "
+        "cs336_systems.report.traces, and the bench's compute-stream events): (a) the NCCL kernels share SMs and "
+        "memory bandwidth with the backward's kernels and slow them down: the summed compute-kernel time in "
+        "backward (`compute_kernel_ms_in_backward`) grows by about the communication time against `none`, while "
+        "little communication is exposed (`exposed_in_backward_ms`); (b) they do not run beside the compute "
+        "kernels at all (fp32's GEMMs occupy every SM, so a communication kernel waits for SMs): the communication "
+        "falls into the gaps between compute kernels, exposed time ≈ communication time, compute-kernel time "
+        "unchanged; (c) the host: each collective call costs CPU time on autograd's thread "
+        "(`host_ms_per_collective`), which lengthens the step only if the GPU waits for the host "
+        "(`gpu_busy_in_backward` well below one; the fp32 backward is expected to keep the GPU busy); (d) a tail: "
+        "communication that can only start at the end of backward (`comm_after_backward_ms`, and the bench's "
+        "communication wait). A second check of (a) against (b): rerun with NCCL limited to fewer SMs "
+        "(`NCCL_MAX_CTAS`) and see whether torch DDP's forward+backward moves toward none's. The fp32 traces "
+        f"and event timings are pending: {RERUN_NAMED}.")
 
 
 def render_ddp_individual(ctx: Context) -> Section:
@@ -265,7 +290,7 @@ def render_ddp_individual(ctx: Context) -> Section:
         return q.derive(lambda t: _cell(t, precision, config, DDP_STEP) / _cell(t, precision, "torch_ddp", DDP_STEP),
                         ".2f", f"{precision} {config} over torch DDP (means)")
 
-    parts = _ddp_summary(frame, table, ["individual", "naive", "torch_ddp"])
+    parts = _ddp_summary(frame, table, ["individual", "naive", "torch_ddp"], ctx)
     checked = parts[1:]
     for precision in sorted(set(frame["precision"])):
         if not all(_measured(table, precision, c) for c in ("individual", "naive", "torch_ddp")):
@@ -323,7 +348,7 @@ def render_ddp_bucketed(ctx: Context) -> Section:
     configs = list(dict.fromkeys(frame["config"]))
     ok = frame[frame["status"] == "ok"]
     model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
-    parts = _ddp_summary(frame, table, configs)
+    parts = _ddp_summary(frame, table, configs, ctx)
     checked = parts[1:]
     ranges = _ddp_steps(frame)[["step_round_median_min_ms", "step_round_median_max_ms"]]
 
@@ -398,7 +423,7 @@ def small_buckets_paragraph(frame: pd.DataFrame, table: NumericTable, q: Quotes,
                  f"{versus} ms.")
     else:
         text += (" The comparison with per-parameter all-reduces (no copies, about as many calls) needs both in one "
-                 f"run: pending (`{RERUN}`, the bucket sweep now includes `individual`), with the trace's host time "
+                 f"run: pending ({RERUN_NAMED}, the bucket sweep now includes `individual`), with the trace's host time "
                  f"per collective for bucketed:1 against individual.")
     return text, list(counts.values())
 
@@ -440,7 +465,7 @@ def render_traces(ctx: Context) -> str:
         parts.append("These traces predate the per-variant columns (exposed communication, compute-kernel time in "
                      "backward, communication after backward, host time per collective) and cover only naive and "
                      "individual in bf16; traces of none, naive, individual, bucketed (1 and 500 MiB) and torch DDP in "
-                     f"bf16 and fp32, which answer 2.2's fp32 question, are pending: `{RERUN}`.")
+                     f"bf16 and fp32, which answer 2.2's fp32 question, are pending: {RERUN_NAMED}.")
     return "\n\n".join(parts)
 
 

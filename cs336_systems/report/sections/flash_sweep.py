@@ -8,6 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.analysis import attention_math
+from cs336_systems.report.appendix import appendix, outline, rows_of
 from cs336_systems.report.section import Context, Quotes, Section, column_values
 
 OURS_VS_SDPA = "ours ÷ SDPA flash"
@@ -105,8 +106,18 @@ def render_flash_sweep(ctx: Context) -> Section:
     checked.append(_flop_convention(q, table))
     checked = [text for text in checked if text]
     return Section([*checked, ctx.figure("flash_latency", "latency"), ctx.figure("flash_tflops", "TFLOP/s"),
-                    ctx.table("flash_sweep")], q.table, checked, q.derived,
+                    *_sweep_summary(q.table),
+                    appendix("flash_benchmarking: every point of the sweep", ctx.table("flash_sweep"))],
+                   q.table, checked, q.derived,
                    wording=("16", "2", "4", "2.5", "5", "7", "3.5", "4.1", "1"))
+
+
+def _sweep_summary(table) -> list[str]:
+    """The body's part of the sweep: the largest head dim at the shortest and longest sequence."""
+    ends = lambda t: (t["d"] == t["d"].max()) & t["seq"].isin([t["seq"].min(), t["seq"].max()])  # noqa: E731
+    return [rows_of(table, ends).to_markdown(),
+            f"_The sweep's rows at the largest head dim and the shortest and longest sequence; the full table has "
+            f"{outline(table, ['dtype', 'd', 'seq', 'pass'])}._"]
 
 
 def _flash_float32(q: Quotes, frame: pd.DataFrame, table: pd.DataFrame) -> list[str]:

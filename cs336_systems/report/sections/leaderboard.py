@@ -10,6 +10,7 @@ import re
 
 import pandas as pd
 
+from cs336_systems.report.appendix import appendix, outline, rows_of
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, formula_frame
 from cs336_systems.report.sections.leaderboard_profile import (QUOTED, SWAPPED, memory_table, profile_pointer,
@@ -572,9 +573,13 @@ def render_leaderboard(ctx: Context) -> Section:
     ablation = _ablation_paragraph(q)
     pointer = profile_pointer(ctx)
     setup = _setup_paragraph(ctx, q, frame)
-    parts = [answer, gap, ctx.table("leaderboard_8b"), flops,
+    quoted = lambda t: t[QUOTED].astype(bool) & ~_is_ablation(t["provider"])  # noqa: E731
+    parts = [answer, gap, rows_of(table, quoted).to_markdown(),
+             f"_The quoted runs' rows; the full step table has {outline(table, ['run', 'provider', 'batch'])}._",
+             appendix("the 8B step: every run and provider", ctx.table("leaderboard_8b")), flops,
              *((ablation, ctx.table("leaderboard_8b_ablations")) if ablation else ()),
-             pointer, setup, ctx.table("leaderboard_8b_runs")]
+             pointer, setup, appendix("the 8B step: the runs, their commits and settings",
+                                      ctx.table("leaderboard_8b_runs"))]
     checked = [gap, answer, flops, *((ablation,) if ablation else ()), setup, pointer]
     peak = _peak_tflops(first["device_name"])
     wording = ("9", "0.9", "54", "6", "12", *((f"{peak:g}",) if _measured(peak) else ()), str(POWER_LIMIT_W),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.ddp_analysis import RERUN
+from cs336_systems.report.ddp_analysis import RERUN_NAMED
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.distributed import ddp_specs
@@ -62,7 +62,7 @@ def render_sharding(ctx: Context) -> Section:
         setup += (" These rows predate resetting the peak before the optimizer step, so their 'peak of the step' is "
                   "the whole step's peak (it repeats the forward+backward peak in every row) and the text uses the "
                   "forward+backward peak only; the optimizer step's own peak waits for the rerun "
-                  f"(pending: `{RERUN}`).")
+                  f"(pending: {RERUN_NAMED}).")
     checked = []
     mem = "peak forward+backward (MiB)"
     step, opt = STEP, "optimizer (ms)"
