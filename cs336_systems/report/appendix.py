@@ -23,9 +23,15 @@ _MARKED = re.compile(r"<!-- appendix: (?P<title>[^\n]*?) -->\n(?P<body>.*?)\n<!-
 
 def appendix(title: str, markdown: str) -> str:
     """`markdown` marked for the appendix under `title` (one line of words, e.g. 'flash_benchmarking: every point')."""
+    return "\n".join(appendix_parts(title, [markdown.strip()]))
+
+
+def appendix_parts(title: str, parts: list[str]) -> list[str]:
+    """Several parts of a section (paragraphs, tables) marked for the appendix together, each kept as it is, so a
+    paragraph a test checks stays one of the section's parts."""
     if not title.strip() or "\n" in title or "-->" in title:
         raise ValueError(f"appendix: a title is one non-empty line without '-->', got {title!r}")
-    return f"<!-- appendix: {title.strip()} -->\n{markdown.strip()}\n<!-- /appendix -->"
+    return [f"<!-- appendix: {title.strip()} -->", *parts, "<!-- /appendix -->"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ def collect(bodies: list[str]) -> tuple[list[str], list[Entry]]:
     entries: list[Entry] = []
 
     def move(match: re.Match, section: int) -> str:
-        entry = Entry(f"A.{len(entries) + 1}", match["title"], match["body"], section)
+        entry = Entry(f"A.{len(entries) + 1}", match["title"], match["body"].strip(), section)
         entries.append(entry)
         return f"_In the appendix: [{entry.heading}](#{entry.anchor})._"
 
@@ -67,8 +73,10 @@ def render(entries: list[Entry], back: Callable[[int], tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def rows_of(table: NumericTable, rows: Callable[[pd.DataFrame], pd.Series]) -> NumericTable:
-    """The rows `rows(table.data)` selects, as a table printed the way the full one is (a body's summary)."""
+def rows_of(table: NumericTable, rows: Callable[[pd.DataFrame], pd.Series],
+            columns: tuple[str, ...] = ()) -> NumericTable:
+    """The rows `rows(table.data)` selects (and only `columns`, where given), as a table printed the way the full one
+    is: a body's summary of a table moved to the appendix."""
     mask = rows(table.data).to_numpy()
     kept = [i for i in range(len(table)) if mask[i]]
     if not kept:
@@ -76,22 +84,30 @@ def rows_of(table: NumericTable, rows: Callable[[pd.DataFrame], pd.Series]) -> N
     position = {old: new for new, old in enumerate(kept)}
     status = {header: {position[r]: s for r, s in cells.items() if r in position}
               for header, cells in table.status.items()}
-    return NumericTable(table.data.iloc[kept], table.columns, {h: c for h, c in status.items() if c})
+    unknown = [c for c in columns if c not in table.headers]
+    if unknown:
+        raise ValueError(f"rows_of: no columns {unknown} in the table (it has {table.headers})")
+    shown = tuple(c for c in table.columns if not columns or c.header in columns)
+    return NumericTable(table.data.iloc[kept], shown,
+                        {h: c for h, c in status.items() if c and any(col.header == h for col in shown)})
 
 
 def outline(table: NumericTable, keys: list[str]) -> str:
-    """'N rows over KEY (values as printed), ...': what a moved table holds, from its own cells."""
+    """'N rows; KEY: values as printed (or how many, and the least and largest of a numeric column); ...': what a
+    moved table holds, from its own cells."""
     said = []
     for key in keys:
         texts = list(dict.fromkeys(table.cell_text(i, key) for i in range(len(table))))
         if len(texts) <= 6:
             shown = ", ".join(texts)
-        else:
+        elif table.col(key).numeric:
             values = table.data[key]
-            ends = (values.idxmin(), values.idxmax()) if table.col(key).numeric else (0, len(table) - 1)
-            shown = f"{len(texts)} values, {table.cell_text(ends[0], key)} to {table.cell_text(ends[1], key)}"
-        said.append(f"{key} {shown}")
-    return f"{len(table)} rows over " + "; ".join(said)
+            shown = (f"{len(texts)} values, {table.cell_text(values.idxmin(), key)} to "
+                     f"{table.cell_text(values.idxmax(), key)}")
+        else:
+            shown = f"{len(texts)} values"
+        said.append(f"{key}: {shown}")
+    return f"{len(table)} rows; " + "; ".join(said)
 
 
 def moved(ctx, name: str, title: str, keys: tuple[str, ...] = ()) -> list[str]:
@@ -101,3 +117,12 @@ def moved(ctx, name: str, title: str, keys: tuple[str, ...] = ()) -> list[str]:
     keys = keys or tuple(table.headers[:1])
     return [f"_The table ({outline(table, list(keys))}) is in the appendix._",
             appendix(title, ctx.table(name))]
+
+
+def statistic(markdown: str) -> str:
+    """What a built table's cells are (its caption without the provenance line), from results/tables/NAME.md: so a
+    body's summary of a moved table says its statistic too."""
+    lines = [line for line in markdown.strip().splitlines() if line.startswith("_") and line.endswith("_")]
+    if not lines:
+        return ""
+    return lines[-1].strip("_").split(" Measured on ")[0].rstrip(". ")

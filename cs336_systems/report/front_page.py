@@ -214,8 +214,3 @@ def rebuild_commands(scale: str) -> str:
         "```",
     ])
 
-
-def appendix_contents(entries: list) -> str:
-    """The contents' lines for the appendix and its sub-sections (report/appendix.py entries)."""
-    return "\n".join([f"- {_link('Appendix', 'appendix')}",
-                      *(f"  - {_link(entry.heading, entry.anchor)}" for entry in entries)])

@@ -77,7 +77,7 @@ def build(ctx: Context, scale: str, device: str = "cuda") -> str:
         "Rebuilding this report": front_page.rebuild_commands(scale),
     }
     if moved:
-        front["Contents"] += "\n" + front_page.appendix_contents(moved)
+        front["Contents"] += f"\n- [{appendix.HEADING}](#{appendix.HEADING.lower()})"
     lines = [title, "", intro(scale), ""]
     for name in front_page.TITLES:
         lines += [f"## {name}\n", front[name] + "\n"]

@@ -8,7 +8,7 @@ import pandas as pd
 
 from cs336_systems.analysis import attention_math
 from cs336_systems.report import figures, tables
-from cs336_systems.report.appendix import appendix, outline
+from cs336_systems.report.appendix import appendix, moved, outline
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.flash_sweep import render_flash_sweep
 
@@ -225,7 +225,8 @@ def render_flash_correctness(ctx: Context) -> Section:
         text += (" Pending: the repeated runs on fresh inputs, `snakemake results/flash_correctness.csv "
                  "results/flash_accuracy.csv --cores all --resources gpu=1 --forcerun flash_correctness`.")
     # what the test file covers is its own wording, not results
-    return Section([text, ctx.table("flash_correctness")], q.table, [text], q.derived,
+    table = moved(ctx, "flash_correctness", "flash_forward / flash_backward: every configuration checked")
+    return Section([text, *table], q.table, [text], q.derived,
                    wording=("1", "100", "1000", "1e-4", "16", "2"))
 
 
@@ -250,7 +251,9 @@ def render_flash_accuracy(ctx: Context) -> Section:
     if "flash_triton" not in set(table["implementation"]):
         text += " Our Triton kernels are not in these rows: on the CPU they run in Triton's interpreter, which "
         text += "cannot multiply bfloat16 (GPU rows: `snakemake results/flash_accuracy.csv --cores all --resources gpu=1`)."
-    return Section([text, ctx.table("flash_accuracy")], q.table, [text], q.derived,
+    table = moved(ctx, "flash_accuracy", "flash accuracy: every bfloat16 error against SDPA's",
+                  ("implementation", "SDPA backend", "causal", "tensor"))
+    return Section([text, *table], q.table, [text], q.derived,
                    wording=("64", f"{factor:g}", f"{slack:g}", "16"))
 
 

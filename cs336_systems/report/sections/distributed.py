@@ -11,9 +11,9 @@ import pandas as pd
 
 from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
 from cs336_systems.report import figures, tables
-from cs336_systems.report.appendix import appendix
-from cs336_systems.report.ddp_analysis import (RERUN_NAMED, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
-                                               timing_method)
+from cs336_systems.report.appendix import appendix, appendix_parts
+from cs336_systems.report.ddp_analysis import (RERUN_NAMED, bucket_counts, bucket_model, fp32_overlap_causes,
+                                               gradient_tensors, rounds_paragraph, setup_as_in_naive, timing_method)
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
                                           shared_cell)
@@ -115,7 +115,8 @@ def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str], c
     repeats += (" (the step's with its standard deviation): the parts are means too, so forward+backward, "
                 "communication wait and optimizer add up to the step, in the table, its figure and the text")
     baselines = [c for c in ("none", "torch_ddp") if c in set(frame["config"])]
-    setup = (ctx and _setup_as_in_naive(ctx, frame)) or (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
+    setup = (ctx and setup_as_in_naive(ctx, frame)) or (
+             f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
              f"{_ddp_compile_and_adamw(first)}, batch {first['batch_per_rank']} per rank, context "
              f"{first['context_length']}, {repeats}. "
              f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
@@ -125,24 +126,6 @@ def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str], c
              f"because the same config measured in another run (another table) can differ by more than the "
              f"differences within a run.")
     return [setup, *lines]
-
-
-def _setup_as_in_naive(ctx: Context, frame: pd.DataFrame) -> str | None:
-    """The DDP topic's setup is stated once, in 2.2 (naive): another table whose runs share every setting it names
-    says so in a line (None where a setting differs, or this is the naive table)."""
-    naive = ctx.frame("ddp_naive")
-    settings = ["world_size", "backend", "size", "compile", "adamw", "batch_per_rank", "context_length", "warmup",
-                "steps", "timer"]
-    if naive is None or frame is naive:
-        return None
-    shared = [c for c in settings if c in frame or c in naive]
-    same = all(c in frame and c in naive and set(frame[c].dropna().astype(str)) == set(naive[c].dropna().astype(str))
-               for c in shared)
-    rounds = lambda f: set(f["rounds"].dropna()) if "rounds" in f else set()  # noqa: E731
-    same = same and rounds(frame) == rounds(naive)
-    return ("Setup: as in 2025 §2.2 (the same ranks, model, compilation, optimizer, batch, context, rounds, steps and "
-            "timing; the baselines ran in this table's run, and the text compares configs only within it).") if same else None
-
 
 
 # How the DDP rows' `adamw` column reads in the text (rows measured before the column existed used `foreach`).
@@ -191,7 +174,7 @@ def render_ddp_naive(ctx: Context) -> Section:
             text += (f" Fitted instead to bursts of back-to-back all-reduces (time per call, as naive DDP issues them): "
                      f"o = {ob * 1e6:.1f} µs, w = {wb / 1e9:.0f} GB/s, so {tensors} calls should take "
                      f"{(tensors * ob + grad_bytes / wb) * 1e3:.1f} ms.")
-        parts.append(text)
+        parts += appendix_parts("naive_ddp_benchmarking: the wait the all-reduce fit of 2.1 predicts", [text])
     q = Quotes(table)
     shares = {p: table.value("comm share", precision=p, config="naive") for p in sorted(set(ok["precision"]))
               if _measured(table, p, "naive")}
@@ -207,7 +190,7 @@ def render_ddp_naive(ctx: Context) -> Section:
     if hidden:
         parts += [hidden, appendix("why torch DDP hides almost nothing in fp32", fp32_overlap_causes())]
         checked.append(hidden)
-    parts.append(rounds_paragraph(ctx, frame))
+    parts += appendix_parts("naive_ddp_benchmarking: how many rounds", [rounds_paragraph(ctx, frame)])
     return Section([*parts, ctx.table("ddp_naive")], table, checked, q.derived, wording=("2.3",))
 
 
@@ -261,26 +244,6 @@ def fp32_overlap_question(table: NumericTable, q: Quotes) -> str:
         f"{RERUN_NAMED}.")
 
 
-def fp32_overlap_causes() -> str:
-    """The candidate causes of fp32_overlap_question and the measurement that tells them apart (for the appendix)."""
-    return (
-        "Candidate explanations, and the measurement that tells them apart (rule ddp_overlap on fp32 traces of "
-        "none, naive, individual, bucketed and torch DDP, "
-        "cs336_systems.report.traces, and the bench's compute-stream events): (a) the NCCL kernels share SMs and "
-        "memory bandwidth with the backward's kernels and slow them down: the summed compute-kernel time in "
-        "backward (`compute_kernel_ms_in_backward`) grows by about the communication time against `none`, while "
-        "little communication is exposed (`exposed_in_backward_ms`); (b) they do not run beside the compute "
-        "kernels at all (fp32's GEMMs occupy every SM, so a communication kernel waits for SMs): the communication "
-        "falls into the gaps between compute kernels, exposed time ≈ communication time, compute-kernel time "
-        "unchanged; (c) the host: each collective call costs CPU time on autograd's thread "
-        "(`host_ms_per_collective`), which lengthens the step only if the GPU waits for the host "
-        "(`gpu_busy_in_backward` well below one; the fp32 backward is expected to keep the GPU busy); (d) a tail: "
-        "communication that can only start at the end of backward (`comm_after_backward_ms`, and the bench's "
-        "communication wait). A second check of (a) against (b): rerun with NCCL limited to fewer SMs "
-        "(`NCCL_MAX_CTAS`) and see whether torch DDP's forward+backward moves toward none's. The fp32 traces "
-        f"and event timings are pending: {RERUN_NAMED}.")
-
-
 def render_ddp_individual(ctx: Context) -> Section:
     frame = ctx.frame("ddp_individual")
     table = ctx.numeric("ddp_individual")
@@ -291,7 +254,7 @@ def render_ddp_individual(ctx: Context) -> Section:
                         ".2f", f"{precision} {config} over torch DDP (means)")
 
     parts = _ddp_summary(frame, table, ["individual", "naive", "torch_ddp"], ctx)
-    checked = parts[1:]
+    checked, diagnosis = parts[1:], []
     for precision in sorted(set(frame["precision"])):
         if not all(_measured(table, precision, c) for c in ("individual", "naive", "torch_ddp")):
             continue
@@ -311,8 +274,8 @@ def render_ddp_individual(ctx: Context) -> Section:
                                             "alone: see the timing note above).")
             )
         variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if _measured(table, precision, c)]
-        if variants:
-            checked.append(f"{precision}, in the same run: " + "; ".join(
+        if variants:  # the same all-reduces issued other ways: a diagnosis, for the appendix
+            diagnosis.append(f"{precision}, in the same run: " + "; ".join(
                 f"{label}: step {table.quote(DDP_STEP, precision=precision, config=c)} ms "
                 f"({over_torch(precision, c)}× torch DDP's), forward+backward "
                 f"{table.quote('forward+backward (ms)', precision=precision, config=c)} ms" for c, label in variants)
@@ -326,7 +289,11 @@ def render_ddp_individual(ctx: Context) -> Section:
         "grows by about the communication time; if they are queued behind each other, the wait grows instead. The "
         "traces of 2.3(b) (compute-kernel time in backward, exposed communication, host time per collective) say "
         "which of the causes it is."]
-    return Section([parts[0], *checked, *waiting, ctx.table("ddp_individual")], table, checked, q.derived,
+    waiting = [appendix("ddp_overlap_individual_parameters: what the rerun will tell", text) for text in waiting]
+    variants = appendix_parts("ddp_overlap_individual_parameters: the same all-reduces issued other ways",
+                              diagnosis) if diagnosis else []
+    return Section([parts[0], *checked, *variants, *waiting, ctx.table("ddp_individual")], table,
+                   [*checked, *diagnosis], q.derived,
                    wording=("1",))  # torch DDP's 1 MiB buckets, named in a variant's label
 
 
@@ -379,7 +346,8 @@ def render_ddp_bucketed(ctx: Context) -> Section:
     if expectation:
         parts.append(expectation)
         checked.append(expectation)
-    parts.append(bucket_model(ctx.frame("allreduce"), model_bytes, best_mb))
+    parts.append(appendix("ddp_bucketed_benchmarking: the bucket-size model",
+                          bucket_model(ctx.frame("allreduce"), model_bytes, best_mb)))
     # the bucket counts are the model's (plan_buckets on its parameter shapes), not measurements
     return Section([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")], table, checked,
                    q.derived, wording=tuple(str(n) for n in counts))

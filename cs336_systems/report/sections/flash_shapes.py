@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.appendix import appendix, outline, rows_of
+from cs336_systems.report.appendix import appendix, appendix_parts, outline, rows_of, statistic
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table
 
@@ -206,11 +206,19 @@ def render_llm_shapes(ctx: Context) -> Section:
                 "A graph compiled for one shape, or a region that ends as a model's layer does, hands our backward dO "
                 "in O's layout, with no copy (kernels/flash/DECISIONS.md). Where "
                 "ours is not fixed-cost bound, the compiled call's extra time grows with dO's size.")
-    longest = lambda t: (t["seq"] == t["seq"].max()) & (t["pass"] == "forward_backward")  # noqa: E731
-    parts = [intro, *checked, rows_of(table, longest).to_markdown(),
-             f"_The rows of the longest sequence, forward+backward; the full table has "
+    longest = lambda t: ((t["seq"] == t["seq"].max()) & (t["d"] == t["d"].max())  # noqa: E731
+                         & (t["pass"] == "forward_backward"))
+    shown = tuple(h for h in table.headers if h not in ("fixed cost", "commit"))
+    compiled = checked[-1:] if "compiled ÷ eager" in table.headers else []  # the compiled call: for the appendix
+    body = checked[:len(checked) - len(compiled)]
+    parts = [intro, *body, rows_of(table, longest, shown).to_markdown(),
+             f"_{statistic(ctx.table('flash_llm_shapes'))}: the rows of the longest sequence at the largest head dim, "
+             f"forward+backward, without the fixed-cost and "
+             f"commit columns; the "
+             f"full table has "
              f"{outline(table, ['batch', 'heads', 'seq', 'd', 'causal', 'pass'])}._",
-             *(appendix("the compiled call and dO's layout under AOTAutograd", text) for text in moved),
+             *(appendix_parts("FlashAttention at training shapes: our op under torch.compile", [*compiled, *moved])
+               if compiled or moved else ()),
              appendix("FlashAttention at Transformer training shapes: every point", ctx.table("flash_llm_shapes"))]
     first = ctx.frame("flash_first_call")
     if first is not None:

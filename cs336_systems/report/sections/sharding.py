@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.report.appendix import moved
 from cs336_systems.report.ddp_analysis import RERUN_NAMED
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
@@ -157,7 +158,8 @@ def render_correctness(ctx: Context) -> Section:
             f"match check is `test_wrapper_matches_single_process[naive]`); the sharded-optimizer tests compare with "
             f"an unsharded AdamW. "
             + (f"Failing: {', '.join(f'`{t}`' for t in failing)}." if failing else "None failed."))
-    return Section([text, ctx.table("ddp_correctness")], table, [text], q.derived, wording=("2",))
+    tests = moved(ctx, "ddp_correctness", "correctness of the DDP wrappers and the sharded optimizer: every test")
+    return Section([text, *tests], table, [text], q.derived, wording=("2",))
 
 
 DELIVERABLES = [
