@@ -577,7 +577,8 @@ def render_leaderboard(ctx: Context) -> Section:
     pointer = profile_pointer(ctx)
     setup = _setup_paragraph(ctx, q, frame)
     quoted = lambda t: t[QUOTED].astype(bool) & ~_is_ablation(t["provider"])  # noqa: E731
-    shown = ("run", "provider", "batch", STEP, "MFU", "TFLOP/s", "peak (GiB)", "checkpoint", "÷ SAC anchor")
+    main = ("run", "provider", "batch", STEP, "MFU", "TFLOP/s", "peak (GiB)", "checkpoint", RATIO)
+    shown = tuple(h for h in main if h in table.headers)  # a device that measures no MFU (a CPU) has no such column
     parts = [answer, gap, rows_of(table, quoted, shown).to_markdown(),
              f"_{statistic(ctx.table('leaderboard_8b'))}: the quoted runs' rows, main columns; the full step table has "
              f"{outline(table, ['run', 'provider', 'batch'])}._",
