@@ -271,7 +271,7 @@ def render_ddp_individual(ctx: Context) -> Section:
             f"changes it by {change} ms" + ("." if "timer" in frame else
                                             " (in these rows forward+backward also holds the communication still "
                                             "running when backward ended, so this is not yet the cost of overlapping "
-                                            "alone: see the timing note above).")
+                                            "alone: see the timing note of naive DDP's setup).")
             )
         variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if _measured(table, precision, c)]
         if variants:  # the same all-reduces issued other ways: a diagnosis, for the appendix
@@ -374,7 +374,8 @@ def small_buckets_paragraph(frame: pd.DataFrame, table: NumericTable, q: Quotes,
     measured = " and ".join(f"{c} {table.quote(step, precision='bf16', config=c)} ms (step {slower(c, step)} ms, "
                             f"forward+backward {slower(c, fb)} ms)" for _, c in smalls)
     text = ("Expectations against results (bf16): smaller buckets start communicating earlier in backward, so "
-            "less is left after it, but cost one call each; if each call costs only its o of the model below and "
+            "less is left after it, but cost one call each; if each call costs only its o of the bucket-size model "
+            "(appendix) and "
             "the GPU is free to overlap, "
             + " or ".join(f"{counts[mb]} buckets of {mb:g} MiB" for mb, _ in smalls)
             + f" should cost little more than {counts[large_mb]} of {large_mb:g} MiB (the model below). Measured "

@@ -308,7 +308,7 @@ def _spread_sentence(q: Quotes, batch: int) -> str:
     settled = ("" if held in (0, len(rows)) else f" These runs support no verdict at batch {batch}: the margin is "
                "within their spread.")
     return (f" At batch {batch}, the {runs} runs of the {quoted} run's recipe (the same checkpoint policy and sequences "
-            f"per pass; runs table below) were made {_commits_words(q, batch)}: ours took {ratios}× the anchor's "
+            f"per pass; runs table in the appendix) were made {_commits_words(q, batch)}: ours took {ratios}× the anchor's "
             f"step{mfu}, and the target held {verdict}.{settled}")
 
 
@@ -530,7 +530,7 @@ def _setup_paragraph(ctx: Context, q: Quotes, frame: pd.DataFrame) -> str:
     return (f"Setup and runs. {first['device_name']}, torch {first['torch_version']}, Triton "
             f"{first['triton_version']}; model size `{first['size']}`, one device. Each run builds and times its "
             "providers one after another in one process (`python -m cs336_systems.bench.leaderboard`, rule "
-            "`leaderboard_8b`), one row of the runs table below (sequences per pass below the batch: gradients "
+            "`leaderboard_8b`), one row of the runs table (sequences per pass below the batch: gradients "
             "accumulated over passes). "
             "`ours` is our TransformerLM with our FlashAttention (on this GPU the Gluon forward; the backward FA2's "
             "Triton kernel in the runs of 4857650, Gluon's lockstep schedule in those of 7b9d7c8, Gluon's ping-pong "
