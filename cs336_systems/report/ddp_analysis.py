@@ -17,6 +17,9 @@ from cs336_systems.report.section import Context
 RERUN = ("snakemake results/ddp_naive.csv results/ddp_individual.csv results/ddp_bucketed.csv results/sharding.csv "
          "results/ddp_overlap.csv --forcerun ddp_benchmark ddp_traces --cores 1 --resources gpu=2 --config max_gpus=2")
 
+# How the other DDP paragraphs name that rerun: the command itself is given once, in naive DDP's setup (timing_method).
+RERUN_NAMED = "the two-GPU DDP rerun whose command the setup of naive DDP's section gives"
+
 
 def timing_method(frame: pd.DataFrame) -> str:
     """How the rows' phases were timed (the bench's `timer` column; rows without it predate it)."""
@@ -111,3 +114,38 @@ def bucket_counts(size: str, sizes_mb: list[float]) -> dict[float, int]:
 
     params = _trainable_parameters(size)
     return {mb: len(plan_buckets(params, mb)) for mb in sizes_mb}
+
+
+def setup_as_in_naive(ctx: Context, frame: pd.DataFrame) -> str | None:
+    """The DDP topic's setup is stated once, in 2.2 (naive): another table whose runs share every setting it names
+    says so in a line (None where a setting differs, or this is the naive table)."""
+    naive = ctx.frame("ddp_naive")
+    settings = ["world_size", "backend", "size", "compile", "adamw", "batch_per_rank", "context_length", "warmup",
+                "steps", "rounds", "timer"]
+    if naive is None or frame is naive:
+        return None
+    values = lambda f, c: set(f[c].dropna().astype(str)) if c in f else None  # noqa: E731
+    if any(values(frame, c) != values(naive, c) for c in settings):
+        return None
+    return ("Setup: as in 2025 §2.2 (the same ranks, model, compilation, optimizer, batch, context, rounds, steps and "
+            "timing; the baselines ran in this table's run, and the text compares configs only within it).")
+
+
+def fp32_overlap_causes() -> str:
+    """The candidate causes of fp32_overlap_question and the measurement that tells them apart (for the appendix)."""
+    return (
+        "Candidate explanations, and the measurement that tells them apart (rule ddp_overlap on fp32 traces of "
+        "none, naive, individual, bucketed and torch DDP, "
+        "cs336_systems.report.traces, and the bench's compute-stream events): (a) the NCCL kernels share SMs and "
+        "memory bandwidth with the backward's kernels and slow them down: the summed compute-kernel time in "
+        "backward (`compute_kernel_ms_in_backward`) grows by about the communication time against `none`, while "
+        "little communication is exposed (`exposed_in_backward_ms`); (b) they do not run beside the compute "
+        "kernels at all (fp32's GEMMs occupy every SM, so a communication kernel waits for SMs): the communication "
+        "falls into the gaps between compute kernels, exposed time ≈ communication time, compute-kernel time "
+        "unchanged; (c) the host: each collective call costs CPU time on autograd's thread "
+        "(`host_ms_per_collective`), which lengthens the step only if the GPU waits for the host "
+        "(`gpu_busy_in_backward` well below one; the fp32 backward is expected to keep the GPU busy); (d) a tail: "
+        "communication that can only start at the end of backward (`comm_after_backward_ms`, and the bench's "
+        "communication wait). A second check of (a) against (b): rerun with NCCL limited to fewer SMs "
+        "(`NCCL_MAX_CTAS`) and see whether torch DDP's forward+backward moves toward none's. The fp32 traces "
+        f"and event timings are pending: {RERUN_NAMED}.")

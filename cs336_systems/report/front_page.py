@@ -213,3 +213,4 @@ def rebuild_commands(scale: str) -> str:
         f"snakemake writeup --cores all --resources gpu=1 --config {config}  # measure what is missing (one GPU)",
         "```",
     ])
+

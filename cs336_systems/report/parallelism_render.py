@@ -26,6 +26,7 @@ from cs336_systems.analysis.collectives import fit_ring_model, measured_bandwidt
 from cs336_systems.analysis.fsdp_accounting import accounting_table, predicted_peaks
 from cs336_systems.analysis.fsdp_accounting import MIB
 from cs336_systems.model import get_config
+from cs336_systems.report.appendix import appendix
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Quotes, Section
 from cs336_systems.results import read_table
@@ -133,13 +134,15 @@ def _expr(expr: sp.Basic) -> str:
     return f"`{sp.sstr(expr)}`"
 
 
-def _answer_block(key: str) -> str:
+def _answer_block(key: str, why: bool = False) -> str:
+    """One answer as a list item: the quantity, its expression (and its large-N limit where that differs) and,
+    with `why`, the reasoning behind it (the appendix's derivations)."""
     exact, approx = par.derive()[key], par.derive(large_n=True)[key]
     line = f"- {exact.quantity}: {_expr(exact.expr)}"
     if sp.simplify(exact.expr.rhs - approx.expr.rhs if isinstance(exact.expr, sp.core.relational.Relational)
                    else exact.expr - approx.expr) != 0:
         line += f" (large N: {_expr(approx.expr)})"
-    return f"{line}\n  — {exact.justification}"
+    return f"{line}\n  — {exact.justification}" if why else line
 
 
 PROBLEMS = {
@@ -169,11 +172,18 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
                        "against autograd.)\n")
         keys = [k for k in answers if k.split(".")[0] == problem]
         out.append("\n".join(_answer_block(k) for k in keys) + "\n")
+    why = [f"**{problem}** ({title}):\n\n"
+           + "\n".join(_answer_block(k, why=True) for k in answers if k.split(".")[0] == problem)
+           for problem, title in PROBLEMS.items()]
+    out.append(appendix("§8: why each answer holds", "\n\n".join(why)) + "\n")
     memory = par.weights_per_device()
     out.append("### Memory per device and numbers\n")
     out.append("FFN weight bytes each device holds between uses: "
                + ", ".join(f"{k} {_expr(v)}" for k, v in memory.items()) + ".\n")
-    out.append("Machines: " + "; ".join(f"**{m.name}** — {m.source}" for m in machines(allreduce_csv)) + ".\n")
+    out.append("Machines: " + ", ".join(m.name for m in machines(allreduce_csv))
+               + " (each one's C and W and where they come from are in the appendix).\n")
+    out.append(appendix("§8: the machines' C and W and their sources",
+                        "; ".join(f"**{m.name}** — {m.source}" for m in machines(allreduce_csv)) + ".") + "\n")
     if measured_bandwidth(allreduce_csv, "nccl", 2) is None:
         out.append("No NCCL 2-rank all-reduce in the results yet: the measured-W row is left out.\n")
     out.append("Largest device counts before the step is communication-bound (exact ring factors; round down):\n")
@@ -185,12 +195,12 @@ def render_parallelism(allreduce_csv: pd.DataFrame | None) -> str:
                        f"D_FF = {layer.d_ff}), forward + backward:\n")
             out.append(step_times(machine, layer).to_markdown(index=False, floatfmt=",.3f") + "\n")
     if allreduce_csv is not None:
-        out.append("### Ring model against measured collectives\n")
-        out.append("Each op's time at its largest size against the ring prediction from an all-reduce fit of the "
-                   "same backend and world size over the other sizes only (t = α + factor·S/W, factor 2(N−1)/N for "
-                   "all-reduce and (N−1)/N for all-gather and reduce-scatter): the size predicted is held out of the "
-                   "fit (`fitted on`), so the ratio tests the model rather than the fit:\n")
-        out.append(held_out_ring_table(allreduce_csv).to_markdown(index=False, floatfmt=",.3f") + "\n")
+        ring = ("Each op's time at its largest size against the ring prediction from an all-reduce fit of the "
+                "same backend and world size over the other sizes only (t = α + factor·S/W, factor 2(N−1)/N for "
+                "all-reduce and (N−1)/N for all-gather and reduce-scatter): the size predicted is held out of the "
+                "fit (`fitted on`), so the ratio tests the model rather than the fit:\n\n"
+                + held_out_ring_table(allreduce_csv).to_markdown(index=False, floatfmt=",.3f"))
+        out.append(appendix("Ring model against measured collectives", ring) + "\n")
     return "\n".join(out)
 
 

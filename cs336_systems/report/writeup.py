@@ -11,9 +11,10 @@ the text is computed there from a results file; a deliverable whose data is miss
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
-from cs336_systems.report import front_page
+from cs336_systems.report import appendix, front_page
 from cs336_systems.report.render import headings
 from cs336_systems.report.section import Context, Deliverable, Section
 from cs336_systems.report.sections import DELIVERABLES, handout_order
@@ -62,9 +63,8 @@ def section_anchors(skeleton: str, items: list[Deliverable]) -> dict[str, str]:
 
 
 def build(ctx: Context, scale: str, device: str = "cuda") -> str:
-    body = []
-    for item in DELIVERABLES:
-        body += [f"## {heading(item)}\n", render(item, ctx, device)]
+    texts, moved = appendix.collect([render(item, ctx, device) for item in DELIVERABLES])
+    body = [part for item, text in zip(DELIVERABLES, texts, strict=True) for part in (f"## {heading(item)}\n", text)]
     title = f"# CS336 Assignment 2 (systems): results ({scale} scale)"
     skeleton = "\n".join([title, *(f"## {t}" for t in front_page.TITLES), *body])
     anchors = section_anchors(skeleton, DELIVERABLES)
@@ -76,10 +76,23 @@ def build(ctx: Context, scale: str, device: str = "cuda") -> str:
         "Problems in the two editions": front_page.problem_map(DELIVERABLES, anchors),
         "Rebuilding this report": front_page.rebuild_commands(scale),
     }
+    if moved:
+        front["Contents"] += f"\n- [{appendix.HEADING}](#{appendix.HEADING.lower()})"
     lines = [title, "", intro(scale), ""]
     for name in front_page.TITLES:
         lines += [f"## {name}\n", front[name] + "\n"]
-    return "\n".join(lines + body)
+    back = lambda i: (heading(DELIVERABLES[i]), anchors[DELIVERABLES[i].section])  # noqa: E731
+    document = "\n".join(lines + body + ([appendix.render(moved, back)] if moved else []))
+    _check_links(document)
+    return document
+
+
+def _check_links(document: str) -> None:
+    """Every in-document link names a heading of the document (an appendix title that repeats one would not)."""
+    found = {anchor for _, _, anchor in headings(document)}
+    broken = sorted(set(re.findall(r"\]\(#([^)\s]+)\)", document)) - found)
+    if broken:
+        raise ValueError(f"writeup: links to no heading: {broken}")
 
 
 def main(argv: list[str] | None = None) -> None:

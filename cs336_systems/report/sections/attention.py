@@ -8,6 +8,7 @@ import pandas as pd
 
 from cs336_systems.analysis import attention_math
 from cs336_systems.report import figures, tables
+from cs336_systems.report.appendix import appendix, moved, outline
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.flash_sweep import render_flash_sweep
 
@@ -224,7 +225,8 @@ def render_flash_correctness(ctx: Context) -> Section:
         text += (" Pending: the repeated runs on fresh inputs, `snakemake results/flash_correctness.csv "
                  "results/flash_accuracy.csv --cores all --resources gpu=1 --forcerun flash_correctness`.")
     # what the test file covers is its own wording, not results
-    return Section([text, ctx.table("flash_correctness")], q.table, [text], q.derived,
+    table = moved(ctx, "flash_correctness", "flash_forward / flash_backward: every configuration checked")
+    return Section([text, *table], q.table, [text], q.derived,
                    wording=("1", "100", "1000", "1e-4", "16", "2"))
 
 
@@ -249,7 +251,9 @@ def render_flash_accuracy(ctx: Context) -> Section:
     if "flash_triton" not in set(table["implementation"]):
         text += " Our Triton kernels are not in these rows: on the CPU they run in Triton's interpreter, which "
         text += "cannot multiply bfloat16 (GPU rows: `snakemake results/flash_accuracy.csv --cores all --resources gpu=1`)."
-    return Section([text, ctx.table("flash_accuracy")], q.table, [text], q.derived,
+    table = moved(ctx, "flash_accuracy", "flash accuracy: every bfloat16 error against SDPA's",
+                  ("implementation", "SDPA backend", "causal", "tensor"))
+    return Section([text, *table], q.table, [text], q.derived,
                    wording=("64", f"{factor:g}", f"{slack:g}", "16"))
 
 
@@ -322,7 +326,10 @@ def render_flash_resources(ctx: Context) -> Section:
         checked.append(f"{q.derive(in_error, 'd', 'configs in error')} "
                        "configs did not compile (rows with status=error).")
     # the Triton version and the shared memory per block belong to the sentence, not to the table
-    return Section([intro, *checked, ctx.table("flash_resources")], q.table, checked, q.derived,
+    moved = appendix("registers / spilled bytes per thread of every kernel and tile", ctx.table("flash_resources"))
+    return Section([intro, *checked, f"_The table of registers / spilled bytes per thread has "
+                    f"{outline(q.table, ['kernel'])}, one column per dtype and head dim._", moved],
+                   q.table, checked, q.derived,
                    wording=("227", "2", "3", str(version)))
 
 

@@ -11,6 +11,7 @@ import re
 import pandas as pd
 
 from cs336_systems.model import forward_flops, get_config
+from cs336_systems.report.appendix import moved
 from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
 from cs336_systems.report.profile_tables import kernel_vs_wall
@@ -190,7 +191,8 @@ def render_host_bound(ctx: Context) -> Section:
     if len(ooms):
         parts.append("Out of memory: " + ", ".join(ooms["size"].astype(str)) + ".")
     # size names are words, not measurements: the "2" the number pattern reads in "2.7B"
-    return Section([*parts, ctx.table("kernel_vs_wall")], q.table, parts, q.derived, wording=("2",))
+    moved_table = moved(ctx, "kernel_vs_wall", "kernel time against wall time: every size", ("size", "status"))
+    return Section([*parts, *moved_table], q.table, parts, q.derived, wording=("2",))
 
 
 def render_accumulation(ctx: Context) -> str:
@@ -467,7 +469,8 @@ def render_optimizer(ctx: Context) -> Section:
     if ooms:
         checked.append(f"Out of memory: {', '.join(dict.fromkeys(ooms))} (a training step of that size needs more "
                        f"than the device has).")
-    return Section([intro, *checked, ctx.table("optimizer")], q.table, checked, q.derived)
+    table = moved(ctx, "optimizer", "the optimizer step: every variant and size", ("size", "optimizer"))
+    return Section([intro, *checked, *table], q.table, checked, q.derived)
 
 
 def _optimizer_steps(t: pd.DataFrame, optimizer: str) -> pd.Series:

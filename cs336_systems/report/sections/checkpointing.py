@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from cs336_systems.model import get_config, parameter_count
+from cs336_systems.report.appendix import appendix_parts
 from cs336_systems.report.figures import pyplot, save_figure
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
@@ -364,7 +365,8 @@ def render_checkpoint_cost(ctx: Context) -> Section:
              "blocks, each saving its residuals for the backward unless a checkpoint call recomputes them.")
     checked = [intro, COST_ANSWER] + ([_cost_model_numbers(q)] if len(table) else [])
     # the handout's numbering and 3.1's, and the maths of the asymptotics and of the halving's forward count
-    return Section([*checked, ctx.table("checkpoint_cost_model"), COST_SKETCH], table, [*checked, COST_SKETCH],
+    sketch = appendix_parts("gradient_checkpointing (a): the two policies in code", [COST_SKETCH])
+    return Section([*checked, ctx.table("checkpoint_cost_model"), *sketch], table, [*checked, COST_SKETCH],
                    q.derived, wording=("2026", "3.2", "3.1", "1", "2", "3"))
 
 

@@ -11,8 +11,9 @@ import pandas as pd
 
 from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
 from cs336_systems.report import figures, tables
-from cs336_systems.report.ddp_analysis import (RERUN, bucket_counts, bucket_model, gradient_tensors, rounds_paragraph,
-                                               timing_method)
+from cs336_systems.report.appendix import appendix, appendix_parts
+from cs336_systems.report.ddp_analysis import (RERUN_NAMED, bucket_counts, bucket_model, fp32_overlap_causes,
+                                               gradient_tensors, rounds_paragraph, setup_as_in_naive, timing_method)
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
                                           shared_cell)
@@ -90,7 +91,7 @@ def _measured(table: NumericTable, precision: str, config: str) -> bool:
         table.value(DDP_STEP, precision=precision, config=config))
 
 
-def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str]) -> list[str]:
+def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str], ctx: Context | None = None) -> list[str]:
     """The setup paragraph (from the rows' arguments), then one line per precision quoting the table's
     mean steps, communication waits and step-to-step deviations."""
     rounds = int(frame["rounds"].max()) if "rounds" in frame and frame["rounds"].notna().any() else 1
@@ -114,7 +115,8 @@ def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str]) -
     repeats += (" (the step's with its standard deviation): the parts are means too, so forward+backward, "
                 "communication wait and optimizer add up to the step, in the table, its figure and the text")
     baselines = [c for c in ("none", "torch_ddp") if c in set(frame["config"])]
-    setup = (f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
+    setup = (ctx and setup_as_in_naive(ctx, frame)) or (
+             f"Setup: {first['world_size']} ranks ({first['backend']}), model {first['size']}"
              f"{_ddp_compile_and_adamw(first)}, batch {first['batch_per_rank']} per rank, context "
              f"{first['context_length']}, {repeats}. "
              f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
@@ -124,7 +126,6 @@ def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str]) -
              f"because the same config measured in another run (another table) can differ by more than the "
              f"differences within a run.")
     return [setup, *lines]
-
 
 
 # How the DDP rows' `adamw` column reads in the text (rows measured before the column existed used `foreach`).
@@ -173,7 +174,7 @@ def render_ddp_naive(ctx: Context) -> Section:
             text += (f" Fitted instead to bursts of back-to-back all-reduces (time per call, as naive DDP issues them): "
                      f"o = {ob * 1e6:.1f} µs, w = {wb / 1e9:.0f} GB/s, so {tensors} calls should take "
                      f"{(tensors * ob + grad_bytes / wb) * 1e3:.1f} ms.")
-        parts.append(text)
+        parts += appendix_parts("naive_ddp_benchmarking: the wait the all-reduce fit of 2.1 predicts", [text])
     q = Quotes(table)
     shares = {p: table.value("comm share", precision=p, config="naive") for p in sorted(set(ok["precision"]))
               if _measured(table, p, "naive")}
@@ -187,9 +188,9 @@ def render_ddp_naive(ctx: Context) -> Section:
         checked.append(parts[-1])
     hidden = fp32_overlap_question(table, q)
     if hidden:
-        parts.append(hidden)
+        parts += [hidden, appendix("why torch DDP hides almost nothing in fp32", fp32_overlap_causes())]
         checked.append(hidden)
-    parts.append(rounds_paragraph(ctx, frame))
+    parts += appendix_parts("naive_ddp_benchmarking: how many rounds", [rounds_paragraph(ctx, frame)])
     return Section([*parts, ctx.table("ddp_naive")], table, checked, q.derived, wording=("2.3",))
 
 
@@ -239,21 +240,8 @@ def fp32_overlap_question(table: NumericTable, q: Quotes) -> str:
         f"against naive DDP's {cell('naive')} ms (which overlaps nothing) and "
         f"{cell('none')} ms without communication; its forward+backward is {extra} ms longer "
         f"than none's, about naive's communication wait ({cell('naive', 'communication wait (ms)')} "
-        f"ms), although the backward is long enough to hide it. Candidate explanations, and the measurement that tells "
-        f"them apart (rule ddp_overlap on fp32 traces of none, naive, individual, bucketed and torch DDP, "
-        f"cs336_systems.report.traces, and the bench's compute-stream events): (a) the NCCL kernels share SMs and "
-        f"memory bandwidth with the backward's kernels and slow them down: the summed compute-kernel time in "
-        f"backward (`compute_kernel_ms_in_backward`) grows by about the communication time against `none`, while "
-        f"little communication is exposed (`exposed_in_backward_ms`); (b) they do not run beside the compute "
-        f"kernels at all (fp32's GEMMs occupy every SM, so a communication kernel waits for SMs): the communication "
-        f"falls into the gaps between compute kernels, exposed time ≈ communication time, compute-kernel time "
-        f"unchanged; (c) the host: each collective call costs CPU time on autograd's thread "
-        f"(`host_ms_per_collective`), which lengthens the step only if the GPU waits for the host "
-        f"(`gpu_busy_in_backward` well below one; the fp32 backward is expected to keep the GPU busy); (d) a tail: "
-        f"communication that can only start at the end of backward (`comm_after_backward_ms`, and the bench's "
-        f"communication wait). A second check of (a) against (b): rerun with NCCL limited to fewer SMs "
-        f"(`NCCL_MAX_CTAS`) and see whether torch DDP's forward+backward moves toward none's. The fp32 traces "
-        f"and event timings are pending: `{RERUN}`.")
+        f"ms), although the backward is long enough to hide it; which of four candidate causes it is waits for "
+        f"{RERUN_NAMED}.")
 
 
 def render_ddp_individual(ctx: Context) -> Section:
@@ -265,8 +253,8 @@ def render_ddp_individual(ctx: Context) -> Section:
         return q.derive(lambda t: _cell(t, precision, config, DDP_STEP) / _cell(t, precision, "torch_ddp", DDP_STEP),
                         ".2f", f"{precision} {config} over torch DDP (means)")
 
-    parts = _ddp_summary(frame, table, ["individual", "naive", "torch_ddp"])
-    checked = parts[1:]
+    parts = _ddp_summary(frame, table, ["individual", "naive", "torch_ddp"], ctx)
+    checked, diagnosis = parts[1:], []
     for precision in sorted(set(frame["precision"])):
         if not all(_measured(table, precision, c) for c in ("individual", "naive", "torch_ddp")):
             continue
@@ -283,11 +271,11 @@ def render_ddp_individual(ctx: Context) -> Section:
             f"changes it by {change} ms" + ("." if "timer" in frame else
                                             " (in these rows forward+backward also holds the communication still "
                                             "running when backward ended, so this is not yet the cost of overlapping "
-                                            "alone: see the timing note above).")
+                                            "alone: see the timing note of naive DDP's setup).")
             )
         variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if _measured(table, precision, c)]
-        if variants:
-            checked.append(f"{precision}, in the same run: " + "; ".join(
+        if variants:  # the same all-reduces issued other ways: a diagnosis, for the appendix
+            diagnosis.append(f"{precision}, in the same run: " + "; ".join(
                 f"{label}: step {table.quote(DDP_STEP, precision=precision, config=c)} ms "
                 f"({over_torch(precision, c)}× torch DDP's), forward+backward "
                 f"{table.quote('forward+backward (ms)', precision=precision, config=c)} ms" for c, label in variants)
@@ -301,7 +289,11 @@ def render_ddp_individual(ctx: Context) -> Section:
         "grows by about the communication time; if they are queued behind each other, the wait grows instead. The "
         "traces of 2.3(b) (compute-kernel time in backward, exposed communication, host time per collective) say "
         "which of the causes it is."]
-    return Section([parts[0], *checked, *waiting, ctx.table("ddp_individual")], table, checked, q.derived,
+    waiting = [appendix("ddp_overlap_individual_parameters: what the rerun will tell", text) for text in waiting]
+    variants = appendix_parts("ddp_overlap_individual_parameters: the same all-reduces issued other ways",
+                              diagnosis) if diagnosis else []
+    return Section([parts[0], *checked, *variants, *waiting, ctx.table("ddp_individual")], table,
+                   [*checked, *diagnosis], q.derived,
                    wording=("1",))  # torch DDP's 1 MiB buckets, named in a variant's label
 
 
@@ -323,7 +315,7 @@ def render_ddp_bucketed(ctx: Context) -> Section:
     configs = list(dict.fromkeys(frame["config"]))
     ok = frame[frame["status"] == "ok"]
     model_bytes = ok["grad_mib"].iloc[0] * 2**20 if len(ok) else 0.0
-    parts = _ddp_summary(frame, table, configs)
+    parts = _ddp_summary(frame, table, configs, ctx)
     checked = parts[1:]
     ranges = _ddp_steps(frame)[["step_round_median_min_ms", "step_round_median_max_ms"]]
 
@@ -354,7 +346,8 @@ def render_ddp_bucketed(ctx: Context) -> Section:
     if expectation:
         parts.append(expectation)
         checked.append(expectation)
-    parts.append(bucket_model(ctx.frame("allreduce"), model_bytes, best_mb))
+    parts.append(appendix("ddp_bucketed_benchmarking: the bucket-size model",
+                          bucket_model(ctx.frame("allreduce"), model_bytes, best_mb)))
     # the bucket counts are the model's (plan_buckets on its parameter shapes), not measurements
     return Section([*parts, ctx.table("ddp_bucketed"), ctx.figure("ddp_bucketed", "buckets")], table, checked,
                    q.derived, wording=tuple(str(n) for n in counts))
@@ -381,7 +374,8 @@ def small_buckets_paragraph(frame: pd.DataFrame, table: NumericTable, q: Quotes,
     measured = " and ".join(f"{c} {table.quote(step, precision='bf16', config=c)} ms (step {slower(c, step)} ms, "
                             f"forward+backward {slower(c, fb)} ms)" for _, c in smalls)
     text = ("Expectations against results (bf16): smaller buckets start communicating earlier in backward, so "
-            "less is left after it, but cost one call each; if each call costs only its o of the model below and "
+            "less is left after it, but cost one call each; if each call costs only its o of the bucket-size model "
+            "(appendix) and "
             "the GPU is free to overlap, "
             + " or ".join(f"{counts[mb]} buckets of {mb:g} MiB" for mb, _ in smalls)
             + f" should cost little more than {counts[large_mb]} of {large_mb:g} MiB (the model below). Measured "
@@ -398,7 +392,7 @@ def small_buckets_paragraph(frame: pd.DataFrame, table: NumericTable, q: Quotes,
                  f"{versus} ms.")
     else:
         text += (" The comparison with per-parameter all-reduces (no copies, about as many calls) needs both in one "
-                 f"run: pending (`{RERUN}`, the bucket sweep now includes `individual`), with the trace's host time "
+                 f"run: pending ({RERUN_NAMED}, the bucket sweep now includes `individual`), with the trace's host time "
                  f"per collective for bucketed:1 against individual.")
     return text, list(counts.values())
 
@@ -440,7 +434,7 @@ def render_traces(ctx: Context) -> str:
         parts.append("These traces predate the per-variant columns (exposed communication, compute-kernel time in "
                      "backward, communication after backward, host time per collective) and cover only naive and "
                      "individual in bf16; traces of none, naive, individual, bucketed (1 and 500 MiB) and torch DDP in "
-                     f"bf16 and fp32, which answer 2.2's fp32 question, are pending: `{RERUN}`.")
+                     f"bf16 and fp32, which answer 2.2's fp32 question, are pending: {RERUN_NAMED}.")
     return "\n\n".join(parts)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.report.appendix import appendix, appendix_parts, outline, rows_of, statistic
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table
 
@@ -182,12 +183,13 @@ def render_llm_shapes(ctx: Context) -> Section:
             "small ones our FA2 Triton kernels (the choice, per head dim by the longest row's keys and the call's "
             f"attention scores: kernels/flash/dispatch.py); where SDPA flash takes at "
             f"least 1 ms the median is {q.derive(lambda t: _fb(t)[_fb(t)['SDPA flash (ms)'] >= 1.0]['ours ÷ cuDNN'].dropna().median(), '.2f', 'median long cudnn ratio')}×.")
+    moved = []  # why the compiled call costs more where it does: torch internals, for the appendix
     if "compiled ÷ eager" in table.headers:
         checked.append(_compiled_paragraph(q))
         compiled = frame[frame["provider"] == "flash_triton_compiled"]
         if "compiled_for" in frame and len(compiled) and (compiled["compiled_for"] == "point").all():
-            checked[-1] += (
-                " Here dO is in the model's layout (column do_layout of the results), and the compiled provider is "
+            moved.append(
+                "Here dO is in the model's layout (column do_layout of the results), and the compiled provider is "
                 "compiled for each point with static shapes (column compiled_for), as a model training at one shape "
                 "is. With the torch these rows name (column torch_version), AOTAutograd hands the backward of such a "
                 "standalone region a contiguous dO, copied at every call. Our C++ node keeps backward launches for "
@@ -196,15 +198,28 @@ def render_llm_shapes(ctx: Context) -> Section:
                 "time at the device-bound points timed that way (kernels/flash/DECISIONS.md). A region that goes on "
                 "as a model's layer does hands our backward dO in O's layout, with no copy.")
         elif "do_layout" in frame and (frame["do_layout"] == "model").all():
-            checked[-1] += (
-                " Here dO is in the model's layout too (column do_layout of the results). The compiled provider is "
+            moved.append(
+                "Here dO is in the model's layout too (column do_layout of the results). The compiled provider is "
                 "one torch.compile called at every point, so from the second point on Dynamo runs a graph with "
                 "dynamic sizes; for such a graph AOTAutograd copies the incoming dO into a contiguous layout, and our "
                 "C++ node, whose backward plan was made for O's layout, copies it back (kernels/csrc/flash_node.cpp). "
                 "A graph compiled for one shape, or a region that ends as a model's layer does, hands our backward dO "
                 "in O's layout, with no copy (kernels/flash/DECISIONS.md). Where "
                 "ours is not fixed-cost bound, the compiled call's extra time grows with dO's size.")
-    parts = [intro, *checked, ctx.table("flash_llm_shapes")]
+    longest = lambda t: ((t["seq"] == t["seq"].max()) & (t["d"] == t["d"].max())  # noqa: E731
+                         & (t["pass"] == "forward_backward"))
+    shown = tuple(h for h in table.headers if h not in ("fixed cost", "commit"))
+    compiled = checked[-1:] if "compiled ÷ eager" in table.headers else []  # the compiled call: for the appendix
+    body = checked[:len(checked) - len(compiled)]
+    parts = [intro, *body, rows_of(table, longest, shown).to_markdown(),
+             f"_{statistic(ctx.table('flash_llm_shapes'))}: the rows of the longest sequence at the largest head dim, "
+             f"forward+backward, without the fixed-cost and "
+             f"commit columns; the "
+             f"full table has "
+             f"{outline(table, ['batch', 'heads', 'seq', 'd', 'causal', 'pass'])}._",
+             *(appendix_parts("FlashAttention at training shapes: our op under torch.compile", [*compiled, *moved])
+               if compiled or moved else ()),
+             appendix("FlashAttention at Transformer training shapes: every point", ctx.table("flash_llm_shapes"))]
     first = ctx.frame("flash_first_call")
     if first is not None:
         cold = first.loc[first["triton_cache"] == "cold", "first_call_s"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.analysis import attention_math
+from cs336_systems.report.appendix import appendix, appendix_parts, outline, rows_of, statistic
 from cs336_systems.report.section import Context, Quotes, Section, column_values
 
 OURS_VS_SDPA = "ours ÷ SDPA flash"
@@ -102,11 +103,22 @@ def render_flash_sweep(ctx: Context) -> Section:
         checked.append(text)
     checked += _flash_float32(q, frame, table)
     checked.append(_flash_coverage(ctx, frame))
-    checked.append(_flop_convention(q, table))
+    flops = [text for text in [_flop_convention(q, table)] if text]  # how TFLOP/s are counted: for the appendix
     checked = [text for text in checked if text]
     return Section([*checked, ctx.figure("flash_latency", "latency"), ctx.figure("flash_tflops", "TFLOP/s"),
-                    ctx.table("flash_sweep")], q.table, checked, q.derived,
+                    *(appendix_parts("flash_benchmarking: how TFLOP/s are counted", flops) if flops else ()),
+                    *_sweep_summary(q.table, statistic(ctx.table("flash_sweep"))),
+                    appendix("flash_benchmarking: every point of the sweep", ctx.table("flash_sweep"))],
+                   q.table, [*checked, *flops], q.derived,
                    wording=("16", "2", "4", "2.5", "5", "7", "3.5", "4.1", "1"))
+
+
+def _sweep_summary(table, what: str) -> list[str]:
+    """The body's part of the sweep: the largest head dim at the longest sequence."""
+    longest = lambda t: (t["d"] == t["d"].max()) & (t["seq"] == t["seq"].max())  # noqa: E731
+    return [rows_of(table, longest).to_markdown(),
+            f"_{what}: the sweep's rows at the largest head dim and the longest sequence; the full table has "
+            f"{outline(table, ['dtype', 'd', 'seq', 'pass'])}._"]
 
 
 def _flash_float32(q: Quotes, frame: pd.DataFrame, table: pd.DataFrame) -> list[str]:

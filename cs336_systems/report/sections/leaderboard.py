@@ -10,6 +10,7 @@ import re
 
 import pandas as pd
 
+from cs336_systems.report.appendix import appendix, appendix_parts, outline, rows_of, statistic
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, formula_frame
 from cs336_systems.report.sections.leaderboard_profile import (QUOTED, SWAPPED, memory_table, profile_pointer,
@@ -307,7 +308,7 @@ def _spread_sentence(q: Quotes, batch: int) -> str:
     settled = ("" if held in (0, len(rows)) else f" These runs support no verdict at batch {batch}: the margin is "
                "within their spread.")
     return (f" At batch {batch}, the {runs} runs of the {quoted} run's recipe (the same checkpoint policy and sequences "
-            f"per pass; runs table below) were made {_commits_words(q, batch)}: ours took {ratios}× the anchor's "
+            f"per pass; runs table in the appendix) were made {_commits_words(q, batch)}: ours took {ratios}× the anchor's "
             f"step{mfu}, and the target held {verdict}.{settled}")
 
 
@@ -325,38 +326,30 @@ def _over_ours(t: pd.DataFrame, provider: str, batch: int) -> pd.Series:
     return pd.Series({r: _step(t, provider, r, batch) / _step(t, "ours", r, batch) for r in runs}, dtype=float).dropna()
 
 
-def _ablation_words(q: Quotes, provider: str, batch: int) -> str:
-    """One ablation at one batch over every run that has it: its step over ours' (one run's, or lowest–highest
-    over the runs), and the runs where it ran out of memory or had no `ours` to compare with."""
-    t = q.frame
-    runs = list(t.loc[(t["provider"] == provider) & (t["batch"] == batch), "run"])
-    ratios = _over_ours(t, provider, batch)
-    oom = [r for r in runs if not _measured(_step(t, provider, r, batch))]
-    alone = [r for r in runs if r not in oom and r not in ratios.index]
-    said = []
-    if len(ratios):
-        picks = ("min",) if format(ratios.min(), ".3f") == format(ratios.max(), ".3f") else ("min", "max")
-        span = "–".join(q.derive(lambda t, pick=pick: getattr(_over_ours(t, provider, batch), pick)(), ".3f",
-                                 f"{pick} {provider} over ours, batch {batch}") for pick in picks)
-        where = (f"run {ratios.index[0]}" if len(ratios) == 1 else
-                 q.derive(lambda t: len(_over_ours(t, provider, batch)), "d", f"runs of {provider}, batch {batch}")
-                 + " runs")
-        said.append(f"takes {span}× ours ({where})")
-    if oom:
-        said.append(f"runs out of memory (run {', '.join(oom)})")
-    if alone:
-        said.append(f"ran without an `ours` row of the same run and batch to compare with (run {', '.join(alone)})")
-    return f"`{provider}` at batch {batch} " + " and ".join(said)
-
-
 def _ablation_paragraph(q: Quotes) -> str | None:
     t = q.frame
     if not _ablation_runs(t):
         return None
     rows = t[_is_ablation(t["provider"])]
-    said = [_ablation_words(q, p, b) for p, b in dict.fromkeys(zip(rows["provider"], rows["batch"]))]
-    text = ("The ablations (each switching one optimisation of ours off, or spending free memory; table below), "
-            "each step over ours' of the same run and batch: " + "; ".join(said) + ".")
+
+    def ratios(t: pd.DataFrame) -> pd.Series:  # every ablation row's step over ours' of its run and batch
+        ablations = t[_is_ablation(t["provider"])]
+        found = [_over_ours(t, p, b) for p, b in dict.fromkeys(zip(ablations["provider"], ablations["batch"]))]
+        return pd.concat(found) if found else pd.Series(dtype=float)
+
+    def out_of_memory(t: pd.DataFrame) -> int:
+        ablations = t[_is_ablation(t["provider"])]
+        return sum(not _measured(_step(t, p, r, b)) for p, r, b in
+                   zip(ablations["provider"], ablations["run"], ablations["batch"]))
+
+    # the table lists every row's ratio; the prose counts them rather than restating each
+    text = ("The ablations (tables below: each switches one optimisation of ours off, or spends free memory; "
+            "`÷ ours` is its step over ours' of the same run and batch): "
+            f"{q.derive(lambda t: int((ratios(t) > 1).sum()), 'd', 'ablation rows slower than ours')} of the "
+            f"{q.derive(lambda t: len(ratios(t)), 'd', 'ablation rows compared with ours')} rows compared with ours "
+            "are slower than ours"
+            + (f", and {q.derive(out_of_memory, 'd', 'ablation rows out of memory')} ran out of memory"
+               if out_of_memory(t) else "") + ".")
     sdpa = _last_run_with(rows, SWAPPED)
     if sdpa:
         run, batch = sdpa
@@ -537,7 +530,7 @@ def _setup_paragraph(ctx: Context, q: Quotes, frame: pd.DataFrame) -> str:
     return (f"Setup and runs. {first['device_name']}, torch {first['torch_version']}, Triton "
             f"{first['triton_version']}; model size `{first['size']}`, one device. Each run builds and times its "
             "providers one after another in one process (`python -m cs336_systems.bench.leaderboard`, rule "
-            "`leaderboard_8b`), one row of the runs table below (sequences per pass below the batch: gradients "
+            "`leaderboard_8b`), one row of the runs table (sequences per pass below the batch: gradients "
             "accumulated over passes). "
             "`ours` is our TransformerLM with our FlashAttention (on this GPU the Gluon forward; the backward FA2's "
             "Triton kernel in the runs of 4857650, Gluon's lockstep schedule in those of 7b9d7c8, Gluon's ping-pong "
@@ -560,6 +553,17 @@ def _check_sentence(checks: pd.DataFrame | None) -> str:
             "config with the same code paths (`results/leaderboard_8b_check.csv`): " + said + ".")
 
 
+def _ablation_parts(ctx: Context, ablation: str) -> list[str]:
+    """The ablation paragraph, the latest run of each ablation at each batch, and every run's in the appendix."""
+    table = ctx.numeric("leaderboard_8b_ablations")
+    latest = lambda t: ~t.duplicated(["ablation", "batch"], keep="last")  # noqa: E731  rows in the order runs ran
+    shown = ("run", "ablation", "batch", STEP, "÷ ours", "peak (GiB)")
+    return [ablation, rows_of(table, latest, shown).to_markdown(),
+            f"_{statistic(ctx.table('leaderboard_8b_ablations'))}: each ablation's latest run at each batch; the full "
+            f"table has {outline(table, ['run', 'ablation'])}._",
+            appendix("the 8B step: every ablation of every run", ctx.table("leaderboard_8b_ablations"))]
+
+
 def render_leaderboard(ctx: Context) -> Section:
     frame = ctx.frame("leaderboard_8b")
     table = ctx.numeric("leaderboard_8b")
@@ -572,9 +576,17 @@ def render_leaderboard(ctx: Context) -> Section:
     ablation = _ablation_paragraph(q)
     pointer = profile_pointer(ctx)
     setup = _setup_paragraph(ctx, q, frame)
-    parts = [answer, gap, ctx.table("leaderboard_8b"), flops,
-             *((ablation, ctx.table("leaderboard_8b_ablations")) if ablation else ()),
-             pointer, setup, ctx.table("leaderboard_8b_runs")]
+    quoted = lambda t: t[QUOTED].astype(bool) & ~_is_ablation(t["provider"])  # noqa: E731
+    main = ("run", "provider", "batch", STEP, "MFU", "TFLOP/s", "peak (GiB)", "checkpoint", RATIO)
+    shown = tuple(h for h in main if h in table.headers)  # a device that measures no MFU (a CPU) has no such column
+    parts = [answer, gap, rows_of(table, quoted, shown).to_markdown(),
+             f"_{statistic(ctx.table('leaderboard_8b'))}: the quoted runs' rows, main columns; the full step table has "
+             f"{outline(table, ['run', 'provider', 'batch'])}._",
+             appendix("the 8B step: every run and provider", ctx.table("leaderboard_8b")),
+             *appendix_parts("the 8B step: how MFU is counted", [flops]),
+             *(_ablation_parts(ctx, ablation) if ablation else ()),
+             pointer, *appendix_parts("the 8B step: setup and runs", [setup]),
+             appendix("the 8B step: the runs, their commits and settings", ctx.table("leaderboard_8b_runs"))]
     checked = [gap, answer, flops, *((ablation,) if ablation else ()), setup, pointer]
     peak = _peak_tflops(first["device_name"])
     wording = ("9", "0.9", "54", "6", "12", *((f"{peak:g}",) if _measured(peak) else ()), str(POWER_LIMIT_W),

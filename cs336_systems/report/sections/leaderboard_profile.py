@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from cs336_systems.report.appendix import appendix_parts
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Quotes, Section
 
@@ -65,8 +66,10 @@ def render_profile(ctx: Context) -> Section:
     """The profiled step of each provider: the method, the time by category and the peak-memory split. The prose
     quotes the time table: what the categories miss of the total is a formula over its cells."""
     q = Quotes(ctx.numeric("leaderboard_8b_profile"))
-    text = ("Where the step's time and memory go: after its timed steps each point ran one more step under "
-            "`torch.profiler` (`bench/step_profile.py`). Each kernel's device time (on a CPU, each op's self CPU "
+    lead = ("Where the step's time and memory go: after its timed steps each point ran one more step under "
+            "`torch.profiler` (`bench/step_profile.py`); the tables give its device time by category and its peak "
+            "memory by what holds it.")
+    text = ("Each kernel's device time (on a CPU, each op's self CPU "
             "time) is given to a category by its name, to the phase range whose host interval holds its "
             "launching op, and then by phase: a forward-type kernel (attention forward, or one launched under a "
             "forward-only op such as `aten::linear`) met in the backward is `recompute`, everything in the loss "
@@ -85,8 +88,9 @@ def render_profile(ctx: Context) -> Section:
             "activations and workspace at the peak (a lower bound where some gradients did not exist yet at the "
             "peak). On CUDA the step's allocator snapshot is pickled beside the results (not committed).")
     notes = [n for n in (_unlinked_note(q, ctx.frame("leaderboard_8b_profile")), _attention_note(q)) if n]
-    checked = [text, *notes]
-    parts = [text, ctx.table("leaderboard_8b_profile"), *notes, ctx.table("leaderboard_8b_memory")]
+    checked = [lead, text, *notes]
+    parts = [lead, *appendix_parts("the 8B step's profile: how time and memory are counted", [text]),
+             ctx.table("leaderboard_8b_profile"), *notes, ctx.table("leaderboard_8b_memory")]
     return Section(parts, q.table, checked, q.derived)
 
 

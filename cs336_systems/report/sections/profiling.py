@@ -8,6 +8,7 @@ sums over the profile rows that no table lists."""
 from __future__ import annotations
 
 from cs336_systems.model import get_config
+from cs336_systems.report.appendix import moved
 from cs336_systems.report.profile_tables import (MATMUL, attention_kernels, profile_grid, profile_kernels,
                                                  profile_kernels_of, profile_point)
 import pandas as pd
@@ -60,7 +61,8 @@ def render_profile(ctx: Context) -> Section:
     ]
     parts.append(_attention_paragraph(rows, stages, get_config(size).head_dim))
     # (a) is the grid's cells; the other answers are sums over the profile rows (and (b) the top-kernels table)
-    return Section([*parts, ctx.table("profile_grid"), ctx.table("profile_kernels")], q.table, [parts[1]],
+    kernels = moved(ctx, "profile_kernels", "nsys_profile: the kernel summaries", ("size", "context", "phase"))
+    return Section([*parts, ctx.table("profile_grid"), *kernels], q.table, [parts[1]],
                    q.derived)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from cs336_systems.report.ddp_analysis import RERUN
+from cs336_systems.report.appendix import moved
+from cs336_systems.report.ddp_analysis import RERUN_NAMED
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
 from cs336_systems.report.sections.distributed import ddp_specs
@@ -62,7 +63,7 @@ def render_sharding(ctx: Context) -> Section:
         setup += (" These rows predate resetting the peak before the optimizer step, so their 'peak of the step' is "
                   "the whole step's peak (it repeats the forward+backward peak in every row) and the text uses the "
                   "forward+backward peak only; the optimizer step's own peak waits for the rerun "
-                  f"(pending: `{RERUN}`).")
+                  f"(pending: {RERUN_NAMED}).")
     checked = []
     mem = "peak forward+backward (MiB)"
     step, opt = STEP, "optimizer (ms)"
@@ -157,7 +158,8 @@ def render_correctness(ctx: Context) -> Section:
             f"match check is `test_wrapper_matches_single_process[naive]`); the sharded-optimizer tests compare with "
             f"an unsharded AdamW. "
             + (f"Failing: {', '.join(f'`{t}`' for t in failing)}." if failing else "None failed."))
-    return Section([text, ctx.table("ddp_correctness")], table, [text], q.derived, wording=("2",))
+    tests = moved(ctx, "ddp_correctness", "correctness of the DDP wrappers and the sharded optimizer: every test")
+    return Section([text, *tests], table, [text], q.derived, wording=("2",))
 
 
 DELIVERABLES = [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from cs336_systems.analysis.ddp import rounds_needed
+from cs336_systems.report.appendix import moved
 from cs336_systems.report import figures
 from cs336_systems.report.ddp_analysis import SPREAD
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
@@ -53,7 +54,8 @@ def render_train_matrix(ctx: Context) -> Section:
         parts.append("The fastest wrapper changes with the attention backend, so these short runs of a small model "
                      "do not rank the wrappers. " + xl_ranking(ctx))
     # the first paragraph states the runs' arguments and the last reads the DDP tables; the rest quotes this table
-    return Section([*parts, ctx.figure("train_matrix", "loss curves"), ctx.table("train_matrix")], table,
+    runs = moved(ctx, "train_matrix", "end to end: every training run", ("attention", "wrapper"))
+    return Section([*parts, ctx.figure("train_matrix", "loss curves"), *runs], table,
                    checked, q.derived, wording=(f"{LOSS_AGREEMENT}",))
 
 
