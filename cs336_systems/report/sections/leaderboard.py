@@ -533,8 +533,9 @@ def _setup_paragraph(ctx: Context, q: Quotes, frame: pd.DataFrame) -> str:
             "`leaderboard_8b`), one row of the runs table (sequences per pass below the batch: gradients "
             "accumulated over passes). "
             "`ours` is our TransformerLM with our FlashAttention (on this GPU the Gluon forward; the backward FA2's "
-            "Triton kernel in the runs of 4857650, Gluon's lockstep schedule in those of 7b9d7c8, Gluon's ping-pong "
-            "schedule at head dim 128 from a886410 on: kernels/flash/DECISIONS.md), fused LM head + cross-entropy, "
+            "Triton kernel in the earliest runs, then Gluon's lockstep schedule, then Gluon's ping-pong schedule at "
+            "head dim 128: which commit made each change is in kernels/flash/DECISIONS.md, \"Backward schedule\", and "
+            "each run's commit in the runs table), fused LM head + cross-entropy, "
             "fused AdamW, selective checkpointing and per-block compile; `torch_plain_sac` and `torch_plain_ac` are "
             "plain PyTorch (SDPA, chunked checkpointed LM head + CE, torch's fused AdamW) with selective and with "
             "full per-block checkpointing. " + _check_sentence(ctx.frame("leaderboard_8b_check"))
@@ -591,8 +592,7 @@ def render_leaderboard(ctx: Context) -> Section:
     peak = _peak_tflops(first["device_name"])
     wording = ("9", "0.9", "54", "6", "12", *((f"{peak:g}",) if _measured(peak) else ()), str(POWER_LIMIT_W),
                f"{BEST_ENTRY_MS:,}", f"{NAIVE_MS:,}", f"{_b200_tflops():,.0f}", "24", "2026", "8",
-               "128",  # the head dim the ping-pong backward ships at (kernels/flash/DECISIONS.md)
-               "4857650", "7b9d7c8", "a886410")  # the commits the setup's kernel history names (given)
+               "128")  # the head dim the ping-pong backward ships at (kernels/flash/DECISIONS.md)
     kept = tuple(sized[1] for sized in map(_sized, set(q.frame["provider"])) if sized)
     runs = tuple(dict.fromkeys(q.frame["run"]))
     provenance = _provenance_words(first, [str(c)[:7] for c in frame["git_commit"]])
