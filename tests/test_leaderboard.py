@@ -6,6 +6,8 @@ benchmark writes its rows (the check, each provider, OOM as a row, the documente
 
 import argparse
 import dataclasses
+import math
+import os
 
 import pandas as pd
 import pytest
@@ -395,3 +397,63 @@ def test_each_run_writes_files_of_its_own_and_the_merge_quotes_the_configured_ru
     assert list(pinned["quoted"]) == [True, False]
     with pytest.raises(ValueError, match="no run 'abcdef'"):
         merge.merge([str(p) for p in files], "timestamp", ("abcdef",), ("batch",))
+
+
+# ---- the leaderboard's own timing (handout_timer) ----------------------------------------------------------
+
+
+def test_do_bench_times_the_handouts_step_from_empty_caches(tmp_path, monkeypatch):
+    """--timer do_bench hands the whole step to triton.testing.do_bench (here a stand-in that calls it as do_bench
+    does and returns made-up times) inside new empty compilation caches, removed after; the row's step times are
+    do_bench's, the first call is timed apart, and run_wall_s counts from the process's start. Off CUDA the command
+    line refuses the timer, naming it."""
+    import triton.testing
+
+    from cs336_systems.bench.leaderboard import handout_timer
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "warm_cache"))
+    seen = {}
+
+    def do_bench(fn, warmup, rep, return_mode):
+        seen.update(warmup=warmup, rep=rep, return_mode=return_mode,
+                    caches={name: os.environ[name] for name in handout_timer.CACHE_VARIABLES})
+        seen["empty"] = not any(os.path.exists(path) and os.listdir(path) for path in seen["caches"].values())
+        for _ in range(3):  # the first call (compiling), then two timed ones
+            fn()
+        return [3.0, 5.0]
+
+    monkeypatch.setattr(triton.testing, "do_bench", do_bench)
+    out = tmp_path / "lb.csv"
+    started = handout_timer.process_age_s()
+    leaderboard.run(_tiny(timer="do_bench", cold_cache=True, providers=(), ablations=("ours-sdpa_attention",),
+                          check_size="none", do_bench_warmup_ms=7, do_bench_rep_ms=11), out)
+    row = pd.read_csv(out).iloc[0]
+    assert seen["warmup"] == 7 and seen["rep"] == 11 and seen["return_mode"] == "all" and seen["empty"]
+    assert all(str(tmp_path / "warm_cache") != path for path in seen["caches"].values())
+    assert not any(os.path.exists(path) for path in seen["caches"].values())  # removed after the run
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "warm_cache")  # and the caller's setting restored
+    assert row["timer"] == "do_bench" and row["status"] == "ok" and bool(row["cold_cache"])
+    assert (row["step_ms"], row["step_median_ms"], row["n_steps"]) == (4.0, 4.0, 2)
+    assert pd.isna(row["warmup"]) and (row["do_bench_warmup_ms"], row["do_bench_rep_ms"]) == (7, 11)
+    assert row["first_step_s"] > 0 and row["run_wall_s"] >= started and math.isfinite(row["loss"])
+    monkeypatch.setattr(argparse.ArgumentParser, "exit", lambda self, status=0, message=None: (_ for _ in ()).throw(
+        ValueError(message)))
+    with pytest.raises(ValueError, match="--timer do_bench on device 'cpu'"):
+        leaderboard.main([*TINY, "--timer", "do_bench", "--out", str(tmp_path / "refused.csv")])
+
+
+def test_the_merge_fills_older_runs_timer_and_quotes_each_timer_apart(tmp_path):
+    """Runs older than the `timer` column are the bench's loop (--default timer=steps); the quoted run is chosen per
+    (batch, timer), so a later do_bench run does not displace the latest run of the bench's own timer."""
+    from cs336_systems.bench import merge
+
+    files = []
+    for i, extra in enumerate([{}, {"timer": "steps"}, {"timer": "do_bench"}]):
+        path = tmp_path / f"run{i}.csv"
+        pd.DataFrame([{"run_id": f"r{i}", "batch": 2, "timestamp": f"2026-12-0{i + 1}", **extra}]).to_csv(path)
+        files.append(str(path))
+    frame = merge.merge(files, "timestamp", ("latest",), ("batch", "timer"), {"timer": "steps"})
+    assert list(frame["timer"]) == ["steps", "steps", "do_bench"]
+    assert list(frame["quoted"]) == [False, True, True]
+    with pytest.raises(SystemExit):
+        merge.main([*files, "--out", str(tmp_path / "all.csv"), "--default", "timer"])

@@ -5,7 +5,8 @@ run files (results/runs/<bench>/<run_id>.csv, one per run, never rewritten) into
 benchmark by their `timestamp`. --quote adds a boolean column `quoted` marking the rows of the run the writeup
 quotes (runs told apart by `run_id`), in each group of rows sharing the --quote-per columns (e.g. per batch):
 `latest` is the last run, in the table's order, with rows in the group; a list of run ids (or their prefixes) is the
-last of those runs with rows in the group.
+last of those runs with rows in the group. --default COLUMN=VALUE fills COLUMN where a file's rows lack it (runs
+older than the column), before the sorting and quoting.
 """
 
 from __future__ import annotations
@@ -44,10 +45,13 @@ def quoted(frame: pd.DataFrame, rule: tuple[str, ...], per: tuple[str, ...] = ()
     return mark
 
 
-def merge(inputs: list[str], sort_by: str | None = None, quote: tuple[str, ...] = (), per: tuple[str, ...] = ()
-          ) -> pd.DataFrame:
-    """The inputs' rows in one frame: sorted by `sort_by` (stably), with the `quoted` column where `quote` is given."""
+def merge(inputs: list[str], sort_by: str | None = None, quote: tuple[str, ...] = (), per: tuple[str, ...] = (),
+          defaults: dict[str, str] | None = None) -> pd.DataFrame:
+    """The inputs' rows in one frame: `defaults` filled in where a row lacks the column, sorted by `sort_by`
+    (stably), with the `quoted` column where `quote` is given."""
     frame = read_rows(*inputs)
+    for column, value in (defaults or {}).items():
+        frame[column] = frame[column].fillna(value) if column in frame else value
     if sort_by is not None:
         frame = frame.sort_values(sort_by, kind="stable").reset_index(drop=True)
     if quote:
@@ -63,11 +67,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quote", nargs="+", default=(),
                         help=f"mark the rows of the quoted run in a column `quoted`: {LATEST}, or run ids (prefixes)")
     parser.add_argument("--quote-per", nargs="+", default=(), help="columns whose groups each quote a run (e.g. batch)")
+    parser.add_argument("--default", nargs="+", default=(), metavar="COLUMN=VALUE",
+                        help="a value for rows that lack the column (runs older than it)")
     args = parser.parse_args(argv)
+    malformed = [text for text in args.default if "=" not in text or text.startswith("=")]
+    if malformed:
+        parser.error(f"--default takes COLUMN=VALUE; got {', '.join(map(repr, malformed))}")
+    defaults = dict(text.split("=", 1) for text in args.default)
     if args.quote_per and not args.quote:
         parser.error("--quote-per needs --quote")
     try:
-        frame = merge(args.inputs, args.sort_by, tuple(args.quote), tuple(args.quote_per))
+        frame = merge(args.inputs, args.sort_by, tuple(args.quote), tuple(args.quote_per), defaults)
     except (KeyError, ValueError) as error:
         parser.error(str(error))
     write_rows(frame.to_dict("records"), args.out)

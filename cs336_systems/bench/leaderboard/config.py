@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from cs336_systems.bench.checks import check_known, check_not_empty, check_positive
+from cs336_systems.bench.leaderboard.handout_timer import HANDOUT_REP_MS, HANDOUT_WARMUP_MS
 from cs336_systems.bench.leaderboard.recipes import ABLATIONS, PROVIDERS, sequences_per_pass, sized_blocks
 from cs336_systems.bench.plain_model import DEFAULT_CHUNK_TOKENS
 from cs336_systems.distributed.parallelize import DataParallelSpec
@@ -16,6 +17,9 @@ from cs336_systems.model import ModelConfig, get_config
 from cs336_systems.timing import resolve_device
 
 COMPILE_MODES = ("blocks", "none")
+# How a point's step is timed: the bench's own loop (synchronized around each of --steps steps) or the leaderboard's
+# test, triton.testing.do_bench over the whole step (handout_timer.py).
+TIMERS = ("steps", "do_bench")
 ANCHOR_DATA_PARALLEL = DataParallelSpec.parse("torch_ddp")
 
 # The correctness check's model: the 8B model's head dim (128), vocabulary and d_ff / d_model ratio at
@@ -53,6 +57,10 @@ class LeaderboardConfig:
     profile_dir: str | None = None
     profile_out: str | None = None
     data_parallel: str = "none"
+    timer: str = "steps"
+    do_bench_warmup_ms: int = HANDOUT_WARMUP_MS
+    do_bench_rep_ms: int = HANDOUT_REP_MS
+    cold_cache: bool = False  # run in empty PyTorch/Triton compilation caches (handout_timer.empty_caches)
     device: str = field(default_factory=lambda: "cuda" if torch.cuda.is_available() else "cpu")
 
     def __post_init__(self):
@@ -78,6 +86,11 @@ class LeaderboardConfig:
                              "kind without optimizer sharding, e.g. bucketed:100 or torch_ddp)")
         if spec.kind != "none" and self.profile_dir is not None:
             raise ValueError(f"--profile with data parallelism {self.data_parallel!r}: profile one rank's step without it")
+        check_known("timer", [self.timer], TIMERS)
+        check_positive("do_bench warm-up and repetition times (ms)", self.do_bench_warmup_ms, self.do_bench_rep_ms)
+        if self.timer == "do_bench" and spec.kind != "none":
+            raise ValueError(f"timer 'do_bench' with data parallelism {self.data_parallel!r}: the leaderboard's test "
+                             "times one process's step")
         check_known("parameter dtype", [self.param_dtype], ("bf16", "fp32"))
         check_known("check size", [self.check_size], CHECK_SIZES)
         check_positive("warm-up steps (the first step compiles, so at least 1)", self.warmup)
