@@ -1438,3 +1438,40 @@ def test_leaderboard_mfu_counts_causal_attention_as_half_and_the_best_entry_by_o
     monkeypatch.setattr(parallelism_render, "B200", replace(parallelism_render.B200, flops=2.25e15))
     text = _paragraph(_render_leaderboard(tmp_path, pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")), "MFU counts")
     assert all(said in text for said in entry(2.25e15))
+
+
+@pytest.mark.parametrize("wall_s", [412.0, 731.0])
+def test_leaderboard_handout_test_is_its_cells_beside_the_bench_run_before_it(tmp_path, wall_s):
+    """The do_bench rows (timer do_bench) leave the step table to a table of their own: each beside ours' step in
+    the bench's latest run before it at the same batch and commit; the prose is its cells, the ratio of the two is
+    the rows', and the wall time is said within or over the leaderboard's 600 s by its cell. No do_bench row: a
+    pending line naming the command."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.leaderboard import step_table
+    from cs336_systems.report.sections.leaderboard_handout import COMMAND, render_handout
+
+    frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")
+    assert "Pending" in _render_handout(tmp_path, frame, render_handout, Context) and COMMAND in _render_handout(
+        tmp_path, frame, render_handout, Context)
+    bench = frame[(frame["provider"] == "ours") & (frame["batch"] == 2) & (frame["status"] == "ok")].iloc[-1]
+    rng = np.random.default_rng(int(wall_s))
+    mean = bench["step_ms"] * rng.uniform(0.95, 1.1)
+    handout = {**bench.to_dict(), "run_id": "d0be7c4a11ed", "timer": "do_bench", "step_ms": mean,
+               "step_std_ms": mean * 0.01, "n_steps": 3, "first_step_s": rng.uniform(60, 200), "run_wall_s": wall_s,
+               "cold_cache": True, "timestamp": bench["timestamp"] + "Z", "quoted": True}
+    both = pd.concat([frame, pd.DataFrame([handout])], ignore_index=True)
+    assert len(step_table(both)) == len(frame)  # the bench's table keeps only its own rows
+    body = _render_handout(tmp_path, both, render_handout, Context)
+    assert isinstance(body, Section) and unquoted(body) == []
+    text = body.checked[1]
+    assert f"{mean / bench['step_ms']:.3f}× the {bench['step_ms']:,.1f} ms" in text
+    assert f"run {bench['run_id'][:6]} just before it" in text and f"took {wall_s:,.0f} s" in text
+    assert ("within the leaderboard's limit" in text) == (wall_s <= 600)
+    wrong = text.replace(f"{mean:,.1f}", f"{mean + 50:,.1f}")
+    assert unquoted(replace(body, checked=[body.checked[0], wrong]))
+
+
+def _render_handout(tmp_path, frame, render_handout, context):
+    frame.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
+    make_tables(tmp_path, ["leaderboard_8b_handout"])
+    return render_handout(context(tmp_path, tmp_path, tmp_path))

@@ -13,6 +13,7 @@ import pandas as pd
 from cs336_systems.report.appendix import appendix, appendix_parts, outline, rows_of, statistic
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, formula_frame
+from cs336_systems.report.sections.leaderboard_handout import bench_rows, handout_table, render_handout
 from cs336_systems.report.sections.leaderboard_profile import (QUOTED, SWAPPED, memory_table, profile_pointer,
                                                                profile_table, render_profile)
 
@@ -79,7 +80,7 @@ def step_table(frame: pd.DataFrame) -> NumericTable:
     clock and board power, checkpointing, dtypes, status, and the step's mean over the SAC anchor's of the same run
     and batch. A measurement this device does not make (MFU on a CPU) prints '—'; an out-of-memory row prints OOM.
     Rows in the order the runs ran (the merge sorts them by timestamp); the data keeps `quoted` (not printed)."""
-    rows = frame.reset_index(drop=True)
+    rows = bench_rows(frame).reset_index(drop=True)
     measured = _step_columns(rows)
     data = pd.DataFrame({
         "run": rows["run_id"].astype(str).str[:6], "provider": rows["provider"], "batch": rows["batch"],
@@ -103,7 +104,7 @@ def runs_table(frame: pd.DataFrame) -> NumericTable:
     """One row per run and batch, in the order they ran: its commit and date, the providers it timed, its warm-up
     and timed steps, ours' checkpointing and sequences per pass, the allocator setting, and whether the prose
     quotes it. The step table's provenance, printed once per run."""
-    rows = frame.reset_index(drop=True)
+    rows = bench_rows(frame).reset_index(drop=True)
     ours = rows[rows["provider"] == "ours"].set_index(["run_id", "batch"])
     runs = rows.groupby(["run_id", "batch"], sort=False)
     keys = list(dict.fromkeys(zip(rows["run_id"], rows["batch"])))  # in the order they ran
@@ -566,7 +567,7 @@ def _ablation_parts(ctx: Context, ablation: str) -> list[str]:
 
 
 def render_leaderboard(ctx: Context) -> Section:
-    frame = ctx.frame("leaderboard_8b")
+    frame = bench_rows(ctx.frame("leaderboard_8b"))
     table = ctx.numeric("leaderboard_8b")
     q = Quotes(table)
     first = frame.iloc[0]
@@ -612,6 +613,13 @@ DELIVERABLES = [
                               "The runs of the step table, in the order they ran: commit, date, providers timed, "
                               "warm-up and timed steps per point, ours' checkpointing and sequences per pass, "
                               "allocator setting; `quoted`: the run the prose quotes for its batch"))),
+    # the leaderboard's own test (`--timer do_bench`, run after the bench): pending until a run records it
+    Deliverable("2026 §9 leaderboard's own test: the 8B step timed by do_bench", "leaderboard_8b",
+                render_handout, ("leaderboard_8b",),
+                tables=(Table("leaderboard_8b_handout", "leaderboard_8b", handout_table,
+                              "Ours timed by triton.testing.do_bench as the leaderboard's test times it, from empty "
+                              "compilation caches: do_bench's mean ± std over its repetitions; beside it ours' mean "
+                              "step in the bench's latest run before it (same batch and commit)"),)),
     # the profiled step (`--profile`, the rule's second output): its own section, pending until a run records it
     Deliverable("2026 §9 leaderboard, continued: where the 8B step's time and memory go", "leaderboard_8b",
                 render_profile, ("leaderboard_8b_profile",),
