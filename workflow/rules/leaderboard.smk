@@ -33,23 +33,6 @@ rule linear_ce:
 # its marker (committed) keeps a plain rebuild from measuring again, as a committed results file does.
 
 
-# The leaderboard's own test after the bench, in a process of its own from empty caches (config
-# leaderboard_8b.do_bench; CUDA only): ours at the leaderboard's batch timed by triton.testing.do_bench, one more
-# run of the table (its rows' timer is do_bench, its run_wall_s the process's wall time).
-def handout_test_command(runs, log):
-    test = S["leaderboard_8b"]["do_bench"]
-    if not test["enabled"]:
-        return "true"
-    return (
-        f"python -m cs336_systems.bench.leaderboard {DEVICE_ARGS} --timer do_bench --cold-cache"
-        f" --do-bench-ms {test['warmup_ms']} {test['rep_ms']} --size {S['leaderboard_8b']['size']}"
-        f" --batch {test['batch']} --context {S['leaderboard_8b']['context_length']} --providers ours"
-        f" --ablations --check-size none --compile {S['leaderboard_8b']['compile']}"
-        f" --param-dtype {S['leaderboard_8b']['param_dtype']}"
-        f" --out '{runs}/leaderboard_8b/{{run_id}}.csv' 2>> {log}"
-    )
-
-
 checkpoint leaderboard_8b_run:
     output:
         marker=touch(f"{LEADERBOARD_RUNS}/leaderboard_8b.measured"),

@@ -10,7 +10,7 @@ import re
 
 import pandas as pd
 
-from cs336_systems.model import forward_flops, get_config
+from cs336_systems.model import forward_flops, get_config, parameter_count
 from cs336_systems.report.appendix import moved
 from cs336_systems.report import figures, tables
 from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
@@ -579,14 +579,21 @@ def render_e2e_2026(ctx: Context) -> Section:
              + ("variability across measured steps is small." if cv <= 5 else
                 "variability across measured steps is not small at every point (the table's ± says where)."))
     ooms = frame[frame["status"] == "oom"]
+    state = []  # the state each size that ran out of memory holds, in GB: its words belong to the argument
     if len(ooms):
-        text += " Out of memory: " + ", ".join(f"{r['size']} {r['mode']}" for _, r in ooms.iterrows()) + (
-            " (a training step with float32 AdamW holds 16 bytes per parameter, parameters, gradients and two "
-            "moments, before any activation; a 10B step fits one GPU with bf16 parameters and moments, sharded "
-            "state over several GPUs, or the optimizer state offloaded).")
+        for size in dict.fromkeys(ooms["size"]):
+            count = parameter_count(get_config(size, edition="2026"))
+            state.append(f"{size}'s {count / 1e9:.1f} billion parameters need {8 * count / 1e9:,.0f} GB and "
+                         f"{16 * count / 1e9:,.0f} GB")
+        text += (" Out of memory: " + ", ".join(f"{r['size']} {r['mode']}" for _, r in ooms.iterrows())
+                 + ". In float32 a forward and backward holds 8 bytes per parameter (parameters and gradients) and a "
+                 "training step with AdamW 16 (two moments more), before any activation: " + "; ".join(state)
+                 + " (a 10B step fits one GPU with bf16 parameters and moments, sharded state over several GPUs, or "
+                 "the optimizer state offloaded).")
     settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length", "warmup", "steps"))
     return Section([text, ctx.table("e2e_timing_2026")], q.table, [text], q.derived,
-                   wording=(*settings, "2026", "1", "2560", "32", "2", "2.7", "10", "4608", "50", "16", "5"))
+                   wording=(*settings, "2026", "1", "2560", "32", "2", "2.7", "10", "4608", "50", "16", "5", "8",
+                            *(number for words in state for number in re.findall(r"[\d.,]+(?= (?:billion|GB))", words))))
 
 
 def render_mixed_precision_2026(ctx: Context) -> Section:
