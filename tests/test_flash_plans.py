@@ -97,9 +97,6 @@ def test_a_change_of_what_the_plan_depends_on_misses(plans, kernel_device):
             seen.append((args[0].shape, args[5:9], args[0].dtype, kwargs["IS_CAUSAL"], kwargs["PRECISION"]))
             self.launcher(grid, *args, **kwargs)
 
-        def clear(self):
-            self.launcher.clear()
-
     spy = Spy(fa2.LAUNCH["forward"])
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(fa2.LAUNCH, "forward", spy)
@@ -313,11 +310,9 @@ def test_gpu_lean_runner_matches_tritons_runner(plans, monkeypatch):
     lean = twice()
     with monkeypatch.context() as patch:
         patch.setattr(launch, "lean_runner", lambda compiled, grid: compiled[grid])
-        for launcher in fa2.LAUNCH.values():
-            launcher.clear()
+        launch.PLANS.clear()  # every launcher's binaries and the plans made from them
         tritons = twice()
-    for launcher in fa2.LAUNCH.values():
-        launcher.clear()
+    launch.PLANS.clear()
     for name, a, b in zip(("O", "L", "dQ", "dK", "dV"), lean, tritons):
         assert torch.equal(a, b), name
     twice()

@@ -369,7 +369,9 @@ def test_each_section_embeds_only_the_tables_and_figures_it_owns():
             ctx.embedded = []
             if any(ctx.frame(name) is None for name in item.data):
                 continue  # not measured yet (the writeup says pending); the smoke run renders it
-            item.render(ctx)
+            body = item.render(ctx)
+            if isinstance(body, str) and "Pending:" in body:
+                continue  # its rows are not in the shared results file yet (the leaderboard's own test)
             tables = {name for kind, name in ctx.embedded if kind == "table"}
             figures = {name for kind, name in ctx.embedded if kind == "figure" and name in FIGURES}
             assert tables == {t.name for t in item.tables}, item.section

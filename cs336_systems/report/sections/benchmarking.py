@@ -592,7 +592,7 @@ def render_e2e_2026(ctx: Context) -> Section:
                  "the optimizer state offloaded).")
     settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length", "warmup", "steps"))
     return Section([text, ctx.table("e2e_timing_2026")], q.table, [text], q.derived,
-                   wording=(*settings, "2026", "1", "2560", "32", "2", "2.7", "10", "4608", "50", "16", "5", "8",
+                   wording=(*settings, "2025", "2026", "1", "2560", "32", "2", "2.7", "10", "4608", "50", "16", "5", "8",
                             *(number for words in state for number in re.findall(r"[\d.,]+(?= (?:billion|GB))", words))))
 
 

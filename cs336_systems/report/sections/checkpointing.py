@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from cs336_systems.model import get_config, parameter_count
-from cs336_systems.report.appendix import appendix_parts
+from cs336_systems.report.appendix import appendix, appendix_parts
 from cs336_systems.report.figures import pyplot, save_figure
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
@@ -92,7 +92,7 @@ def render_saved_tensors(ctx: Context) -> Section:
         if listed is not None:
             checked.append(checkpoint_calls_sentence(q, listed))
     # the handout's numbering and the device's name (a CPU's names its cores) are words of the sentence
-    return Section([*checked, ctx.table("saved_tensors")], table, checked, q.derived,
+    return Section([*checked, appendix("saved tensors: every case and mode", ctx.table("saved_tensors"))], table, checked, q.derived,
                    wording=("2026", "3.1", "3.2", *NUMBER.findall(device)))
 
 
@@ -366,7 +366,7 @@ def render_checkpoint_cost(ctx: Context) -> Section:
     checked = [intro, COST_ANSWER] + ([_cost_model_numbers(q)] if len(table) else [])
     # the handout's numbering and 3.1's, and the maths of the asymptotics and of the halving's forward count
     sketch = appendix_parts("gradient_checkpointing (a): the two policies in code", [COST_SKETCH])
-    return Section([*checked, ctx.table("checkpoint_cost_model"), *sketch], table, [*checked, COST_SKETCH],
+    return Section([*checked, appendix("gradient_checkpointing (a): the cost model at every N", ctx.table("checkpoint_cost_model")), *sketch], table, [*checked, COST_SKETCH],
                    q.derived, wording=("2026", "3.2", "3.1", "1", "2", "3"))
 
 

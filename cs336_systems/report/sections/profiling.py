@@ -8,7 +8,7 @@ sums over the profile rows that no table lists."""
 from __future__ import annotations
 
 from cs336_systems.model import get_config
-from cs336_systems.report.appendix import moved
+from cs336_systems.report.appendix import appendix, moved
 from cs336_systems.report.profile_tables import (MATMUL, attention_kernels, profile_grid, profile_kernels,
                                                  profile_kernels_of, profile_point)
 import pandas as pd
@@ -153,7 +153,9 @@ def render_profile_2026(ctx: Context) -> Section:
         kernels = frame[(frame["size"] == size) & (frame["context_length"] == int(q.frame["context"][longest]))
                         & (frame["kind"] == "kernel") & (frame["phase"] == "forward")]
         top = kernels.loc[kernels["ms_per_step"].idxmax()] if len(kernels) else None
-        text = (f"{size} (2026 table): the three longest power-of-two contexts that fit are "
+        which = ("the three longest power-of-two contexts that fit are" if len(chosen) == 3 else
+                 f"only {('one', 'two')[len(chosen) - 1]} of the profiled contexts {('fits', 'fit')[len(chosen) - 1]}:")
+        text = (f"{size} (2026 table): {which} "
                 + ", ".join(q.cell("context", i) for i in chosen.index) + "; at "
                 f"{q.cell('context', longest)} tokens the forward pass takes {q.cell('forward (ms)', longest)} ms, "
                 f"the backward {q.cell('backward (ms)', longest)} ms and the optimizer step "
@@ -166,7 +168,7 @@ def render_profile_2026(ctx: Context) -> Section:
     head = (f"Profiled with {tool.iloc[0] if len(tool) else 'the PyTorch profiler'} (batch "
             f"{int(frame['batch_size'].iloc[0])}, {frame['precision'].iloc[0]}); contexts past the longest that fits "
             "are out-of-memory rows.")
-    return Section([head, *parts, ctx.table("profile_2026")], q.table, parts, q.derived,
+    return Section([head, *parts, appendix("nsys_profile (2026): every size and context", ctx.table("profile_2026"))], q.table, parts, q.derived,
                    wording=("2026", "3"))
 
 
