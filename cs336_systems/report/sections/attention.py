@@ -169,7 +169,8 @@ def render_attention(ctx: Context) -> Section:
         "tile by tile with an online softmax, keeps only the per-row logsumexp L (seq floats) for backward "
         "and recomputes P from Q, K and L there, trading a second pass of matrix products for O(seq) memory.")
     # the sentences' constants: 1/√d, 3 tensors, batch 8, 4 bytes, 2 matrices, 80 GiB, MiB per 1024 tokens
-    return Section([*parts, ctx.table("attention"), ctx.figure("attention_memory", "attention memory")], q.table,
+    return Section([*parts, appendix("pytorch_attention: every head dim and length", ctx.table("attention")),
+                    ctx.figure("attention_memory", "attention memory")], q.table,
                    checked, q.derived, wording=("1", "3", "8", "4", "2", "80", "81920", "1024"))
 
 
