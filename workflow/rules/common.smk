@@ -139,7 +139,7 @@ def leaderboard_run_files(table):
 # The leaderboard's own test after the bench, in a process of its own from empty caches (config
 # leaderboard_8b.do_bench; CUDA only): ours at the leaderboard's batch timed by triton.testing.do_bench, one more
 # run of the table (its rows' timer is do_bench, its run_wall_s the process's wall time).
-def handout_test_command(runs, log):
+def handout_test_command(runs):
     test = S["leaderboard_8b"]["do_bench"]
     if not test["enabled"]:
         return "true"
@@ -149,5 +149,5 @@ def handout_test_command(runs, log):
         f" --batch {test['batch']} --context {S['leaderboard_8b']['context_length']} --providers ours"
         f" --ablations --check-size none --compile {S['leaderboard_8b']['compile']}"
         f" --param-dtype {S['leaderboard_8b']['param_dtype']}"
-        f" --out '{runs}/leaderboard_8b/{{run_id}}.csv' 2>> {log}"
+        f" --out '{runs}/leaderboard_8b/{{run_id}}.csv'"
     )

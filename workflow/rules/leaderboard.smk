@@ -52,8 +52,8 @@ checkpoint leaderboard_8b_run:
         ablation_batches=join(S["leaderboard_8b"]["ablation_batches"]),
         snapshots=f"{R}/leaderboard_8b_snapshots",
         runs=lambda wildcards, output: os.path.dirname(output.marker),
-        handout_test=lambda wildcards, output, log: handout_test_command(
-            os.path.dirname(output.marker), log
+        handout_test=lambda wildcards, output: handout_test_command(
+            os.path.dirname(output.marker)
         ),
     shell:
         "python -m cs336_systems.bench.leaderboard {params.device} --size {params.c[size]}"
@@ -65,7 +65,7 @@ checkpoint leaderboard_8b_run:
         " --out '{params.runs}/leaderboard_8b/{{run_id}}.csv'"
         " --check-out '{params.runs}/leaderboard_8b_check/{{run_id}}.csv'"
         " --profile-out '{params.runs}/leaderboard_8b_profile/{{run_id}}.csv' 2> {log}"
-        " && {params.handout_test}"
+        " && {params.handout_test} 2>> {log}"
         " && cp {log} {output.log}"
 
 
