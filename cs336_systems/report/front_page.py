@@ -17,6 +17,7 @@ import pandas as pd
 from cs336_systems.model.accounting import parameter_count
 from cs336_systems.model.config import SIZE_TABLES, ModelConfig
 from cs336_systems.report.section import Context, Deliverable
+from cs336_systems.report.sections.leaderboard import quoted_ours_at_leaderboard_batch
 
 TITLES = ("Headline results", "Contents", "Model sizes of the two editions", "Problems in the two editions",
           "Rebuilding this report")
@@ -37,20 +38,12 @@ def last_row(frame: pd.DataFrame) -> int:
     return len(frame) - 1
 
 
-def quoted_ours_at_two(frame: pd.DataFrame) -> int:
-    """The 8B step table's row of ours at the leaderboard's batch (2) in the run the writeup quotes."""
-    rows = frame[(frame["provider"] == "ours") & (frame["batch"] == 2) & frame["quoted"].astype(bool)]
-    if not len(rows):
-        raise ValueError("the 8B step table has no quoted row of ours at batch 2")
-    return int(rows.index[-1])
-
-
 HEADLINES = (
     Headline("the 2026 leaderboard's 8B step (batch 2 x 32,768 tokens), ours in the quoted run: mean step (ms)",
-             "leaderboard_8b", "step (ms, mean ± std)", row=quoted_ours_at_two),
+             "leaderboard_8b", "step (ms, mean ± std)", row=quoted_ours_at_leaderboard_batch),
     Headline("the same: ours ÷ the plain-PyTorch selective-checkpointing anchor of that run", "leaderboard_8b",
-             "÷ SAC anchor", row=quoted_ours_at_two),
-    Headline("the same: model FLOPs utilization", "leaderboard_8b", "MFU", row=quoted_ours_at_two),
+             "÷ SAC anchor", row=quoted_ours_at_leaderboard_batch),
+    Headline("the same: model FLOPs utilization", "leaderboard_8b", "MFU", row=quoted_ours_at_leaderboard_batch),
     Headline("bf16 autocast speed-up of a forward+backward step over fp32, largest size measured",
              "mixed_precision", "bf16 speed-up", row=last_row),
     Headline("our Triton FlashAttention-2 at the leaderboard shape: time ÷ SDPA's flash backend", "flash_leaderboard",

@@ -4,6 +4,7 @@ each run's rows in files of its own (`{run_id}` in a path is the run's id). `--h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -108,10 +109,8 @@ def run(config: LeaderboardConfig, out, check_out=None) -> str:
         device = resolve_device(config.device)
     try:
         check_world(config, rank_and_world()[1])
-        if config.cold_cache:
-            with empty_caches():
-                return _run(config, out, check_out or default_check_out(out), device, writer=rank_and_world()[0] == 0)
-        return _run(config, out, check_out or default_check_out(out), device, writer=rank_and_world()[0] == 0)
+        with empty_caches() if config.cold_cache else contextlib.nullcontext():
+            return _run(config, out, check_out or default_check_out(out), device, writer=rank_and_world()[0] == 0)
     finally:
         if joined:
             shutdown()

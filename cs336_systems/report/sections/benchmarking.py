@@ -579,12 +579,13 @@ def render_e2e_2026(ctx: Context) -> Section:
              + ("variability across measured steps is small." if cv <= 5 else
                 "variability across measured steps is not small at every point (the table's ± says where)."))
     ooms = frame[frame["status"] == "oom"]
-    state = []  # the state each size that ran out of memory holds, in GB: its words belong to the argument
+    state, numbers = [], []  # the state each size that ran out of memory holds, in GB: numbers of the argument
     if len(ooms):
         for size in dict.fromkeys(ooms["size"]):
             count = parameter_count(get_config(size, edition="2026"))
-            state.append(f"{size}'s {count / 1e9:.1f} billion parameters need {8 * count / 1e9:,.0f} GB and "
-                         f"{16 * count / 1e9:,.0f} GB")
+            said = (f"{count / 1e9:.1f}", f"{8 * count / 1e9:,.0f}", f"{16 * count / 1e9:,.0f}")
+            state.append(f"{size}'s {said[0]} billion parameters need {said[1]} GB and {said[2]} GB")
+            numbers += said
         text += (" Out of memory: " + ", ".join(f"{r['size']} {r['mode']}" for _, r in ooms.iterrows())
                  + ". In float32 a forward and backward holds 8 bytes per parameter (parameters and gradients) and a "
                  "training step with AdamW 16 (two moments more), before any activation: " + "; ".join(state)
@@ -593,7 +594,7 @@ def render_e2e_2026(ctx: Context) -> Section:
     settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length", "warmup", "steps"))
     return Section([text, ctx.table("e2e_timing_2026")], q.table, [text], q.derived,
                    wording=(*settings, "2025", "2026", "1", "2560", "32", "2", "2.7", "10", "4608", "50", "16", "5", "8",
-                            *(number for words in state for number in re.findall(r"[\d.,]+(?= (?:billion|GB))", words))))
+                            *numbers))
 
 
 def render_mixed_precision_2026(ctx: Context) -> Section:

@@ -483,6 +483,15 @@ def _flops_paragraph(q: Quotes, device: str, batches: list[int]) -> str:
 HANDOUT_BATCH = 2  # the batch the leaderboard times (handout §9)
 
 
+def quoted_ours_at_leaderboard_batch(table: pd.DataFrame) -> int:
+    """The step table's row of ours at the leaderboard's batch in the quoted run (the front page's headlines); a
+    ValueError where the table has none."""
+    row = _row(table, "ours", batch=HANDOUT_BATCH)
+    if row is None:
+        raise ValueError(f"the 8B step table has no quoted row of ours at batch {HANDOUT_BATCH}")
+    return row
+
+
 def _leaderboard_batch(t: pd.DataFrame, batches: list[int]) -> int | None:
     """The batch the answer quotes: the leaderboard's where ours measured it, else ours' largest measured one."""
     measured = [b for b in batches if _measured(_step(t, "ours", batch=b))]
