@@ -1477,3 +1477,41 @@ def _render_handout(tmp_path, frame, render_handout, context):
     frame.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
     make_tables(tmp_path, ["leaderboard_8b_handout"])
     return render_handout(context(tmp_path, tmp_path, tmp_path))
+
+
+def test_memory_2026_says_which_points_ran_out_of_memory(tmp_path):
+    """2026 memory_profiling (b, c), from a synthetic CSV in the memory bench's columns (the committed 2025 rows as
+    template, random peaks): each point's peaks are its cells; the naive training step at 2048 is out of memory and
+    the fallback attention's point, which reruns only that mode, says its forward was not run."""
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections.memory import render_memory_2026
+
+    rng = np.random.default_rng(5)
+    template = pd.read_csv(ROOT / "results" / "memory.csv").iloc[0].to_dict()
+    points = [(precision, context, attention, mode) for precision in ("fp32", "bf16")
+              for context, attention, modes in ((128, "naive", ("forward", "train_step")),
+                                                (2048, "naive", ("forward", "train_step")),
+                                                (2048, "flash_triton", ("train_step",)))
+              for mode in modes]
+    rows = pd.DataFrame([{**template, "size": "xl", "size_table": 2026, "precision": precision, "attention": attention,
+                          "context_length": context, "mode": mode, "peak_memory_mib": rng.uniform(1e3, 1e5),
+                          "status": "oom" if (context, attention, mode) == (2048, "naive", "train_step") else "ok"}
+                         for precision, context, attention, mode in points])
+    rows.loc[rows["status"] == "oom", "peak_memory_mib"] = float("nan")
+    rows.to_csv(tmp_path / "memory_2026.csv", index=False)
+    make_tables(tmp_path, ["memory_peaks_2026"])  # as the `table` rule does
+    text = render_memory_2026(Context(tmp_path, tmp_path, tmp_path)).split("\n\n")[0]
+
+    def peak(precision, context, attention, mode):
+        row = rows[(rows["precision"] == precision) & (rows["context_length"] == context)
+                   & (rows["attention"] == attention) & (rows["mode"] == mode)]
+        return f"peak {row['peak_memory_mib'].iloc[0]:,.0f} MiB"
+
+    for precision in ("fp32", "bf16"):
+        assert (f"{precision}, context 128, naive attention: forward {peak(precision, 128, 'naive', 'forward')}, "
+                f"training step {peak(precision, 128, 'naive', 'train_step')}.") in text
+        assert (f"{precision}, context 2048, naive attention: forward {peak(precision, 2048, 'naive', 'forward')}, "
+                "training step out of memory.") in text
+        assert (f"{precision}, context 2048, flash_triton attention: forward not run, training step "
+                f"{peak(precision, 2048, 'flash_triton', 'train_step')}.") in text
+    assert "nan" not in text

@@ -293,12 +293,16 @@ def render_memory_2026(ctx: Context) -> str:
     q = Quotes(ctx.numeric("memory_peaks_2026"))
     config = get_config(str(frame["size"].iloc[0]), "2026")
     weights = parameter_count(config) * 4 / 2**20
-    parts = []
-    for i, row in q.frame.iterrows():
-        forward = q.cell(FORWARD, i) if pd.notna(row[FORWARD]) else "out of memory"
-        train = q.cell(TRAIN, i) if pd.notna(row[TRAIN]) else "out of memory"
-        parts.append(f"{row['precision']}, context {q.cell('context', i)}, {row['attention']} attention: forward "
-                     f"peak {forward} MiB, training-step peak {train} MiB.")
+    def peak(header: str, i: int, what: str) -> str:
+        """A point's peak in words: its cell, out of memory (the cell's status), or not run (the fallback backend
+        reruns only the mode that ran out of memory)."""
+        if pd.notna(q.frame.at[i, header]):
+            return f"{what} peak {q.cell(header, i)} MiB"
+        status = q.table.status.get(header, {}).get(i)
+        return f"{what} {'out of memory' if status == 'oom' else status or 'not run'}"
+
+    parts = [f"{row['precision']}, context {q.cell('context', i)}, {row['attention']} attention: "
+             f"{peak(FORWARD, i, 'forward')}, {peak(TRAIN, i, 'training step')}." for i, row in q.frame.iterrows()]
     text = (f"The 2026 xl (d_model {config.d_model}, {config.num_layers} layers: our 2025 2.7B), batch "
             f"{int(frame['batch_size'].iloc[0])}; its float32 weights are {weights:,.0f} MiB. " + " ".join(parts))
     figures = sorted((ctx.figures / "memory_2026").glob("*.png")) if (ctx.figures / "memory_2026").exists() else []
