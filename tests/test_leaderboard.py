@@ -402,31 +402,40 @@ def test_each_run_writes_files_of_its_own_and_the_merge_quotes_the_configured_ru
 # ---- the leaderboard's own timing (handout_timer) ----------------------------------------------------------
 
 
-def test_do_bench_times_the_handouts_step_from_empty_caches(tmp_path, monkeypatch):
-    """--timer do_bench hands the whole step to triton.testing.do_bench (here a stand-in that calls it as do_bench
-    does and returns made-up times) inside new empty compilation caches, removed after; the row's step times are
-    do_bench's, the first call is timed apart, and run_wall_s counts from the process's start. Off CUDA the command
-    line refuses the timer, naming it."""
+def test_do_bench_times_the_handouts_step_from_empty_caches(tmp_path, monkeypatch, kernel_device):
+    """--timer do_bench runs the whole point inside new empty compilation caches (removed after) and hands the step
+    to triton.testing.do_bench (here a stand-in that calls it as do_bench does and returns made-up times); the row's
+    step times are do_bench's, the first call is timed apart, and run_wall_s counts from the process's start. On the
+    session's kernel device (the CPU under the interpreter, else CUDA: ours runs Triton kernels). Off CUDA the
+    command line refuses the timer, naming it."""
     import triton.testing
 
-    from cs336_systems.bench.leaderboard import handout_timer
+    from cs336_systems.bench.leaderboard import cli, handout_timer
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "warm_cache"))
     seen = {}
 
+    def caches_now() -> dict[str, str]:
+        return {name: os.environ[name] for name in handout_timer.CACHE_VARIABLES}
+
+    def run_in_caches(*args, **kwargs):
+        # empty when the run starts (not when do_bench starts: on CUDA the memory probe's first step compiles before it)
+        seen["empty"] = not any(os.path.exists(path) and os.listdir(path) for path in caches_now().values())
+        return run_point(*args, **kwargs)
+
     def do_bench(fn, warmup, rep, return_mode):
-        seen.update(warmup=warmup, rep=rep, return_mode=return_mode,
-                    caches={name: os.environ[name] for name in handout_timer.CACHE_VARIABLES})
-        seen["empty"] = not any(os.path.exists(path) and os.listdir(path) for path in seen["caches"].values())
+        seen.update(warmup=warmup, rep=rep, return_mode=return_mode, caches=caches_now())
         for _ in range(3):  # the first call (compiling), then two timed ones
             fn()
         return [3.0, 5.0]
 
+    run_point = cli._run
+    monkeypatch.setattr(cli, "_run", run_in_caches)
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     out = tmp_path / "lb.csv"
     started = handout_timer.process_age_s()
     leaderboard.run(_tiny(timer="do_bench", cold_cache=True, providers=(), ablations=("ours-sdpa_attention",),
-                          check_size="none", do_bench_warmup_ms=7, do_bench_rep_ms=11), out)
+                          check_size="none", do_bench_warmup_ms=7, do_bench_rep_ms=11, device=kernel_device), out)
     row = pd.read_csv(out).iloc[0]
     assert seen["warmup"] == 7 and seen["rep"] == 11 and seen["return_mode"] == "all" and seen["empty"]
     assert all(str(tmp_path / "warm_cache") != path for path in seen["caches"].values())
