@@ -6,6 +6,8 @@ trained on the whole batch. The model has a tied weight (used twice), a frozen l
 """
 
 import gc
+import os
+import signal
 import time
 import weakref
 
@@ -131,6 +133,18 @@ def test_a_failing_rank_fails_the_run_promptly():
     with pytest.raises(Exception, match="rank 1 fails on purpose|remote worker"):
         run_distributed(_one_rank_fails, 2)
     assert time.monotonic() - start < 60
+
+
+def _rank_1_aborts(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGABRT)  # as gloo's std::terminate ends a rank: in native code, no exception
+
+
+def test_a_rank_that_aborts_prints_its_python_stack(capfd):
+    with pytest.raises(Exception, match="SIGABRT"):
+        run_distributed(_rank_1_aborts, 2)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "in _rank_1_aborts" in err
 
 
 def test_background_all_reduce_keeps_order_and_raises_errors(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
 from pathlib import Path
@@ -48,6 +49,8 @@ def init_from_env(backend: str, timeout_s: float = 300, init_method: str = "env:
 
 
 def _worker(rank: int, world_size: int, store_file: str, backend: str, fn, args) -> None:
+    # A rank that dies in native code (gloo's std::terminate, a segfault) prints every thread's Python stack first.
+    faulthandler.enable()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     # A file store has no server: no rank's exit can pull the store from under a peer still shutting
     # down (with a TCP store hosted by rank 0, that aborted the other rank now and then). A short
