@@ -418,8 +418,8 @@ def test_do_bench_times_the_handouts_step_from_empty_caches(tmp_path, monkeypatc
     def caches_now() -> dict[str, str]:
         return {name: os.environ[name] for name in handout_timer.CACHE_VARIABLES}
 
-    def run_in_caches(*args, **kwargs):
-        # empty when the run starts (not when do_bench starts: on CUDA the memory probe's first step compiles before it)
+    def point_in_caches(*args, **kwargs):
+        # empty when the point starts (not when do_bench starts: on CUDA the memory probe's first step compiles before)
         seen["empty"] = not any(os.path.exists(path) and os.listdir(path) for path in caches_now().values())
         return run_point(*args, **kwargs)
 
@@ -429,8 +429,8 @@ def test_do_bench_times_the_handouts_step_from_empty_caches(tmp_path, monkeypatc
             fn()
         return [3.0, 5.0]
 
-    run_point = cli._run
-    monkeypatch.setattr(cli, "_run", run_in_caches)
+    run_point = cli.run_point
+    monkeypatch.setattr(cli, "run_point", point_in_caches)
     monkeypatch.setattr(triton.testing, "do_bench", do_bench)
     out = tmp_path / "lb.csv"
     started = handout_timer.process_age_s()
