@@ -81,16 +81,18 @@ def wanted(*paths):
 
 
 def committed(maker, *paths):
-    """Input function for committed files that the rule named `maker` makes, where others read them (a merge of
-    committed pieces): ancient() where this run does not make them again. A checkout writes files in its own
-    order, and a piece newer than its table must not merge it again (merging reformats the numbers). Snakemake
-    does not rerun a job for ancient inputs even when their rule runs, so a run told to make them (--forcerun
-    RULE or PATH, --forceall) takes them as plain inputs, and its new pieces are merged.
+    """Input function for committed files that the rule named `maker` (or any rule of a tuple of names) makes,
+    where others read them (a merge of committed pieces): ancient() where this run does not make them again. A
+    checkout writes files in its own order, and a piece newer than its table must not merge it again (merging
+    reformats the numbers). Snakemake does not rerun a job for ancient inputs even when their rule runs, so a run
+    told to make them (--forcerun RULE or PATH, --forceall) takes them as plain inputs, and its new pieces are
+    merged.
     """
 
     def inputs(wildcards):
         force = workflow.dag_settings
-        again = force.forceall or maker in force.forcerun
+        makers = (maker,) if isinstance(maker, str) else maker
+        again = force.forceall or any(m in force.forcerun for m in makers)
         return [p if again or p in force.forcerun else ancient(p) for p in paths]
 
     return inputs
@@ -130,8 +132,11 @@ def leaderboard_run_files(table):
     def inputs(wildcards):
         if MEASURE:
             checkpoints.leaderboard_8b_run.get()
+            checkpoints.leaderboard_8b_verdict.get()
         runs = sorted(glob.glob(f"{LEADERBOARD_RUNS}/{table}/*.csv"))
-        return committed("leaderboard_8b_run", *runs)(wildcards)
+        return committed(("leaderboard_8b_run", "leaderboard_8b_verdict"), *runs)(
+            wildcards
+        )
 
     return inputs
 

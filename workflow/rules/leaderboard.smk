@@ -69,6 +69,37 @@ checkpoint leaderboard_8b_run:
         " && cp {log} {output.log}"
 
 
+# The verdict (issue 59): config leaderboard_8b.verdict's runs of ours and the SAC anchor at one batch, one commit,
+# each its own process (no ablations, no profiled step), added to the same run files. Made by
+# `snakemake results/leaderboard_8b.csv --forcerun leaderboard_8b_verdict --cores 1 --resources gpu=1`.
+checkpoint leaderboard_8b_verdict:
+    output:
+        marker=touch(f"{LEADERBOARD_RUNS}/leaderboard_8b_verdict.measured"),
+        log=update(f"{LOGS}/leaderboard_8b_verdict.log"),
+    log:
+        f"{ATTEMPTS}/leaderboard_8b_verdict.log",
+    conda:
+        ENV
+    resources:
+        gpu=GPUS,
+    params:
+        device=DEVICE_ARGS,
+        c=S["leaderboard_8b"],
+        v=S["leaderboard_8b"]["verdict"],
+        providers=join(S["leaderboard_8b"]["verdict"]["providers"]),
+        runs=lambda wildcards, output: os.path.dirname(output.marker),
+    shell:
+        ": > {log} && for run in $(seq {params.v[runs]}); do"
+        " python -m cs336_systems.bench.leaderboard {params.device} --size {params.c[size]}"
+        " --batch {params.v[batch]} --context {params.c[context_length]} --providers {params.providers}"
+        " --ablations --warmup {params.c[warmup]} --steps {params.c[steps]} --compile {params.c[compile]}"
+        " --param-dtype {params.c[param_dtype]} --check-size {params.c[check_size]}"
+        " --check-context {params.c[check_context]}"
+        " --out '{params.runs}/leaderboard_8b/{{run_id}}.csv'"
+        " --check-out '{params.runs}/leaderboard_8b_check/{{run_id}}.csv' 2>> {log}; done"
+        " && cp {log} {output.log}"
+
+
 # The tables are merged from every run's files, in the order the runs ran; `quoted` marks the rows of the run the
 # writeup quotes: per batch in the step table, by config leaderboard_8b.quote; the latest profiled run in the profile.
 rule leaderboard_8b:
