@@ -1480,13 +1480,14 @@ def _render_handout(tmp_path, frame, render_handout, context):
 
 
 def test_memory_2026_says_which_points_ran_out_of_memory(tmp_path):
-    """2026 memory_profiling (b, c), from a synthetic CSV in the memory bench's columns (the committed 2025 rows as
-    template, random peaks): each point's peaks are its cells; the naive training step at 2048 is out of memory and
-    the fallback attention's point, which reruns only that mode, says its forward was not run."""
+    """2026 memory_profiling (a-c), from a synthetic CSV in the memory bench's columns (the committed 2025 rows as
+    template, random peaks): every prose number is a cell or a recomputed formula; (b) gives each context's two
+    peaks in fp32, the naive training step at 2048 out of memory and the fallback attention's point after it; (c)
+    gives bf16 less fp32 for each peak measured in both; a changed cell is caught."""
     from cs336_systems.report.section import Context
     from cs336_systems.report.sections.memory import render_memory_2026
 
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng()
     template = pd.read_csv(ROOT / "results" / "memory.csv").iloc[0].to_dict()
     points = [(precision, context, attention, mode) for precision in ("fp32", "bf16")
               for context, attention, modes in ((128, "naive", ("forward", "train_step")),
@@ -1500,18 +1501,23 @@ def test_memory_2026_says_which_points_ran_out_of_memory(tmp_path):
     rows.loc[rows["status"] == "oom", "peak_memory_mib"] = float("nan")
     rows.to_csv(tmp_path / "memory_2026.csv", index=False)
     make_tables(tmp_path, ["memory_peaks_2026"])  # as the `table` rule does
-    text = render_memory_2026(Context(tmp_path, tmp_path, tmp_path)).split("\n\n")[0]
+    body = render_memory_2026(Context(tmp_path, tmp_path, tmp_path))
+    assert unquoted(body) == []
 
     def peak(precision, context, attention, mode):
         row = rows[(rows["precision"] == precision) & (rows["context_length"] == context)
                    & (rows["attention"] == attention) & (rows["mode"] == mode)]
-        return f"peak {row['peak_memory_mib'].iloc[0]:,.0f} MiB"
+        return row["peak_memory_mib"].iloc[0]
 
-    for precision in ("fp32", "bf16"):
-        assert (f"{precision}, context 128, naive attention: forward {peak(precision, 128, 'naive', 'forward')}, "
-                f"training step {peak(precision, 128, 'naive', 'train_step')}.") in text
-        assert (f"{precision}, context 2048, naive attention: forward {peak(precision, 2048, 'naive', 'forward')}, "
-                "training step out of memory.") in text
-        assert (f"{precision}, context 2048, flash_triton attention: forward not run, training step "
-                f"{peak(precision, 2048, 'flash_triton', 'train_step')}.") in text
-    assert "nan" not in text
+    answer = next(p for p in body.checked if p.startswith("(b)"))
+    said = (f"(b) In fp32, context 128: forward {peak('fp32', 128, 'naive', 'forward'):,.0f} MiB, training step "
+            f"{peak('fp32', 128, 'naive', 'train_step'):,.0f} MiB; context 2048: forward "
+            f"{peak('fp32', 2048, 'naive', 'forward'):,.0f} MiB, training step out of memory; with `flash_triton`, "
+            f"{peak('fp32', 2048, 'flash_triton', 'train_step'):,.0f} MiB.")
+    assert answer.startswith(said)
+    assert perturbed_number(body, answer, f"{peak('fp32', 128, 'naive', 'forward'):,.0f} MiB")
+    mixed = next(p for p in body.checked if p.startswith("(c)"))
+    for mode, context in (("forward", 128), ("forward", 2048), ("train_step", 128)):
+        assert f"{peak('bf16', context, 'naive', mode) - peak('fp32', context, 'naive', mode):+,.0f} MiB at context " \
+               f"{context}" in mixed
+    assert "nan" not in body.markdown()

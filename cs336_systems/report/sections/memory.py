@@ -9,10 +9,13 @@ of bench/memory.py that record them; rows of an earlier run leave them out and t
 
 from __future__ import annotations
 
+import re
+
 import pandas as pd
 
 from cs336_systems.model import get_config
 from cs336_systems.model.accounting import parameter_count
+from cs336_systems.report.appendix import appendix, appendix_parts, rows_of, statistic
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, column_values
 
@@ -30,6 +33,7 @@ PHASE_COLUMNS = {
 }
 RECORDED = ("forward_start_mib", "forward_peak_mib", "backward_peak_mib", "saved_activations_mib",
             "saved_fp32_activations_mib", "saved_weight_copies_mib")
+NUMBER = re.compile(r"\d+(?:\.\d+)?")  # the numbers of a device's name (provenance, not measurements)
 PENDING = ("`snakemake results/memory.csv results/memory_allocations.csv --cores 1 --forcerun memory_profile` "
            "on one GPU")
 
@@ -95,8 +99,8 @@ def render_memory(ctx: Context) -> Section:
         same = forward[(forward["size_mib"] - residual).abs() < 1e-6]
         if len(same):
             parts[-1] += f" The forward snapshot has {int(same['count'].sum())} allocations of exactly that size."
-        parts.append(_largest_allocations(forward, config, batch, longest)
-                     + "\n\n" + forward[["size_mib", "count", "origin"]].round(1).to_markdown(index=False))
+        parts += [_largest_allocations(forward, config, batch, longest),
+                  *_allocations_appendix(forward, f"{size} memory_profiling (e): the largest allocations of the forward")]
     # "2" of "2.7B" is the size's name, not a measurement
     return Section(parts, q.table, checked, q.derived, wording=("2",))
 
@@ -254,6 +258,11 @@ def _precision(q: Quotes, longest: int) -> str:
     return text
 
 
+def _allocations_appendix(forward: pd.DataFrame, title: str) -> list[str]:
+    """(e)'s table, every largest allocation of the forward snapshot with where it was made, for the appendix."""
+    return appendix_parts(title, [forward[["size_mib", "count", "origin"]].round(1).to_markdown(index=False)])
+
+
 def _largest_allocations(forward, config, batch: int, context: int) -> str:
     """(e) in words: each of the largest allocation sizes of the forward snapshot, matched with the float32
     tensor shape it is (attention scores B·H·T², SwiGLU hidden B·T·d_ff, logits B·T·vocab, residual B·T·d)."""
@@ -276,40 +285,163 @@ def _largest_allocations(forward, config, batch: int, context: int) -> str:
 
 def memory_peaks_2026(frame: pd.DataFrame) -> NumericTable:
     """(b), (c): per precision, context and attention backend, the peak of a forward pass and of a training step
-    (MiB); OOM where the point did not fit (the next row then has the fallback attention's point)."""
+    (MiB), beside the float32 weights; OOM where the point did not fit (the next row then has the fallback
+    attention's point, which reruns only the mode that did not fit)."""
+    weights = parameter_count(get_config(str(frame["size"].iloc[0]), "2026")) * 4 / 2**20
     records, status = [], {}
     keys = ["precision", "context_length", "attention"]
     for (precision, context, attention), point in frame.groupby(keys, sort=False):
-        record = {"precision": precision, "context": int(context), "attention": attention}
-        _mode_peaks(point, record, status, len(records))
+        record = {"precision": precision, "context": int(context), "attention": attention, WEIGHTS: weights}
+        train = _mode_peaks(point, record, status, len(records))
+        for header, column in PHASES_2026.items():
+            record[header] = train[column] if train is not None else float("nan")
         records.append(record)
-    data = pd.DataFrame(records, columns=["precision", "context", "attention", FORWARD, TRAIN])
-    return NumericTable(data, (Col("precision"), Col("context", "d"), Col("attention"), Col(FORWARD, ",.0f"),
-                               Col(TRAIN, ",.0f")), status)
+    headers = [FORWARD, TRAIN, WEIGHTS, *PHASES_2026]
+    data = pd.DataFrame(records, columns=["precision", "context", "attention", *headers])
+    return NumericTable(data, (Col("precision"), Col("context", "d"), Col("attention"),
+                               *(Col(h, ",.0f") for h in headers)), status)
 
 
-def render_memory_2026(ctx: Context) -> str:
-    frame = ctx.frame("memory_2026")
+# The training step's levels that its timeline is read by (bench/memory.py, from the step's snapshot).
+BEFORE, RISEN, AFTER = "train: before forward (MiB)", "train: forward peak (MiB)", "train: after backward (MiB)"
+PHASES_2026 = {BEFORE: "forward_start_mib", RISEN: "forward_peak_mib", AFTER: "backward_end_mib"}
+
+
+def _point(q: Quotes, header: str, precision: str, context: int, attention: str) -> str:
+    """One point's peak in words: its cell in MiB, out of memory (the cell's status), or not run (the fallback
+    backend reruns only the mode that ran out of memory), or not measured (no such row)."""
+    t = q.frame
+    rows = t.index[(t["precision"] == precision) & (t["context"] == context) & (t["attention"] == attention)]
+    if not len(rows):
+        return "not measured"
+    if pd.notna(t.at[rows[0], header]):
+        return f"{q.cell(header, int(rows[0]))} MiB"
+    status = q.table.status.get(header, {}).get(int(rows[0]))
+    return "out of memory" if status == "oom" else status or "not run"
+
+
+def _step_2026(q: Quotes, precision: str, context: int, attentions: list[str]) -> str:
+    """The training step at one context in words: the handout's attention first, then each fallback's point."""
+    said = [_point(q, TRAIN, precision, context, attentions[0])]
+    for attention in attentions[1:]:
+        if _point(q, TRAIN, precision, context, attention) != "not measured":
+            said.append(f"with `{attention}`, {_point(q, TRAIN, precision, context, attention)}")
+    return "; ".join(said)
+
+
+def _sets_step_peak_2026(t: pd.DataFrame) -> bool:
+    """Whether every measured training step peaks within a tenth of the weights of five times the weights (weights,
+    gradients, two moments and the multi-tensor update's temporary): at the optimizer step, not the activations."""
+    steps = t[t[TRAIN].notna()]
+    return bool(len(steps)) and bool(((steps[TRAIN] - 5 * steps[WEIGHTS]).abs() < 0.1 * steps[WEIGHTS]).all())
+
+
+def _mixed_2026(q: Quotes, contexts: list[int], naive: str) -> str:
+    """(c): bf16 autocast less fp32, per context, for each peak both precisions measured; 'significantly' where a
+    change exceeds a tenth of the fp32 peak."""
+    t = q.frame
+
+    def delta(header: str, context: int):
+        def formula(t):
+            rows = t[(t["context"] == context) & (t["attention"] == naive)].set_index("precision")[header]
+            return rows["bf16"] - rows["fp32"]
+        return formula
+
+    def paired(header: str) -> list[int]:
+        rows = t[t["attention"] == naive]
+        return [c for c in contexts if rows[(rows["context"] == c) & rows[header].notna()]["precision"].nunique() == 2]
+
+    said, large = [], False
+    for header, what in ((FORWARD, "the forward peak"), (TRAIN, "the training step's")):
+        changes = [f"{q.derive(delta(header, c), '+,.0f', f'{what}: bf16 - fp32 at {c}')} MiB at context {c}"
+                   for c in paired(header)]
+        large |= any(abs(delta(header, c)(t)) > 0.1 * t.loc[(t["context"] == c) & (t["precision"] == "fp32")
+                                                            & (t["attention"] == naive), header].iloc[0]
+                     for c in paired(header))
+        if changes:
+            said.append(f"{what} by " + " and ".join(changes))
+    if not said:
+        return "(c) No point ran in both fp32 and bf16."
+    text = f"(c) bf16 autocast changes {' and '.join(said)}: " + ("significantly." if large else "not significantly.")
+    text += " The forward keeps no activations (no_grad), and autocast only adds bf16 copies of what it multiplies"
+    text += (("; the training step peaks at its optimizer step, on float32 state autocast never touches."
+              if _sets_step_peak_2026(t) else "."))
+    return text
+
+
+def render_memory_2026(ctx: Context) -> Section:
+    """(a)-(e) for the 2026 xl: the peaks table and the timelines (the forward at the longest context, the training
+    step at the longest context it fit), (a)-(c) from the table's cells, (d) from the model's shape and (e) from
+    the largest allocations of the float32 forward snapshot at the longest context."""
+    frame, allocations = ctx.frame("memory_2026"), ctx.frame("memory_allocations_2026")
     q = Quotes(ctx.numeric("memory_peaks_2026"))
+    t = q.frame
     config = get_config(str(frame["size"].iloc[0]), "2026")
-    weights = parameter_count(config) * 4 / 2**20
-    def peak(header: str, i: int, what: str) -> str:
-        """A point's peak in words: its cell, out of memory (the cell's status), or not run (the fallback backend
-        reruns only the mode that ran out of memory)."""
-        if pd.notna(q.frame.at[i, header]):
-            return f"{what} peak {q.cell(header, i)} MiB"
-        status = q.table.status.get(header, {}).get(i)
-        return f"{what} {'out of memory' if status == 'oom' else status or 'not run'}"
-
-    parts = [f"{row['precision']}, context {q.cell('context', i)}, {row['attention']} attention: "
-             f"{peak(FORWARD, i, 'forward')}, {peak(TRAIN, i, 'training step')}." for i, row in q.frame.iterrows()]
-    text = (f"The 2026 xl (d_model {config.d_model}, {config.num_layers} layers: our 2025 2.7B), batch "
-            f"{int(frame['batch_size'].iloc[0])}; its float32 weights are {weights:,.0f} MiB. " + " ".join(parts))
-    figures = sorted((ctx.figures / "memory_2026").glob("*.png")) if (ctx.figures / "memory_2026").exists() else []
-    timelines = "Active-memory timelines: " + (
-        ", ".join(f.name for f in figures) + f" in {ctx.figures / 'memory_2026'}." if figures else
-        f"pending: `snakemake {ctx.results}/memory_allocations_2026.csv --cores 1 --resources gpu=1`.")
-    return "\n\n".join([text, ctx.table("memory_peaks_2026"), timelines])  # prose from the rows (not yet checked)
+    batch, device = int(frame["batch_size"].iloc[0]), str(frame["device_name"].iloc[0])
+    naive = str(t["attention"].iloc[0])  # the handout's attention; later rows of a context: the fallback's
+    attentions = list(dict.fromkeys(t["attention"]))
+    contexts = sorted(set(t["context"]))
+    longest = contexts[-1]
+    fp32 = t[(t["precision"] == "fp32") & (t["attention"] == naive)]
+    fit = fp32[fp32[TRAIN].notna()]
+    step_context = int(fit["context"].max()) if len(fit) else None
+    intro = (f"The 2026 xl (d_model {config.d_model}, d_ff {config.d_ff}, {config.num_layers} layers, "
+             f"{config.num_heads} heads: our 2025 2.7B), batch {batch}, the handout's {naive} attention; peaks from "
+             f"`torch.cuda.max_memory_allocated` over one step after warm-up, on one {device}"
+             + (f"; a training step that did not fit ran again with {', '.join(f'`{a}`' for a in attentions[1:])}."
+                if len(attentions) > 1 else "."))
+    forward_row = q.table.row(precision="fp32", context=longest, attention=naive)
+    timelines = (f"(a) The forward-only timeline (fp32, context {longest}) is flat at the float32 weights "
+                 f"({q.cell(WEIGHTS, 0)} MiB) with one tooth per layer up to its peak ({q.cell(FORWARD, forward_row)} "
+                 "MiB): under no_grad each layer's activations are freed as the next one runs.")
+    if step_context is not None:
+        step_row = q.table.row(precision="fp32", context=step_context, attention=naive)
+        climbs = t.at[step_row, AFTER] > t.at[step_row, RISEN]
+        rise = q.derive(lambda t: t.at[step_row, RISEN] - t.at[step_row, BEFORE], ",.0f",
+                        f"the training step's forward rise at {step_context}")
+        timelines += (f" The training step's (fp32, context {step_context}, the longest that fit) shows each stage by "
+                      f"its direction: `zero_grad` drops it to {q.cell(BEFORE, step_row)} MiB, the forward ramps up by "
+                      f"{rise} MiB of saved activations, the backward "
+                      + (f"climbs to {q.cell(AFTER, step_row)} MiB (the gradients it allocates outweigh the "
+                         "activations it frees)" if climbs else
+                         f"falls to {q.cell(AFTER, step_row)} MiB (it frees more activations than the gradients it "
+                         "allocates)")
+                      + ", and the optimizer step is a short plateau"
+                      + (f" at the step's peak ({q.cell(TRAIN, step_row)} MiB, about five times the weights)"
+                         if _sets_step_peak_2026(t) else "") + ".")
+    peaks = ("(b) In fp32, " + "; ".join(
+        f"context {c}: forward {_point(q, FORWARD, 'fp32', c, naive)}, training step "
+        f"{_step_2026(q, 'fp32', c, attentions)}" for c in contexts) + ".")
+    if fit.shape[0] < fp32.shape[0]:
+        peaks += (f" Weights, gradients and AdamW's two moments alone take "
+                  f"{q.derive(lambda t: 4 * t[WEIGHTS].iloc[0], ',.0f', 'four times the weights')} MiB (four times "
+                  "the weights); the activations a longer context saves did not fit beside them on this GPU.")
+    mixed = _mixed_2026(q, contexts, naive)
+    table = ctx.table("memory_peaks_2026")
+    shown = ("precision", "context", "attention", FORWARD, TRAIN)
+    parts = [intro, rows_of(q.table, lambda t: t["context"] > 0, shown).to_markdown(),
+             f"_{statistic(table)}: the phase levels (a) reads are in the full table._",
+             appendix("2026 memory_profiling: peaks and the training step's levels", table),
+             ctx.figure(f"memory_2026/forward_fp32_{longest}", f"forward fp32, context {longest}")]
+    if step_context is not None:
+        parts.append(ctx.figure(f"memory_2026/train_step_fp32_{step_context}", f"train step fp32, context {step_context}"))
+    checked = [intro, timelines, peaks, mixed]
+    parts += checked[1:]
+    residual = {c: batch * c * config.d_model * 4 / 2**20 for c in contexts}
+    parts.append("(d) One residual-stream activation in float32 is batch × context × d_model × 4 B: " + " and ".join(
+        f"{batch} × {c} × {config.d_model} × 4 / 1024² = {residual[c]:.1f} MiB at context {c}" for c in contexts) + ".")
+    if allocations is not None:
+        forward = allocations[allocations["snapshot"] == f"forward_fp32_{longest}"]
+        same = forward[(forward["size_mib"] - residual[longest]).abs() < 1e-6]
+        if len(same):
+            parts[-1] += (f" The fp32 forward snapshot at context {longest} has {int(same['count'].sum())} allocations "
+                          "of exactly that size.")
+        top = forward[forward["size_mib"].isin(sorted(set(forward["size_mib"]), reverse=True)[:2])]
+        parts += [_largest_allocations(top, config, batch, longest),
+                  *_allocations_appendix(forward, "2026 memory_profiling (e): the largest allocations of the forward")]
+    wording = ("2026", "2025", "2", str(config.d_model), str(config.d_ff), str(config.num_layers),
+               str(config.num_heads), str(batch), *NUMBER.findall(device))
+    return Section(parts, q.table, checked, q.derived, wording=wording)
 
 
 def block_memory_2026(frame: pd.DataFrame) -> NumericTable:
@@ -378,7 +510,7 @@ DELIVERABLES = [
                               "pass (no_grad) and training step (forward, backward, AdamW)"),),
                 cuda_only="the allocator history is a CUDA feature"),
     Deliverable("2026 §2.1.6 (a–e) memory_profiling of the 2026 xl at contexts 128 and 2048", "memory_profile_2026",
-                render_memory_2026, ("memory_2026",), tables=(MEMORY_2026,),
+                render_memory_2026, ("memory_2026", "memory_allocations_2026"), tables=(MEMORY_2026,),
                 cuda_only="the allocator history is a CUDA feature"),
     Deliverable("2026 §2.1.6 (f) memory_profiling: residuals, their top-5 ops and gradients per block",
                 "memory_residuals_2026", render_block_memory_2026, ("block_memory_2026",),
