@@ -73,11 +73,11 @@ def render(entries: list[Entry], back: Callable[[int], tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def rows_of(table: NumericTable, rows: Callable[[pd.DataFrame], pd.Series],
+def rows_of(table: NumericTable, rows: Callable[[pd.DataFrame], pd.Series] | None,
             columns: tuple[str, ...] = ()) -> NumericTable:
-    """The rows `rows(table.data)` selects (and only `columns`, where given), as a table printed the way the full one
-    is: a body's summary of a table moved to the appendix."""
-    mask = rows(table.data).to_numpy()
+    """The rows `rows(table.data)` selects (every row where `rows` is None; and only `columns`, where given), as a
+    table printed the way the full one is: a body's summary of a table moved to the appendix."""
+    mask = [True] * len(table) if rows is None else rows(table.data).to_numpy()
     kept = [i for i in range(len(table)) if mask[i]]
     if not kept:
         raise ValueError("rows_of: the selection keeps no row of the table")

@@ -33,6 +33,16 @@ rule linear_ce:
 # its marker (committed) keeps a plain rebuild from measuring again, as a committed results file does.
 
 
+# The settings every timed run of the 8B step shares (the bench's runs and the verdict's): size, context, steps,
+# compilation, dtype and the correctness check, from config leaderboard_8b.
+LB = S["leaderboard_8b"]
+LEADERBOARD_STEP = (
+    f"--size {LB['size']} --context {LB['context_length']} --warmup {LB['warmup']} --steps {LB['steps']}"
+    f" --compile {LB['compile']} --param-dtype {LB['param_dtype']} --check-size {LB['check_size']}"
+    f" --check-context {LB['check_context']}"
+)
+
+
 checkpoint leaderboard_8b_run:
     output:
         marker=touch(f"{LEADERBOARD_RUNS}/leaderboard_8b.measured"),
@@ -45,23 +55,21 @@ checkpoint leaderboard_8b_run:
         gpu=GPUS,
     params:
         device=DEVICE_ARGS,
-        c=S["leaderboard_8b"],
-        batches=join(S["leaderboard_8b"]["batches"]),
-        providers=join(S["leaderboard_8b"]["providers"]),
-        ablations=join(S["leaderboard_8b"]["ablations"]),
-        ablation_batches=join(S["leaderboard_8b"]["ablation_batches"]),
+        step=LEADERBOARD_STEP,
+        batches=join(LB["batches"]),
+        providers=join(LB["providers"]),
+        ablations=join(LB["ablations"]),
+        ablation_batches=join(LB["ablation_batches"]),
         snapshots=f"{R}/leaderboard_8b_snapshots",
         runs=lambda wildcards, output: os.path.dirname(output.marker),
         handout_test=lambda wildcards, output: handout_test_command(
             os.path.dirname(output.marker)
         ),
     shell:
-        "python -m cs336_systems.bench.leaderboard {params.device} --size {params.c[size]}"
-        " --batch {params.batches} --context {params.c[context_length]} --providers {params.providers}"
+        "python -m cs336_systems.bench.leaderboard {params.device} {params.step}"
+        " --batch {params.batches} --providers {params.providers}"
         " --ablations {params.ablations} --ablation-batch {params.ablation_batches}"
-        " --warmup {params.c[warmup]} --steps {params.c[steps]} --compile {params.c[compile]}"
-        " --param-dtype {params.c[param_dtype]} --check-size {params.c[check_size]}"
-        " --check-context {params.c[check_context]} --profile {params.snapshots}"
+        " --profile {params.snapshots}"
         " --out '{params.runs}/leaderboard_8b/{{run_id}}.csv'"
         " --check-out '{params.runs}/leaderboard_8b_check/{{run_id}}.csv'"
         " --profile-out '{params.runs}/leaderboard_8b_profile/{{run_id}}.csv' 2> {log}"
@@ -84,17 +92,14 @@ checkpoint leaderboard_8b_verdict:
         gpu=GPUS,
     params:
         device=DEVICE_ARGS,
-        c=S["leaderboard_8b"],
-        v=S["leaderboard_8b"]["verdict"],
-        providers=join(S["leaderboard_8b"]["verdict"]["providers"]),
+        step=LEADERBOARD_STEP,
+        v=LB["verdict"],
+        providers=join(LB["verdict"]["providers"]),
         runs=lambda wildcards, output: os.path.dirname(output.marker),
     shell:
         ": > {log} && for run in $(seq {params.v[runs]}); do"
-        " python -m cs336_systems.bench.leaderboard {params.device} --size {params.c[size]}"
-        " --batch {params.v[batch]} --context {params.c[context_length]} --providers {params.providers}"
-        " --ablations --warmup {params.c[warmup]} --steps {params.c[steps]} --compile {params.c[compile]}"
-        " --param-dtype {params.c[param_dtype]} --check-size {params.c[check_size]}"
-        " --check-context {params.c[check_context]}"
+        " python -m cs336_systems.bench.leaderboard {params.device} {params.step}"
+        " --batch {params.v[batch]} --providers {params.providers} --ablations"
         " --out '{params.runs}/leaderboard_8b/{{run_id}}.csv'"
         " --check-out '{params.runs}/leaderboard_8b_check/{{run_id}}.csv' 2>> {log}; done"
         " && cp {log} {output.log}"
@@ -117,7 +122,7 @@ rule leaderboard_8b:
     conda:
         ENV
     params:
-        quote=join(S["leaderboard_8b"]["quote"]),
+        quote=join(LB["quote"]),
     shell:
         "(python -m cs336_systems.bench.merge {input.steps} --out {output.steps} --sort-by timestamp"
         " --quote {params.quote} --quote-per batch timer --default timer=steps"

@@ -88,7 +88,7 @@ def render_warmup(ctx: Context) -> Section:
         checked.append(paragraph)
     # the body keeps each point's mean step; the first and slowest later steps are in the full table, in the appendix
     means = ("size", *(f"warmup={w} step (ms)" for w in warmups))
-    table = [rows_of(q.table, lambda t: t["size"].notna(), means).to_markdown(),
+    table = [rows_of(q.table, None, means).to_markdown(),
              f"_{statistic(ctx.table('e2e_warmup'))}: mean ± std per point; its first and slowest later steps are in "
              "the full table._", appendix("1.1.3 (c): every point's first and slowest later step", ctx.table("e2e_warmup"))]
     # the warm-up counts of the grid and the 10% threshold are the sentence's, not measurements

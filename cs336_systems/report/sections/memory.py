@@ -133,7 +133,7 @@ def _timelines(q: Quotes, longest: int) -> str:
         "; the backward is a slower ramp down, freeing those activations layer by layer while it allocates the "
         "gradients, and ends at four times the weights; the optimizer step is a short plateau one weights' "
         "worth higher (the multi-tensor AdamW's temporary per parameter)"
-        + (f" that sets the step's peak ({q.cell(TRAIN, fp32)} MiB)" if _optimizer_sets_step_peak(q) else "")
+        + (f" that sets the step's peak ({q.cell(TRAIN, fp32)} MiB)" if _optimizer_sets_step_peak(q.frame) else "")
         + ", then falls back. So yes: ramp up, ramp down and plateau are forward, backward and optimizer.")
     return text
 
@@ -170,7 +170,7 @@ def _peaks(q: Quotes) -> str:
         f"from five times the weights ({_times_weights(q, 5, 'weights, gradients, two moments and the update temporary')}"
         f" MiB: weights, gradients, AdamW's two moments and the temporary of the multi-tensor update)")
     text += (", at every context length: the peak is the optimizer step, not the activations of the backward pass, "
-             "so it does not grow with the context here." if _optimizer_sets_step_peak(q) else
+             "so it does not grow with the context here." if _optimizer_sets_step_peak(q.frame) else
              ": what lies above that is the activations kept for the backward pass.")
     return text + _activations_next_to_peak(q)
 
@@ -196,10 +196,12 @@ def _activations_next_to_peak(q: Quotes) -> str:
             f"optimizer's.")
 
 
-def _optimizer_sets_step_peak(q: Quotes) -> bool:
-    """Whether every training step peaks within a tenth of the weights of five times the weights: weights,
-    gradients, two moments and the update's temporary, i.e. at the optimizer step, not the activations."""
-    return bool((_above(TRAIN, 5)(q.frame).abs() < 0.1 * column_values(q.frame, WEIGHTS)).all())
+def _optimizer_sets_step_peak(t: pd.DataFrame) -> bool:
+    """Whether every measured training step (of a peaks table's numbers, either edition's) peaks within a tenth of
+    the weights of five times the weights: weights, gradients, two moments and the update's temporary, i.e. at the
+    optimizer step, not the activations. False where none was measured."""
+    steps = t[t[TRAIN].notna()]
+    return bool(len(steps)) and bool((_above(TRAIN, 5)(steps).abs() < 0.1 * column_values(steps, WEIGHTS)).all())
 
 
 def _precision(q: Quotes, longest: int) -> str:
@@ -223,7 +225,7 @@ def _precision(q: Quotes, longest: int) -> str:
         f"peak is made of what autocast shrinks. The forward pass runs under no_grad, so it keeps no activations; "
         f"its peak is the float32 weights plus one layer's working set, and autocast only adds short-lived bf16 "
         f"casts of the weight being multiplied.")
-    if _optimizer_sets_step_peak(q):
+    if _optimizer_sets_step_peak(q.frame):
         text += (" The training step's peak is its optimizer step, on float32 weights, gradients and AdamW state "
                  "that autocast never touches.")
     text += (" Autocast acts on what the forward of a training step saves for the backward, and there it need not "
@@ -253,7 +255,7 @@ def _precision(q: Quotes, longest: int) -> str:
         f"keeps. The forward+backward peak is {q.cell(peak, fp32)} MiB in fp32 and {q.cell(peak, bf16)} MiB in bf16 "
         f"({q.derive(delta(peak, context=longest), '+,.0f', f'forward+backward peak bf16 - fp32 at {longest}')} MiB)")
     text += (": so bf16 does not lower this peak either." if change >= 0 else
-             ": bf16 lowers this peak, which is not the step's." if _optimizer_sets_step_peak(q) else
+             ": bf16 lowers this peak, which is not the step's." if _optimizer_sets_step_peak(q.frame) else
              ": bf16 lowers this peak.")
     return text
 
@@ -329,13 +331,6 @@ def _step_2026(q: Quotes, precision: str, context: int, attentions: list[str]) -
     return "; ".join(said)
 
 
-def _sets_step_peak_2026(t: pd.DataFrame) -> bool:
-    """Whether every measured training step peaks within a tenth of the weights of five times the weights (weights,
-    gradients, two moments and the multi-tensor update's temporary): at the optimizer step, not the activations."""
-    steps = t[t[TRAIN].notna()]
-    return bool(len(steps)) and bool(((steps[TRAIN] - 5 * steps[WEIGHTS]).abs() < 0.1 * steps[WEIGHTS]).all())
-
-
 def _mixed_2026(q: Quotes, contexts: list[int], naive: str) -> str:
     """(c): bf16 autocast less fp32, per context, for each peak both precisions measured; 'significantly' where a
     change exceeds a tenth of the fp32 peak."""
@@ -365,7 +360,7 @@ def _mixed_2026(q: Quotes, contexts: list[int], naive: str) -> str:
     text = f"(c) bf16 autocast changes {' and '.join(said)}: " + ("significantly." if large else "not significantly.")
     text += " The forward keeps no activations (no_grad), and autocast only adds bf16 copies of what it multiplies"
     text += (("; the training step peaks at its optimizer step, on float32 state autocast never touches."
-              if _sets_step_peak_2026(t) else "."))
+              if _optimizer_sets_step_peak(t) else "."))
     return text
 
 
@@ -408,7 +403,7 @@ def render_memory_2026(ctx: Context) -> Section:
                          "allocates)")
                       + ", and the optimizer step is a short plateau"
                       + (f" at the step's peak ({q.cell(TRAIN, step_row)} MiB, about five times the weights)"
-                         if _sets_step_peak_2026(t) else "") + ".")
+                         if _optimizer_sets_step_peak(t) else "") + ".")
     peaks = ("(b) In fp32, " + "; ".join(
         f"context {c}: forward {_point(q, FORWARD, 'fp32', c, naive)}, training step "
         f"{_step_2026(q, 'fp32', c, attentions)}" for c in contexts) + ".")
@@ -419,7 +414,7 @@ def render_memory_2026(ctx: Context) -> Section:
     mixed = _mixed_2026(q, contexts, naive)
     table = ctx.table("memory_peaks_2026")
     shown = ("precision", "context", "attention", FORWARD, TRAIN)
-    parts = [intro, rows_of(q.table, lambda t: t["context"] > 0, shown).to_markdown(),
+    parts = [intro, rows_of(q.table, None, shown).to_markdown(),
              f"_{statistic(table)}: the phase levels (a) reads are in the full table._",
              appendix("2026 memory_profiling: peaks and the training step's levels", table),
              ctx.figure(f"memory_2026/forward_fp32_{longest}", f"forward fp32, context {longest}")]
