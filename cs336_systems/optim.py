@@ -70,8 +70,8 @@ class AdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                state_dtype = group.get("state_dtype") or p.dtype
-                if not state:
+                state_dtype = group.get("state_dtype") or state.get("master", p).dtype
+                if "step" not in state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype)
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype)
@@ -84,7 +84,8 @@ class AdamW(torch.optim.Optimizer):
                     # (waiting for the whole walk left the GPU idle: cs336_systems/kernels/DECISIONS.md).
                     self._update([p], group)
                     continue
-                key = (p.device, p.dtype, state_dtype, state["step"]) if group["foreach"] else (id(p),)
+                key = ((p.device, p.dtype, state_dtype, state["step"], "master" in state) if group["foreach"]
+                       else (id(p),))
                 batches[key].append(p)
             for params in batches.values():
                 self._update(params, group)
@@ -99,6 +100,11 @@ class AdamW(torch.optim.Optimizer):
             from torch.distributed.tensor import DTensor
 
             (p,) = params
+            state = self.state[p]
+            if "master" in state:
+                adamw_step_(state["master"], p.grad, state["exp_avg"], state["exp_avg_sq"], lr=lr, beta1=beta1,
+                            beta2=beta2, eps=eps, weight_decay=wd, step=t, copy=p)
+                return
             tensors = (p, p.grad, self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"])
             # torch's FSDP2 hands over DTensors; the update is elementwise, so it runs on the local shards.
             p, grad, exp_avg, exp_avg_sq = (x.to_local() if isinstance(x, DTensor) else x for x in tensors)
@@ -107,16 +113,21 @@ class AdamW(torch.optim.Optimizer):
             return
         m = [self.state[p]["exp_avg"] for p in params]
         v = [self.state[p]["exp_avg_sq"] for p in params]
+        grads = [p.grad for p in params]
+        narrow = None
+        if "master" in self.state[params[0]]:  # update the float32 masters, then round them into the parameters
+            narrow, params = params, [self.state[p]["master"] for p in params]
         # Computed in the wider of the parameters' and the moments' dtypes, on copies where they differ.
         work = torch.promote_types(params[0].dtype, m[0].dtype)
         originals = (params, m, v)
-        grads = [p.grad for p in params]
         params, m, v, grads = (tensors if tensors[0].dtype == work else [x.to(work) for x in tensors]
                                for tensors in (params, m, v, grads))
         self._foreach_adamw(params, grads, m, v, lr, beta1, beta2, eps, wd, t)
         for original, updated in zip(originals, (params, m, v)):
             if updated is not original:
                 torch._foreach_copy_(original, updated)
+        if narrow is not None:
+            torch._foreach_copy_(narrow, originals[0])
 
     @staticmethod
     def _foreach_adamw(params, grads, m, v, lr, beta1, beta2, eps, wd, t) -> None:
@@ -129,6 +140,18 @@ class AdamW(torch.optim.Optimizer):
         torch._foreach_div_(denom, math.sqrt(1 - beta2**t))
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, m, denom, value=-step_size)
+
+
+def keep_master_weights(optimizer: AdamW, params, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Cast each of `params` to `dtype` in place, its float32 value kept as `optimizer`'s master copy: the step
+    updates the master (moments in float32) and rounds it into the parameter. Under autocast to `dtype`, where
+    these are the weights of matmuls, training is the same as with float32 parameters (autocast casts them the
+    same way each forward, and their gradients are the narrow ones widened), minus the casts."""
+    for p in params:
+        if p.dtype != torch.float32:
+            raise ValueError(f"master weights are kept for float32 parameters; got {p.dtype}")
+        optimizer.state[p]["master"] = p.detach().clone()
+        p.data = p.data.to(dtype)
 
 
 STATE_DTYPES = (None, torch.float32, torch.bfloat16)

@@ -578,6 +578,46 @@ def test_baseline_runs_beside_ours_with_torch_adamw_and_records_every_step(tmp_p
         e2e.Sweep(models=("mine",), device="cpu")
 
 
+def test_master_weights_only_in_ours_bf16_training_steps(tmp_path):
+    """--weights bf16-master adds a point beside each bf16 train step of ours (never the baseline's, another
+    mode's or precision's), runs it with bf16 matmul weights, and is refused where no point could use it."""
+    grid = dict(sizes=("tiny",), context_length=16, batch_size=2, warmups=(1,), steps=2, device="cpu")
+    sweep = e2e.Sweep(**grid, modes=("forward", "train_step"), precisions=("fp32", "bf16"),
+                      models=("ours", "plain"), attention=("sdpa",), weights=("float32", "bf16-master"))
+    masters = [(s.model, s.mode, s.precision) for s in sweep.specs() if s.weights == "bf16-master"]
+    assert masters == [("ours", "train_step", "bf16")]
+    measured = []
+    real_measure = e2e.measure
+
+    def measure(spec):
+        samples = real_measure(spec)
+        measured.append((spec.weights, spec.model))
+        return samples
+
+    built = []
+    real_build = e2e.build_model
+
+    def build_model(spec, device):
+        built.append(real_build(spec, device))
+        return built[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(e2e, "measure", measure)
+        patch.setattr(e2e, "build_model", build_model)
+        e2e.sweep(dataclasses.replace(sweep, modes=("train_step",), precisions=("bf16",), models=("ours",)),
+                  tmp_path / "rows.csv")
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert measured == [("float32", "ours"), ("bf16-master", "ours")] and (rows["status"] == "ok").all()
+    assert rows.drop_duplicates("weights")["weights"].tolist() == ["float32", "bf16-master"]
+    dtypes = [{p.dtype for p in model.parameters() if p.dim() == 2} for model in built]
+    assert dtypes == [{torch.float32}, {torch.float32, torch.bfloat16}]  # the embedding stays float32
+    for bad in (dict(precisions=("fp32",)), dict(models=("plain",)), dict(modes=("forward",)),
+                dict(optimizers=("torch_fused",))):
+        with pytest.raises(ValueError, match="bf16-master"):
+            e2e.Sweep(**{**grid, "precisions": ("bf16",), "modes": ("train_step",), **bad},
+                      weights=("bf16-master",))
+
+
 def test_profile_attributes_kernels_to_attention_stages():
     """Each ATen op (on a GPU: each kernel) inside a stage range is counted in that stage only: the score
     matmul, scaling and mask in `scores`, softmax in `softmax`, the PV product in `final matmul`."""

@@ -17,8 +17,8 @@ from cs336_systems.model import (
     register_attention,
 )
 from cs336_systems.model.attention import GradInOutputStrides, get_attention, naive_attention, sdpa_attention
-from cs336_systems.model.transformer import RotaryEmbedding
-from cs336_systems.optim import AdamW
+from cs336_systems.model.transformer import Linear, RotaryEmbedding
+from cs336_systems.optim import AdamW, keep_master_weights
 
 TINY = ModelConfig(d_model=32, d_ff=64, num_layers=2, num_heads=4, vocab_size=97, context_length=64)
 
@@ -313,6 +313,75 @@ def test_adamw_on_bf16_parameters_tracks_the_float32_step(implementation, state_
 def test_adamw_rejects_an_unknown_state_dtype():
     with pytest.raises(ValueError, match="state_dtype must be one of .* got torch.float16"):
         AdamW([torch.nn.Parameter(torch.zeros(2))], state_dtype=torch.float16)
+
+
+
+def test_bf16_master_weights_give_autocasts_gradients():
+    """One bf16 training step of a model whose matmul weights are bf16 (float32 masters kept by our AdamW)
+    against autocast over the same model in float32, the reference: autocast casts each weight to the same
+    bf16 value, so logits, loss and every gradient are the same numbers (a weight's bf16 gradient widened
+    is the reference's float32 one). CPU; causal attention, a context not a power of two."""
+    torch.manual_seed(4)
+    reference = TransformerLM(TINY)
+    model = TransformerLM(TINY)
+    model.load_state_dict(reference.state_dict())
+    keep_master_weights(AdamW(model.parameters()), [m.weight for m in model.modules() if isinstance(m, Linear)])
+    tokens = torch.randint(TINY.vocab_size, (3, 22))
+    outputs = []
+    for m in (reference, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(tokens[:, :-1])
+            loss = cross_entropy(logits, tokens[:, 1:])
+        loss.backward()
+        outputs.append((logits, loss))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    narrow = 0
+    for (name, p), q in zip(reference.named_parameters(), model.parameters()):
+        narrow += q.dtype == torch.bfloat16
+        assert p.grad.dtype == torch.float32 and torch.equal(q.grad.float(), p.grad), name
+    assert narrow == 7 * TINY.num_layers + 1  # q, k, v, output, w1, w2, w3 in each block, and the LM head
+
+
+@pytest.mark.parametrize("implementation", ["foreach", "fused"])
+def test_bf16_master_weights_step_like_torch_adamw_in_float32(implementation, request):
+    """Several steps with the same gradients given to both: the masters track torch.optim.AdamW on float32
+    parameters to float32 rounding, and each bf16 weight is its master rounded to nearest even (on a GPU;
+    Triton's CPU interpreter truncates, within 1 bf16 ulp). Parameters left in float32 (norms) beside them,
+    and a frozen one (no gradient: not stepped), step as before."""
+    device = request.getfixturevalue("kernel_device") if implementation == "fused" else "cpu"
+    torch.manual_seed(5)
+    model = TransformerLM(TINY).to(device)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = AdamW(model.parameters(), foreach=implementation == "foreach", fused=implementation == "fused", **kwargs)
+    theirs = torch.optim.AdamW(reference, **kwargs)
+    narrow = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    keep_master_weights(ours, narrow)
+    frozen = model.layers[0].attn.q_proj.weight
+    start = ours.state[frozen]["master"].clone()
+    for _ in range(4):
+        for p, q in zip(model.parameters(), reference):
+            g = None if p is frozen else torch.randn(p.shape, device=device).to(p.dtype)
+            p.grad, q.grad = g, None if g is None else g.float()
+        ours.step()
+        theirs.step()
+    exact = device == "cuda"
+    for p, q in zip(model.parameters(), reference):
+        master = ours.state[p].get("master", p)
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master, q.detach(), rtol=1e-6, atol=1e-7)
+        if p.dtype == torch.bfloat16:
+            if exact or implementation == "foreach":
+                assert torch.equal(p, master.bfloat16())
+            else:
+                assert ((p.float() - master).abs() <= master.abs() * 2**-7).all()
+    assert torch.equal(ours.state[frozen]["master"], start) and torch.equal(frozen, start.bfloat16())
+
+
+def test_master_weights_need_float32_parameters():
+    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="got torch.bfloat16"):
+        keep_master_weights(AdamW([half]), [half])
 
 
 # ---- the 8B step's model API ---------------------------------------------------------------------------

@@ -1,14 +1,16 @@
 """End-to-end benchmark of the Transformer LM (handout 1.1.3, 1.1.5(c), 1.1.6, 1.3.1(b)).
 
 For every point of the grid (model x size x mode x precision x attention x compile scope x warm-up
-[x optimizer]) it builds the model, runs `warmup` untimed steps and `steps` timed ones, synchronizing
+[x optimizer x weights]) it builds the model, runs `warmup` untimed steps and `steps` timed ones, synchronizing
 around each phase, and writes one tidy row per phase (forward, backward, optimizer, step) with
 mean/std/median, every measured step's time (`samples_ms`), tokens/s, MFU and peak memory.
 Out-of-memory becomes a row with status=oom and the sweep goes on.
 
 The model is ours (`--models ours`) or the plain-PyTorch baseline (`plain`: `bench.plain_model`, same
 config and parameters, torch's SDPA; always trained with torch.optim.AdamW(fused=True)), so both are
-timed in one process on the same GPU.
+timed in one process on the same GPU. Our training steps in bf16 can keep the matmul weights in bf16 with
+float32 master copies in our AdamW (`--weights bf16-master`, `optim.keep_master_weights`): autocast then casts
+no weight in the forward and no weight gradient in the backward.
 
     python -m cs336_systems.bench.e2e --sizes small xl --modes forward forward_backward \
         --precisions fp32 bf16 --device cuda --out results/e2e.csv
@@ -63,7 +65,8 @@ from cs336_systems.model import (
     register_attention,
     train_step_flops,
 )
-from cs336_systems.optim import ADAMW_IMPLEMENTATIONS, adamw_implementation
+from cs336_systems.model.transformer import Linear
+from cs336_systems.optim import ADAMW_IMPLEMENTATIONS, adamw_implementation, keep_master_weights
 
 MODES = ("forward", "forward_backward", "train_step")
 # What is compiled: nothing (eager), each Transformer block (regional compilation: the blocks share one
@@ -75,6 +78,9 @@ COMPILE_SCOPES = ("none", "blocks", "model", "model-cudagraphs")
 MODELS = ("ours", "plain")
 # What the baseline always runs with, whatever the grid asks of ours.
 PLAIN_ATTENTION, PLAIN_OPTIMIZER = "sdpa", "torch_fused"
+# How ours stores the weights of its matmuls in a training step: float32, cast by autocast each step, or bf16
+# with float32 masters that our AdamW updates (bf16 train steps of ours only; every other point is float32).
+WEIGHTS = ("float32", "bf16-master")
 PHASES = {"forward": ("forward",), "forward_backward": ("forward", "backward"),
           "train_step": ("forward", "backward", "optimizer")}
 
@@ -117,16 +123,17 @@ class RunSpec:
     compile_scope: str = "none"  # one of COMPILE_SCOPES; "none" runs eagerly
     model: str = "ours"  # one of MODELS
     size_table: str = "2025"  # the handout edition whose size table `size` is from (a key of SIZE_TABLES)
+    weights: str = "float32"  # one of WEIGHTS
 
     def columns(self) -> dict:
         """The point's columns in a results row. `compile` (true unless the scope is "none") is kept beside
         `compile_scope`, in the order of the committed results files, which the report reads; `size_table`
-        comes last (files measured before it existed hold 2025 sizes only)."""
+        and `weights` come last (files measured before them hold 2025 sizes and float32 weights only)."""
         return {"model": self.model, "size": self.size, "mode": self.mode, "precision": self.precision, "attention": self.attention,
                 "compile": self.compile_scope != "none", "batch_size": self.batch_size,
                 "context_length": self.context_length, "warmup": self.warmup, "steps": self.steps,
                 "device": self.device, "memory_snapshot": self.memory_snapshot, "optimizer": self.optimizer,
-                "compile_scope": self.compile_scope, "size_table": self.size_table}
+                "compile_scope": self.compile_scope, "size_table": self.size_table, "weights": self.weights}
 
 
 def build_model(spec: RunSpec, device: torch.device) -> torch.nn.Module:
@@ -173,6 +180,8 @@ def measure(spec: RunSpec) -> dict[str, list[float]]:
     torch.manual_seed(0)
     model = build_model(spec, device)
     optimizer = make_optimizer(spec.optimizer, model.parameters()) if spec.mode == "train_step" else None
+    if spec.weights == "bf16-master":
+        keep_master_weights(optimizer, [m.weight for m in model.modules() if isinstance(m, Linear)])
     vocab = model.config.vocab_size
     tokens = torch.randint(vocab, (spec.batch_size, spec.context_length + 1), device=device)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -270,6 +279,7 @@ class Sweep:
     warmups: tuple[int, ...] = (5,)
     optimizers: tuple[str, ...] = ("foreach",)
     models: tuple[str, ...] = ("ours",)
+    weights: tuple[str, ...] = ("float32",)
     edition: str = "2025"  # whose size table `sizes` are from
     batch_size: int = 4
     context_length: int = 512
@@ -278,13 +288,21 @@ class Sweep:
     memory_snapshot: str | None = None
 
     def __post_init__(self):
-        for name in ("sizes", "modes", "precisions", "attention", "compile_scopes", "warmups", "optimizers", "models"):
+        for name in ("sizes", "modes", "precisions", "attention", "compile_scopes", "warmups", "optimizers", "models",
+                     "weights"):
             check_not_empty(name, getattr(self, name))
         check_sizes(self.edition, self.sizes, [self.context_length])
         check_known("mode", self.modes, MODES)
         check_known("compile scope", self.compile_scopes, COMPILE_SCOPES)
         check_known("AdamW implementation", self.optimizers, ADAMW_IMPLEMENTATIONS)
         check_known("model", self.models, MODELS)
+        check_known("weights", self.weights, WEIGHTS)
+        if "bf16-master" in self.weights:
+            if "bf16" not in self.precisions or "ours" not in self.models or "train_step" not in self.modes:
+                raise ValueError("weights 'bf16-master' are for bf16 training steps of ours; got precisions "
+                                 f"{list(self.precisions)}, models {list(self.models)}, modes {list(self.modes)}")
+            if "torch_fused" in self.optimizers:
+                raise ValueError("weights 'bf16-master' keep their masters in our AdamW; got optimizer 'torch_fused'")
         check_positive("batch size", self.batch_size)
         check_positive("measured steps", self.steps)
         check_non_negative("warm-up steps", *self.warmups)
@@ -297,8 +315,9 @@ class Sweep:
             raise ValueError(f"a memory snapshot needs a CUDA device, got device {self.device!r}")
 
     def specs(self) -> list[RunSpec]:
-        """Every point; the plain baseline's only with SDPA and torch's fused AdamW, once per size, mode,
-        precision, scope and warm-up, each right after ours (so the two share the GPU's state)."""
+        """Every point; the plain baseline's only with SDPA, torch's fused AdamW and float32 weights, once per
+        size, mode, precision, scope and warm-up, each right after ours (so the two share the GPU's state); bf16
+        master weights only in bf16 training steps of ours."""
         grid = itertools.product(self.sizes, self.modes, self.precisions, self.compile_scopes, self.warmups,
                                  self.models, self.attention)
         specs = []
@@ -306,11 +325,13 @@ class Sweep:
             if model == "plain":
                 attention = PLAIN_ATTENTION
             optimizers = ["none"] if mode != "train_step" else [PLAIN_OPTIMIZER] if model == "plain" else self.optimizers
-            for optimizer in optimizers:
+            masters = model == "ours" and mode == "train_step" and precision == "bf16"
+            for optimizer, weights in itertools.product(optimizers, self.weights if masters else ["float32"]):
                 spec = RunSpec(size=size, mode=mode, precision=precision, attention=attention,
                                batch_size=self.batch_size, context_length=self.context_length, warmup=warmup,
                                steps=self.steps, device=self.device, memory_snapshot=self.memory_snapshot,
-                               optimizer=optimizer, compile_scope=scope, model=model, size_table=self.edition)
+                               optimizer=optimizer, compile_scope=scope, model=model, size_table=self.edition,
+                               weights=weights)
                 if spec not in specs:
                     specs.append(spec)
         return specs
@@ -328,7 +349,8 @@ def sweep(config: Sweep, out: str | Path) -> None:
         last = spec_rows[-1]
         shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
         print(f"[{i}/{len(specs)}] {spec.size_table}:{spec.size} {spec.mode} {spec.precision} {spec.attention} "
-              f"compile={spec.compile_scope} warmup={spec.warmup} optimizer={spec.optimizer} model={spec.model}: {shown}",
+              f"compile={spec.compile_scope} warmup={spec.warmup} optimizer={spec.optimizer} model={spec.model} "
+              f"weights={spec.weights}: {shown}",
               file=sys.stderr, flush=True)
     rows.finish()
 
@@ -368,6 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", nargs="+", default=["ours"], choices=MODELS,
                         help="ours, and/or plain: the plain-PyTorch baseline of the same config (SDPA, torch's fused "
                              "AdamW), timed in the same run")
+    parser.add_argument("--weights", nargs="+", default=["float32"], choices=WEIGHTS,
+                        help="for bf16 train steps of ours: matmul weights in float32 (autocast casts them), and/or "
+                             "in bf16 with float32 masters in our AdamW (bf16-master)")
     parser.add_argument("--memory-snapshot", default=None,
                         help="dump the allocator history of the measured steps to this pickle (CUDA only)")
     parser.add_argument("--out", required=True, help="CSV file for the rows")
@@ -384,7 +409,7 @@ def main(argv: list[str] | None = None) -> None:
     config = config_or_usage_error(
         parser, Sweep, sizes=tuple(args.sizes), modes=tuple(args.modes), precisions=tuple(args.precisions),
         attention=tuple(args.attention), compile_scopes=tuple(args.compile_scopes), warmups=tuple(args.warmup),
-        optimizers=tuple(args.optimizers), models=tuple(args.models), edition=args.edition,
+        optimizers=tuple(args.optimizers), models=tuple(args.models), weights=tuple(args.weights), edition=args.edition,
         batch_size=args.batch_size, context_length=args.context_length,
         steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot)
     sweep(config, args.out)

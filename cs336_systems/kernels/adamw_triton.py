@@ -29,8 +29,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, beta1_weight, beta2, one_minus_beta2, bias2_sqrt, eps,
-                  step_size, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, w_ptr, n, decay, beta1_weight, beta2, one_minus_beta2, bias2_sqrt, eps,
+                  step_size, BLOCK: tl.constexpr, HAS_COPY: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n
     p = tl.load(p_ptr + offsets, mask=mask).to(tl.float32)
@@ -47,15 +47,20 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, decay, beta1_weight, beta2, one
     denom = tl.sqrt(v) / bias2_sqrt + eps
     p = p + (-step_size) * (m / denom)
     tl.store(p_ptr + offsets, p.to(p_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    if HAS_COPY:  # the narrow copy the model computes with, p being its float32 master
+        tl.store(w_ptr + offsets, p.to(w_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(m_ptr + offsets, m.to(m_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(v_ptr + offsets, v.to(v_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> None:
+                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                copy: torch.Tensor | None = None) -> None:
     """Update p, exp_avg and exp_avg_sq in place (each float32, bfloat16 or float16, all of one shape,
     contiguous, on CUDA or under the interpreter)."""
     tensors = {"param": p, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if copy is not None:
+        tensors["copy"] = copy
     for name, t in tensors.items():
         if t.dtype not in DTYPES or not t.is_contiguous():
             raise ValueError(f"fused AdamW needs contiguous float32, bfloat16 or float16 tensors; {name} is {t.dtype}"
@@ -65,5 +70,5 @@ def adamw_step_(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_
     check_kernel_device(p, "fused AdamW")
     n = p.numel()
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        p, grad, exp_avg, exp_avg_sq, n, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
-        math.sqrt(1 - beta2**step), eps, lr / (1 - beta1**step), BLOCK=BLOCK)
+        p, grad, exp_avg, exp_avg_sq, p if copy is None else copy, n, 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+        math.sqrt(1 - beta2**step), eps, lr / (1 - beta1**step), BLOCK=BLOCK, HAS_COPY=copy is not None)

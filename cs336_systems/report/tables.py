@@ -135,24 +135,27 @@ def compile_timing(frame: pd.DataFrame) -> NumericTable:
 
 
 def baseline_timing(frame: pd.DataFrame) -> NumericTable:
-    """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope
-    and model, the median training step, its MFU (from the median) and its median over the baseline's."""
+    """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope,
+    model and weights (float32, or bf16 with float32 masters), the median training step, its MFU (from the median) and its median over the baseline's."""
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
+    # rows measured before ours could keep bf16 master weights have float32 weights
+    steps["weights"] = steps["weights"].fillna("float32") if "weights" in steps else "float32"
     out, status = [], {}
     for (size, scope), rows in ordered_by_size(steps).groupby(["size", "scope"], observed=True, sort=True):
         plain = rows[(rows["model"] == "plain") & rows["status"].eq("ok")]
-        for _, row in rows.sort_values("model").iterrows():
+        for _, row in rows.sort_values(["model", "weights"], ascending=[True, False]).iterrows():
             ok = row["status"] == "ok"
             if not ok:
                 status.setdefault("median (ms)", {})[len(out)] = str(row["status"])
             nan = float("nan")
             out.append({"size": str(size), "compiled": scope, "model": row["model"], "attention": row["attention"],
-                        "optimizer": row["optimizer"], "median (ms)": row["median_ms"] if ok else nan,
+                        "optimizer": row["optimizer"], "weights": row["weights"],
+                        "median (ms)": row["median_ms"] if ok else nan,
                         "MFU": row["mfu"] if ok else nan,
                         "÷ plain": row["median_ms"] / plain["median_ms"].iloc[0] if ok and len(plain) else nan})
-    columns = ["size", "compiled", "model", "attention", "optimizer", "median (ms)", "MFU", "÷ plain"]
+    columns = ["size", "compiled", "model", "attention", "optimizer", "weights", "median (ms)", "MFU", "÷ plain"]
     return NumericTable(pd.DataFrame(out, columns=columns), (
-        *(Col(c) for c in columns[:5]), Col("median (ms)", ".2f"),
+        *(Col(c) for c in columns[:6]), Col("median (ms)", ".2f"),
         Col("MFU", ".3f"), Col("÷ plain", ".3f")), status)
 
 

@@ -128,10 +128,11 @@ rule e2e_baseline:
         b=S["baseline"],
         sizes=join(S["baseline"]["sizes"]),
         scopes=join(S["baseline"]["scopes"]),
+        weights=join(S["baseline"]["weights"]),
     shell:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes train_step"
         " --models ours plain --precisions {params.b[precision]} --attention {params.b[attention]}"
-        " --compile-scopes {params.scopes} --optimizers {params.b[optimizer]}"
+        " --compile-scopes {params.scopes} --optimizers {params.b[optimizer]} --weights {params.weights}"
         " --warmup {params.b[warmup]} --steps {params.b[steps]} --out {output.csv} 2> {log}"
         " && cp {log} {output.log}"
 

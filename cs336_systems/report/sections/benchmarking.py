@@ -357,6 +357,9 @@ def _compile_gaps(frame: pd.DataFrame, table: pd.DataFrame, scopes: list[str]) -
             + "\n".join(lines))
 
 
+WEIGHT_NAMES = {"float32": "float32 weights", "bf16-master": "bf16 weights with float32 masters"}
+
+
 def render_baseline(ctx: Context) -> Section:
     frame = ctx.frame("e2e_baseline")
     q = Quotes(ctx.numeric("baseline_timing"))
@@ -369,6 +372,12 @@ def render_baseline(ctx: Context) -> Section:
              f"one process "
              f"on the {frame['device_name'].iloc[0]}: batch {int(frame['batch_size'].iloc[0])}, context "
              f"{int(frame['context_length'].iloc[0])}, {frame['precision'].iloc[0]} autocast, full training steps."]
+    if (ok["weights"] == "bf16-master").any():
+        parts[0] += (" With bf16 weights and float32 masters, ours keeps its matmul weights in bf16 and their "
+                     "float32 copies in its AdamW, which updates the copy and rounds it into the weight; autocast "
+                     "then casts no weight in the forward and no weight gradient in the backward. Every matmul "
+                     "gets the bf16 values autocast would give it (a test checks that logits, loss and gradients "
+                     "equal autocast's over float32 weights, on the CPU).")
     for (size, scope), rows in ok.groupby(["size", "compiled"], observed=True, sort=False):
         ours, plain = rows[rows["model"] == "ours"], rows[rows["model"] == "plain"]
         if not len(ours) or not len(plain):
@@ -377,7 +386,7 @@ def render_baseline(ctx: Context) -> Section:
         for i, row in ours.iterrows():
             parts.append(
                 f"{size}, {COMPILE_SCOPE_NAMES.get(scope, 'eager')}: ours ({row['attention']} attention, "
-                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}) takes {q.cell('median (ms)', i)} ms per "
+                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}, {WEIGHT_NAMES[row['weights']]}) takes {q.cell('median (ms)', i)} ms per "
                 f"step (median; MFU {q.cell('MFU', i)}), the baseline {q.cell('median (ms)', baseline)} ms (MFU "
                 f"{q.cell('MFU', baseline)}): {q.cell('÷ plain', i)}× the baseline's time, "
                 + ("slower." if row["÷ plain"] > 1 else "as fast or faster."))
