@@ -29,10 +29,11 @@ class AdamW(torch.optim.Optimizer):
     `state_dtype` is the dtype of the moments m and v (None: the parameter's, as torch.optim.AdamW).
     bf16 parameters with float32 moments keep Adam's statistics exact while the weights take 2 bytes;
     the update is computed in float32 (the fused kernel always; the multi-tensor path in the wider of the
-    parameter's and the moments' dtypes, on temporary copies) and the parameter rounded once. Caveat:
-    `torch.optim.Optimizer.load_state_dict` casts floating-point state to its parameter's dtype, so
-    float32 moments of bf16 parameters come back as bf16 from a checkpoint (and are widened again, with
-    that rounding, on the next step).
+    parameter's and the moments' dtypes, on temporary copies) and the parameter rounded once. Master
+    weights (`keep_master_weights`) go one step further: the parameter is a bf16 copy of a float32 master
+    that the step updates. `load_state_dict` keeps each state tensor's saved dtype (torch's casts
+    floating-point state to its parameter's, which would narrow float32 moments and masters of bf16
+    parameters).
     """
 
     def __init__(
@@ -56,6 +57,15 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {state_dtype!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                                       fused=fused, state_dtype=state_dtype))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = [i for group in state_dict["param_groups"] for i in group["params"]]
+        current = [p for group in self.param_groups for p in group["params"]]
+        super().load_state_dict(state_dict)
+        for index, p in zip(saved, current):
+            for key, value in state_dict["state"].get(index, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point() and key != "step":
+                    self.state[p][key] = value.to(p.device, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -143,13 +153,23 @@ class AdamW(torch.optim.Optimizer):
 
 
 def keep_master_weights(optimizer: AdamW, params, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Cast each of `params` to `dtype` in place, its float32 value kept as `optimizer`'s master copy: the step
-    updates the master (moments in float32) and rounds it into the parameter. Under autocast to `dtype`, where
-    these are the weights of matmuls, training is the same as with float32 parameters (autocast casts them the
-    same way each forward, and their gradients are the narrow ones widened), minus the casts."""
+    """Cast each of `params` (float32 parameters of `optimizer`) to `dtype` in place, its float32 value kept as
+    `optimizer`'s master copy: the step updates the master (moments in float32) and rounds it into the parameter.
+    Under autocast to `dtype`, where these are the weights of matmuls, a step with one backward computes what it
+    would with float32 parameters, minus the casts: autocast would cast them to the same values each forward,
+    and their gradients are the narrow ones widened (several backwards per step would add the gradients up in
+    `dtype`, not float32). Call it before loading a checkpoint of `optimizer`: the masters are optimizer state,
+    saved and loaded with it (in float32), and a `model.load_state_dict` afterwards would leave them stale."""
+    if not isinstance(optimizer, AdamW):
+        raise ValueError(f"master weights are kept by cs336_systems.optim.AdamW; got {type(optimizer).__name__}")
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for p in params:
         if p.dtype != torch.float32:
             raise ValueError(f"master weights are kept for float32 parameters; got {p.dtype}")
+        if id(p) not in owned:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} is not one of the optimizer's")
+        if type(p.data) is not torch.Tensor:  # a DTensor's shards are cast by its own wrapper, not here
+            raise ValueError(f"master weights need plain tensors; got a {type(p.data).__name__}")
         optimizer.state[p]["master"] = p.detach().clone()
         p.data = p.data.to(dtype)
 

@@ -586,6 +586,10 @@ def test_master_weights_only_in_ours_bf16_training_steps(tmp_path):
                       models=("ours", "plain"), attention=("sdpa",), weights=("float32", "bf16-master"))
     masters = [(s.model, s.mode, s.precision) for s in sweep.specs() if s.weights == "bf16-master"]
     assert masters == [("ours", "train_step", "bf16")]
+    both = dataclasses.replace(sweep, optimizers=("fused", "torch_fused")).specs()  # torch's AdamW keeps no masters
+    assert sorted((s.optimizer, s.weights) for s in both if s.model == "ours" and s.precision == "bf16"
+                  and s.mode == "train_step") == [("fused", "bf16-master"), ("fused", "float32"),
+                                                  ("torch_fused", "float32")]
     measured = []
     real_measure = e2e.measure
 
@@ -611,6 +615,11 @@ def test_master_weights_only_in_ours_bf16_training_steps(tmp_path):
     assert rows.drop_duplicates("weights")["weights"].tolist() == ["float32", "bf16-master"]
     dtypes = [{p.dtype for p in model.parameters() if p.dim() == 2} for model in built]
     assert dtypes == [{torch.float32}, {torch.float32, torch.bfloat16}]  # the embedding stays float32
+    torch.manual_seed(0)  # as measure() seeds the model it builds: the bf16 weights have moved from their start
+    start = real_build(sweep.specs()[0], torch.device("cpu"))
+    moved = [not torch.equal(p, q.bfloat16()) for p, q in zip(built[1].parameters(), start.parameters())
+             if p.dtype == torch.bfloat16]
+    assert len(moved) == 15 and all(moved)
     for bad in (dict(precisions=("fp32",)), dict(models=("plain",)), dict(modes=("forward",)),
                 dict(optimizers=("torch_fused",))):
         with pytest.raises(ValueError, match="bf16-master"):

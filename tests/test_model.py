@@ -378,10 +378,54 @@ def test_bf16_master_weights_step_like_torch_adamw_in_float32(implementation, re
     assert torch.equal(ours.state[frozen]["master"], start) and torch.equal(frozen, start.bfloat16())
 
 
-def test_master_weights_need_float32_parameters():
+def test_master_weights_need_float32_parameters_of_our_adamw():
     half = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="got torch.bfloat16"):
         keep_master_weights(AdamW([half]), [half])
+    full, stray = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="got AdamW"):  # torch's: it has no masters
+        keep_master_weights(torch.optim.AdamW([full]), [full])
+    with pytest.raises(ValueError, match=r"shape \(2, 5\) is not one of the optimizer's"):
+        keep_master_weights(AdamW([full]), [stray])
+
+
+@pytest.mark.parametrize("masters", [True, False])
+def test_adamw_checkpoint_keeps_float32_state_of_bf16_parameters(masters):
+    """A state_dict round trip in the middle of training, with bf16 master weights or with bf16 parameters and
+    float32 moments: the loaded optimizer keeps the masters and moments in float32 (torch's load_state_dict
+    would cast them to the parameters' bf16) and its next steps are the uninterrupted run's, bit for bit."""
+    torch.manual_seed(6)
+
+    def build():
+        model = TransformerLM(TINY)
+        if not masters:
+            model = model.bfloat16()
+        optimizer = AdamW(model.parameters(), lr=1e-2, state_dtype=torch.float32)
+        if masters:
+            keep_master_weights(optimizer, [m.weight for m in model.modules() if isinstance(m, Linear)])
+        return model, optimizer
+
+    def step(model, optimizer, grads):
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.to(p.dtype)
+        optimizer.step()
+
+    model, optimizer = build()
+    grads = [[torch.randn(p.shape) for p in model.parameters()] for _ in range(4)]
+    for g in grads[:2]:
+        step(model, optimizer, g)
+    resumed, resumed_optimizer = build()
+    resumed.load_state_dict(model.state_dict())
+    resumed_optimizer.load_state_dict(optimizer.state_dict())
+    for g in grads[2:]:
+        step(model, optimizer, g)
+        step(resumed, resumed_optimizer, g)
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert p.dtype == q.dtype and torch.equal(p, q)
+        state, loaded = optimizer.state[p], resumed_optimizer.state[q]
+        assert loaded.keys() == state.keys() and loaded["step"] == 4
+        for key in state.keys() - {"step"}:
+            assert loaded[key].dtype == torch.float32 and torch.equal(loaded[key], state[key]), key
 
 
 # ---- the 8B step's model API ---------------------------------------------------------------------------

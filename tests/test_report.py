@@ -620,9 +620,10 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
     from cs336_systems.report.sections import benchmarking
     from cs336_systems.results import write_rows
 
-    e2e.sweep(e2e.Sweep(sizes=("tiny",), modes=("train_step",), attention=("sdpa",), optimizers=("foreach",),
-                        models=("ours", "plain"), context_length=16, batch_size=2, warmups=(1,), steps=2,
-                        device="cpu"), tmp_path / "e2e_baseline.csv")
+    e2e.sweep(e2e.Sweep(sizes=("tiny",), modes=("train_step",), precisions=("bf16",), attention=("sdpa",),
+                        optimizers=("foreach",), models=("ours", "plain"), weights=("float32", "bf16-master"),
+                        context_length=16, batch_size=2, warmups=(1,), steps=2, device="cpu"),
+              tmp_path / "e2e_baseline.csv")
     write_rows(profile_rows(ProfileConfig(sizes=("tiny", "mini"), context_lengths=(16,), batch_size=2, precision="bf16",
                                           warmup=1, steps=1, device="cpu", tool="torch")),
                tmp_path / "profile_bf16.csv")
@@ -635,6 +636,10 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
         assert "issue" not in body.markdown() and "anchor" not in body.markdown()
     ratio, models = column_values(baseline.table, "÷ plain"), baseline.table.data["model"]
     assert set(models) == {"ours", "plain"} and (ratio[models == "plain"] == 1).all()
+    weights = baseline.table.data.loc[models == "ours", "weights"]
+    assert sorted(weights) == ["bf16-master", "float32"]  # each described in the prose
+    assert all(f"ours (sdpa attention, our multi-tensor AdamW, {benchmarking.WEIGHT_NAMES[w]})" in baseline.markdown()
+               for w in weights)
     share = column_values(host.table, "kernel share of step")
     # kernel time and wall time come from two calls of the phase (profiled, timed), so on a shared CPU the
     # share can exceed 1; only its presence for every size is checked here

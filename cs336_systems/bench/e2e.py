@@ -301,8 +301,9 @@ class Sweep:
             if "bf16" not in self.precisions or "ours" not in self.models or "train_step" not in self.modes:
                 raise ValueError("weights 'bf16-master' are for bf16 training steps of ours; got precisions "
                                  f"{list(self.precisions)}, models {list(self.models)}, modes {list(self.modes)}")
-            if "torch_fused" in self.optimizers:
-                raise ValueError("weights 'bf16-master' keep their masters in our AdamW; got optimizer 'torch_fused'")
+            if set(self.optimizers) == {"torch_fused"}:
+                raise ValueError("weights 'bf16-master' keep their masters in our AdamW; got only optimizer "
+                                 "'torch_fused'")
         check_positive("batch size", self.batch_size)
         check_positive("measured steps", self.steps)
         check_non_negative("warm-up steps", *self.warmups)
@@ -317,7 +318,7 @@ class Sweep:
     def specs(self) -> list[RunSpec]:
         """Every point; the plain baseline's only with SDPA, torch's fused AdamW and float32 weights, once per
         size, mode, precision, scope and warm-up, each right after ours (so the two share the GPU's state); bf16
-        master weights only in bf16 training steps of ours."""
+        master weights only in bf16 training steps of ours with our AdamW."""
         grid = itertools.product(self.sizes, self.modes, self.precisions, self.compile_scopes, self.warmups,
                                  self.models, self.attention)
         specs = []
@@ -327,6 +328,8 @@ class Sweep:
             optimizers = ["none"] if mode != "train_step" else [PLAIN_OPTIMIZER] if model == "plain" else self.optimizers
             masters = model == "ours" and mode == "train_step" and precision == "bf16"
             for optimizer, weights in itertools.product(optimizers, self.weights if masters else ["float32"]):
+                if weights == "bf16-master" and optimizer == "torch_fused":
+                    continue
                 spec = RunSpec(size=size, mode=mode, precision=precision, attention=attention,
                                batch_size=self.batch_size, context_length=self.context_length, warmup=warmup,
                                steps=self.steps, device=self.device, memory_snapshot=self.memory_snapshot,

@@ -22,6 +22,16 @@ def ordered_by_size(frame: pd.DataFrame) -> pd.DataFrame:
     return frame.sort_values("size")
 
 
+def weights_of(frame: pd.DataFrame) -> pd.Series:
+    """Each e2e row's weights (bench/e2e.py WEIGHTS); rows measured before the column existed had float32 ones."""
+    return frame["weights"].fillna("float32") if "weights" in frame else pd.Series("float32", index=frame.index)
+
+
+def float32_weights(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows with float32 weights: the tables that do not compare weights show no bf16 master weights."""
+    return frame[weights_of(frame).eq("float32")]
+
+
 # --- 1.1.3 and 1.1.5: step times per model size ---------------------------------------------------------
 
 def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]) -> NumericTable:
@@ -29,7 +39,7 @@ def phase_table(frame: pd.DataFrame, columns: dict[str, dict], phases: list[str]
     its std (or the status, OOM, of a run that did not finish; '—' where nothing ran). An OOM row has phase
     'step', so it is looked up under any phase."""
     out, status, headers = [], {}, []
-    for size, rows in ordered_by_size(frame).groupby("size", observed=True, sort=True):
+    for size, rows in ordered_by_size(float32_weights(frame)).groupby("size", observed=True, sort=True):
         record = {"size": str(size)}
         for label, where in columns.items():
             selected = rows
@@ -109,6 +119,7 @@ def compile_timing(frame: pd.DataFrame) -> NumericTable:
     from cs336_systems.bench.e2e import COMPILE_SCOPES  # here, not above: bench.e2e costs a report process ~1 s
 
     out, status = [], {}
+    frame = float32_weights(frame)
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
     scopes = [s for s in COMPILE_SCOPES if s != "none" and s in set(steps["scope"])]  # "none" is the eager column
     times = ["eager (ms)", *(compile_column("compiled", scope, scopes) + " (ms)" for scope in scopes)]
@@ -138,8 +149,7 @@ def baseline_timing(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope,
     model and weights (float32, or bf16 with float32 masters), the median training step, its MFU (from the median) and its median over the baseline's."""
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
-    # rows measured before ours could keep bf16 master weights have float32 weights
-    steps["weights"] = steps["weights"].fillna("float32") if "weights" in steps else "float32"
+    steps = steps.assign(weights=weights_of(steps))
     out, status = [], {}
     for (size, scope), rows in ordered_by_size(steps).groupby(["size", "scope"], observed=True, sort=True):
         plain = rows[(rows["model"] == "plain") & rows["status"].eq("ok")]
@@ -190,7 +200,7 @@ def optimizer_timing(frame: pd.DataFrame) -> NumericTable:
     the bandwidth that would move AdamW's least traffic, and the optimizer step over torch's fused AdamW's of
     the same size ('—' where either did not run)."""
     out, status = [], {}
-    for (size, optimizer), rows in ordered_by_size(frame).groupby(["size", "optimizer"], observed=True, sort=True):
+    for (size, optimizer), rows in ordered_by_size(float32_weights(frame)).groupby(["size", "optimizer"], observed=True, sort=True):
         params = parameter_count(get_config(str(size)))
         record = {"size": str(size), "parameters (M)": params / 1e6, "optimizer": optimizer}
         for header, phase in ((OPTIMIZER_STEP, "optimizer"), (TRAINING_STEP, "step")):
