@@ -102,3 +102,33 @@ def test_no_verdict_without_five_runs_of_one_commit_each_timed_five_steps(tmp_pa
     assert "The verdict at batch 2 waits for 5 runs of one commit" in text and "leaderboard_8b_verdict" in text
     most = {"four runs": 4, "three timed steps": None, "two commits": 3}[why]
     assert (f"the most so far is {most}," in text) if most else "the most so far" not in text
+
+
+@pytest.mark.parametrize("runs", [5, 4])
+def test_the_front_page_quotes_the_verdicts_medians_and_before_one_the_quoted_run(tmp_path, runs):
+    """The verdict table's median row at batch 2 holds the medians the paragraph states (and its least and largest
+    rows the ranges); the front page's 8B headlines quote that row, or, with four runs (no verdict, an empty
+    table), the quoted run's cells."""
+    from cs336_systems.report import front_page
+    from cs336_systems.report.section import Context
+    from cs336_systems.report.sections import DELIVERABLES as ITEMS
+
+    rng = np.random.default_rng()
+    frame = _with_runs([(float(rng.uniform(8_500, 9_000)), float(rng.uniform(9_700, 9_900))) for _ in range(runs)])
+    body = _render_leaderboard(tmp_path, frame)
+    verdict = Context(tmp_path, tmp_path, tmp_path).numeric("leaderboard_8b_verdict").data
+    owners = {t.name: item for item in ITEMS for t in item.tables}
+    page = front_page.headline_table(Context(tmp_path, tmp_path, tmp_path), {i.section: "x" for i in ITEMS}, owners)
+    if runs < 5:
+        assert not len(verdict) and "ours in the quoted run: mean step (ms)" in page
+        quoted = frame[frame["quoted"].astype(bool) & (frame["provider"] == "ours") & (frame["batch"] == 2)].iloc[-1]
+        assert f"{quoted['step_ms']:,.1f}" in page
+        return
+    said = _said(frame, "c" * 40)
+    median = verdict.set_index("statistic").loc["median"]
+    assert (median["runs"], round(median["ours (ms)"], 1), round(median["anchor (ms)"], 1)) == (
+        said["runs"], said["ours"], said["anchor"])
+    ratios = tuple(round(verdict.set_index("statistic").loc[pick, "÷ SAC anchor"], 3) for pick in ("median", "min", "max"))
+    assert ratios == said["ratio"] and _found(body.markdown()) == said
+    assert "ours median over the verdict's runs: mean step (ms)" in page and f"{said['ours']:,.1f}" in page
+    assert f"{said['ratio'][0]:.3f}" in page and f"{median['MFU']:.3f}" in page

@@ -980,7 +980,7 @@ def _render_leaderboard(tmp_path, frame: pd.DataFrame) -> Section:
     from cs336_systems.report.sections.leaderboard import render_leaderboard
 
     frame.to_csv(tmp_path / "leaderboard_8b.csv", index=False)
-    make_tables(tmp_path, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_runs"])
+    make_tables(tmp_path, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_runs", "leaderboard_8b_verdict"])
     return render_leaderboard(Context(tmp_path, tmp_path, tmp_path))
 
 

@@ -241,6 +241,36 @@ def verdict_runs(t: pd.DataFrame, batch: int) -> pd.DataFrame:
     return runs[runs[COMMIT] == max(counts.index, key=lambda c: (counts[c], last[c]))]
 
 
+VERDICT_STATISTICS = ("median", "min", "max")
+
+
+def verdict_table(frame: pd.DataFrame) -> NumericTable:
+    """Per batch with a verdict (VERDICT_RUNS runs of one commit, `verdict_runs`): the median, least and largest over
+    the runs of ours' mean step, the anchor's, their ratio and ours' MFU (each column on its own: the ratio's median
+    is the median of the runs' ratios), the number of runs and their commit. No rows before a verdict."""
+    steps = step_table(frame).data
+    out = []
+    for batch in sorted(set(steps.loc[steps["provider"] == "ours", "batch"]), reverse=True):
+        runs = verdict_runs(steps, batch)
+        if len(runs) < VERDICT_RUNS:
+            continue
+        for pick in VERDICT_STATISTICS:
+            out.append({"batch": batch, "statistic": pick, "runs": len(runs), COMMIT: runs[COMMIT].iloc[0],
+                        "ours (ms)": getattr(runs["ours"], pick)(), "anchor (ms)": getattr(runs["anchor"], pick)(),
+                        RATIO: getattr(runs[RATIO], pick)(), "MFU": getattr(runs["MFU"], pick)()})
+    columns = ["batch", "statistic", "runs", COMMIT, "ours (ms)", "anchor (ms)", RATIO, "MFU"]
+    return NumericTable(pd.DataFrame(out, columns=columns),
+                        (Col("batch", "d"), Col("statistic"), Col("runs", "d"), Col(COMMIT), Col("ours (ms)", ",.1f"),
+                         Col("anchor (ms)", ",.1f"), Col(RATIO, ".3f"), Col("MFU", ".3f")))
+
+
+def verdict_median_at_leaderboard_batch(table: pd.DataFrame) -> int | None:
+    """The verdict table's median row at the leaderboard's batch (the front page's headlines); None before a
+    verdict."""
+    rows = table.index[(table["batch"] == HANDOUT_BATCH) & (table["statistic"] == "median")]
+    return int(rows[0]) if len(rows) else None
+
+
 def _meets(runs: pd.DataFrame) -> pd.Series:
     """Per row: at most the target ratio to the anchor, and at least the target MFU where MFU is measured."""
     return (runs[RATIO] <= TARGET_RATIO) & (runs["MFU"].isna() | (runs["MFU"] >= TARGET_MFU))
@@ -650,7 +680,9 @@ def render_leaderboard(ctx: Context) -> Section:
     quoted = lambda t: t[QUOTED].astype(bool) & ~_is_ablation(t["provider"])  # noqa: E731
     main = ("run", "provider", "batch", STEP, "MFU", "TFLOP/s", "peak (GiB)", "checkpoint", RATIO)
     shown = tuple(h for h in main if h in table.headers)  # a device that measures no MFU (a CPU) has no such column
-    parts = [answer, gap, verdict, rows_of(table, quoted, shown).to_markdown(),
+    verdicts = ctx.table("leaderboard_8b_verdict")  # printed once it has rows: no verdict, no table
+    parts = [answer, gap, verdict, *((verdicts,) if len(ctx.numeric("leaderboard_8b_verdict").data) else ()),
+             rows_of(table, quoted, shown).to_markdown(),
              f"_{statistic(ctx.table('leaderboard_8b'))}: the quoted runs' rows, main columns; the full step table has "
              f"{outline(table, ['run', 'provider', 'batch'])}._",
              appendix("the 8B step: every run and provider", ctx.table("leaderboard_8b")),
@@ -679,6 +711,10 @@ DELIVERABLES = [
                               "ratio of means to the selective-checkpointing anchor of the same run and batch"),
                         Table("leaderboard_8b_ablations", "leaderboard_8b", ablation_table,
                               "Ablations of ours (every run's, each beside ours of its run and batch): mean step over ours' of the same run"),
+                        Table("leaderboard_8b_verdict", "leaderboard_8b", verdict_table,
+                              f"The verdict: {VERDICT_RUNS} or more runs of one commit, each its own process timing "
+                              f"ours and the SAC anchor over at least {VERDICT_STEPS} steps; median, least and largest "
+                              "over the runs of each point's mean step, of ours over the anchor, and of ours' MFU"),
                         Table("leaderboard_8b_runs", "leaderboard_8b", runs_table,
                               "The runs of the step table, in the order they ran: commit, date, providers timed, "
                               "warm-up and timed steps per point, ours' checkpointing and sequences per pass, "
