@@ -302,8 +302,8 @@ def _render(results):
     from cs336_systems.report.sections.leaderboard import DELIVERABLES, render_leaderboard
     from cs336_systems.report.writeup import render
 
-    make_tables(results, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_profile",
-                          "leaderboard_8b_memory"])  # those whose data is present
+    make_tables(results, ["leaderboard_8b", "leaderboard_8b_ablations", "leaderboard_8b_verdict",
+                          "leaderboard_8b_profile", "leaderboard_8b_memory"])  # those whose data is present
     ctx = Context(results, results, results)
     profile = next(item for item in DELIVERABLES if "leaderboard_8b_profile" in item.data)  # the continuation
     return render_leaderboard(ctx), render(profile, ctx)

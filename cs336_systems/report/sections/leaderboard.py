@@ -680,8 +680,9 @@ def render_leaderboard(ctx: Context) -> Section:
     quoted = lambda t: t[QUOTED].astype(bool) & ~_is_ablation(t["provider"])  # noqa: E731
     main = ("run", "provider", "batch", STEP, "MFU", "TFLOP/s", "peak (GiB)", "checkpoint", RATIO)
     shown = tuple(h for h in main if h in table.headers)  # a device that measures no MFU (a CPU) has no such column
-    verdicts = ctx.table("leaderboard_8b_verdict")  # printed once it has rows: no verdict, no table
-    parts = [answer, gap, verdict, *((verdicts,) if len(ctx.numeric("leaderboard_8b_verdict").data) else ()),
+    verdicts = ctx.table("leaderboard_8b_verdict")  # printed once some batch has a verdict (the table's rows)
+    judged = any(len(verdict_runs(q.frame, b)) >= VERDICT_RUNS for b in batches)
+    parts = [answer, gap, verdict, *((verdicts,) if judged else ()),
              rows_of(table, quoted, shown).to_markdown(),
              f"_{statistic(ctx.table('leaderboard_8b'))}: the quoted runs' rows, main columns; the full step table has "
              f"{outline(table, ['run', 'provider', 'batch'])}._",
