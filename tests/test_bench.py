@@ -101,6 +101,8 @@ def test_optimizer_and_compile_scope_grids():
         e2e.make_optimizer("sgd", [torch.nn.Parameter(torch.zeros(1))])
     with pytest.raises(ValueError, match="unknown compile scope 'layers'"):
         e2e.Sweep(**grid, compile_scopes=("layers",))
+    with pytest.raises(ValueError, match="rounds"):
+        e2e.Sweep(**grid, rounds=0)
 
 
 def test_compile_columns_keep_the_committed_layout(tmp_path, monkeypatch):

@@ -622,7 +622,7 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
 
     e2e.sweep(e2e.Sweep(sizes=("tiny",), modes=("train_step",), precisions=("bf16",), attention=("sdpa",),
                         optimizers=("foreach",), models=("ours", "plain"), weights=("float32", "bf16-master"),
-                        context_length=16, batch_size=2, warmups=(1,), steps=2, device="cpu"),
+                        context_length=16, batch_size=2, warmups=(1,), steps=2, rounds=2, device="cpu"),
               tmp_path / "e2e_baseline.csv")
     write_rows(profile_rows(ProfileConfig(sizes=("tiny", "mini"), context_lengths=(16,), batch_size=2, precision="bf16",
                                           warmup=1, steps=1, device="cpu", tool="torch")),
@@ -636,6 +636,13 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
         assert "issue" not in body.markdown() and "anchor" not in body.markdown()
     ratio, models = column_values(baseline.table, "÷ plain"), baseline.table.data["model"]
     assert set(models) == {"ours", "plain"} and (ratio[models == "plain"] == 1).all()
+    rows = pd.read_csv(tmp_path / "e2e_baseline.csv").query("phase == 'step'")
+    assert rows["round"].tolist() == [0, 0, 0, 1, 1, 1]  # every point once per round, in the same order
+    for i, point in baseline.table.data.iterrows():  # each median pools the point's steps of both rounds
+        steps = rows[(rows["model"] == point["model"]) & (rows["weights"] == point["weights"])]
+        pooled = np.median([float(t) for s in steps["samples_ms"] for t in s.split()])
+        assert point["rounds"] == 2 and point["median (ms)"] == pytest.approx(pooled, rel=1e-9)
+    assert "the whole grid run 2 times interleaved" in baseline.markdown()
     weights = baseline.table.data.loc[models == "ours", "weights"]
     assert sorted(weights) == ["bf16-master", "float32"]  # each described in the prose
     assert all(f"ours (sdpa attention, our multi-tensor AdamW, {benchmarking.WEIGHT_NAMES[w]})" in baseline.markdown()

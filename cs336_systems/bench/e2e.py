@@ -10,7 +10,9 @@ The model is ours (`--models ours`) or the plain-PyTorch baseline (`plain`: `ben
 config and parameters, torch's SDPA; always trained with torch.optim.AdamW(fused=True)), so both are
 timed in one process on the same GPU. Our training steps in bf16 can keep the matmul weights in bf16 with
 float32 master copies in our AdamW (`--weights bf16-master`, `optim.keep_master_weights`): autocast then casts
-no weight in the forward and no weight gradient in the backward.
+no weight in the forward and no weight gradient in the backward. `--rounds N` runs the whole grid N times,
+interleaved (every point once per round, in the same order), each row recording its `round`: points compared
+with each other then share each round's state of the GPU and host, and a point's spread over rounds shows.
 
     python -m cs336_systems.bench.e2e --sizes small xl --modes forward forward_backward \
         --precisions fp32 bf16 --device cuda --out results/e2e.csv
@@ -284,6 +286,7 @@ class Sweep:
     batch_size: int = 4
     context_length: int = 512
     steps: int = 10
+    rounds: int = 1  # the grid run this many times, interleaved (every point once per round)
     device: str = field(default_factory=_default_device)
     memory_snapshot: str | None = None
 
@@ -306,6 +309,7 @@ class Sweep:
                                  "'torch_fused'")
         check_positive("batch size", self.batch_size)
         check_positive("measured steps", self.steps)
+        check_positive("rounds", self.rounds)
         check_non_negative("warm-up steps", *self.warmups)
         device = resolve_device(self.device)
         for precision in self.precisions:
@@ -341,17 +345,19 @@ class Sweep:
 
 
 def sweep(config: Sweep, out: str | Path) -> None:
-    """Run every point of the grid and write its rows, with provenance, to `out`. The points finished so
-    far are kept in OUT.partial as the sweep goes, so a cut run leaves them beside an earlier OUT."""
+    """Run every point of the grid, `config.rounds` times interleaved, and write its rows (each with its round
+    and provenance) to `out`. The points finished so far are kept in OUT.partial as the sweep goes, so a cut run
+    leaves them beside an earlier OUT."""
     specs = config.specs()
     prov = provenance(config.device)
     rows = PartialRows(out)
-    for i, spec in enumerate(specs, 1):
+    for i, (round_, spec) in enumerate(itertools.product(range(config.rounds), specs), 1):
         spec_rows = run(spec)
-        rows.add({**row, **prov} for row in spec_rows)
+        rows.add({**row, "round": round_, **prov} for row in spec_rows)
         last = spec_rows[-1]
         shown = f"{last['median_ms']:.2f} ms/step" if last["status"] == "ok" else last["status"]
-        print(f"[{i}/{len(specs)}] {spec.size_table}:{spec.size} {spec.mode} {spec.precision} {spec.attention} "
+        print(f"[{i}/{len(specs) * config.rounds}] {spec.size_table}:{spec.size} {spec.mode} {spec.precision} "
+              f"{spec.attention} "
               f"compile={spec.compile_scope} warmup={spec.warmup} optimizer={spec.optimizer} model={spec.model} "
               f"weights={spec.weights}: {shown}",
               file=sys.stderr, flush=True)
@@ -386,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", nargs="+", type=non_negative_int, default=[5],
                         help="untimed warm-up steps (several values: one point each)")
     parser.add_argument("--steps", type=positive_int, default=10, help="measured steps")
+    parser.add_argument("--rounds", type=positive_int, default=1,
+                        help="run the whole grid this many times, interleaved (every point once per round)")
     add_device_argument(parser)
     parser.add_argument("--optimizers", nargs="+", default=["foreach"], choices=ADAMW_IMPLEMENTATIONS,
                         help="for train_step: our AdamW with multi-tensor ops (foreach) or one Triton kernel per "
@@ -414,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
         attention=tuple(args.attention), compile_scopes=tuple(args.compile_scopes), warmups=tuple(args.warmup),
         optimizers=tuple(args.optimizers), models=tuple(args.models), weights=tuple(args.weights), edition=args.edition,
         batch_size=args.batch_size, context_length=args.context_length,
-        steps=args.steps, device=args.device, memory_snapshot=args.memory_snapshot)
+        steps=args.steps, rounds=args.rounds, device=args.device, memory_snapshot=args.memory_snapshot)
     sweep(config, args.out)
 
 

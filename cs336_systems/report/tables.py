@@ -145,27 +145,40 @@ def compile_timing(frame: pd.DataFrame) -> NumericTable:
         *(Col(h, ".2f") for h in speedups), Col("compiled MFU", ".3f")), status)
 
 
+def _pooled_median(rows: pd.DataFrame) -> float:
+    """The median over every measured step of `rows` (one point's rows of several rounds, each with its steps in
+    `samples_ms`; a row without them counts its median once)."""
+    samples = [float(t) for row in rows.itertuples() for t in
+               (str(row.samples_ms).split() if isinstance(row.samples_ms, str) else [row.median_ms])]
+    return float(pd.Series(samples).median())
+
+
 def baseline_timing(frame: pd.DataFrame) -> NumericTable:
     """1.3.1(b): our model against the plain-PyTorch baseline timed in the same run: per size, compile scope,
-    model and weights (float32, or bf16 with float32 masters), the median training step, its MFU (from the median) and its median over the baseline's."""
+    model and weights (float32, or bf16 with float32 masters), the median training step over the measured steps of
+    every round (`--rounds`), its MFU (from that median), its median over the baseline's, and the rounds pooled. A
+    point that failed in some round (out of memory) shows that status."""
     steps = frame[frame["phase"].eq("step") | frame["status"].ne("ok")].assign(scope=compile_scope)
-    steps = steps.assign(weights=weights_of(steps))
+    steps = steps.assign(weights=weights_of(steps), round=steps["round"] if "round" in steps else 0)
+    point = ["model", "weights", "attention", "optimizer"]
     out, status = [], {}
+    nan = float("nan")
     for (size, scope), rows in ordered_by_size(steps).groupby(["size", "scope"], observed=True, sort=True):
-        plain = rows[(rows["model"] == "plain") & rows["status"].eq("ok")]
-        for _, row in rows.sort_values(["model", "weights"], ascending=[True, False]).iterrows():
-            ok = row["status"] == "ok"
-            if not ok:
-                status.setdefault("median (ms)", {})[len(out)] = str(row["status"])
-            nan = float("nan")
-            out.append({"size": str(size), "compiled": scope, "model": row["model"], "attention": row["attention"],
-                        "optimizer": row["optimizer"], "weights": row["weights"],
-                        "median (ms)": row["median_ms"] if ok else nan,
-                        "MFU": row["mfu"] if ok else nan,
-                        "÷ plain": row["median_ms"] / plain["median_ms"].iloc[0] if ok and len(plain) else nan})
-    columns = ["size", "compiled", "model", "attention", "optimizer", "weights", "median (ms)", "MFU", "÷ plain"]
+        points = rows.sort_values(["model", "weights"], ascending=[True, False]).groupby(point, sort=False)
+        medians = {key: _pooled_median(p) if p["status"].eq("ok").all() else nan for key, p in points}
+        plain = next((m for key, m in medians.items() if key[0] == "plain"), nan)
+        for key, p in points:
+            median = medians[key]
+            if p["status"].ne("ok").any():
+                status.setdefault("median (ms)", {})[len(out)] = str(p.loc[p["status"].ne("ok"), "status"].iloc[0])
+            first = p.iloc[0]  # MFU scales inversely with the step time (same FLOPs and peak in every round)
+            out.append({"size": str(size), "compiled": scope, **dict(zip(point, key)), "rounds": p["round"].nunique(),
+                        "median (ms)": median, "MFU": first["mfu"] * first["median_ms"] / median,
+                        "÷ plain": median / plain})
+    columns = ["size", "compiled", "model", "attention", "optimizer", "weights", "rounds", "median (ms)", "MFU",
+               "÷ plain"]
     return NumericTable(pd.DataFrame(out, columns=columns), (
-        *(Col(c) for c in columns[:6]), Col("median (ms)", ".2f"),
+        *(Col(c) for c in columns[:6]), Col("rounds", "d"), Col("median (ms)", ".2f"),
         Col("MFU", ".3f"), Col("÷ plain", ".3f")), status)
 
 

@@ -112,7 +112,7 @@ rule compile_timing:
 
 
 # 1.3.1(b): our model and the plain-PyTorch baseline (same config, SDPA, torch.compile, torch's fused AdamW)
-# timed in one process, one after the other, so the comparison is within one run on one GPU.
+# timed in one process, one after the other, in interleaved rounds, so the comparison is within one run on one GPU.
 rule e2e_baseline:
     output:
         csv=update(f"{R}/e2e_baseline.csv"),
@@ -133,8 +133,8 @@ rule e2e_baseline:
         "python -m cs336_systems.bench.e2e {params.common} --sizes {params.sizes} --modes train_step"
         " --models ours plain --precisions {params.b[precision]} --attention {params.b[attention]}"
         " --compile-scopes {params.scopes} --optimizers {params.b[optimizer]} --weights {params.weights}"
-        " --warmup {params.b[warmup]} --steps {params.b[steps]} --out {output.csv} 2> {log}"
-        " && cp {log} {output.log}"
+        " --warmup {params.b[warmup]} --steps {params.b[steps]} --rounds {params.b[rounds]}"
+        " --out {output.csv} 2> {log} && cp {log} {output.log}"
 
 
 # The optimizer step: our AdamW's two update paths against torch's fused AdamW, every model size. Eager,

@@ -371,7 +371,10 @@ def render_baseline(ctx: Context) -> Section:
              f"GPU), compiled the same way, trained with torch.optim.AdamW(fused=True)) timed one after the other in "
              f"one process "
              f"on the {frame['device_name'].iloc[0]}: batch {int(frame['batch_size'].iloc[0])}, context "
-             f"{int(frame['context_length'].iloc[0])}, {frame['precision'].iloc[0]} autocast, full training steps."]
+             f"{int(frame['context_length'].iloc[0])}, {frame['precision'].iloc[0]} autocast, full training steps"
+             + (f", the whole grid run {q.cell('rounds', table['rounds'].idxmax())} times interleaved (every point once "
+                "per round; each median is over the measured steps of all rounds)." if table["rounds"].max() > 1 else
+                ".")]
     if (ok["weights"] == "bf16-master").any():
         parts[0] += (" With bf16 weights and float32 masters, ours keeps its matmul weights in bf16 and their "
                      "float32 copies in its AdamW, which updates the copy and rounds it into the weight; autocast "
@@ -529,7 +532,7 @@ def _ours_over_torch(q: Quotes) -> str:
 
 BASELINE = Table("baseline_timing", "e2e_baseline", baseline_timing,
                  "Our model against the plain-PyTorch baseline, same run: training step ms (median over the measured "
-                 "steps), MFU from it, and the median over the baseline's")
+                 "steps of every round), MFU from it, and the median over the baseline's")
 HOST_BOUND = Table("kernel_vs_wall", "profile_bf16", kernel_vs_wall,
                    "Eager steps: kernel time per phase (PyTorch profiler) against the harness's synchronized wall "
                    "time of the same phase in the same process; kernel share = kernel time ÷ wall time of the step")
