@@ -153,11 +153,19 @@ def _link(text: str, anchor: str) -> str:
     return f"[{text}](#{anchor})"
 
 
+def _has_row(ctx: Context, line: Headline) -> bool:
+    """Whether the headline's table is built and its `row` picks a row there."""
+    built = (ctx.results / "tables" / f"{line.table}.json").exists()
+    return built and (line.row is None or line.row(ctx.numeric(line.table).data) is not None)
+
+
 def headline_table(ctx: Context, anchors: dict[str, str], owners: dict[str, Deliverable], device: str = "cuda") -> str:
     """The headlines as a Markdown table. A scale that measures on another device than the GPU (the CPU smoke scale)
     runs smaller grids: a headline whose row it lacks says so; on the GPU a missing row is an error."""
     rows = []
     for line in HEADLINES:
+        if line.instead and not _has_row(ctx, line):
+            line = line.instead
         owner = owners[line.table]
         where = _link(owner.section.split(":")[0], anchors[owner.section])
         data = ctx.frame(owner.tables[[t.name for t in owner.tables].index(line.table)].data)
@@ -169,10 +177,6 @@ def headline_table(ctx: Context, anchors: dict[str, str], owners: dict[str, Deli
             rows.append((described(line), f"not measured on the {device}", "—", where))
             continue
         row = line.row(table.data) if line.row else table.row(**line.keys)
-        if row is None and line.instead:
-            line = line.instead
-            table = ctx.numeric(line.table)
-            row = line.row(table.data)
         devices = sorted({str(d) for d in measured_rows(data, line.keys).get("device_name", pd.Series()).dropna()})
         rows.append((described(line), table.quote(line.header, row), ", ".join(devices) or "?", where))
     frame = pd.DataFrame(rows, columns=["result", "value", "device", "table in"])

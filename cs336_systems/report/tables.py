@@ -213,7 +213,8 @@ def optimizer_timing(frame: pd.DataFrame) -> NumericTable:
     the bandwidth that would move AdamW's least traffic, and the optimizer step over torch's fused AdamW's of
     the same size ('—' where either did not run)."""
     out, status = [], {}
-    for (size, optimizer), rows in ordered_by_size(float32_weights(frame)).groupby(["size", "optimizer"], observed=True, sort=True):
+    by_size = ordered_by_size(float32_weights(frame))
+    for (size, optimizer), rows in by_size.groupby(["size", "optimizer"], observed=True, sort=True):
         params = parameter_count(get_config(str(size)))
         record = {"size": str(size), "parameters (M)": params / 1e6, "optimizer": optimizer}
         for header, phase in ((OPTIMIZER_STEP, "optimizer"), (TRAINING_STEP, "step")):

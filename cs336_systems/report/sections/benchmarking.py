@@ -389,7 +389,8 @@ def render_baseline(ctx: Context) -> Section:
         for i, row in ours.iterrows():
             parts.append(
                 f"{size}, {COMPILE_SCOPE_NAMES.get(scope, 'eager')}: ours ({row['attention']} attention, "
-                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}, {WEIGHT_NAMES[row['weights']]}) takes {q.cell('median (ms)', i)} ms per "
+                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}, {WEIGHT_NAMES[row['weights']]}) takes "
+                f"{q.cell('median (ms)', i)} ms per "
                 f"step (median; MFU {q.cell('MFU', i)}), the baseline {q.cell('median (ms)', baseline)} ms (MFU "
                 f"{q.cell('MFU', baseline)}): {q.cell('÷ plain', i)}× the baseline's time, "
                 + ("slower." if row["÷ plain"] > 1 else "as fast or faster."))

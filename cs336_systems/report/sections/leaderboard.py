@@ -244,16 +244,21 @@ def verdict_runs(t: pd.DataFrame, batch: int) -> pd.DataFrame:
 VERDICT_STATISTICS = ("median", "min", "max")
 
 
+def verdict_batches(steps: pd.DataFrame) -> list[int]:
+    """The batches of ours in the step table's data (largest first) that have a verdict: VERDICT_RUNS runs of one
+    commit (`verdict_runs`)."""
+    batches = sorted(set(steps.loc[steps["provider"] == "ours", "batch"]), reverse=True)
+    return [b for b in batches if len(verdict_runs(steps, b)) >= VERDICT_RUNS]
+
+
 def verdict_table(frame: pd.DataFrame) -> NumericTable:
     """Per batch with a verdict (VERDICT_RUNS runs of one commit, `verdict_runs`): the median, least and largest over
     the runs of ours' mean step, the anchor's, their ratio and ours' MFU (each column on its own: the ratio's median
     is the median of the runs' ratios), the number of runs and their commit. No rows before a verdict."""
     steps = step_table(frame).data
     out = []
-    for batch in sorted(set(steps.loc[steps["provider"] == "ours", "batch"]), reverse=True):
+    for batch in verdict_batches(steps):
         runs = verdict_runs(steps, batch)
-        if len(runs) < VERDICT_RUNS:
-            continue
         for pick in VERDICT_STATISTICS:
             out.append({"batch": batch, "statistic": pick, "runs": len(runs), COMMIT: runs[COMMIT].iloc[0],
                         "ours (ms)": getattr(runs["ours"], pick)(), "anchor (ms)": getattr(runs["anchor"], pick)(),
@@ -681,8 +686,7 @@ def render_leaderboard(ctx: Context) -> Section:
     main = ("run", "provider", "batch", STEP, "MFU", "TFLOP/s", "peak (GiB)", "checkpoint", RATIO)
     shown = tuple(h for h in main if h in table.headers)  # a device that measures no MFU (a CPU) has no such column
     verdicts = ctx.table("leaderboard_8b_verdict")  # printed once some batch has a verdict (the table's rows)
-    judged = any(len(verdict_runs(q.frame, b)) >= VERDICT_RUNS for b in batches)
-    parts = [answer, gap, verdict, *((verdicts,) if judged else ()),
+    parts = [answer, gap, verdict, *((verdicts,) if verdict_batches(q.frame) else ()),
              rows_of(table, quoted, shown).to_markdown(),
              f"_{statistic(ctx.table('leaderboard_8b'))}: the quoted runs' rows, main columns; the full step table has "
              f"{outline(table, ['run', 'provider', 'batch'])}._",
