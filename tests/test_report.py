@@ -999,7 +999,7 @@ def test_leaderboard_8b_prose_is_its_cells_and_ratios_are_the_rows(committed):
     """The 8B step section: every prose number is a cell or a recomputed formula over cells (a changed ratio is
     caught); each ratio cell is the row's mean step over the SAC anchor's of the same run and batch, recomputed
     here from the CSV; OOM rows print OOM; the quoted run's verdict follows its cells."""
-    from cs336_systems.report.sections.leaderboard import ablation_table
+    from cs336_systems.report.sections.leaderboard_steps import ablation_table
 
     body = committed[LEADERBOARD]
     assert isinstance(body, Section) and unquoted(body) == []
@@ -1461,7 +1461,7 @@ def test_leaderboard_handout_test_is_its_cells_beside_the_bench_run_before_it(tm
     the rows', and the wall time is said within or over the leaderboard's 600 s by its cell. No do_bench row: a
     pending line naming the command."""
     from cs336_systems.report.section import Context
-    from cs336_systems.report.sections.leaderboard import step_table
+    from cs336_systems.report.sections.leaderboard_steps import step_table
     from cs336_systems.report.sections.leaderboard_handout import COMMAND, render_handout
 
     frame = pd.read_csv(ROOT / "results" / "leaderboard_8b.csv")

@@ -465,7 +465,7 @@ def test_leaderboard_tables_print_the_same_cells_and_each_rows_checkpointing(see
     quotes ours' choice from it), the ratio is the mean over the SAC anchor's mean of the same run, OOM rows
     print OOM and a CPU's MFU '—'; the SM clock and power columns exactly when some row has them, '—' where a row
     has none; the Markdown, the LaTeX, the JSON read back and the prose quotes agree."""
-    from cs336_systems.report.sections.leaderboard import ablation_table, step_table
+    from cs336_systems.report.sections.leaderboard_steps import ablation_table, step_table
 
     rows = _leaderboard_rows(np.random.default_rng(seed), clocks)
     steps = step_table(rows)
@@ -495,7 +495,8 @@ def test_leaderboard_power_sentence_is_the_powered_runs_cells(seed):
     none), its lowest-highest power, whether that is at the board's limit, and ours' and the anchor's energy per step
     as mean step × mean power from the rows; no sentence where no row has the columns."""
     from cs336_systems.report.section import Quotes
-    from cs336_systems.report.sections.leaderboard import POWER_LIMIT_W, _gap_paragraph, step_table
+    from cs336_systems.report.sections.leaderboard import POWER_LIMIT_W, _gap_paragraph
+    from cs336_systems.report.sections.leaderboard_steps import step_table
 
     rng = np.random.default_rng(seed)
     rows = _leaderboard_rows(rng, clocks=True)

@@ -17,8 +17,8 @@ import pandas as pd
 from cs336_systems.model.accounting import parameter_count
 from cs336_systems.model.config import SIZE_TABLES, ModelConfig
 from cs336_systems.report.section import Context, Deliverable
-from cs336_systems.report.sections.leaderboard import (quoted_ours_at_leaderboard_batch,
-                                                        verdict_median_at_leaderboard_batch)
+from cs336_systems.report.sections.leaderboard_steps import quoted_ours_at_leaderboard_batch
+from cs336_systems.report.sections.leaderboard_verdict import verdict_median_at_leaderboard_batch
 
 TITLES = ("Headline results", "Contents", "Model sizes of the two editions", "Problems in the two editions",
           "Rebuilding this report")

@@ -254,7 +254,7 @@ def render_ddp_individual(ctx: Context) -> Section:
                         ".2f", f"{precision} {config} over torch DDP (means)")
 
     parts = _ddp_summary(frame, table, ["individual", "naive", "torch_ddp"], ctx)
-    checked, diagnosis = parts[1:], []
+    checked, other_ways = parts[1:], []
     for precision in sorted(set(frame["precision"])):
         if not all(_measured(table, precision, c) for c in ("individual", "naive", "torch_ddp")):
             continue
@@ -274,8 +274,8 @@ def render_ddp_individual(ctx: Context) -> Section:
                                             "alone: see the timing note of naive DDP's setup).")
             )
         variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if _measured(table, precision, c)]
-        if variants:  # the same all-reduces issued other ways: a diagnosis, for the appendix
-            diagnosis.append(f"{precision}, in the same run: " + "; ".join(
+        if variants:  # the same all-reduces issued other ways, for the appendix
+            other_ways.append(f"{precision}, in the same run: " + "; ".join(
                 f"{label}: step {table.quote(DDP_STEP, precision=precision, config=c)} ms "
                 f"({over_torch(precision, c)}× torch DDP's), forward+backward "
                 f"{table.quote('forward+backward (ms)', precision=precision, config=c)} ms" for c, label in variants)
@@ -291,9 +291,9 @@ def render_ddp_individual(ctx: Context) -> Section:
         "which of the causes it is."]
     waiting = [appendix("ddp_overlap_individual_parameters: what the rerun will tell", text) for text in waiting]
     variants = appendix_parts("ddp_overlap_individual_parameters: the same all-reduces issued other ways",
-                              diagnosis) if diagnosis else []
+                              other_ways) if other_ways else []
     return Section([parts[0], *checked, *variants, *waiting, ctx.table("ddp_individual")], table,
-                   [*checked, *diagnosis], q.derived,
+                   [*checked, *other_ways], q.derived,
                    wording=("1",))  # torch DDP's 1 MiB buckets, named in a variant's label
 
 
