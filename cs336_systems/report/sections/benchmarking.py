@@ -393,12 +393,18 @@ def render_baseline(ctx: Context) -> Section:
                 f"{q.cell('median (ms)', i)} ms per "
                 f"step (median; MFU {q.cell('MFU', i)}), the baseline {q.cell('median (ms)', baseline)} ms (MFU "
                 f"{q.cell('MFU', baseline)}): {q.cell('÷ plain', i)}× the baseline's time, "
-                + ("slower." if row["÷ plain"] > 1 else "as fast or faster."))
+                + _faster_or_slower(row["÷ plain"]))
     ooms = table[table["median (ms)"].isna()]
     if len(ooms):
         parts.append("Out of memory: " + ", ".join(f"{r['size']} {r['model']}" for _, r in ooms.iterrows()) + ".")
     settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length"))
     return Section([*parts, ctx.table("baseline_timing")], q.table, parts, q.derived, wording=settings)
+
+
+def _faster_or_slower(ratio: float) -> str:
+    """The word for a time ratio as printed (3 decimals): 1.000 is neither faster nor slower."""
+    shown = round(ratio, 3)
+    return "slower." if shown > 1 else "faster." if shown < 1 else "the same time."
 
 
 def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.Series) -> list[str]:
