@@ -645,16 +645,16 @@ def test_baseline_and_kernel_time_sections_quote_their_tables(tmp_path):
     assert "the whole grid run 2 times interleaved" in baseline.markdown()
     weights = baseline.table.data.loc[models == "ours", "weights"]
     assert sorted(weights) == ["bf16-master", "float32"]  # each described in the prose
-    assert all(f"ours (sdpa attention, our multi-tensor AdamW, {benchmarking.WEIGHT_NAMES[w]})" in baseline.markdown()
-               for w in weights)
+    assert "ours (sdpa attention, our multi-tensor AdamW) with " in baseline.markdown()
+    assert all(f"with {benchmarking.WEIGHT_NAMES[w]} " in baseline.markdown() for w in weights)
     share = column_values(host.table, "kernel share of step")
     # kernel time and wall time come from two calls of the phase (profiled, timed), so on a shared CPU the
     # share can exceed 1; only its presence for every size is checked here
     assert list(host.table.data["size"]) == ["tiny", "mini"] and (share > 0).all()
 
 
-@pytest.mark.parametrize("ratio,word", [(0.893, "faster."), (0.9994, "faster."), (1.0004, "the same time."),
-                                        (0.99951, "the same time."), (1.0006, "slower."), (1.053, "slower.")])
+@pytest.mark.parametrize("ratio,word", [(0.893, "faster"), (0.9994, "faster"), (1.0004, "the same time"),
+                                        (0.99951, "the same time"), (1.0006, "slower"), (1.053, "slower")])
 def test_the_baseline_ratio_is_worded_as_printed(ratio, word):
     """Faster or slower is judged on the ratio as the prose prints it (3 decimals): a printed 1.000 is neither."""
     from cs336_systems.report.sections.benchmarking import _faster_or_slower

@@ -357,7 +357,7 @@ def _compile_gaps(frame: pd.DataFrame, table: pd.DataFrame, scopes: list[str]) -
             + "\n".join(lines))
 
 
-WEIGHT_NAMES = {"float32": "float32 weights", "bf16-master": "bf16 weights with float32 masters"}
+WEIGHT_NAMES = {"float32": "float32 weights", "bf16-master": "bf16 weights and float32 masters"}
 
 
 def render_baseline(ctx: Context) -> Section:
@@ -376,24 +376,23 @@ def render_baseline(ctx: Context) -> Section:
                 "per round; each median is over the measured steps of all rounds)." if table["rounds"].max() > 1 else
                 ".")]
     if (ok["weights"] == "bf16-master").any():
-        parts[0] += (" With bf16 weights and float32 masters, ours keeps its matmul weights in bf16 and their "
-                     "float32 copies in its AdamW, which updates the copy and rounds it into the weight; autocast "
-                     "then casts no weight in the forward and no weight gradient in the backward. Every matmul "
-                     "gets the bf16 values autocast would give it (a test checks that logits, loss and gradients "
-                     "equal autocast's over float32 weights, on the CPU).")
+        parts[0] += (" With bf16 weights and float32 masters, ours keeps its matmul weights in bf16 and float32 "
+                     "copies in its AdamW, which updates each copy and rounds it into the weight, so autocast casts "
+                     "no weight; a CPU test checks that logits, loss and gradients equal autocast's over float32 "
+                     "weights.")
     for (size, scope), rows in ok.groupby(["size", "compiled"], observed=True, sort=False):
         ours, plain = rows[rows["model"] == "ours"], rows[rows["model"] == "plain"]
         if not len(ours) or not len(plain):
             continue
         baseline = plain.index[0]
-        for i, row in ours.iterrows():
-            parts.append(
-                f"{size}, {COMPILE_SCOPE_NAMES.get(scope, 'eager')}: ours ({row['attention']} attention, "
-                f"{OPTIMIZER_NAMES.get(row['optimizer'], row['optimizer'])}, {WEIGHT_NAMES[row['weights']]}) takes "
-                f"{q.cell('median (ms)', i)} ms per "
-                f"step (median; MFU {q.cell('MFU', i)}), the baseline {q.cell('median (ms)', baseline)} ms (MFU "
-                f"{q.cell('MFU', baseline)}): {q.cell('÷ plain', i)}× the baseline's time, "
-                + _faster_or_slower(row["÷ plain"]))
+        each = [f"with {WEIGHT_NAMES[row['weights']]} {q.cell('median (ms)', i)} ms (MFU {q.cell('MFU', i)}; "
+                f"{q.cell('÷ plain', i)}× the baseline's time, {_faster_or_slower(row['÷ plain'])})"
+                for i, row in ours.iterrows()]
+        first = ours.iloc[0]
+        parts.append(
+            f"{size}, {COMPILE_SCOPE_NAMES.get(scope, 'eager')}: the baseline takes {q.cell('median (ms)', baseline)} "
+            f"ms per step (median; MFU {q.cell('MFU', baseline)}); ours ({first['attention']} attention, "
+            f"{OPTIMIZER_NAMES.get(first['optimizer'], first['optimizer'])}) " + ", ".join(each) + ".")
     ooms = table[table["median (ms)"].isna()]
     if len(ooms):
         parts.append("Out of memory: " + ", ".join(f"{r['size']} {r['model']}" for _, r in ooms.iterrows()) + ".")
@@ -404,7 +403,7 @@ def render_baseline(ctx: Context) -> Section:
 def _faster_or_slower(ratio: float) -> str:
     """The word for a time ratio as printed (3 decimals): 1.000 is neither faster nor slower."""
     shown = round(ratio, 3)
-    return "slower." if shown > 1 else "faster." if shown < 1 else "the same time."
+    return "slower" if shown > 1 else "faster" if shown < 1 else "the same time"
 
 
 def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.Series) -> list[str]:

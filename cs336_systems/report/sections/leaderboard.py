@@ -189,8 +189,8 @@ def _ablation_paragraph(q: Quotes) -> str | None:
                    zip(ablations["provider"], ablations["run"], ablations["batch"]))
 
     # the table lists every row's ratio; the prose counts them rather than restating each
-    text = ("The ablations (tables below: each switches one optimisation of ours off, or spends free memory; "
-            "`÷ ours` is its step over ours' of the same run and batch): "
+    text = ("The ablations (table in the appendix: each switches one optimisation of ours off, or spends free "
+            "memory; `÷ ours` is its step over ours' of the same run and batch): "
             f"{q.derive(lambda t: int((ratios(t) > 1).sum()), 'd', 'ablation rows slower than ours')} of the "
             f"{q.derive(lambda t: len(ratios(t)), 'd', 'ablation rows compared with ours')} rows compared with ours "
             "are slower than ours"
@@ -398,14 +398,8 @@ def _check_sentence(checks: pd.DataFrame | None) -> str:
 
 
 def _ablation_parts(ctx: Context, ablation: str) -> list[str]:
-    """The ablation paragraph, the latest run of each ablation at each batch, and every run's in the appendix."""
-    table = ctx.numeric("leaderboard_8b_ablations")
-    latest = lambda t: ~t.duplicated(["ablation", "batch"], keep="last")  # noqa: E731  rows in the order runs ran
-    shown = ("run", "ablation", "batch", STEP, "÷ ours", "peak (GiB)")
-    return [ablation, rows_of(table, latest, shown).to_markdown(),
-            f"_{statistic(ctx.table('leaderboard_8b_ablations'))}: each ablation's latest run at each batch; the full "
-            f"table has {outline(table, ['run', 'ablation'])}._",
-            appendix("the 8B step: every ablation of every run", ctx.table("leaderboard_8b_ablations"))]
+    """The ablation paragraph in the body; the ablation table (every run's) in the appendix."""
+    return [ablation, appendix("the 8B step: every ablation of every run", ctx.table("leaderboard_8b_ablations"))]
 
 
 def render_leaderboard(ctx: Context) -> Section:

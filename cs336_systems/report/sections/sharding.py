@@ -70,6 +70,7 @@ def render_sharding(ctx: Context) -> Section:
     for precision in sorted(set(frame["precision"])):
         if not {(precision, "individual"), (precision, "individual+sharded")} <= set(ok.index):
             continue
+        first_said = not checked  # the first paragraph says what each number is made of; the next ones do not repeat it
         plain, sharded = "individual", "individual+sharded"
         measured = pd.notna(ok.loc[(precision, plain), "peak_before_step_mib"])  # allocator statistics: CUDA only
         formula = (f"By the formula parameters take {v(precision, plain, 'params by formula (MiB)')} MiB, gradients "
@@ -80,7 +81,7 @@ def render_sharding(ctx: Context) -> Section:
             text = (f"{precision}: peak memory during forward+backward {v(precision, plain, mem)} MiB without sharding "
                     f"and {v(precision, sharded, mem)} MiB with ours "
                     f"({versus(precision, sharded, plain, mem, '+.0f', f'{precision} sharded peak over plain')} MiB). "
-                    f"{formula}; the rest of the peak is activations and temporaries.")
+                    f"{formula}" + ("; the rest of the peak is activations and temporaries." if first_said else "."))
             if phase_peaks:
                 text += (f" The optimizer step's own peak: {v(precision, plain, 'peak of the step (MiB)')} MiB "
                          f"unsharded, {v(precision, sharded, 'peak of the step (MiB)')} MiB with ours (its chunked "
@@ -91,13 +92,15 @@ def render_sharding(ctx: Context) -> Section:
         if (precision, zero) in ok.index:
             if measured:
                 text += (f" torch's ZeroRedundancyOptimizer over torch DDP peaks at {v(precision, zero, mem)} MiB in "
-                         f"forward+backward (torch DDP keeps its own gradient buckets besides the gradients).")
+                         "forward+backward" + (" (torch DDP keeps its own gradient buckets besides the gradients)."
+                                               if first_said else "."))
             text += (f" Step time "
                      f"(mean): {v(precision, sharded, step)} ms for ours, {v(precision, zero, step)} ms "
                      f"for torch's ({versus(precision, sharded, zero, step, '.2f', f'{precision} ours over ZeRO', True)}×), "
-                     f"{v(precision, plain, step)} ms without sharding. The optimizer phase, where sharding acts "
-                     f"(each rank updates its shard; ours then all-gathers the updated shards in chunks, torch's "
-                     f"broadcasts each parameter from its owner), takes {v(precision, sharded, opt)} ms for "
+                     f"{v(precision, plain, step)} ms without sharding. The optimizer phase"
+                     + (", where sharding acts (each rank updates its shard; ours then all-gathers the updated shards "
+                        "in chunks, torch's broadcasts each parameter from its owner)," if first_said else "")
+                     + f" takes {v(precision, sharded, opt)} ms for "
                      f"ours, {v(precision, zero, opt)} ms for torch's and {v(precision, plain, opt)} ms "
                      f"unsharded.")
         for config in sorted(c for p, c in ok.index if p == precision and specs[c].optimizer_sharding == "sharded"
