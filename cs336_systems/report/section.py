@@ -167,3 +167,10 @@ def shared_cell(table: NumericTable, header: str) -> str | None:
     a run's setting is stated once."""
     texts = {table.cell_text(row, header) for row in range(len(table))}
     return table.quote(header, 0) if len(texts) == 1 else None
+
+
+def faster_or_slower(ratio: float, digits: int = 3) -> str:
+    """The word for a time ratio (ours over another's) judged as the prose prints it, to `digits` decimals: a
+    printed 1.000 is neither faster nor slower."""
+    shown = round(ratio, digits)
+    return "slower" if shown > 1 else "faster" if shown < 1 else "the same time"

@@ -13,7 +13,8 @@ import pandas as pd
 from cs336_systems.model import forward_flops, get_config, parameter_count
 from cs336_systems.report.appendix import appendix, moved, rows_of, statistic
 from cs336_systems.report import figures, tables
-from cs336_systems.report.section import Context, Deliverable, Figure, Quotes, Section, Table, column_values
+from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
+                                          faster_or_slower)
 from cs336_systems.report.profile_tables import kernel_vs_wall
 from cs336_systems.report.frame import NumericTable
 from cs336_systems.report.tables import (OPTIMIZER_STEP, VERSUS_TORCH, baseline_timing, compile_column, compile_scope,
@@ -386,7 +387,7 @@ def render_baseline(ctx: Context) -> Section:
             continue
         baseline = plain.index[0]
         each = [f"with {WEIGHT_NAMES[row['weights']]} {q.cell('median (ms)', i)} ms (MFU {q.cell('MFU', i)}; "
-                f"{q.cell('÷ plain', i)}× the baseline's time, {_faster_or_slower(row['÷ plain'])})"
+                f"{q.cell('÷ plain', i)}× the baseline's time, {faster_or_slower(row['÷ plain'])})"
                 for i, row in ours.iterrows()]
         first = ours.iloc[0]
         parts.append(
@@ -398,12 +399,6 @@ def render_baseline(ctx: Context) -> Section:
         parts.append("Out of memory: " + ", ".join(f"{r['size']} {r['model']}" for _, r in ooms.iterrows()) + ".")
     settings = tuple(str(int(frame[c].iloc[0])) for c in ("batch_size", "context_length"))
     return Section([*parts, ctx.table("baseline_timing")], q.table, parts, q.derived, wording=settings)
-
-
-def _faster_or_slower(ratio: float) -> str:
-    """The word for a time ratio as printed (3 decimals): 1.000 is neither faster nor slower."""
-    shown = round(ratio, 3)
-    return "slower" if shown > 1 else "faster" if shown < 1 else "the same time"
 
 
 def _versus_blocks(q: Quotes, scope: str, scopes: list[str], kept, commits: pd.Series) -> list[str]:

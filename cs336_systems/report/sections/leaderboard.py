@@ -11,7 +11,7 @@ import re
 import pandas as pd
 
 from cs336_systems.report.appendix import appendix, appendix_parts, outline, rows_of, statistic
-from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table
+from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, faster_or_slower
 from cs336_systems.report.sections.leaderboard_handout import bench_rows, handout_table, render_handout
 from cs336_systems.report.sections.leaderboard_profile import (QUOTED, SWAPPED, memory_table, profile_pointer,
                                                                profile_table, render_profile)
@@ -46,10 +46,9 @@ def _gap_paragraph(q: Quotes, batches: list[int]) -> str:
     for b in (b for b in batches if is_measured(cell_of(t, "ours", RATIO, b))):
         mfu = (f" at {_mfu_percent(q, 'ours', b)}% MFU against its {_mfu_percent(q, ANCHOR, b)}%"
                if is_measured(cell_of(t, "ours", "MFU", b)) else "")
-        slower = "slower" if cell_of(t, "ours", RATIO, b) > 1 else "faster"
         parts.append(f"at batch {b} ours takes {_ratio_to_anchor(q, 'ours', b)}× the anchor's mean step "
                      f"({q.cell(STEP, row_of(t, 'ours', batch=b))} against {q.cell(STEP, row_of(t, ANCHOR, batch=b))} ms, "
-                     f"{slower}){mfu}")
+                     f"{faster_or_slower(cell_of(t, 'ours', RATIO, b))}){mfu}")
     if not parts:
         return "No row of ours with the selective-checkpointing anchor beside it in the same run."
     # a batch with a verdict from repeated runs is judged there, not on its quoted run or the spread across commits
