@@ -68,6 +68,10 @@ def test_five_runs_of_one_commit_give_the_verdict_from_their_medians(tmp_path):
     judged = re.search(r"In these runs the issue's target.*?\.(?= )", body.markdown())
     assert judged is None or "batch 2" not in judged[0]  # batch 2 is judged by the verdict alone
     assert "At batch 2, the" not in body.markdown()  # and not by the spread across commits
+    assert "runs of the same recipe at that batch" not in body.markdown()  # nor does the answer quote that spread
+    caption = (tmp_path / "tables" / "leaderboard_8b_verdict.md").read_text().strip().splitlines()[-1]
+    assert caption.count("commit") == 2 and f"commit {'c' * 12};" in caption  # the verdict runs' commit alone
+    assert set(re.findall(r"\d{4}-\d\d-\d\d", caption)) == {"2099-01-01"}
 
 
 def test_the_verdict_follows_its_cells_and_counts_the_runs_that_met_it(tmp_path):

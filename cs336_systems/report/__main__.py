@@ -19,7 +19,9 @@ def make_table(name: str, inputs: list[str | Path], md: str | Path, tex: str | P
     """Build table `name` once from its results files and write its Markdown, LaTeX and numeric frame."""
     frame = read_rows(*inputs)
     table = TABLES[name]
-    save_table(table.build(frame), md, tex, f"{table.caption}. {provenance_line(frame)}", json)
+    measured = table.rows(frame) if table.rows else frame
+    measured = measured if len(measured) else frame  # an empty table (nothing to summarise yet) names its data's
+    save_table(table.build(frame), md, tex, f"{table.caption}. {provenance_line(measured)}", json)
 
 
 def make_tables(results: str | Path, names: list[str] | None = None) -> list[str]:

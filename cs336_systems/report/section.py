@@ -68,6 +68,8 @@ class Table:
     data: str
     build: Callable[[pd.DataFrame], NumericTable]
     caption: str
+    # the rows the table is built from, where fewer than the data's: its caption's provenance names only theirs
+    rows: Callable[[pd.DataFrame], pd.DataFrame] | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from cs336_systems.report.sections.leaderboard_steps import (ANCHOR, COMMIT, HAN
                                                              ablation_table, cell_of, is_ablation, is_measured, row_of,
                                                              runs_table, sized_ablation, step_of, step_table)
 from cs336_systems.report.sections.leaderboard_verdict import (VERDICT_RUNS, VERDICT_STEPS, verdict_batches,
-                                                               verdict_paragraph, verdict_runs, verdict_table)
+                                                               verdict_paragraph, verdict_rows, verdict_runs,
+                                                               verdict_table)
 
 
 def _ratio_to_anchor(q: Quotes, provider: str, batch: int, run: str | None = None) -> str:
@@ -344,7 +345,8 @@ def _steps_words(q: Quotes) -> str:
 
 def _answer_paragraph(q: Quotes, batches: list[int], first: pd.Series) -> str:
     """The deliverable first: ours' step time at the leaderboard's batch in the quoted run, what each point is, and
-    the spread of that step over the runs of the same recipe."""
+    (before that batch has a verdict, which states the spread of one commit's runs) the spread of that step over the
+    runs of the same recipe."""
     t = q.frame
     lead = ("Answers the 2026 handout, section 9 (leaderboard), whose deliverable is the best wall-clock time of a "
             "full training step with AdamW.")
@@ -356,7 +358,7 @@ def _answer_paragraph(q: Quotes, batches: list[int], first: pd.Series) -> str:
             f"on one {first['device_name']} (the leaderboard times two B200s), in the quoted run "
             f"{q.cell('run', row)}; every point of the step table is {_steps_words(q)}.")
     rows = _same_recipe_rows(t, batch)
-    if len(rows) > 1:
+    if len(rows) > 1 and len(verdict_runs(t, batch)) < VERDICT_RUNS:
         steps = "–".join(q.derive(lambda t, pick=pick: getattr(_same_recipe_rows(t, batch)[STEP], pick)(), ",.1f",
                                   f"{pick} step of ours' recipe, batch {batch}") for pick in ("min", "max"))
         runs = q.derive(lambda t: len(_same_recipe_rows(t, batch)), "d", f"runs of the recipe, batch {batch}")
@@ -451,7 +453,8 @@ DELIVERABLES = [
                         Table("leaderboard_8b_verdict", "leaderboard_8b", verdict_table,
                               f"The verdict: {VERDICT_RUNS} or more runs of one commit, each its own process timing "
                               f"ours and the SAC anchor over at least {VERDICT_STEPS} steps; median, least and largest "
-                              "over the runs of each point's mean step, of ours over the anchor, and of ours' MFU"),
+                              "over the runs of each point's mean step, of ours over the anchor, and of ours' MFU",
+                              rows=verdict_rows),
                         Table("leaderboard_8b_runs", "leaderboard_8b", runs_table,
                               "The runs of the step table, in the order they ran: commit, date, providers timed, "
                               "warm-up and timed steps per point, ours' checkpointing and sequences per pass, "

@@ -58,6 +58,16 @@ def verdict_table(frame: pd.DataFrame) -> NumericTable:
                          Col("anchor (ms)", ",.1f"), Col(RATIO, ".3f"), Col("MFU", ".3f")))
 
 
+def verdict_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of `frame` (a results file's) that the verdict table summarises: ours' and the anchor's in each
+    verdict run, at its batch."""
+    steps = step_table(frame).data
+    runs = {(run, batch) for batch in verdict_batches(steps) for run in verdict_runs(steps, batch).index}
+    measured = pd.Series([key in runs for key in zip(frame["run_id"].astype(str).str[:6], frame["batch"])],
+                         index=frame.index, dtype=bool)
+    return frame[measured & frame["provider"].isin(["ours", ANCHOR])]
+
+
 def verdict_median_at_leaderboard_batch(table: pd.DataFrame) -> int | None:
     """The verdict table's median row at the leaderboard's batch (the front page's headlines); None before a
     verdict."""
