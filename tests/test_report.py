@@ -1543,3 +1543,18 @@ def test_memory_2026_says_which_points_ran_out_of_memory(tmp_path):
         assert f"{peak('bf16', context, 'naive', mode) - peak('fp32', context, 'naive', mode):+,.0f} MiB at context " \
                f"{context}" in mixed
     assert "nan" not in body.markdown()
+
+
+def test_leaderboard_profile_tables_name_the_profiled_runs_commit_alone(tmp_path):
+    """The profile tables show the quoted run's rows only, so their captions' provenance names that run's commit and
+    date, not those of the earlier profiled runs merged into the same file."""
+    from tests.test_report_frames import _step_profile_rows
+
+    quoted = _step_profile_rows(np.random.default_rng(), dropped=False)
+    earlier = quoted.assign(run_id="0f0f0f0f0f0f", quoted=False, git_commit="e" * 40, timestamp="2099-01-01T00:00:00")
+    quoted = quoted.assign(git_commit="d" * 40, timestamp="2099-02-02T00:00:00")
+    pd.concat([earlier, quoted], ignore_index=True).to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
+    make_tables(tmp_path, ["leaderboard_8b_profile", "leaderboard_8b_memory"])
+    for name in ("leaderboard_8b_profile", "leaderboard_8b_memory"):
+        caption = (tmp_path / "tables" / f"{name}.md").read_text().strip().splitlines()[-1]
+        assert f"commit {'d' * 12}; 2099-02-02." in caption and "e" * 7 not in caption

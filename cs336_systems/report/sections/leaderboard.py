@@ -14,7 +14,8 @@ from cs336_systems.report.appendix import appendix, appendix_parts, outline, row
 from cs336_systems.report.section import Context, Deliverable, Quotes, Section, Table, faster_or_slower
 from cs336_systems.report.sections.leaderboard_handout import bench_rows, handout_table, render_handout
 from cs336_systems.report.sections.leaderboard_profile import (QUOTED, SWAPPED, memory_table, profile_pointer,
-                                                               profile_table, render_profile)
+                                                               profile_table, profiled_memory, profiled_time,
+                                                               render_profile)
 from cs336_systems.report.sections.leaderboard_steps import (ANCHOR, COMMIT, HANDOUT_BATCH, RATIO, SEQUENCES, STEP,
                                                              TARGET_MFU, TARGET_RATIO, TIMED, WARMUP, ablation_runs,
                                                              ablation_table, cell_of, is_ablation, is_measured, row_of,
@@ -471,7 +472,7 @@ DELIVERABLES = [
                 render_profile, ("leaderboard_8b_profile",),
                 tables=(Table("leaderboard_8b_profile", "leaderboard_8b_profile", profile_table,
                               "One profiled step per provider (largest batch of the run): device time by category "
-                              "(ms), the same time summed another way, and the step's wall time"),
+                              "(ms), the same time summed another way, and the step's wall time", rows=profiled_time),
                         Table("leaderboard_8b_memory", "leaderboard_8b_profile", memory_table,
-                              "Peak memory of the profiled step by what holds it (GiB)"))),
+                              "Peak memory of the profiled step by what holds it (GiB)", rows=profiled_memory))),
 ]

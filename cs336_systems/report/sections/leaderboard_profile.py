@@ -28,10 +28,20 @@ def _profiled(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
     return rows[rows["batch"] == rows["batch"].max()]
 
 
+def profiled_time(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows the time table is built from (Table.rows: its provenance names their run's commit and date)."""
+    return _profiled(frame, "time")
+
+
+def profiled_memory(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows the memory table is built from."""
+    return _profiled(frame, "memory")
+
+
 def profile_table(frame: pd.DataFrame) -> NumericTable:
     """ms of each category in the profiled step, one column per provider (the largest batch of the quoted run);
     then the same device time summed another way (the categories' check) and the step's wall time."""
-    rows = _profiled(frame, "time")
+    rows = profiled_time(frame)
     providers = list(dict.fromkeys(rows["provider"]))
     values = rows.set_index(["category", "provider"])["value"].unstack()  # NaN stays NaN (a sum would make it 0)
     order = [*PROFILE_CATEGORIES, *PROFILE_TOTALS]
@@ -43,7 +53,7 @@ def profile_table(frame: pd.DataFrame) -> NumericTable:
 
 def memory_table(frame: pd.DataFrame) -> NumericTable:
     """Peak memory of the profiled step split into what holds it (GiB), one row per provider."""
-    rows = _profiled(frame, "memory")
+    rows = profiled_memory(frame)
     values = rows.set_index(["provider", "category"])["value"].unstack()  # a CPU's NaN peak stays NaN
     providers = list(dict.fromkeys(rows["provider"]))
     data = pd.DataFrame({"provider": providers, "batch": int(rows["batch"].max()),
