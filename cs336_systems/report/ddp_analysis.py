@@ -17,12 +17,15 @@ from cs336_systems.report.section import Context
 RERUN = ("snakemake results/ddp_naive.csv results/ddp_individual.csv results/ddp_bucketed.csv results/sharding.csv "
          "results/ddp_overlap.csv --forcerun ddp_benchmark ddp_traces --cores 1 --resources gpu=2 --config max_gpus=2")
 
-# How the other DDP paragraphs name that rerun: the command itself is given once, in naive DDP's setup (timing_method).
-RERUN_NAMED = "the two-GPU DDP rerun whose command the setup of naive DDP's section gives"
+# How the other DDP paragraphs name that rerun: the command itself is given once, in naive DDP's timing note (the
+# appendix block that `timing_note` fills).
+RERUN_NAMED = "the two-GPU DDP rerun whose command naive DDP's timing note (appendix) gives"
+TIMING_NOTE = "naive_ddp_benchmarking: how these rows were timed and compared"
 
 
 def timing_method(frame: pd.DataFrame) -> str:
-    """How the rows' phases were timed (the bench's `timer` column; rows without it predate it)."""
+    """How the rows' phases were timed (the bench's `timer` column), for the setup paragraph; rows without the column
+    predate it, and the setup then says so in a line (`timing_note` has the rest, for the appendix)."""
     timer = frame["timer"].dropna().iloc[0] if "timer" in frame and frame["timer"].notna().any() else None
     if timer == "cuda_events":
         return ("Phases are CUDA events on the compute stream with no synchronization between them: "
@@ -32,11 +35,22 @@ def timing_method(frame: pd.DataFrame) -> str:
     if timer == "host_clock":
         return ("Phases are host clock readings (no GPU: CPU kernels are synchronous, gloo communicates on its "
                 "own threads, so the time in finish_gradient_synchronization is the exposed wait).")
-    return ("These rows predate the compute-stream events: forward+backward ended with a device-wide "
-            "synchronize, which also waits for the NCCL stream, so all-reduces still running when backward ended "
-            "were charged to forward+backward, and the overlapping wrappers' communication wait is near zero by "
-            "construction. Their step times stand; how each step splits into computation and exposed "
-            f"communication waits for the two-GPU rerun (pending: `{RERUN}`).")
+    return ("These rows predate the compute-stream events: their step times stand, their split into computation "
+            "and exposed communication does not (why, and the rerun: the timing note in the appendix).")
+
+
+def timing_note(frame: pd.DataFrame) -> str:
+    """For the appendix: how rows without the `timer` column timed their phases and what the rerun will settle (for
+    rows with it, the setup's `timing_method` says how), then why the text compares configs only within one table."""
+    within = ("The text compares configs only within one table because the same config measured in another run "
+              "(another table) can differ by more than the differences within a run.")
+    if "timer" in frame and frame["timer"].notna().any():
+        return within
+    return ("Rows without compute-stream events ended forward+backward with a device-wide synchronize, which also "
+            "waits for the NCCL stream, so all-reduces still running when backward ended were charged to "
+            "forward+backward, and the overlapping wrappers' communication wait is near zero by construction. "
+            "Their step times stand; how each step splits into computation and exposed communication waits for "
+            f"the two-GPU rerun (pending: `{RERUN}`). " + within)
 
 
 # The run that sets config.yaml's `ddp.rounds`: two configs close in speed in more interleaved rounds than the

@@ -12,8 +12,9 @@ import pandas as pd
 from cs336_systems.analysis.ddp import allreduce_burst_cost, allreduce_cost
 from cs336_systems.report import figures, tables
 from cs336_systems.report.appendix import appendix, appendix_parts
-from cs336_systems.report.ddp_analysis import (RERUN_NAMED, bucket_counts, bucket_model, fp32_overlap_causes,
-                                               gradient_tensors, rounds_paragraph, setup_as_in_naive, timing_method)
+from cs336_systems.report.ddp_analysis import (RERUN_NAMED, TIMING_NOTE, bucket_counts, bucket_model,
+                                               fp32_overlap_causes, gradient_tensors, rounds_paragraph,
+                                               setup_as_in_naive, timing_method, timing_note)
 from cs336_systems.report.frame import Col, NumericTable
 from cs336_systems.report.section import (Context, Deliverable, Figure, Quotes, Section, Table, column_values,
                                           shared_cell)
@@ -122,9 +123,7 @@ def _ddp_summary(frame: pd.DataFrame, table: NumericTable, configs: list[str], c
              f"'Communication wait' is the time from the end of backward until the gradients are synchronised "
              f"(torch DDP synchronises inside backward, so its wait is part of its forward+backward time). "
              f"{timing_method(frame)} The baselines of this table ({', '.join(baselines) or 'none'}) ran in the "
-             f"same run, interleaved with the other configs; the text compares configs only within this table, "
-             f"because the same config measured in another run (another table) can differ by more than the "
-             f"differences within a run.")
+             f"same run, interleaved with the other configs, and the text compares configs only within this table.")
     return [setup, *lines]
 
 
@@ -148,6 +147,7 @@ def render_ddp_naive(ctx: Context) -> Section:
     table = ctx.numeric("ddp_naive")
     parts = _ddp_summary(frame, table, ["none", "naive", "flat", "torch_ddp"])
     checked = parts[1:]
+    parts += appendix_parts(TIMING_NOTE, [timing_note(frame)])
     cost = allreduce_cost(ctx.frame("allreduce"))
     ok = frame[frame["status"] == "ok"]
     if cost is not None and len(ok):
@@ -215,7 +215,7 @@ def overlap_in_this_table(table: NumericTable, q: Quotes, precision: str) -> str
     if added >= naive_wait / 2:
         return text + ("overlapping hid at most half of that wait here. Whether the rest is a slower backward or "
                        "all-reduces still running when backward ends is what the traces of 2.3 (b) and the rerun of "
-                       "the timing note above tell apart.")
+                       "the timing note (appendix) tell apart.")
     return text + "overlapping hid most of that wait here."
 
 
@@ -271,7 +271,7 @@ def render_ddp_individual(ctx: Context) -> Section:
             f"changes it by {change} ms" + ("." if "timer" in frame else
                                             " (in these rows forward+backward also holds the communication still "
                                             "running when backward ended, so this is not yet the cost of overlapping "
-                                            "alone: see the timing note of naive DDP's setup).")
+                                            "alone: see naive DDP's timing note in the appendix).")
             )
         variants = [(c, label) for c, label in VARIANTS_OF_INDIVIDUAL if _measured(table, precision, c)]
         if variants:  # the same all-reduces issued other ways, for the appendix
