@@ -1551,7 +1551,7 @@ def test_leaderboard_profile_tables_name_the_profiled_runs_commit_alone(tmp_path
     from tests.test_report_frames import _step_profile_rows
 
     quoted = _step_profile_rows(np.random.default_rng(), dropped=False)
-    earlier = quoted.assign(run_id="0f0f0f0f0f0f", quoted=False, git_commit="e" * 40, timestamp="2099-01-01T00:00:00")
+    earlier = quoted.assign(run_id="earlier_run", quoted=False, git_commit="e" * 40, timestamp="2099-01-01T00:00:00")
     quoted = quoted.assign(git_commit="d" * 40, timestamp="2099-02-02T00:00:00")
     pd.concat([earlier, quoted], ignore_index=True).to_csv(tmp_path / "leaderboard_8b_profile.csv", index=False)
     make_tables(tmp_path, ["leaderboard_8b_profile", "leaderboard_8b_memory"])

@@ -66,6 +66,11 @@ def e2e_timing(frame: pd.DataFrame) -> NumericTable:
     return phase_table(fp32, columns, ["forward", "backward"])
 
 
+def step_samples(text: str) -> list[float]:
+    """The measured steps' times (ms) of a row's `samples_ms` (bench/e2e.py writes them space-separated)."""
+    return [float(t) for t in text.split()]
+
+
 def e2e_warmup(frame: pd.DataFrame) -> NumericTable:
     """1.1.3(c): the forward+backward step time for each number of warm-up steps; where the rows carry every
     measured step's time (`samples_ms`), also the first measured step and the slowest of the others."""
@@ -76,7 +81,7 @@ def e2e_warmup(frame: pd.DataFrame) -> NumericTable:
     steps = frame[(frame["phase"] == "step") & (frame["status"] == "ok") & frame["samples_ms"].notna()]
     data, extra = table.data.copy(), []
     for w in sorted(set(steps["warmup"])):
-        times = steps[steps["warmup"] == w].set_index("size")["samples_ms"].map(lambda s: [float(t) for t in s.split()])
+        times = steps[steps["warmup"] == w].set_index("size")["samples_ms"].map(step_samples)
         first, later = f"warmup={w} 1st step (ms)", f"warmup={w} slowest later (ms)"
         data[first] = data["size"].map(times.map(lambda t: t[0]))
         data[later] = data["size"].map(times.map(lambda t: max(t[1:]) if len(t) > 1 else float("nan")))
@@ -148,8 +153,8 @@ def compile_timing(frame: pd.DataFrame) -> NumericTable:
 def _pooled_median(rows: pd.DataFrame) -> float:
     """The median over every measured step of `rows` (one point's rows of several rounds, each with its steps in
     `samples_ms`; a row without them counts its median once)."""
-    samples = [float(t) for row in rows.itertuples() for t in
-               (str(row.samples_ms).split() if isinstance(row.samples_ms, str) else [row.median_ms])]
+    samples = [t for row in rows.itertuples() for t in
+               (step_samples(row.samples_ms) if isinstance(row.samples_ms, str) else [row.median_ms])]
     return float(pd.Series(samples).median())
 
 
