@@ -33,11 +33,17 @@ def verdict_runs(t: pd.DataFrame, batch: int) -> pd.DataFrame:
 VERDICT_STATISTICS = ("median", "min", "max")
 
 
-def verdict_batches(steps: pd.DataFrame) -> list[int]:
-    """The batches of ours in the step table's data (largest first) that have a verdict: VERDICT_RUNS runs of one
-    commit (`verdict_runs`)."""
+def verdicts(steps: pd.DataFrame) -> dict[int, pd.DataFrame]:
+    """Each batch of ours in the step table's data (largest first) that has a verdict, VERDICT_RUNS runs of one
+    commit, with those runs (`verdict_runs`)."""
     batches = sorted(set(steps.loc[steps["provider"] == "ours", "batch"]), reverse=True)
-    return [b for b in batches if len(verdict_runs(steps, b)) >= VERDICT_RUNS]
+    runs = {b: verdict_runs(steps, b) for b in batches}
+    return {b: r for b, r in runs.items() if len(r) >= VERDICT_RUNS}
+
+
+def verdict_batches(steps: pd.DataFrame) -> list[int]:
+    """The batches that have a verdict (`verdicts`), largest first."""
+    return list(verdicts(steps))
 
 
 def verdict_table(frame: pd.DataFrame) -> NumericTable:
@@ -46,8 +52,7 @@ def verdict_table(frame: pd.DataFrame) -> NumericTable:
     is the median of the runs' ratios), the number of runs and their commit. No rows before a verdict."""
     steps = step_table(frame).data
     out = []
-    for batch in verdict_batches(steps):
-        runs = verdict_runs(steps, batch)
+    for batch, runs in verdicts(steps).items():
         for pick in VERDICT_STATISTICS:
             out.append({"batch": batch, "statistic": pick, "runs": len(runs), COMMIT: runs[COMMIT].iloc[0],
                         "ours (ms)": getattr(runs["ours"], pick)(), "anchor (ms)": getattr(runs["anchor"], pick)(),
@@ -62,7 +67,7 @@ def verdict_rows(frame: pd.DataFrame) -> pd.DataFrame:
     """The rows of `frame` (a results file's) that the verdict table summarises: ours' and the anchor's in each
     verdict run, at its batch."""
     steps = step_table(frame).data
-    runs = {(run, batch) for batch in verdict_batches(steps) for run in verdict_runs(steps, batch).index}
+    runs = {(run, batch) for batch, batch_runs in verdicts(steps).items() for run in batch_runs.index}
     measured = pd.Series([key in runs for key in zip(frame["run_id"].astype(str).str[:6], frame["batch"])],
                          index=frame.index, dtype=bool)
     return frame[measured & frame["provider"].isin(["ours", ANCHOR])]
