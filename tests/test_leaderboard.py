@@ -155,8 +155,9 @@ def test_rows_name_what_each_provider_runs():
     columns = {name: provider.recipe_columns(name, _tiny(param_dtype="bf16"), 2) for name in leaderboard.RECIPES}
     assert columns["ours"] == {"provider": "ours", "model": "ours", "attention": "flash_triton", "loss_path": "fused",
                                "optimizer": "ours_fused", "checkpoint": "selective:auto", "compile": "none",
-                               "param_dtype": "bf16", "optimizer_state_dtype": "bf16", "microbatch": 1,
-                               "data_parallel": "none"}
+                               "param_dtype": "bf16", "optimizer_state_dtype": "bf16", "optimizer_state_home": "device",
+                               "microbatch": 1, "data_parallel": "none"}
+    assert columns["ours-state_on_host"]["optimizer_state_home"] == "host"
     assert columns["ours-whole_batch"]["microbatch"] == columns["torch_plain_sac"]["microbatch"] == 2
     assert columns["torch_plain_sac"]["optimizer"] == columns["ours-torch_adamw"]["optimizer"] == "torch_fused"
     assert columns["ours-fp32_moments"]["optimizer_state_dtype"] == "fp32"
@@ -296,6 +297,20 @@ def test_cli_runs_at_tiny_and_writes_the_columns(tmp_path, kernel_device):
         assert timed["mfu"].isna().all() and timed["sm_clock_mhz"].isna().all() and timed["power_w"].isna().all()
 
 
+def test_ours_with_its_state_on_the_host_takes_the_same_steps(tmp_path, kernel_device):
+    """The ablation `ours-state_on_host` (cs336_systems/offload.py) against ours in the same run: three steps of two
+    passes each from the same weights and tokens, so the last step's loss, after an update from state that went to
+    the host and back, is the same bit for bit (on CUDA: pinned copies on a side stream, the fetch armed in the
+    second pass)."""
+    out = tmp_path / "lb.csv"
+    leaderboard.main([*TINY[:-1], kernel_device, "--check-size", "none", "--providers", "ours", "--ablations",
+                      "ours-state_on_host", "--ablation-batch", "2", "--steps", "2", "--out", str(out)])
+    timed = pd.read_csv(out).set_index("provider")
+    assert list(timed.index) == ["ours", "ours-state_on_host"] and (timed["status"] == "ok").all()
+    assert list(timed["optimizer_state_home"]) == ["device", "host"] and (timed["microbatch"] == 1).all()
+    assert timed.loc["ours", "loss"] == timed.loc["ours-state_on_host", "loss"]
+
+
 def test_out_of_memory_is_a_row_and_the_run_goes_on(tmp_path, monkeypatch):
     real_measure = points.measure
 
@@ -326,8 +341,8 @@ def test_8b_is_the_default_size_and_its_flops_are_the_documented_formula():
 
 
 def _two_rank_run(rank: int, world: int, out: str) -> None:
-    leaderboard.main([*TINY, "--providers", "ours", "torch_plain_sac", "--ablations", "--data-parallel", "bucketed:1",
-                      "--out", out])
+    leaderboard.main([*TINY, "--providers", "ours", "torch_plain_sac", "--ablations", "ours-state_on_host",
+                      "--steps", "2", "--data-parallel", "bucketed:1", "--out", out])
 
 
 @cpu_kernels  # the interpreter only: on the GPU machines (numpy 2.5) Triton 3.6's interpreter fails in FA2's key loop
@@ -335,7 +350,8 @@ def test_two_ranks_check_and_time_the_step_with_data_parallelism(tmp_path):
     """The two-GPU step a data-parallel spec away, at smoke scale on 2 gloo ranks: each rank takes one of the two
     sequences, ours replicates with our bucketed DDP and the anchor with torch DDP; the check compares each rank's
     averaged gradients (and the ranks' mean loss) with the one-process float32 reference of the whole batch, and
-    rank 0 alone writes the rows, with the world size."""
+    rank 0 alone writes the rows, with the world size. Ours with its optimizer state on the host runs the same
+    steps: the same loss after an update from state that went to the host and back, bit for bit."""
     from tests.distributed_helpers import run_distributed
     from tests.kernel_devices import interpreter_in_child_processes
 
@@ -345,8 +361,9 @@ def test_two_ranks_check_and_time_the_step_with_data_parallelism(tmp_path):
     timed, checks = pd.read_csv(out), pd.read_csv(tmp_path / "lb_check.csv")
     rows = pd.concat([checks, timed])
     assert list(checks["status"]) == ["check_ok", "check_ok"], checks.get("error")
-    assert list(timed["provider"]) == ["ours", "torch_plain_sac"] and (timed["status"] == "ok").all()
-    assert (rows["world_size"] == 2).all() and list(timed["data_parallel"]) == ["bucketed:1", "torch_ddp"]
+    assert list(timed["provider"]) == ["ours", "torch_plain_sac", "ours-state_on_host"]
+    assert (timed["status"] == "ok").all() and timed["loss"].iloc[0] == timed["loss"].iloc[2]
+    assert (rows["world_size"] == 2).all() and list(timed["data_parallel"]) == ["bucketed:1", "torch_ddp", "bucketed:1"]
     assert (timed["microbatch"] == 1).all() and rows["run_id"].nunique() == 1
 
 

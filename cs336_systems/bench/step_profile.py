@@ -227,21 +227,23 @@ def total_device_ms(prof, device: torch.device) -> float:
                and not is_annotation(e.name) and (e.cpu_parent is None or is_annotation(e.cpu_parent.name))) / 1e3
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (a view or a tied weight counted once)."""
+def _storage_bytes(tensors, device: torch.device) -> int:
+    """Bytes of the distinct storages behind those of `tensors` on `device` (a view or a tied weight counted once;
+    an optimizer state kept on the host, cs336_systems/offload.py, not at all)."""
     seen = {}
     for t in tensors:
-        if isinstance(t, torch.Tensor):
+        if isinstance(t, torch.Tensor) and t.device.type == device.type:
             storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
-def state_bytes(parameters, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes held by the parameters, their gradients and the optimizer's state tensors now."""
+def state_bytes(parameters, optimizer: torch.optim.Optimizer, device: torch.device) -> dict[str, int]:
+    """Bytes the parameters, their gradients and the optimizer's state tensors hold on `device` now."""
     params = list(parameters)
-    return {"parameters": _storage_bytes(params), "gradients": _storage_bytes(p.grad for p in params),
-            "optimizer state": _storage_bytes(t for state in optimizer.state.values() for t in state.values())}
+    return {"parameters": _storage_bytes(params, device), "gradients": _storage_bytes((p.grad for p in params), device),
+            "optimizer state": _storage_bytes((t for state in optimizer.state.values() for t in state.values()),
+                                              device)}
 
 
 class _LossRange:
@@ -324,7 +326,7 @@ def profile_step(step_parts: dict[str, Callable[[], object]], model: torch.nn.Mo
                  "tool": tool + " (summed another way: the check of the categories)"})
     rows.append({"kind": "time", "category": WALL, "calls": 1, "value": wall_ms, "unit": "ms",
                  "tool": "perf_counter + synchronize (under the profiler)"})
-    held = state_bytes(parameters, optimizer)
+    held = state_bytes(parameters, optimizer, device)
     peak = torch.cuda.max_memory_allocated(device) if cuda else float("nan")
     memory = {"peak": peak, **held, "activations + workspace": peak - sum(held.values())}
     rows += [{"kind": "memory", "category": name, "value": memory[name] / 2**30, "unit": "GiB",

@@ -21,6 +21,7 @@ from cs336_systems.bench.plain_model import PlainTransformerLM, plain_state_dict
 from cs336_systems.distributed.parallelize import DataParallel, ParallelPlan, apply_data_parallel, parallelize
 from cs336_systems.model import CheckpointPolicy, ModelConfig, TransformerLM
 from cs336_systems.model.checkpointing import switch_selective
+from cs336_systems.offload import StateOffload, offload_state
 from cs336_systems.optim import AdamW
 from cs336_systems.timing import DTYPES, reset_memory
 from cs336_systems.train_step import lm_loss
@@ -40,6 +41,7 @@ class Trainee:
     model: nn.Module | None = None  # the unwrapped model (the profiler hooks its final norm)
     microbatch: int | None = None  # sequences per forward and backward pass (None: the whole batch)
     pass_policies: tuple[CheckpointPolicy, ...] = ()  # (first pass's, later passes') selective policies, or none
+    offload: StateOffload | None = None  # the optimizer's state kept on the host between steps (recipe state="host")
 
     def gradients(self) -> dict[str, torch.Tensor]:
         return self.as_plain_names({name: p.grad for name, p in self.parameters.items()})
@@ -70,10 +72,11 @@ def build_ours(recipe: Recipe, model_config: ModelConfig, config: LeaderboardCon
                         data_parallel=config.data_parallel_spec())
     wrapped = parallelize(model, plan, device)
     fused = recipe.loss == "fused"
-    return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused),
-                   optimizer=make_optimizer(recipe, model.parameters(), config.lr),
+    optimizer = make_optimizer(recipe, model.parameters(), config.lr)
+    return Trainee(loss=lambda x, y: lm_loss(wrapped, x, y, fused=fused), optimizer=optimizer,
                    parameters=parameters, as_plain_names=plain_state_dict, wrapper=wrapped, model=model,
-                   microbatch=recipe.microbatch, pass_policies=policies if len(policies) > 1 else ())
+                   microbatch=recipe.microbatch, pass_policies=policies if len(policies) > 1 else (),
+                   offload=offload_state(optimizer) if recipe.state == "host" else None)
 
 
 def build_plain(recipe: Recipe, model_config: ModelConfig, config: LeaderboardConfig, device: torch.device,
@@ -114,15 +117,23 @@ def _under_policy(model: nn.Module, policy: CheckpointPolicy, forward: Callable[
     return forward()
 
 
+def _armed(offload: StateOffload, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+    offload.arm()
+    return forward()
+
+
 def forwards(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
     """The step's forward passes (`train_step.forwards`, one per micro-batch of the trainee's); with
-    `pass_policies`, each pass first puts the blocks under its policy (the first pass's, or the later ones')."""
+    `pass_policies`, each pass first puts the blocks under its policy (the first pass's, or the later ones'); with
+    the state on the host, the last pass arms its fetch (each parameter's state back once its gradient is final)."""
     passes = steps.forwards(trainee.loss, inputs, targets, trainee.microbatch)
     policies = trainee.pass_policies
-    if not policies:
-        return passes
-    return [functools.partial(_under_policy, trainee.model, policies[min(i, len(policies) - 1)], forward)
-            for i, forward in enumerate(passes)]
+    if policies:
+        passes = [functools.partial(_under_policy, trainee.model, policies[min(i, len(policies) - 1)], forward)
+                  for i, forward in enumerate(passes)]
+    if trainee.offload is not None:
+        passes[-1] = functools.partial(_armed, trainee.offload, passes[-1])
+    return passes
 
 
 def forward_backward(trainee: Trainee, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -143,6 +154,7 @@ def recipe_columns(provider: str, config: LeaderboardConfig, batch: int) -> dict
             "optimizer": chosen.optimizer, "checkpoint": chosen.checkpoint, "compile": config.compile,
             "param_dtype": config.param_dtype,
             "optimizer_state_dtype": config.param_dtype if chosen.moments == "param" else chosen.moments,
+            "optimizer_state_home": chosen.state,
             "microbatch": sequences_per_pass(provider, batch // rank_and_world()[1]), "data_parallel": _data_parallel(provider, config)}
 
 

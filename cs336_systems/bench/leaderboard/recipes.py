@@ -20,6 +20,8 @@ class Recipe:
     optimizer: "ours_fused" (cs336_systems.optim.AdamW, fused Triton) or "torch_fused";
     checkpoint: ours: a CheckpointPolicy text ("selective", "every:1"); plain: "sac" or "ac";
     moments: "param" (AdamW moments in the parameters' dtype) or "fp32";
+    state: where the optimizer's state lives between steps: "device", or "host" (pinned host memory, fetched back
+        during the last pass's backward: cs336_systems/offload.py);
     microbatch: sequences per forward and backward pass, their gradients accumulated (None: the whole batch)."""
 
     model: str
@@ -28,6 +30,7 @@ class Recipe:
     optimizer: str
     checkpoint: str
     moments: str = "param"
+    state: str = "device"
     microbatch: int | None = None
 
 
@@ -46,7 +49,8 @@ PROVIDERS: dict[str, Recipe] = {
     "torch_plain_sac": PLAIN_SAC,
     "torch_plain_ac": replace(PLAIN_SAC, checkpoint="ac"),
 }
-# Each ablation switches one of ours' choices off (or, for the moments, changes the numerics).
+# Each ablation switches one of ours' choices off (or, for the moments, changes the numerics; for the state's home,
+# tries a lever not yet adopted).
 ABLATIONS: dict[str, Recipe] = {
     "ours-no_fused_ce": replace(OURS, loss="full_logits"),
     "ours-torch_adamw": replace(OURS, optimizer="torch_fused"),
@@ -55,6 +59,7 @@ ABLATIONS: dict[str, Recipe] = {
     "ours-fp32_moments": replace(OURS, moments="fp32"),
     "ours-selective": replace(OURS, checkpoint="selective"),
     "ours-whole_batch": replace(OURS, microbatch=None),
+    "ours-state_on_host": replace(OURS, state="host"),
 }
 RECIPES = {**PROVIDERS, **ABLATIONS}
 # Ablations that use the memory selective checkpointing leaves free, sized by N in their name: the policy

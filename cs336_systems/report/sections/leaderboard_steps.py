@@ -20,6 +20,7 @@ ABLATION_CHANGES = {  # what each ablation switches off (bench/leaderboard.py's 
     "ours-fp32_moments": "float32 AdamW moments (numerics variant)",
     "ours-selective": "plain selective checkpointing (no block saves its matmul outputs)",
     "ours-whole_batch": "forward and backward over the whole batch at once instead of one sequence at a time",
+    "ours-state_on_host": "AdamW's state in pinned host memory between steps, fetched back during the last backward",
 }
 SIZED_CHANGES = {  # ours-keep:N and ours-mm:N, parsed by bench/leaderboard.py
     "ours-keep:": "the first {} blocks kept whole (not checkpointed), the rest selective",
