@@ -61,6 +61,30 @@ def test_unknown_scale_is_rejected():
     assert "huge" in result.stdout + result.stderr
 
 
+def test_the_config_schema_knows_every_ablation():
+    """The schema's list of ablation names is the leaderboard's own (a name missing there fails every snakemake run
+    that configures it; one the bench does not know fails only on the GPU)."""
+    import yaml
+
+    from cs336_systems.bench.leaderboard import ABLATIONS
+
+    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "ablations" in node and "anyOf" in node["ablations"].get("items", {}):
+                found.append(node["ablations"]["items"]["anyOf"][0]["enum"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    assert found and all(sorted(names) == sorted(ABLATIONS) for names in found), found
+
+
 def test_dry_run_on_the_slurm_profile():
     result = snakemake("writeup", "-n", "--profile", "workflow/profiles/slurm", "--config", "scale=full")
     assert result.returncode == 0, result.stdout + result.stderr
