@@ -234,6 +234,22 @@ def test_profile_memory_parts_are_the_models_tensors(profiled):
         assert memory[["peak", "activations + workspace"]].isna().all()
 
 
+def test_memory_parts_count_only_what_is_on_the_profiled_device():
+    """An optimizer state kept on the host (cs336_systems/offload.py) is no device memory: counted on the CPU's
+    own profile, not on another device's."""
+    from cs336_systems.optim import AdamW
+
+    params = [torch.nn.Parameter(torch.randn(3, 5)), torch.nn.Parameter(torch.randn(7))]
+    optimizer = AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    nbytes = 4 * (15 + 7)
+    assert step_profile.state_bytes(params, optimizer, torch.device("cpu")) == {
+        "parameters": nbytes, "gradients": nbytes, "optimizer state": 2 * nbytes}
+    assert set(step_profile.state_bytes(params, optimizer, torch.device("cuda")).values()) == {0}
+
+
 def test_a_failed_profiled_step_is_an_error_row_and_the_timed_row_stands(tmp_path, monkeypatch):
     """The profiler failing (as an out-of-memory under its bookkeeping would) costs the profile, not the point."""
     def fail(*args, **kwargs):
