@@ -88,11 +88,10 @@ class StateOffload:
                         self.optimizer.state[p][key] = home
                     if moved:
                         self.away.add(p)
-        self.armed = False
 
     @torch.no_grad()
     def fetch(self, p: torch.Tensor) -> None:
-        """Bring `p`'s state back to the device (queued on the side stream; `wait` orders the step after it)."""
+        """Bring `p`'s state back to the device (queued on the side stream; `fetch_all` orders the step after it)."""
         if p not in self.away:
             return
         self.away.discard(p)
