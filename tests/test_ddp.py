@@ -28,7 +28,7 @@ from tests.adapters import (
     get_ddp_bucketed,
     get_ddp_individual_parameters,
 )
-from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed, seed
+from tests.distributed_helpers import PASSED, ToyModelWithTiedAndFrozen, run_cases, run_distributed, seed
 
 WRAPPERS = {
     "naive": (lambda m: DDPNaive(m), lambda ddp, opt: ddp.finish_gradient_synchronization()),
@@ -47,12 +47,16 @@ WRAPPERS = {
 }
 
 
+COMPILED_CASES = ["individual", "individual-thread", "bucketed-0.0005MB", "bucketed-one"]
+
+
 def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gloo", compiled: bool = False) -> None:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     torch.manual_seed(seed(100) + rank)  # different initial weights on every rank
     model = ToyModelWithTiedAndFrozen().to(device)
     reference = ToyModelWithTiedAndFrozen().to(device)  # eager, given rank 0's weights below
     if compiled:  # AOTAutograd: the backward is one compiled function that hands out every gradient at its end
+        torch._dynamo.reset()  # each case compiles afresh (the cases share one process, run_cases)
         model.compile(backend="aot_eager")
     wrap, after_backward = WRAPPERS[name]
     ddp = wrap(model)
@@ -99,9 +103,21 @@ def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gl
     assert [r() for r in alive] == [None, None], f"{name}: the wrapper or its model outlived every reference"
 
 
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict[str, str]:
+    """Every wrapper's run on one pair of gloo ranks (their start-up is most of a case's time; once in each test
+    worker that runs one of these tests)."""
+    return run_cases({name: (_train_and_compare, (name,)) for name in sorted(WRAPPERS)})
+
+
+@pytest.fixture(scope="module")
+def compiled_gloo_runs() -> dict[str, str]:
+    return run_cases({name: (_train_and_compare, (name, "gloo", True)) for name in COMPILED_CASES})
+
+
 @pytest.mark.parametrize("name", sorted(WRAPPERS))
-def test_wrapper_matches_single_process(name):
-    run_distributed(_train_and_compare, 2, name)
+def test_wrapper_matches_single_process(name, gloo_runs):
+    assert gloo_runs[name] == PASSED, gloo_runs[name]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -111,11 +127,11 @@ def test_wrapper_matches_single_process_on_nccl(name):
     run_distributed(_train_and_compare, 2, name, "nccl", backend="nccl")
 
 
-@pytest.mark.parametrize("name", ["individual", "individual-thread", "bucketed-0.0005MB", "bucketed-one"])
-def test_wrapper_on_a_compiled_model_matches_single_process(name):
+@pytest.mark.parametrize("name", COMPILED_CASES)
+def test_wrapper_on_a_compiled_model_matches_single_process(name, compiled_gloo_runs):
     """The benchmarks compile the model's blocks; the gradient hooks must still fire once for each
     parameter (the tied one included) when the backward runs as a compiled graph."""
-    run_distributed(_train_and_compare, 2, name, "gloo", True)
+    assert compiled_gloo_runs[name] == PASSED, compiled_gloo_runs[name]
 
 
 def _one_rank_fails(rank: int, world_size: int) -> None:

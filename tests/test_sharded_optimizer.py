@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from cs336_systems.distributed import DDPIndividualParameters, ShardedOptimizer
 from tests.adapters import get_sharded_optimizer
-from tests.distributed_helpers import ToyModelWithTiedAndFrozen, run_distributed, seed
+from tests.distributed_helpers import PASSED, ToyModelWithTiedAndFrozen, run_cases, seed
 
 
 def _compare(rank: int, world_size: int, late_group: bool, gather_bucket_mb: float) -> None:
@@ -58,8 +58,9 @@ def _compare(rank: int, world_size: int, late_group: bool, gather_bucket_mb: flo
 # ranks whose streams end at different chunks (padding).
 @pytest.mark.parametrize("gather_bucket_mb", [64, 0.0001])
 @pytest.mark.parametrize("late_group", [False, True])
-def test_sharded_adamw_equals_adamw(late_group, gather_bucket_mb):
-    run_distributed(_compare, 2, late_group, gather_bucket_mb)
+def test_sharded_adamw_equals_adamw(late_group, gather_bucket_mb, gloo_runs):
+    case = f"compare-{late_group}-{gather_bucket_mb}"
+    assert gloo_runs[case] == PASSED, gloo_runs[case]
 
 
 def _mixed_dtypes(rank: int, world_size: int) -> None:
@@ -83,8 +84,8 @@ def _mixed_dtypes(rank: int, world_size: int) -> None:
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-def test_sharded_adamw_mixed_dtypes():
-    run_distributed(_mixed_dtypes, 2)
+def test_sharded_adamw_mixed_dtypes(gloo_runs):
+    assert gloo_runs["mixed_dtypes"] == PASSED, gloo_runs["mixed_dtypes"]
 
 
 def _with_ddp(rank: int, world_size: int) -> None:
@@ -109,8 +110,8 @@ def _with_ddp(rank: int, world_size: int) -> None:
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
-def test_sharded_optimizer_with_ddp():
-    run_distributed(_with_ddp, 2)
+def test_sharded_optimizer_with_ddp(gloo_runs):
+    assert gloo_runs["with_ddp"] == PASSED, gloo_runs["with_ddp"]
 
 
 def _bad_arguments(rank: int, world_size: int) -> None:
@@ -120,8 +121,17 @@ def _bad_arguments(rank: int, world_size: int) -> None:
         ShardedOptimizer([torch.nn.Parameter(torch.zeros(4, 3).t())], torch.optim.AdamW)
 
 
-def test_bad_arguments():
-    run_distributed(_bad_arguments, 2)
+def test_bad_arguments(gloo_runs):
+    assert gloo_runs["bad_arguments"] == PASSED, gloo_runs["bad_arguments"]
+
+
+@pytest.fixture(scope="module")
+def gloo_runs() -> dict[str, str]:
+    """Every case on one pair of gloo ranks (their start-up is most of a case's time; once in each test worker
+    that runs one of these tests)."""
+    compare = {f"compare-{late}-{mb}": (_compare, (late, mb)) for late in (False, True) for mb in (64, 0.0001)}
+    return run_cases({**compare, "mixed_dtypes": (_mixed_dtypes, ()), "with_ddp": (_with_ddp, ()),
+                      "bad_arguments": (_bad_arguments, ())})
 
 
 def test_needs_a_process_group():
