@@ -3,6 +3,8 @@ cs336_systems.distributed.launch)."""
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch.nn as nn
 
 from cs336_systems.distributed.launch import run_distributed
 
-__all__ = ["PASSED", "ToyModelWithTiedAndFrozen", "run_cases", "run_distributed", "seed"]
+__all__ = ["PASSED", "ToyModelWithTiedAndFrozen", "run_cases", "run_cases_once", "run_distributed", "seed"]
 
 
 def seed(base: int) -> int:
@@ -55,6 +57,22 @@ def run_cases(cases: dict[str, tuple[Callable, tuple]], world_size: int = 2) -> 
         else:
             outcome[name] = f"not run: {failed!r} failed before it"
     return outcome
+
+
+def run_cases_once(tmp_path_factory, worker_id: str, name: str, cases: dict[str, tuple[Callable, tuple]],
+                   world_size: int = 2) -> dict[str, str]:
+    """`run_cases` once per test session: the first pytest-xdist worker to ask runs the cases and writes their
+    outcomes under `name` in the session's shared temporary directory, the others wait for it and read them (a run
+    without xdist, worker "master", runs them itself)."""
+    if worker_id == "master":
+        return run_cases(cases, world_size)
+    shared = tmp_path_factory.getbasetemp().parent  # one per session, above every worker's own
+    outcomes = shared / f"{name}.json"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not outcomes.exists():
+            outcomes.write_text(json.dumps(run_cases(cases, world_size)))
+        return json.loads(outcomes.read_text())
 
 
 class ToyModelWithTiedAndFrozen(nn.Module):

@@ -28,7 +28,7 @@ from tests.adapters import (
     get_ddp_bucketed,
     get_ddp_individual_parameters,
 )
-from tests.distributed_helpers import PASSED, ToyModelWithTiedAndFrozen, run_cases, run_distributed, seed
+from tests.distributed_helpers import PASSED, ToyModelWithTiedAndFrozen, run_cases_once, run_distributed, seed
 
 WRAPPERS = {
     "naive": (lambda m: DDPNaive(m), lambda ddp, opt: ddp.finish_gradient_synchronization()),
@@ -104,15 +104,17 @@ def _train_and_compare(rank: int, world_size: int, name: str, backend: str = "gl
 
 
 @pytest.fixture(scope="module")
-def gloo_runs() -> dict[str, str]:
-    """Every wrapper's run on one pair of gloo ranks (their start-up is most of a case's time; once in each test
-    worker that runs one of these tests)."""
-    return run_cases({name: (_train_and_compare, (name,)) for name in sorted(WRAPPERS)})
+def gloo_runs(tmp_path_factory, worker_id) -> dict[str, str]:
+    """Every wrapper's run on one pair of gloo ranks, once per test session (the ranks' start-up is most of a
+    case's time)."""
+    cases = {name: (_train_and_compare, (name,)) for name in sorted(WRAPPERS)}
+    return run_cases_once(tmp_path_factory, worker_id, "ddp_gloo", cases)
 
 
 @pytest.fixture(scope="module")
-def compiled_gloo_runs() -> dict[str, str]:
-    return run_cases({name: (_train_and_compare, (name, "gloo", True)) for name in COMPILED_CASES})
+def compiled_gloo_runs(tmp_path_factory, worker_id) -> dict[str, str]:
+    cases = {name: (_train_and_compare, (name, "gloo", True)) for name in COMPILED_CASES}
+    return run_cases_once(tmp_path_factory, worker_id, "ddp_gloo_compiled", cases)
 
 
 @pytest.mark.parametrize("name", sorted(WRAPPERS))

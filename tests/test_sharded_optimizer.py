@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from cs336_systems.distributed import DDPIndividualParameters, ShardedOptimizer
 from tests.adapters import get_sharded_optimizer
-from tests.distributed_helpers import PASSED, ToyModelWithTiedAndFrozen, run_cases, seed
+from tests.distributed_helpers import PASSED, ToyModelWithTiedAndFrozen, run_cases_once, seed
 
 
 def _compare(rank: int, world_size: int, late_group: bool, gather_bucket_mb: float) -> None:
@@ -126,12 +126,13 @@ def test_bad_arguments(gloo_runs):
 
 
 @pytest.fixture(scope="module")
-def gloo_runs() -> dict[str, str]:
-    """Every case on one pair of gloo ranks (their start-up is most of a case's time; once in each test worker
-    that runs one of these tests)."""
+def gloo_runs(tmp_path_factory, worker_id) -> dict[str, str]:
+    """Every case on one pair of gloo ranks, once per test session (the ranks' start-up is most of a case's
+    time)."""
     compare = {f"compare-{late}-{mb}": (_compare, (late, mb)) for late in (False, True) for mb in (64, 0.0001)}
-    return run_cases({**compare, "mixed_dtypes": (_mixed_dtypes, ()), "with_ddp": (_with_ddp, ()),
-                      "bad_arguments": (_bad_arguments, ())})
+    cases = {**compare, "mixed_dtypes": (_mixed_dtypes, ()), "with_ddp": (_with_ddp, ()),
+             "bad_arguments": (_bad_arguments, ())}
+    return run_cases_once(tmp_path_factory, worker_id, "sharded_optimizer_gloo", cases)
 
 
 def test_needs_a_process_group():
