@@ -255,3 +255,23 @@ def test_benchmark_with_compiled_blocks_and_one_adamw_for_every_optimizer(tmp_pa
     loss = rows.set_index("config")["final_loss"]
     assert loss[configs[1:]].max() - loss[configs[1:]].min() < 1e-4, loss
     assert abs(loss["none"] - loss["torch_ddp"]) > 1e-3, loss
+
+
+def _noop(rank: int, world_size: int) -> None:
+    pass
+
+
+def _report_environment(rank: int, world_size: int) -> None:
+    print(f"rank {rank} sees {os.environ.get('CS336_LAUNCH_PROBE')}", flush=True)
+    assert os.environ["CS336_LAUNCH_PROBE"] == "set after the fork server started"
+
+
+def test_ranks_start_with_the_callers_environment_and_output(capfd, monkeypatch):
+    """The ranks fork from a server started at the first call (launch.run_distributed); each still gets the
+    caller's environment and stdout at its own call, not the server's from its start."""
+    with capfd.disabled():  # the server runs from here on, with the session's own stdout, not this capture's
+        run_distributed(_noop, 2)
+    monkeypatch.setenv("CS336_LAUNCH_PROBE", "set after the fork server started")
+    run_distributed(_report_environment, 2)
+    out = capfd.readouterr().out
+    assert "rank 0 sees set after the fork server started" in out and "rank 1 sees" in out

@@ -1,11 +1,15 @@
-"""Starting ranks: under torchrun (environment variables) or spawned here for tests and sweeps."""
+"""Starting ranks: under torchrun (environment variables) or forked here (from a server that has imported torch) for
+tests and sweeps."""
 
 from __future__ import annotations
 
 import datetime
 import faulthandler
+import multiprocessing
 import os
+import sys
 import tempfile
+from multiprocessing import reduction
 from pathlib import Path
 
 import torch
@@ -48,7 +52,29 @@ def init_from_env(backend: str, timeout_s: float = 300, init_method: str = "env:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _worker(rank: int, world_size: int, store_file: str, backend: str, fn, args) -> None:
+class _CallersContext:
+    """The caller's environment, stdout and stderr at the call, handed to a rank as it starts: a fork server's date
+    from its own start (output sent there could land in a file that is gone; TRITON_INTERPRET, read when the
+    kernels' modules are imported, could differ). Pickled among the rank's arguments before `fn`, so that it is in
+    place before unpickling `fn` imports anything."""
+
+    def __reduce__(self):  # called while the rank's arguments are pickled, when descriptors can be passed
+        return _enter_callers_context, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _enter_callers_context(env: dict[str, str], stdout, stderr) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for passed, fd in ((stdout, 1), (stderr, 2)):
+        received = passed.detach()
+        os.dup2(received, fd)
+        os.close(received)
+
+
+def _worker(rank: int, world_size: int, store_file: str, backend: str, context: None, fn, args) -> None:
+    # (context: the caller's, entered as the arguments were unpickled; see _CallersContext)
     # A rank that dies in native code (gloo's std::terminate, a segfault) prints every thread's Python stack first.
     faulthandler.enable()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -73,7 +99,10 @@ def shutdown() -> None:
 
 def run_distributed(fn, world_size: int = 2, *args, backend: str = "gloo") -> None:
     """fn(rank, world_size, *args) on each of world_size local processes; a rank that raises fails the
-    call and the others are stopped."""
+    call and the others are stopped. The ranks are forked from a server that has imported torch (the first call
+    starts it): seconds of start-up saved per rank and call. fn must be importable by name (a module's function)."""
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed"])  # before the server's first start
     with tempfile.TemporaryDirectory() as tmp:
         store_file = str(Path(tmp) / "store")
-        mp.spawn(_worker, args=(world_size, store_file, backend, fn, args), nprocs=world_size, join=True)
+        mp.start_processes(_worker, args=(world_size, store_file, backend, _CallersContext(), fn, args),
+                           nprocs=world_size, join=True, start_method="forkserver")
