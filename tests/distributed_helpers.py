@@ -35,8 +35,8 @@ def _cases_on_each_rank(rank: int, world_size: int, cases: dict[str, tuple[Calla
 
 
 def run_cases(cases: dict[str, tuple[Callable, tuple]], world_size: int = 2) -> dict[str, str]:
-    """Each case's fn(rank, world_size, *args), in the order given, on one set of gloo ranks: one start-up (two
-    interpreters importing torch, seconds each) for every case instead of one per case. Returns {case: PASSED,
+    """Each case's fn(rank, world_size, *args), in the order given, on one set of gloo ranks: one start-up (the ranks'
+    imports and process group, seconds) for every case instead of one per case. Returns {case: PASSED,
     or why not}: the first case that fails on any rank stops the run and gets the ranks' error; the cases after
     it say they did not run. Each case must leave the process group as it found it (no collective pending)."""
     with tempfile.TemporaryDirectory() as log_dir:
