@@ -53,8 +53,8 @@ def init_from_env(backend: str, timeout_s: float = 300, init_method: str = "env:
 
 
 class _CallersContext:
-    """The caller's environment, stdout and stderr at the call, handed to a rank as it starts: a fork server's date
-    from its own start (output sent there could land in a file that is gone; TRITON_INTERPRET, read when the
+    """The caller's environment, stdout and stderr at the call, handed to a rank as it starts: a fork server's own
+    are those of its start (output sent there could land in a file that is gone; TRITON_INTERPRET, read when the
     kernels' modules are imported, could differ). Pickled among the rank's arguments before `fn`, so that it is in
     place before unpickling `fn` imports anything."""
 
